@@ -1,0 +1,153 @@
+"""The engine's request/event vocabulary: what HTTP and CLI threads hand to the
+engine thread and what comes back.
+
+A front end builds a ``CompletionRequest`` (prompt already tokenized), calls
+``Engine.submit(req)`` and gets a ``RequestHandle``; it then iterates
+``handle.events()``, which yields ``TokenEvent`` for each generated token and
+ends with exactly one ``FinishEvent`` or ``ErrorEvent``. Names follow
+llama.cpp's server (``n_predict``, ``n_probs``, ``cache_prompt``, ``id_slot``,
+``stop_type`` …).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    """Sampler-chain settings, llama.cpp's names and defaults (common/common.h).
+
+    ``temperature <= 0`` means greedy. ``seed`` < 0 (llama.cpp's LLAMA_DEFAULT_SEED
+    0xFFFFFFFF is also accepted) picks a random seed. ``n_probs`` > 0 asks for
+    the top-n tokens with their log-probabilities at every step.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+    n_probs: int = 0
+
+
+@dataclass
+class CompletionRequest:
+    """One completion for the engine.
+
+    prompt_tokens: token ids, BOS already added where the model wants it.
+    n_predict: max tokens to generate; -1 = until EOG or the context is full.
+    stop: strings that end generation (excluded from the text).
+    cache_prompt: reuse the longest common prefix already in the slot's KV.
+    id_slot: slot to use, -1 = any.
+    ignore_eos: keep generating past end-of-generation tokens.
+    """
+
+    prompt_tokens: list[int]
+    n_predict: int = -1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    cache_prompt: bool = True
+    id_slot: int = -1
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenProb:
+    """A token and its log-probability under the model's full distribution (natural log)."""
+
+    id: int
+    logprob: float
+    text: str = ""
+
+
+@dataclass
+class TokenEvent:
+    """One generated token.
+
+    text: the text this token releases, only complete UTF-8 characters and
+    never part of a possible stop string (may be ""; held text comes out with
+    a later token or the finish).
+    logprob: log-probability of ``token`` (set when ``n_probs`` > 0).
+    top: the ``n_probs`` most likely tokens (set when ``n_probs`` > 0).
+    """
+
+    token: int
+    text: str
+    logprob: Optional[float] = None
+    top: Optional[list[TokenProb]] = None
+
+
+@dataclass
+class FinishEvent:
+    """End of a request.
+
+    stop_type: "eos" (end-of-generation token), "limit" (n_predict or context
+    full), "word" (a stop string matched).
+    text: any text still held back at the finish (emit it after the last token).
+    timings: llama.cpp's ``timings`` object (prompt_n, prompt_ms,
+    prompt_per_second, predicted_n, predicted_ms, predicted_per_second, cache_n …).
+    """
+
+    stop_type: str
+    stopping_word: str = ""
+    text: str = ""
+    truncated: bool = False
+    n_prompt_tokens: int = 0
+    n_cached: int = 0
+    n_predicted: int = 0
+    id_slot: int = -1
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class ErrorEvent:
+    """A request failed; ``status`` is the HTTP status, ``type`` llama.cpp's error type."""
+
+    status: int
+    type: str
+    message: str
+
+
+Event = Union[TokenEvent, FinishEvent, ErrorEvent]
+
+
+class RequestHandle:
+    """The front end's side of a submitted request (thread-safe).
+
+    ``events()`` blocks and yields events until the final Finish/Error event.
+    ``cancel()`` asks the engine to stop the request (e.g. the client went away);
+    the engine then finishes it with stop_type "limit" or drops it unstarted.
+    """
+
+    def __init__(self, request: CompletionRequest):
+        self.request = request
+        self._queue: "queue.Queue[Event]" = queue.Queue()
+        self._cancelled = threading.Event()
+
+    # engine side
+    def push(self, event: Event) -> None:
+        self._queue.put(event)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    # front-end side
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def events(self, timeout: Optional[float] = None) -> Iterator[Event]:
+        while True:
+            ev = self._queue.get(timeout=timeout)
+            yield ev
+            if isinstance(ev, (FinishEvent, ErrorEvent)):
+                return

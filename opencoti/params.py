@@ -1,0 +1,47 @@
+"""Run-time parameters: one object built by the CLI from flags and their
+``LLAMA_ARG_*`` environment twins, read by the model loader, the engine and
+the HTTP server. Field names follow llama.cpp's ``common_params``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from opencoti.engine.api import SamplingParams
+
+
+@dataclass
+class Params:
+    """Everything the command line can set.
+
+    Sizes are in tokens (KV cells) unless stated. ``n_ctx`` 0 means the
+    model's training context. ``n_threads`` -1 means all cores.
+    """
+
+    model: Optional[str] = None  # -m; None -> the embedded default model
+    prompt: Optional[str] = None  # -p
+    n_predict: int = -1  # -n
+    n_ctx: int = 4096  # -c
+    n_batch: int = 2048  # -b (logical batch)
+    n_ubatch: int = 512  # -ub (physical batch: tokens per forward)
+    n_threads: int = -1  # -t
+    n_parallel: int = 1  # -np
+    kv_unified: bool = False  # --kv-unified
+    n_gpu_layers: int = -1  # -ngl (-1: backend default)
+    main_gpu: int = 0
+    gpu: str = "auto"  # --gpu {auto,nvidia,vulkan,amd,apple,disable}
+    flash_attn: str = "auto"  # -fa {on,off,auto}
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # server
+    server: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: Optional[str] = None
+    alias: Optional[str] = None
+    timeout: int = 600  # seconds, HTTP read/write
+    # chat
+    chat_template: Optional[str] = None  # --chat-template NAME or inline template
+    chat_template_file: Optional[str] = None
+    system_prompt: Optional[str] = None
+    verbose: bool = False
