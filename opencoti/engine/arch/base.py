@@ -1,0 +1,203 @@
+"""The decoder-only transformer recipe shared by every architecture.
+
+norm -> q/k/v -> (q/k norm) -> rope -> attention over the KV cells -> output
+-> (post-norm) -> residual -> norm -> gated FFN -> (post-norm) -> residual,
+then the output norm and the vocabulary projection for the rows that need
+logits. Architecture modules set class attributes and override the few hooks
+where they differ (llama.cpp ``src/models/<arch>.cpp`` over shared
+``build_attn`` / ``build_ffn``).
+
+Tensor names are llama.cpp's GGUF names (``gguf-py/gguf/constants.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from opencoti.engine.batch import UBatch
+from opencoti.engine.kv_cache import KVCacheSet
+from opencoti.model.gguf_file import GGUFError, GGUFFile
+from opencoti.model.hparams import HParams, load_hparams
+
+
+@dataclass
+class LayerWeights:
+    """One block's tensors in the backend's representation (None = absent)."""
+
+    attn_norm: object
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    ffn_norm: object
+    ffn_gate: object
+    ffn_up: object
+    ffn_down: object
+    bq: Optional[object] = None
+    bk: Optional[object] = None
+    bv: Optional[object] = None
+    bo: Optional[object] = None
+    q_norm: Optional[object] = None
+    k_norm: Optional[object] = None
+    post_attention_norm: Optional[object] = None
+    post_ffw_norm: Optional[object] = None
+
+
+class DecoderModel:
+    """A decoder-only transformer over a backend's op set.
+
+    Subclasses set:
+        arch_names: GGUF ``general.architecture`` values handled.
+        rope_type: "norm" or "neox" (llama.cpp ``llama_model_rope_type``).
+        ffn_act: "silu" or "gelu_tanh" (gated FFN activation).
+        scale_embeddings: multiply embeddings by sqrt(n_embd) (Gemma).
+    and may override ``adjust_hparams``.
+    """
+
+    arch_names: tuple[str, ...] = ()
+    rope_type = "norm"
+    ffn_act = "silu"
+    scale_embeddings = False
+
+    # -- loading ----------------------------------------------------------------------
+    @classmethod
+    def load_hparams(cls, md: dict, path: str) -> HParams:
+        hp = load_hparams(md, path)
+        hp.rope_type = cls.rope_type
+        cls.adjust_hparams(hp, md)
+        return hp
+
+    @classmethod
+    def adjust_hparams(cls, hp: HParams, md: dict) -> None:
+        """Per-architecture hparams fix-ups (llama_model::load_hparams)."""
+
+    def __init__(self, gguf: GGUFFile, hp: HParams, backend):
+        self.hp = hp
+        self.backend = backend
+        self.gguf = gguf
+
+        def req(name: str):
+            if name not in gguf.tensors:
+                raise GGUFError(f"{gguf.path}: missing tensor {name!r} for architecture {hp.arch}")
+            return backend.load_weight(gguf, name)
+
+        def opt(name: str):
+            return backend.load_weight(gguf, name) if name in gguf.tensors else None
+
+        self.tok_embd = req("token_embd.weight")
+        if self.tok_embd.shape[0] != hp.n_vocab:
+            hp.n_vocab = self.tok_embd.shape[0]
+        self.output_norm = req("output_norm.weight")
+        out = opt("output.weight")
+        hp.tie_embeddings = out is None
+        self.output = self.tok_embd if out is None else out
+        self.rope_freqs = opt("rope_freqs.weight")
+        self.layers: list[LayerWeights] = []
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=req(p + "attn_norm.weight"),
+                    wq=req(p + "attn_q.weight"),
+                    wk=req(p + "attn_k.weight"),
+                    wv=req(p + "attn_v.weight"),
+                    wo=req(p + "attn_output.weight"),
+                    ffn_norm=req(p + "ffn_norm.weight"),
+                    ffn_gate=req(p + "ffn_gate.weight"),
+                    ffn_up=req(p + "ffn_up.weight"),
+                    ffn_down=req(p + "ffn_down.weight"),
+                    bq=opt(p + "attn_q.bias"),
+                    bk=opt(p + "attn_k.bias"),
+                    bv=opt(p + "attn_v.bias"),
+                    bo=opt(p + "attn_output.bias"),
+                    q_norm=opt(p + "attn_q_norm.weight"),
+                    k_norm=opt(p + "attn_k_norm.weight"),
+                    post_attention_norm=opt(p + "post_attention_norm.weight"),
+                    post_ffw_norm=opt(p + "post_ffw_norm.weight"),
+                )
+            )
+
+    # -- forward ----------------------------------------------------------------------
+    def forward(self, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
+        """Run one ubatch whose cells are already planned and applied
+        (``ub.plans``). Returns logits float32 ``[len(ub.out_rows), n_vocab]``."""
+        B, hp = self.backend, self.hp
+        eps = hp.f_norm_rms_eps
+        x = B.get_rows(self.tok_embd, ub.tokens)
+        if self.scale_embeddings:
+            x = x * np.float32(np.sqrt(hp.n_embd))
+        for il, L in enumerate(self.layers):
+            h = B.rms_norm(x, L.attn_norm, eps)
+            h = self.attention(il, L, h, ub, kv)
+            if L.post_attention_norm is not None:
+                h = B.rms_norm(h, L.post_attention_norm, eps)
+            x = x + h
+            h = B.rms_norm(x, L.ffn_norm, eps)
+            h = self.ffn(L, h)
+            if L.post_ffw_norm is not None:
+                h = B.rms_norm(h, L.post_ffw_norm, eps)
+            x = x + h
+        x = x[ub.out_rows]
+        x = B.rms_norm(x, self.output_norm, eps)
+        logits = B.mul_mat(x, self.output)
+        if hp.final_logit_softcapping > 0:
+            c = np.float32(hp.final_logit_softcapping)
+            logits = c * np.tanh(logits / c)
+        return logits
+
+    def rope_params(self, il: int) -> tuple[float, float]:
+        """(freq_base, freq_scale) of layer ``il``; sliding layers may have their own."""
+        hp = self.hp
+        if hp.swa_layers[il] and hp.rope_freq_base_swa is not None:
+            return hp.rope_freq_base_swa, hp.rope_freq_scale_swa
+        return hp.rope_freq_base, hp.rope_freq_scale
+
+    def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
+        B, hp = self.backend, self.hp
+        T = h.shape[0]
+        q = B.mul_mat(h, L.wq)
+        k = B.mul_mat(h, L.wk)
+        v = B.mul_mat(h, L.wv)
+        if L.bq is not None:
+            q = q + L.bq
+        if L.bk is not None:
+            k = k + L.bk
+        if L.bv is not None:
+            v = v + L.bv
+        q = q.reshape(T, hp.n_head, hp.n_embd_head_k)
+        k = k.reshape(T, hp.n_head_kv, hp.n_embd_head_k)
+        v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)
+        if L.q_norm is not None:
+            q = B.rms_norm(q, L.q_norm, hp.f_norm_rms_eps)
+        if L.k_norm is not None:
+            k = B.rms_norm(k, L.k_norm, hp.f_norm_rms_eps)
+        base, scale = self.rope_params(il)
+        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+
+        cache = kv.layer_cache[il]
+        plan = ub.plans[kv.caches.index(cache)]
+        cache.write(il, plan, k, v)
+        n_swa = hp.n_swa if hp.swa_layers[il] else 0
+        out = np.empty((T, hp.n_head * hp.n_embd_head_v), dtype=np.float32)
+        for view in plan.views:
+            kk = cache.k[il][view.stream, view.cells]
+            vv = cache.v[il][view.stream, view.cells]
+            out[view.rows] = B.attention(
+                q[view.rows], ub.pos[view.rows], kk, vv, view.cell_pos,
+                hp.attention_scale, n_swa, hp.attn_logit_softcapping,
+            )
+        o = B.mul_mat(out, L.wo)
+        if L.bo is not None:
+            o = o + L.bo
+        return o
+
+    def ffn(self, L: LayerWeights, h: np.ndarray) -> np.ndarray:
+        B = self.backend
+        g = B.mul_mat(h, L.ffn_gate)
+        u = B.mul_mat(h, L.ffn_up)
+        g = B.gelu_tanh(g) if self.ffn_act == "gelu_tanh" else B.silu(g)
+        return B.mul_mat(g * u, L.ffn_down)

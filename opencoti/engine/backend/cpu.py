@@ -1,0 +1,141 @@
+"""CPU backend: the op set in NumPy, float32 activations.
+
+This is the reference every other backend is tested against. Weights are
+dequantized to float32 once at load (``load_weight``): on the CPU an f16 or
+quantized matvec in NumPy has no BLAS and is ~30x slower than f32 GEMV.
+
+Shapes: activations are ``[n_tokens, n]`` float32 (row-major, one row per
+token of the ubatch); per-head tensors are ``[n_tokens, n_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from opencoti.model.gguf_file import GGUFFile
+
+
+class CPUBackend:
+    """NumPy implementation of the op interface (DESIGN.md "Backends: one op set")."""
+
+    name = "cpu"
+
+    # -- weights ----------------------------------------------------------------------
+    def load_weight(self, gguf: GGUFFile, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32, NumPy shape ``reversed(ne)`` (``[out, in]`` for matrices)."""
+        return gguf.dequantize(name, np.float32)
+
+    # -- elementwise / norms ----------------------------------------------------------
+    @staticmethod
+    def get_rows(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Embedding lookup: ``table [n_vocab, n_embd]``, ``ids int [n]`` -> ``[n, n_embd]`` float32."""
+        return table[ids].astype(np.float32, copy=True)
+
+    @staticmethod
+    def mul_mat(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32 (ggml_mul_mat with w as src0)."""
+        return x @ w.T
+
+    @staticmethod
+    def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+        """RMSNorm over the last axis (Zhang & Sennrich 2019), times ``w`` if given."""
+        ms = np.mean(np.square(x), axis=-1, keepdims=True)
+        y = x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)
+        return y * w if w is not None else y
+
+    @staticmethod
+    def gelu_tanh(x: np.ndarray) -> np.ndarray:
+        """GELU, tanh approximation (Hendrycks & Gimpel 2016; ggml_gelu)."""
+        return 0.5 * x * (1.0 + np.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)))
+
+    @staticmethod
+    def silu(x: np.ndarray) -> np.ndarray:
+        """x * sigmoid(x)."""
+        return x / (1.0 + np.exp(-x))
+
+    # -- rope -------------------------------------------------------------------------
+    @staticmethod
+    def rope(
+        x: np.ndarray,
+        pos: np.ndarray,
+        n_rot: int,
+        base: float,
+        freq_scale: float = 1.0,
+        mode: str = "norm",
+        freq_factors: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Rotary position embedding (Su et al. 2021), as ggml_rope_ext without YaRN.
+
+        x: ``[n_tokens, n_heads, head_dim]`` float32; pos: int ``[n_tokens]``.
+        Rotates the first ``n_rot`` dims: ``mode="norm"`` pairs (2i, 2i+1),
+        ``mode="neox"`` pairs (i, i + n_rot/2). Angle for pair i:
+        ``pos * freq_scale * base**(-2i/n_rot) / freq_factors[i]``.
+        Returns a new array.
+        """
+        half = n_rot // 2
+        inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
+        if freq_factors is not None:
+            inv = inv / freq_factors[:half].astype(np.float64)
+        theta = (pos.astype(np.float64)[:, None] * freq_scale) * inv[None, :]  # [T, half]
+        cos = np.cos(theta).astype(np.float32)[:, None, :]
+        sin = np.sin(theta).astype(np.float32)[:, None, :]
+        out = x.copy()
+        if mode == "neox":
+            x0 = x[..., :half]
+            x1 = x[..., half:n_rot]
+            out[..., :half] = x0 * cos - x1 * sin
+            out[..., half:n_rot] = x0 * sin + x1 * cos
+        else:
+            x0 = x[..., 0:n_rot:2]
+            x1 = x[..., 1:n_rot:2]
+            out[..., 0:n_rot:2] = x0 * cos - x1 * sin
+            out[..., 1:n_rot:2] = x0 * sin + x1 * cos
+        return out
+
+    # -- attention --------------------------------------------------------------------
+    @staticmethod
+    def attention(
+        q: np.ndarray,
+        q_pos: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        kv_pos: np.ndarray,
+        scale: float,
+        n_swa: int = 0,
+        softcap: float = 0.0,
+    ) -> np.ndarray:
+        """Causal (optionally sliding-window) softmax attention of one sequence.
+
+        q: ``[T, n_head, d_k]`` float32, q_pos int ``[T]``;
+        k: ``[C, n_head_kv, d_k]``, v: ``[C, n_head_kv, d_v]`` (any float dtype),
+        kv_pos int ``[C]``: the sequence's cells, gathered by the cache.
+        Query t sees cell c when ``kv_pos[c] <= q_pos[t]`` and, if ``n_swa`` > 0,
+        ``q_pos[t] - kv_pos[c] < n_swa`` (llama.cpp's standard SWA).
+        GQA: query head h reads kv head ``h // (n_head / n_head_kv)``.
+        ``softcap`` > 0 applies ``softcap * tanh(s / softcap)`` to the scores.
+        Returns ``[T, n_head * d_v]`` float32.
+        """
+        T, n_head, _ = q.shape
+        C, n_kv, d_v = v.shape
+        g = n_head // n_kv
+        kf = k.astype(np.float32, copy=False)
+        vf = v.astype(np.float32, copy=False)
+        # [n_kv, g, T, d] @ [n_kv, d, C] -> [n_kv, g, T, C]
+        qh = q.reshape(T, n_kv, g, -1).transpose(1, 2, 0, 3)
+        s = np.matmul(qh, kf.transpose(1, 2, 0)[:, None, :, :]) * np.float32(scale)
+        if softcap > 0:
+            s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
+        delta = q_pos[:, None].astype(np.int64) - kv_pos[None, :].astype(np.int64)  # [T, C]
+        visible = delta >= 0
+        if n_swa > 0:
+            visible &= delta < n_swa
+        s = np.where(visible[None, None], s, np.float32(-np.inf))
+        m = np.max(s, axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m)
+        denom = np.sum(p, axis=-1, keepdims=True)
+        p /= np.where(denom > 0, denom, 1.0)
+        o = np.matmul(p, vf.transpose(1, 0, 2)[:, None, :, :])  # [n_kv, g, T, d_v]
+        return np.ascontiguousarray(o.transpose(2, 0, 1, 3)).reshape(T, n_head * d_v).astype(np.float32, copy=False)

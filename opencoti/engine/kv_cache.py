@@ -1,0 +1,374 @@
+"""KV cache: cells with positions and sequence membership, in streams.
+
+Modelled on llama.cpp's cell cache (``src/llama-kv-cells.h``,
+``src/llama-kv-cache.cpp``, ``src/llama-kv-cache-iswa.cpp``):
+
+- A *stream* holds ``n_cells`` cells. Cell ``i`` has a position ``pos[i]``
+  (-1 = empty) and a membership set ``seq[i, :]`` (bool per seq_id). A cell is
+  empty exactly when no sequence is a member.
+- A query token of sequence ``s`` at position ``p`` attends every cell of its
+  stream with ``seq[c, s]`` and ``pos[c] <= p`` (and ``p - pos[c] < n_swa`` on
+  a sliding-window layer).
+- Sharing is membership: ``seq_cp(src, dst)`` adds ``dst`` to ``src``'s cells;
+  nothing is copied. ``seq_rm`` / ``seq_keep`` / ``seq_add`` as in llama.cpp.
+- ``--kv-unified``: one stream of ``n_ctx`` cells for every sequence.
+  Otherwise one stream per sequence, ``n_ctx / n_seq`` cells each, and
+  ``seq_cp`` across streams copies the cells' data physically.
+- iSWA models (Gemma-3) get two caches (``KVCacheISWA``): one for global
+  layers and one for sliding-window layers, whose cells are pruned once they
+  fall out of every member's window.
+
+The cache owns all bookkeeping; backends only read the index arrays that
+``prepare`` hands them (paged attention at cell granularity).
+
+Storage per layer: ``k[il]`` ``[n_stream, n_cells, n_head_kv, d_k]`` and
+``v[il]`` ``[n_stream, n_cells, n_head_kv, d_v]`` of the KV tier's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KV_TYPES = {"f32": np.float32, "f16": np.float16}
+N_PAD = 256  # llama.cpp pads cache sizes to 256 cells
+
+
+class KVCacheFullError(RuntimeError):
+    """No free cells for a ubatch; nothing was changed."""
+
+
+def pad_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass
+class SeqView:
+    """What attention needs for one sequence in one cache for one ubatch.
+
+    rows: ubatch token rows of this sequence, int ``[T_s]``.
+    stream: the stream the sequence lives in.
+    cells: the sequence's cell indices in that stream after the ubatch's
+        writes, int ``[C_s]`` (any order; attention masks by position).
+    cell_pos: ``pos`` of those cells, int ``[C_s]``.
+    """
+
+    rows: np.ndarray
+    stream: int
+    cells: np.ndarray
+    cell_pos: np.ndarray
+
+
+@dataclass
+class CachePlan:
+    """The cells a ubatch writes in one cache: ``stream[t]``, ``cell[t]`` for token row t."""
+
+    stream: np.ndarray
+    cell: np.ndarray
+    views: list[SeqView] = field(default_factory=list)
+
+
+class KVCache:
+    """One cell cache over a subset of the model's layers.
+
+    Args:
+        layers: model layer indices stored here.
+        n_cells: cells per stream.
+        n_stream: 1 (unified) or ``n_seq_max`` (one stream per sequence).
+        n_seq_max: number of seq_ids (slots + pools).
+        n_head_kv, d_k, d_v: per-layer K/V shape.
+        type_k, type_v: storage tier name ("f16", "f32").
+        n_swa: sliding window (0 = global layers; > 0 enables pruning).
+    Raises ``ValueError`` for an unknown tier.
+    """
+
+    def __init__(
+        self,
+        layers: list[int],
+        n_cells: int,
+        n_stream: int,
+        n_seq_max: int,
+        n_head_kv: int,
+        d_k: int,
+        d_v: int,
+        type_k: str = "f16",
+        type_v: str = "f16",
+        n_swa: int = 0,
+    ):
+        for t in (type_k, type_v):
+            if t not in KV_TYPES:
+                raise ValueError(f"unsupported KV cache type {t!r} (supported: {', '.join(KV_TYPES)})")
+        self.layers = list(layers)
+        self.n_cells = n_cells
+        self.n_stream = n_stream
+        self.n_seq_max = n_seq_max
+        self.n_swa = n_swa
+        self.type_k, self.type_v = type_k, type_v
+        self.pos = np.full((n_stream, n_cells), -1, dtype=np.int32)
+        self.seq = np.zeros((n_stream, n_cells, n_seq_max), dtype=bool)
+        self.k = {il: np.zeros((n_stream, n_cells, n_head_kv, d_k), KV_TYPES[type_k]) for il in layers}
+        self.v = {il: np.zeros((n_stream, n_cells, n_head_kv, d_v), KV_TYPES[type_v]) for il in layers}
+
+    # -- geometry ---------------------------------------------------------------------
+    def stream_of(self, seq_id: int) -> int:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
+        return 0 if self.n_stream == 1 else seq_id
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values())
+
+    def n_used(self, stream: int | None = None) -> int:
+        """Number of non-empty cells (in one stream or all)."""
+        p = self.pos if stream is None else self.pos[stream]
+        return int(np.count_nonzero(p >= 0))
+
+    # -- sequence operations (llama.cpp names) ----------------------------------------
+    def _range(self, seq_id: int, p0: int, p1: int):
+        st = self.stream_of(seq_id)
+        p0 = 0 if p0 < 0 else p0
+        p1 = np.iinfo(np.int32).max if p1 < 0 else p1
+        pos = self.pos[st]
+        m = self.seq[st, :, seq_id] & (pos >= p0) & (pos < p1)
+        return st, m
+
+    def _gc(self, st: int) -> None:
+        empty = ~self.seq[st].any(axis=1)
+        self.pos[st, empty] = -1
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove ``seq_id`` from its cells with position in ``[p0, p1)`` (-1 = open end).
+
+        ``seq_id`` < 0 removes every sequence in the range.
+        """
+        if seq_id < 0:
+            for s in range(self.n_seq_max):
+                self.seq_rm(s, p0, p1)
+            return
+        st, m = self._range(seq_id, p0, p1)
+        self.seq[st, m, seq_id] = False
+        self._gc(st)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` a member of ``src``'s cells in ``[p0, p1)``.
+
+        Same stream: membership only (zero-copy). Different streams: the cells'
+        positions and K/V data are copied into free cells of ``dst``'s stream.
+        Raises ``KVCacheFullError`` when the destination stream lacks room.
+        """
+        st_s, m = self._range(src, p0, p1)
+        st_d = self.stream_of(dst)
+        if st_s == st_d:
+            self.seq[st_s, m, dst] = True
+            return
+        src_cells = np.nonzero(m)[0]
+        free = np.nonzero(self.pos[st_d] < 0)[0]
+        if len(free) < len(src_cells):
+            raise KVCacheFullError(f"seq_cp: stream {st_d} has {len(free)} free cells, need {len(src_cells)}")
+        dst_cells = free[: len(src_cells)]
+        self.pos[st_d, dst_cells] = self.pos[st_s, src_cells]
+        self.seq[st_d, dst_cells, dst] = True
+        for il in self.layers:
+            self.k[il][st_d, dst_cells] = self.k[il][st_s, src_cells]
+            self.v[il][st_d, dst_cells] = self.v[il][st_s, src_cells]
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Remove every sequence but ``seq_id`` from every cell."""
+        for s in range(self.n_seq_max):
+            if s != seq_id:
+                self.seq_rm(s)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> np.ndarray:
+        """Shift positions of ``seq_id``'s cells in ``[p0, p1)`` by ``delta``.
+
+        Cells shifted below 0 are removed. Returns the per-cell shift applied in
+        ``seq_id``'s stream (int32 ``[n_cells]``), which the caller must apply to
+        the cached K (re-rotation) before the next attention. Only cells whose
+        sole member is ``seq_id`` may be shifted (as in llama.cpp, shifting a
+        shared cell would move it for every member); a shared cell raises ``ValueError``.
+        """
+        st, m = self._range(seq_id, p0, p1)
+        if np.any(self.seq[st, m].sum(axis=1) > 1):
+            raise ValueError("seq_add on cells shared with another sequence")
+        shift = np.zeros(self.n_cells, dtype=np.int32)
+        shift[m] = delta
+        self.pos[st, m] += delta
+        gone = m & (self.pos[st] < 0)
+        self.seq[st, gone, :] = False
+        self.pos[st, gone] = -1
+        shift[gone] = 0
+        return shift
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest position of ``seq_id``'s cells, -1 if it has none."""
+        st = self.stream_of(seq_id)
+        p = self.pos[st][self.seq[st, :, seq_id]]
+        return int(p.min()) if p.size else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position of ``seq_id``'s cells, -1 if it has none."""
+        st = self.stream_of(seq_id)
+        p = self.pos[st][self.seq[st, :, seq_id]]
+        return int(p.max()) if p.size else -1
+
+    def clear(self) -> None:
+        self.pos[:] = -1
+        self.seq[:] = False
+
+    # -- per-ubatch planning ----------------------------------------------------------
+    def prune_swa(self, seq_ids: np.ndarray, pos: np.ndarray) -> None:
+        """Drop membership of cells that fell out of the window of every later query.
+
+        For each sequence s in the ubatch with smallest query position p_min,
+        a cell at position q with ``p_min - q >= n_swa`` can never be seen again
+        by s (positions only grow), so s leaves it. No-op for global caches.
+        """
+        if self.n_swa <= 0:
+            return
+        for s in np.unique(seq_ids):
+            p_min = int(pos[seq_ids == s].min())
+            st, m = self._range(int(s), 0, p_min - self.n_swa + 1)
+            if m.any():
+                self.seq[st, m, int(s)] = False
+                self._gc(st)
+
+    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> CachePlan:
+        """Choose free cells for each token of a ubatch; changes nothing.
+
+        seq_ids, pos: int ``[n_tokens]``. Raises ``KVCacheFullError`` when a
+        stream lacks free cells.
+        """
+        n = len(seq_ids)
+        stream = np.array([self.stream_of(int(s)) for s in seq_ids], dtype=np.int64) if n else np.zeros(0, np.int64)
+        cell = np.empty(n, dtype=np.int64)
+        for st in np.unique(stream):
+            rows = np.nonzero(stream == st)[0]
+            free = np.nonzero(self.pos[st] < 0)[0]
+            if len(free) < len(rows):
+                raise KVCacheFullError(
+                    f"KV cache full: stream {st} has {len(free)} free cells, ubatch needs {len(rows)}"
+                )
+            cell[rows] = free[: len(rows)]
+        return CachePlan(stream=stream, cell=cell)
+
+    def apply(self, plan: CachePlan, seq_ids: np.ndarray, pos: np.ndarray) -> None:
+        """Commit a plan: set the cells' positions and membership, then build
+        ``plan.views`` (per-sequence cell lists for attention)."""
+        self.pos[plan.stream, plan.cell] = pos
+        self.seq[plan.stream, plan.cell, :] = False
+        self.seq[plan.stream, plan.cell, seq_ids] = True
+        plan.views = []
+        for s in np.unique(seq_ids):
+            s = int(s)
+            st = self.stream_of(s)
+            cells = np.nonzero(self.seq[st, :, s])[0]
+            plan.views.append(SeqView(np.nonzero(seq_ids == s)[0], st, cells, self.pos[st, cells]))
+
+    def write(self, il: int, plan: CachePlan, k: np.ndarray, v: np.ndarray) -> None:
+        """Store a layer's new K ``[n_tokens, n_head_kv, d_k]`` and V into the planned cells
+        (converted to the tier's dtype once, here)."""
+        self.k[il][plan.stream, plan.cell] = k
+        self.v[il][plan.stream, plan.cell] = v
+
+
+class KVCacheSet:
+    """The model's caches and which layer reads which.
+
+    A dense model has one ``KVCache``; an iSWA model (``hp.is_iswa``) has a
+    global cache and a sliding-window cache sized ``n_swa * n_seq + n_ubatch``
+    cells (``n_seq`` = n_seq_max when unified, else 1 per stream), padded to
+    256 and at most the global size (llama.cpp ``llama_kv_cache_iswa``).
+
+    Sequence operations apply to every cache.
+    """
+
+    def __init__(
+        self,
+        hp,
+        n_ctx: int,
+        n_seq_max: int,
+        unified: bool,
+        n_ubatch: int,
+        type_k: str = "f16",
+        type_v: str = "f16",
+    ):
+        n_stream = 1 if unified else n_seq_max
+        n_cells = n_ctx if unified else max(1, n_ctx // n_seq_max)
+        self.unified = unified
+        self.n_seq_max = n_seq_max
+        self.n_ctx = n_ctx
+        self.n_ctx_seq = n_cells  # hard per-sequence limit
+        shape = dict(
+            n_stream=n_stream, n_seq_max=n_seq_max, n_head_kv=hp.n_head_kv,
+            d_k=hp.n_embd_head_k, d_v=hp.n_embd_head_v, type_k=type_k, type_v=type_v,
+        )
+        self.caches: list[KVCache] = []
+        self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]
+        if hp.is_iswa:
+            glob = [il for il in range(hp.n_layer) if not hp.swa_layers[il]]
+            swa = [il for il in range(hp.n_layer) if hp.swa_layers[il]]
+            n_swa_cells = min(n_cells, pad_to(hp.n_swa * (n_seq_max if unified else 1) + n_ubatch, N_PAD))
+            self.caches = [KVCache(glob, n_cells, **shape), KVCache(swa, n_swa_cells, n_swa=hp.n_swa, **shape)]
+        else:
+            self.caches = [KVCache(list(range(hp.n_layer)), n_cells, n_swa=hp.n_swa, **shape)]
+        for c in self.caches:
+            for il in c.layers:
+                self.layer_cache[il] = c
+
+    @property
+    def base(self) -> KVCache:
+        return self.caches[0]
+
+    @property
+    def swa(self) -> KVCache | None:
+        return self.caches[1] if len(self.caches) > 1 else None
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.caches)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+        for c in self.caches:
+            c.seq_rm(seq_id, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        for c in self.caches:
+            c.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        for c in self.caches:
+            c.seq_keep(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.base.seq_pos_max(seq_id)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest position still cached for ``seq_id`` in any cache (the SWA
+        cache prunes, so this tells how far back the sequence can be reused)."""
+        return max(c.seq_pos_min(seq_id) for c in self.caches)
+
+    def can_reuse(self, seq_id: int, n_past: int) -> bool:
+        """Whether keeping ``seq_id``'s first ``n_past`` positions leaves every
+        cell that the next query (at ``n_past``) needs: on a sliding cache those
+        at positions ``>= n_past - n_swa + 1`` (llama.cpp server's SWA check)."""
+        for c in self.caches:
+            if c.n_swa > 0 and n_past > 0:
+                pmin = c.seq_pos_min(seq_id)
+                if pmin < 0 or pmin > max(0, n_past - c.n_swa + 1):
+                    return False
+        return True
+
+    def clear(self) -> None:
+        for c in self.caches:
+            c.clear()
+
+    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> list[CachePlan]:
+        """Plan a ubatch in every cache (prunes SWA cells first). Raises
+        ``KVCacheFullError`` without committing anything."""
+        for c in self.caches:
+            c.prune_swa(seq_ids, pos)
+        return [c.prepare(seq_ids, pos) for c in self.caches]
+
+    def apply(self, plans: list[CachePlan], seq_ids: np.ndarray, pos: np.ndarray) -> None:
+        for c, p in zip(self.caches, plans):
+            c.apply(p, seq_ids, pos)

@@ -1,0 +1,64 @@
+"""Model runner: the network on a backend plus its KV cache; runs ubatches.
+
+The runner owns device state (weights, KV storage) for the engine thread.
+``decode`` follows llama.cpp's plan-then-apply order (``llama-memory.h``):
+cells are chosen first, and only a plan that fits is committed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import numpy as np
+
+from opencoti.engine.backend import get_backend
+from opencoti.engine.batch import UBatch
+from opencoti.engine.kv_cache import KVCacheSet
+
+
+class ModelRunner:
+    """Network + KV cache.
+
+    Args:
+        model: ``opencoti.model.loader.Model``.
+        backend: a backend object or name ("cpu"); None -> CPU.
+        n_ctx: KV cells (all streams together).
+        n_seq_max: sequences (slots + pools).
+        kv_unified: one shared stream (True) or one stream per sequence.
+        n_ubatch: max tokens per forward (sizes the SWA cache).
+    """
+
+    def __init__(self, model, backend=None, n_ctx: int = 4096, n_seq_max: int = 1,
+                 kv_unified: bool = True, n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16"):
+        self.model = model
+        self.backend = get_backend(backend)
+        self.net = model.network(self.backend)
+        self.n_ubatch = n_ubatch
+        self.kv = KVCacheSet(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, type_k, type_v)
+
+    def decode(self, ub: UBatch) -> np.ndarray:
+        """Plan cells, commit, run the forward. Returns logits float32
+        ``[len(ub.out_rows), n_vocab]``. Raises ``KVCacheFullError`` (nothing
+        changed) when the cache has no room for the ubatch."""
+        ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
+        self.kv.apply(ub.plans, ub.seq_id, ub.pos)
+        return self.net.forward(ub, self.kv)
+
+
+def iter_logits(runner: ModelRunner, tokens: list[int], seq_id: int = 0, pos0: int = 0
+                ) -> Iterator[tuple[int, np.ndarray]]:
+    """Feed ``tokens`` to sequence ``seq_id`` in ubatches of ``runner.n_ubatch``,
+    yielding ``(first_row, logits [n_chunk, n_vocab])`` for every position."""
+    for s in range(0, len(tokens), runner.n_ubatch):
+        chunk = tokens[s:s + runner.n_ubatch]
+        n = len(chunk)
+        ub = UBatch.build(chunk, np.arange(pos0 + s, pos0 + s + n), [seq_id] * n, np.arange(n))
+        yield s, runner.decode(ub)
+
+
+def eval_logits(model, tokens: list[int], n_ubatch: int = 512, backend=None,
+                n_ctx: Optional[int] = None) -> np.ndarray:
+    """Logits for every position of ``tokens`` (fresh KV, one sequence):
+    float32 ``[len(tokens), n_vocab]``; row i predicts token i+1."""
+    runner = ModelRunner(model, backend, n_ctx=n_ctx or max(256, len(tokens)), n_ubatch=n_ubatch)
+    return np.concatenate([lg for _, lg in iter_logits(runner, tokens)], axis=0)

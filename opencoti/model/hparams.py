@@ -1,0 +1,152 @@
+"""Typed hyper-parameters read from GGUF metadata.
+
+Keys follow llama.cpp's ``LLM_KV_*`` names (``src/llama-arch.cpp``), prefixed
+with ``general.architecture`` (e.g. ``gemma3.attention.head_count``). Per-arch
+defaults and quirks (Gemma-3's sliding-window pattern and local RoPE base)
+follow ``llama_model::load_hparams`` in ``src/llama-model.cpp``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from opencoti.model.gguf_file import GGUFError
+
+# rope types (llama.cpp llama_rope_type): NORM rotates adjacent pairs, NEOX the two halves.
+ROPE_NORM = "norm"
+ROPE_NEOX = "neox"
+
+
+@dataclass
+class HParams:
+    """Model shape and numerics.
+
+    Dimensions are counts; ``rope_*`` bases are in radians' inverse-frequency
+    base units as in the RoPE paper (Su et al. 2021). ``swa_layers[il]`` is
+    True for sliding-window layers (window ``n_swa`` tokens: a key at position
+    p0 is visible to a query at p1 when ``0 <= p1 - p0 < n_swa``).
+    """
+
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_ff: int
+    f_norm_rms_eps: float
+    rope_type: str
+    rope_freq_base: float
+    rope_freq_scale: float = 1.0
+    rope_freq_base_swa: Optional[float] = None
+    rope_freq_scale_swa: float = 1.0
+    n_rot: int = 0
+    n_swa: int = 0
+    swa_layers: list[bool] = field(default_factory=list)
+    f_attention_scale: float = 0.0  # 0 -> 1/sqrt(n_embd_head_k)
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    rope_scaling_type: str = "none"
+    rope_scaling_factor: float = 0.0
+    n_ctx_orig_yarn: int = 0
+    tie_embeddings: bool = False
+
+    @property
+    def n_embd_k_gqa(self) -> int:
+        return self.n_embd_head_k * self.n_head_kv
+
+    @property
+    def n_embd_v_gqa(self) -> int:
+        return self.n_embd_head_v * self.n_head_kv
+
+    @property
+    def is_iswa(self) -> bool:
+        """True when the model mixes sliding-window and global layers (two KV caches)."""
+        return self.n_swa > 0 and any(self.swa_layers) and not all(self.swa_layers)
+
+    @property
+    def attention_scale(self) -> float:
+        return self.f_attention_scale or 1.0 / math.sqrt(self.n_embd_head_k)
+
+
+def _req(md: dict, key: str, path: str) -> Any:
+    if key not in md:
+        raise GGUFError(f"{path}: missing metadata key {key!r}")
+    return md[key]
+
+
+def _scalar(v: Any) -> Any:
+    """Metadata that may be an array per layer: take the first (uniform models only)."""
+    if isinstance(v, np.ndarray):
+        if v.size and not np.all(v == v.flat[0]):
+            raise GGUFError(f"per-layer varying value {v.tolist()} is not supported")
+        return v.flat[0].item()
+    return v
+
+
+def load_hparams(md: dict, path: str = "<gguf>", supported: tuple[str, ...] = ()) -> HParams:
+    """Build ``HParams`` from GGUF metadata ``md``.
+
+    Raises ``GGUFError`` naming the missing key, or the unknown architecture
+    (listing ``supported``).
+    """
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: missing general.architecture")
+    if supported and arch not in supported:
+        raise GGUFError(
+            f"{path}: unknown model architecture {arch!r} (supported: {', '.join(sorted(supported))})"
+        )
+
+    def k(name: str, default: Any = None, required: bool = False) -> Any:
+        key = f"{arch}.{name}"
+        if required:
+            return _scalar(_req(md, key, path))
+        return _scalar(md.get(key, default))
+
+    n_embd = int(k("embedding_length", required=True))
+    n_head = int(k("attention.head_count", required=True))
+    n_head_kv = int(k("attention.head_count_kv", n_head))
+    head_k = int(k("attention.key_length", n_embd // n_head))
+    head_v = int(k("attention.value_length", n_embd // n_head))
+    n_layer = int(k("block_count", required=True))
+    tokens = md.get("tokenizer.ggml.tokens")
+    n_vocab = int(k("vocab_size", len(tokens) if tokens is not None else 0))
+    hp = HParams(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_ctx_train=int(k("context_length", 2048)),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_embd_head_k=head_k,
+        n_embd_head_v=head_v,
+        n_ff=int(k("feed_forward_length", required=True)),
+        f_norm_rms_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_type=ROPE_NORM,
+        rope_freq_base=float(k("rope.freq_base", 10000.0)),
+        n_rot=int(k("rope.dimension_count", head_k)),
+        swa_layers=[False] * n_layer,
+        attn_logit_softcapping=float(k("attn_logit_softcapping", 0.0) or 0.0),
+        final_logit_softcapping=float(k("final_logit_softcapping", 0.0) or 0.0),
+    )
+    scaling = k("rope.scaling.type", None)
+    factor = float(k("rope.scaling.factor", 0.0) or 0.0)
+    if scaling in (None, "none") and factor > 0:
+        scaling = "linear"
+    if scaling == "linear" and factor > 0:
+        hp.rope_freq_scale = 1.0 / factor
+    elif scaling == "yarn":
+        raise GGUFError(f"{path}: YaRN RoPE scaling is not supported yet")
+    hp.rope_scaling_type = scaling or "none"
+    hp.rope_scaling_factor = factor
+    hp.n_ctx_orig_yarn = int(k("rope.scaling.original_context_length", hp.n_ctx_train))
+    return hp
