@@ -1,0 +1,371 @@
+"""Sampler chain: each stage against its definition on hand-made logits, the chain's
+order, seeded reproducibility, and the sampled frequencies against the softmax."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from opencoti.engine.api import SamplingParams
+from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
+
+OFF = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
+
+
+def params(**kw) -> SamplingParams:
+    base = dict(OFF, temperature=1.0, seed=1234)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+def logits_of(probs) -> np.ndarray:
+    return np.log(np.asarray(probs, dtype=np.float64)).astype(np.float32)
+
+
+def cand_set(sampler: Sampler, logits) -> set[int]:
+    ids, _ = sampler.candidates(logits)
+    return set(int(i) for i in ids)
+
+
+# ---------------------------------------------------------------- greedy / top_k
+
+
+def test_greedy_is_argmax():
+    rng = np.random.default_rng(0)
+    for temp in (0.0, -1.0):
+        for seed in (1, 2, -1):
+            s = Sampler(SamplingParams(temperature=temp, seed=seed), 1000)  # default top_k/p/min_p
+            for _ in range(20):
+                x = rng.standard_normal(1000).astype(np.float32)
+                assert s.sample(x) == int(np.argmax(x))
+
+
+def test_top_k_1_equals_greedy_at_any_temperature():
+    rng = np.random.default_rng(1)
+    for temp in (0.1, 1.0, 5.0, 100.0):
+        s = Sampler(params(top_k=1, temperature=temp, seed=7), 5000)
+        for _ in range(20):
+            x = (rng.standard_normal(5000) * 0.01).astype(np.float32)  # nearly flat
+            assert s.sample(x) == int(np.argmax(x))
+
+
+def test_top_k_keeps_k_highest():
+    x = np.array([0.1, 3.0, -2.0, 2.5, 2.9, 0.0, 1.0], dtype=np.float32)
+    ids, vals = Sampler(params(top_k=3), 7).candidates(x)
+    assert list(ids) == [1, 4, 3]  # the three highest, best first
+    np.testing.assert_array_equal(vals, np.array([3.0, 2.9, 2.5], np.float32))
+    assert cand_set(Sampler(params(top_k=0), 7), x) == set(range(7))
+    assert cand_set(Sampler(params(top_k=100), 7), x) == set(range(7))
+
+
+# ---------------------------------------------------------------- truncation by definition
+
+
+def _softmax(v):
+    m = max(v)
+    e = [math.exp(a - m) for a in v]
+    s = sum(e)
+    return [a / s for a in e]
+
+
+def ref_top_p(logits, p):
+    """Shortest prefix (by probability, descending) with mass >= p."""
+    pr = _softmax([float(a) for a in logits])
+    order = sorted(range(len(pr)), key=lambda i: -pr[i])
+    kept, cum = [], 0.0
+    for i in order:
+        kept.append(i)
+        cum += pr[i]
+        if cum >= p:
+            break
+    return set(kept)
+
+
+def ref_min_p(logits, p):
+    pr = _softmax([float(a) for a in logits])
+    return {i for i, q in enumerate(pr) if q >= p * max(pr)}
+
+
+def ref_typical(logits, p):
+    pr = _softmax([float(a) for a in logits])
+    h = -sum(q * math.log(q) for q in pr if q > 0)
+    order = sorted(range(len(pr)), key=lambda i: abs(-math.log(pr[i]) - h))
+    kept, cum = [], 0.0
+    for i in order:
+        kept.append(i)
+        cum += pr[i]
+        if cum > p:
+            break
+    return set(kept)
+
+
+PROBS = [0.06, 0.4, 0.04, 0.2, 0.3]  # ids 1 > 4 > 3 > 0 > 2
+
+
+def test_top_p_hand_example():
+    x = logits_of(PROBS)
+    # 0.4 (id 1), +0.3 (id 4) = 0.7 < 0.8, +0.2 (id 3) = 0.9 >= 0.8
+    assert cand_set(Sampler(params(top_p=0.8), 5), x) == {1, 4, 3}
+    assert cand_set(Sampler(params(top_p=0.35), 5), x) == {1}
+    assert cand_set(Sampler(params(top_p=0.95), 5), x) == {1, 4, 3, 0}
+    assert cand_set(Sampler(params(top_p=0.0), 5), x) == {1}
+
+
+def test_min_p_hand_example():
+    x = logits_of(PROBS)
+    # threshold 0.2 * 0.4 = 0.08: keeps 0.4, 0.3, 0.2
+    assert cand_set(Sampler(params(min_p=0.2), 5), x) == {1, 4, 3}
+    # threshold 0.12: keeps 0.4, 0.3, 0.2
+    assert cand_set(Sampler(params(min_p=0.3), 5), x) == {1, 4, 3}
+    # threshold 0.24: keeps 0.4, 0.3
+    assert cand_set(Sampler(params(min_p=0.6), 5), x) == {1, 4}
+    # threshold 0.02: keeps everything
+    assert cand_set(Sampler(params(min_p=0.05), 5), x) == set(range(5))
+
+
+def test_typical_hand_example():
+    x = logits_of(PROBS)
+    # H = -sum p ln p = 1.3472; |-ln p - H|: 0.3 -> 0.143, 0.2 -> 0.262, 0.4 -> 0.431, 0.06 -> 1.466, 0.04 -> 1.872
+    # typical_p 0.45: 0.3 (cum 0.3), 0.2 (cum 0.5 > 0.45) -> {id 4, id 3}: the most likely token is out
+    assert cand_set(Sampler(params(typical_p=0.45), 5), x) == {4, 3}
+    assert cand_set(Sampler(params(typical_p=0.85), 5), x) == {4, 3, 1}
+    assert cand_set(Sampler(params(typical_p=0.95), 5), x) == {4, 3, 1, 0}
+    # greedy after typical picks the best *surviving* token (llama.cpp: temp sampler after typical)
+    s = Sampler(params(typical_p=0.45, temperature=0.0), 5)
+    assert s.sample(x) == 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_truncation_matches_definitions_on_random_tiny_vectors(seed):
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(30):
+        n = int(rng.integers(2, 12))
+        x = (rng.standard_normal(n) * rng.uniform(0.3, 4)).astype(np.float32)
+        p = float(rng.uniform(0.05, 0.98))
+        pr = _softmax([float(a) for a in x])
+        # skip draws that sit within float error of a boundary (the set is then ambiguous)
+        cums = np.cumsum(sorted(pr, reverse=True))
+        if np.min(np.abs(cums - p)) < 1e-5:
+            continue
+        assert cand_set(Sampler(params(top_p=p), n), x) == ref_top_p(x, p)
+        if min(abs(q - p * max(pr)) for q in pr) > 1e-5:
+            assert cand_set(Sampler(params(min_p=p), n), x) == ref_min_p(x, p)
+        h = -sum(q * math.log(q) for q in pr)
+        sh = sorted(pr, key=lambda q: abs(-math.log(q) - h))
+        if np.min(np.abs(np.cumsum(sh) - p)) > 1e-5 and len(set(np.round(x, 5))) == n:
+            assert cand_set(Sampler(params(typical_p=p), n), x) == ref_typical(x, p)
+
+
+def test_chain_order_top_k_then_top_p():
+    # top_p sees the distribution renormalised over top_k's survivors:
+    # probs [0.5, 0.3, 0.2]; top_k 2 -> [0.625, 0.375]; top_p 0.6 keeps one token.
+    # (top_p on the full distribution would keep two: 0.5 < 0.6.)
+    x = logits_of([0.5, 0.3, 0.2])
+    assert cand_set(Sampler(params(top_k=2, top_p=0.6), 3), x) == {0}
+    assert cand_set(Sampler(params(top_p=0.6), 3), x) == {0, 1}
+
+
+def test_chain_order_top_p_then_min_p():
+    # top_p 0.95 keeps [0.5, 0.3, 0.15] (cum 0.95); min_p 0.35 (threshold 0.175) then drops 0.15
+    x = logits_of([0.5, 0.3, 0.15, 0.05])
+    assert cand_set(Sampler(params(top_p=0.95, min_p=0.35), 4), x) == {0, 1}
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_top_p_full_vocab_matches_definition(shape):
+    n = 262_144
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(n).astype(np.float32)
+    if shape == "peaked":
+        x[rng.choice(n, 30, replace=False)] += 12.0  # nucleus inside the first partial sort
+    top_p = 0.9
+    # reference by the definition: full sort in float64
+    x64 = x.astype(np.float64)
+    pr = np.exp(x64 - x64.max())
+    pr /= pr.sum()
+    order = np.argsort(-pr, kind="stable")
+    cut = int(np.searchsorted(np.cumsum(pr[order]), top_p)) + 1
+    expected = set(order[:cut].tolist())
+    got = cand_set(Sampler(params(top_p=top_p), n), x)
+    assert got == expected
+    assert (len(got) < 256) == (shape == "peaked")
+
+
+# ---------------------------------------------------------------- temperature and the draw
+
+
+@pytest.mark.parametrize("temp", [0.5, 1.0, 2.0])
+def test_sampled_frequencies_match_softmax(temp):
+    x = np.array([1.0, 0.0, 2.0, -1.0, 0.5, 1.5], dtype=np.float32)
+    expected_p = _softmax([float(a) / temp for a in x])
+    s = Sampler(params(temperature=temp, seed=2024), x.size)
+    n = 20_000
+    draws = np.array([s.sample(x) for _ in range(n)])
+    counts = np.bincount(draws, minlength=x.size)
+    expected = n * np.asarray(expected_p)
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2 < 20.52  # chi-square, 5 degrees of freedom, p = 0.001
+    np.testing.assert_allclose(counts / n, expected_p, atol=0.015)
+
+
+def test_temperature_scales_candidate_logits():
+    x = np.array([1.0, -2.0, 0.5], dtype=np.float32)
+    ids, vals = Sampler(params(temperature=0.5), 3).candidates(x)
+    assert list(ids) == [0, 1, 2]
+    np.testing.assert_allclose(vals, [2.0, -4.0, 1.0])
+
+
+def test_sample_stays_inside_truncated_set():
+    x = logits_of(PROBS)
+    s = Sampler(params(top_p=0.8, temperature=3.0, seed=9), 5)
+    draws = {s.sample(x) for _ in range(500)}
+    assert draws == {1, 4, 3}
+
+
+def test_seeded_reproducibility():
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(2000).astype(np.float32) for _ in range(40)]
+    p = SamplingParams(temperature=1.5, seed=42)
+
+    def run(sp):
+        s = Sampler(sp, 2000)
+        out = []
+        for r in rows:
+            t = s.sample(r)
+            s.accept(t)
+            out.append(t)
+        return out
+
+    a, b = run(p), run(SamplingParams(temperature=1.5, seed=42))
+    assert a == b
+    assert run(SamplingParams(temperature=1.5, seed=43)) != a
+    assert Sampler(p, 10).seed == 42
+
+
+def test_random_seed_when_unset():
+    for seed in (-1, 0xFFFFFFFF):
+        seeds = {Sampler(SamplingParams(seed=seed), 10).seed for _ in range(5)}
+        assert len(seeds) == 5
+        assert all(0 <= s < 0xFFFFFFFF for s in seeds)
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def test_penalties_hand_example():
+    x = np.array([2.0, -1.0, 0.5, 3.0, 0.0], dtype=np.float32)
+    before = x.copy()
+    s = Sampler(params(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, repeat_last_n=-1), 5)
+    s.accept_many([0, 1, 1, 4, 0, 0])
+    # counts: id0 x3, id1 x2, id4 x1
+    # id0:  2.0 / 2 = 1.0,  - (3*0.5 + 0.25) -> -0.75
+    # id1: -1.0 * 2 = -2.0, - (2*0.5 + 0.25) -> -3.25
+    # id4:  0.0 * 2 = 0.0,  - (1*0.5 + 0.25) -> -0.75   (a zero logit is multiplied)
+    np.testing.assert_allclose(s.apply_penalties(x), [-0.75, -3.25, 0.5, 3.0, -0.75])
+    np.testing.assert_array_equal(x, before)  # the caller's logits are untouched
+
+    w = Sampler(params(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, repeat_last_n=2), 5)
+    w.accept_many([0, 1, 1, 4, 0, 0])
+    assert w.history == [0, 0]
+    # only the last two tokens (id0 twice): 1.0 - (2*0.5 + 0.25) = -0.25
+    np.testing.assert_allclose(w.apply_penalties(x), [-0.25, -1.0, 0.5, 3.0, 0.0])
+
+    off = Sampler(params(repeat_penalty=2.0, frequency_penalty=0.5, repeat_last_n=0), 5)
+    off.accept_many([0, 1])
+    assert off.history == []
+    np.testing.assert_array_equal(off.apply_penalties(x), x)
+
+
+def test_penalties_change_greedy_choice_and_sampling():
+    x = np.array([5.0, 4.9, -3.0], dtype=np.float32)
+    g = Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.1, repeat_last_n=64), 3)
+    assert g.sample(x) == 0
+    g.accept(0)
+    assert g.sample(x) == 1  # 5.0 / 1.1 = 4.545 < 4.9
+    np.testing.assert_array_equal(x, np.array([5.0, 4.9, -3.0], dtype=np.float32))
+    # presence penalty pushes an accepted token out of a top_k=1 chain at temperature 1
+    s = Sampler(params(top_k=1, presence_penalty=1.0, repeat_last_n=64), 3)
+    s.accept(0)
+    assert s.sample(x) == 1
+
+
+def test_penalty_window_slides():
+    s = Sampler(params(frequency_penalty=1.0, repeat_last_n=3), 4)
+    for t in [0, 0, 1, 2, 3]:
+        s.accept(t)
+    assert s.history == [1, 2, 3]
+    np.testing.assert_allclose(s.apply_penalties(np.zeros(4, np.float32)), [0.0, -1.0, -1.0, -1.0])
+    s.reset()
+    assert s.history == []
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_top_logprobs_and_token_logprob():
+    x = np.array([0.5, 2.0, -1.0, 2.0, 1.0], dtype=np.float32)
+    lse = math.log(sum(math.exp(float(a)) for a in x))
+    ids, lps = top_logprobs(x, 3)
+    assert ids.dtype == np.int64 and lps.dtype == np.float32
+    assert list(ids) == [1, 3, 4]  # tie 1/3 broken by lower id
+    np.testing.assert_allclose(lps, [2.0 - lse, 2.0 - lse, 1.0 - lse], rtol=0, atol=1e-6)
+    ids_all, lps_all = top_logprobs(x, 99)
+    assert list(ids_all) == [1, 3, 4, 0, 2]
+    assert abs(sum(math.exp(v) for v in lps_all) - 1.0) < 1e-6
+    assert top_logprobs(x, 0)[0].size == 0
+    assert abs(token_logprob(x, 2) - (-1.0 - lse)) < 1e-6
+    with pytest.raises(ValueError, match="out of range"):
+        token_logprob(x, 5)
+
+
+def test_top_logprobs_full_vocab():
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(262_144) * 4).astype(np.float32)
+    ref = x.astype(np.float64) - np.log(np.sum(np.exp(x.astype(np.float64))))
+    ids, lps = top_logprobs(x, 10)
+    np.testing.assert_array_equal(ids, np.argsort(-ref, kind="stable")[:10])
+    np.testing.assert_allclose(lps, ref[ids], rtol=0, atol=1e-5)
+    assert abs(token_logprob(x, 12345) - ref[12345]) < 1e-5
+
+
+# ---------------------------------------------------------------- errors and hygiene
+
+
+def test_sample_does_not_modify_logits():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(1000).astype(np.float32)
+    before = x.copy()
+    s = Sampler(SamplingParams(repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1,
+                               typical_p=0.9, seed=5), 1000)
+    s.accept_many(range(0, 1000, 7))
+    for _ in range(5):
+        s.sample(x)
+    np.testing.assert_array_equal(x, before)
+
+
+def test_bad_input():
+    s = Sampler(SamplingParams(seed=1), 4)
+    with pytest.raises(ValueError, match="expected n_vocab=4"):
+        s.sample(np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="one row"):
+        s.sample(np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        s.sample(np.array([0, np.nan, 1, 2], np.float32))
+    with pytest.raises(ValueError, match="all -inf"):
+        s.sample(np.full(4, -np.inf, np.float32))
+    with pytest.raises(ValueError, match="repeat_last_n"):
+        Sampler(SamplingParams(repeat_last_n=-2), 4)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampler(SamplingParams(top_p=-0.1), 4)
+    with pytest.raises(ValueError, match="n_vocab"):
+        Sampler(SamplingParams(), 0)
+
+
+def test_masked_tokens_never_sampled():
+    x = np.array([-np.inf, 0.0, -np.inf, 0.0, -np.inf], dtype=np.float32)
+    s = Sampler(params(seed=8), 5)
+    assert {s.sample(x) for _ in range(200)} == {1, 3}
+    # float64 input is accepted and converted
+    assert Sampler(params(temperature=0.0), 3).sample(np.array([0.0, 1.0, 0.5])) == 1
