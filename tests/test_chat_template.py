@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from opencoti.model.chat_template import (
     template_for_model,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "templates"
+# the shared reference folder: $OPENCOTI_SHARED, else ../shared beside the checkout
+_SHARED = Path(os.environ.get("OPENCOTI_SHARED") or Path(__file__).resolve().parents[2] / "shared")
+DATA = _SHARED / "data" / "templates"
 EXPECTED = json.loads((DATA / "expected_renders.json").read_text(encoding="utf-8"))
 # The reference renders were made on 2026-11-29 (Llama-3.2 and Granite print today's date).
 RENDER_DAY = datetime(2026, 11, 29, 12, 0, 0)
@@ -335,6 +338,12 @@ def test_variables_passed_like_transformers():
     assert t.render(HELLO, add_generation_prompt=False, tools=[]) == "True True False unset "
     assert t.render(HELLO, tools=[{"type": "function"}], enable_thinking=False, bos_token="B") == (
         "False True True False B")
+
+
+def test_extra_context_cannot_replace_arguments():
+    t = ChatTemplate("{{ messages | length }} {{ add_generation_prompt }}")
+    assert t.render(HELLO, **{"messages": [], "add_generation_prompt_x": 1}) == "1 True"
+    assert t.render_prompt(HELLO, add_bos=True, **{"messages": []}) == "1 True"
 
 
 def test_qwen3_enable_thinking_extra_context():

@@ -259,7 +259,7 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"chat template ({name}) has a syntax error at line {e.lineno}: {e.message}") from None
 
-    def render(self, messages: Iterable[Any], add_generation_prompt: bool = True,
+    def render(self, messages: Iterable[Any], /, add_generation_prompt: bool = True,
                tools: Optional[list] = None, **extra_context: Any) -> str:
         """Render ``messages`` to prompt text, exactly as transformers' renderer would.
 
@@ -267,7 +267,8 @@ class ChatTemplate:
         ``tool_calls``, ``tool_call_id``, ``name``, ``reasoning_content`` …).
         tools: OpenAI tool schemas, or None (an empty list counts as None, as in llama.cpp).
         extra_context: more template variables (``enable_thinking``, ``date_string`` …);
-        they may override ``bos_token`` / ``eos_token``.
+        they may override ``bos_token`` / ``eos_token``; keys named ``messages``,
+        ``tools`` or ``add_generation_prompt`` are ignored (the arguments win).
 
         Returns the text, BOS text included where the template writes it.
         Raises ValueError for malformed messages and ChatTemplateError when the
@@ -292,7 +293,7 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"chat template ({self.name}) failed to render: {type(e).__name__}: {e}") from None
 
-    def render_prompt(self, messages: Iterable[Any], *, add_bos: bool, add_eos: bool = False,
+    def render_prompt(self, messages: Iterable[Any], /, *, add_bos: bool, add_eos: bool = False,
                       add_generation_prompt: bool = True, tools: Optional[list] = None,
                       **extra_context: Any) -> str:
         """``render`` for tokenizing with special tokens added by the tokenizer.
