@@ -227,8 +227,10 @@ class KVCache:
         if self.n_swa <= 0:
             return
         for s in np.unique(seq_ids):
-            p_min = int(pos[seq_ids == s].min())
-            st, m = self._range(int(s), 0, p_min - self.n_swa + 1)
+            p_end = int(pos[seq_ids == s].min()) - self.n_swa + 1  # prune positions < p_end
+            if p_end <= 0:
+                continue
+            st, m = self._range(int(s), 0, p_end)
             if m.any():
                 self.seq[st, m, int(s)] = False
                 self._gc(st)
