@@ -47,6 +47,13 @@ VARIANTS = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "gemma3": ("gemma3", {}),
+    # as Gemma 3 4B+: linear RoPE scaling on the global layers only; plus a final logit softcap
+    "gemma3_linear_softcap": ("gemma3", {
+        "final_logit_softcapping": 4.0,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        }}),
 }
 ALL = list(VARIANTS)
 
@@ -182,10 +189,14 @@ def test_gguf_layout(build, variant):
         assert not any(k.startswith("llama.rope.scaling") for k in md)
     if arch in ("qwen2", "qwen3"):
         assert md[p + "rope.freq_base"] == 1e6
+    if variant == "gemma3":
+        assert "gemma3.final_logit_softcapping" not in md and "gemma3.rope.scaling.type" not in md
     if arch == "gemma3":
         assert md["gemma3.rope.freq_base"] == 1e6 and md["gemma3.rope.freq_base_swa"] == 10000.0
         assert md["gemma3.attention.sliding_window"] == 8
-        assert "gemma3.final_logit_softcapping" not in md
+    if variant == "gemma3_linear_softcap":
+        assert md["gemma3.final_logit_softcapping"] == 4.0
+        assert md["gemma3.rope.scaling.type"] == "linear" and md["gemma3.rope.scaling.factor"] == 8.0
     if variant == "llama3_rope":
         # factors for head_dim 16, theta 1e4, factor 8, low/high 1/4, original context 64:
         # wavelengths 2*pi*1e4^(2i/16); < 16 -> 1, > 64 -> 8, between -> 1/((1-s)/8 + s)

@@ -28,11 +28,13 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
 
 
-def _rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool, factors: np.ndarray | None) -> np.ndarray:
+def _rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool, factors: np.ndarray | None,
+          freq_scale: float = 1.0) -> np.ndarray:
     """x: [T, H, D]. Normal mode rotates pairs (2i, 2i+1); NEOX rotates (i, i + D/2).
-    theta = pos * base^(-2i/D) / factors[i] (ggml_rope_ext with freq_factors)."""
+    theta = pos * freq_scale * base^(-2i/D) / factors[i] (ggml_rope_ext with freq_factors;
+    freq_scale = 1/factor for linear scaling)."""
     d = x.shape[-1]
-    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    inv = freq_scale * base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
     if factors is not None:
         inv = inv / factors.astype(np.float64)
     ang = pos[:, None].astype(np.float64) * inv[None, :]  # [T, D/2]
@@ -72,6 +74,8 @@ def ref_forward(path: str, tokens: list[int]) -> np.ndarray:
     neox = arch in ("qwen2", "qwen3", "gemma3")
     factors = w("rope_freqs.weight")
     n_swa = key("attention.sliding_window", 0)
+    linear = key("rope.scaling.type") == "linear"
+    freq_scale = 1.0 / key("rope.scaling.factor") if linear else 1.0
     T = len(tokens)
     pos = np.arange(T)
     x = w("token_embd.weight")[np.asarray(tokens)]
@@ -90,8 +94,9 @@ def ref_forward(path: str, tokens: list[int]) -> np.ndarray:
         if (qn := w(p + "attn_q_norm.weight")) is not None:
             q, k = _rms_norm(q, qn, eps), _rms_norm(k, w(p + "attn_k_norm.weight"), eps)
         is_swa = arch == "gemma3" and n_swa > 0 and il % 6 < 5
-        lbase = 10000.0 if is_swa else base  # llama.cpp hard-codes gemma3's local base
-        q, k = _rope(q, pos, lbase, neox, factors), _rope(k, pos, lbase, neox, factors)
+        # llama.cpp hard-codes gemma3's local layers to base 10000, no scaling
+        lbase, lscale = (10000.0, 1.0) if is_swa else (base, freq_scale)
+        q, k = _rope(q, pos, lbase, neox, factors, lscale), _rope(k, pos, lbase, neox, factors, lscale)
         allowed = ki <= qi
         if is_swa:
             allowed &= (qi - ki) < n_swa

@@ -64,7 +64,7 @@ from typing import Any, Iterable
 
 import numpy as np
 import gguf
-from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, LlamaFileType, MODEL_ARCH, QK_K
+from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, LlamaFileType, MODEL_ARCH
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
