@@ -1,0 +1,301 @@
+"""The engine: one thread that owns the model runner and the KV cache.
+
+Front ends (HTTP handler threads, the CLI) call ``submit`` from any thread;
+the engine thread runs the step loop (DESIGN.md "How a request flows";
+nano-vllm ``LLMEngine.step``):
+
+    schedule  -> bind waiting requests to slots (prompt-cache reuse),
+                 build one ubatch: the pending token of every generating slot
+                 plus prefill chunks of prompts, at most ``n_ubatch`` tokens
+    run       -> runner.decode(ubatch) -> logits for the rows that need them
+    postprocess -> sample per slot, emit token events, finish slots
+
+Decoding slots are served first in every ubatch, so a long prompt arriving
+never stalls running sessions (chunked prefill). Slot choice for a new
+request follows llama.cpp's server: ``id_slot`` if given, else the idle slot
+whose cached tokens share the longest prefix with the prompt, else the least
+recently used idle slot.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from opencoti.engine.api import CompletionRequest, ErrorEvent, RequestHandle, TokenProb
+from opencoti.engine.batch import UBatch
+from opencoti.engine.kv_cache import KVCacheFullError
+from opencoti.engine.runner import ModelRunner
+from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
+from opencoti.engine.slot import Slot, SlotState
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n]) != np.asarray(b[:n])
+    i = int(np.argmax(x)) if x.any() else n
+    return i
+
+
+class Engine:
+    """Owns model runner + slots; thread-safe ``submit``.
+
+    Args:
+        model: ``opencoti.model.loader.Model``.
+        params: ``opencoti.params.Params`` (n_ctx, n_batch, n_ubatch, n_parallel, kv_unified).
+        backend: backend name/object (None -> CPU).
+
+    ``n_ctx`` is the total KV size; each slot may use ``n_ctx_slot`` cells
+    (all of them when unified, else ``n_ctx / n_parallel``).
+    """
+
+    def __init__(self, model, params, backend=None):
+        self.model = model
+        self.params = params
+        hp = model.hparams
+        n_ctx = params.n_ctx if params.n_ctx > 0 else hp.n_ctx_train
+        self.n_slots = max(1, params.n_parallel)
+        self.n_ubatch = max(1, min(params.n_ubatch, params.n_batch))
+        self.runner = ModelRunner(
+            model, backend, n_ctx=n_ctx, n_seq_max=self.n_slots,
+            kv_unified=params.kv_unified or self.n_slots == 1, n_ubatch=self.n_ubatch,
+        )
+        self.n_ctx = n_ctx
+        self.n_ctx_slot = self.runner.kv.n_ctx_seq
+        self.slots = [Slot(i, self.n_ctx_slot) for i in range(self.n_slots)]
+        self._queue: "queue.Queue[Optional[RequestHandle]]" = queue.Queue()
+        self._waiting: list[RequestHandle] = []
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self.n_steps = 0
+        self.n_tokens_processed = 0
+
+    # -- front-end API (any thread) -----------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="opencoti-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, request: CompletionRequest) -> RequestHandle:
+        """Queue a request; events arrive on the returned handle."""
+        handle = RequestHandle(request)
+        self._queue.put(handle)
+        return handle
+
+    def slots_info(self) -> list[dict]:
+        """llama.cpp ``GET /slots``-style snapshot (read without locking; fields are
+        plain values, so a racing read is at worst one step stale)."""
+        out = []
+        for s in self.slots:
+            out.append({
+                "id": s.id,
+                "id_task": -1,
+                "n_ctx": s.n_ctx,
+                "is_processing": s.busy,
+                "state": s.state.value,
+                "n_past": s.n_past,
+                "n_cached_tokens": len(s.cache_tokens),
+            })
+        return out
+
+    def props(self) -> dict:
+        kv = self.runner.kv
+        return {
+            "n_ctx": self.n_ctx,
+            "n_ctx_slot": self.n_ctx_slot,
+            "n_slots": self.n_slots,
+            "n_ubatch": self.n_ubatch,
+            "kv_unified": kv.unified,
+            "kv_cells": [c.n_cells for c in kv.caches],
+            "kv_bytes": kv.nbytes(),
+            "backend": self.runner.backend.name,
+        }
+
+    # -- engine thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            active = any(s.busy for s in self.slots) or self._waiting
+            try:
+                h = self._queue.get(block=not active, timeout=None if not active else 0)
+                while h is not None:
+                    self._waiting.append(h)
+                    h = self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception as e:  # never let one bad step kill the server
+                self._fail_all(500, "server_error", f"internal error: {type(e).__name__}: {e}")
+
+    def _fail_all(self, status: int, typ: str, msg: str) -> None:
+        for s in self.slots:
+            if s.busy:
+                s.handle.push(ErrorEvent(status, typ, msg))
+                s.state = SlotState.IDLE
+                s.handle = None
+                self.runner.kv.seq_rm(s.seq_id)
+                s.cache_tokens = []
+        for h in self._waiting:
+            h.push(ErrorEvent(status, typ, msg))
+        self._waiting = []
+
+    def step(self) -> None:
+        """One schedule -> run -> postprocess iteration (engine thread only)."""
+        self._drop_cancelled()
+        self._bind_waiting()
+        ub, owners = self._build_ubatch()
+        if ub is None:
+            return
+        try:
+            logits = self.runner.decode(ub)
+        except KVCacheFullError as e:
+            self._on_kv_full(owners, str(e))
+            return
+        self.n_steps += 1
+        self.n_tokens_processed += ub.n_tokens
+        self._postprocess(ub, owners, logits)
+
+    def _drop_cancelled(self) -> None:
+        for s in self.slots:
+            if s.busy and s.handle.cancelled:
+                s.finish("limit")
+        self._waiting = [h for h in self._waiting if not h.cancelled]
+
+    def _validate(self, h: RequestHandle) -> Optional[ErrorEvent]:
+        req = h.request
+        n = len(req.prompt_tokens)
+        if n == 0:
+            return ErrorEvent(400, "invalid_request_error", "the prompt is empty")
+        n_vocab = self.model.hparams.n_vocab
+        bad = [t for t in req.prompt_tokens if not (0 <= t < n_vocab)]
+        if bad:
+            return ErrorEvent(400, "invalid_request_error", f"token id {bad[0]} out of range [0, {n_vocab})")
+        if n >= self.n_ctx_slot:
+            return ErrorEvent(
+                400, "exceed_context_size_error",
+                f"the request exceeds the available context size: {n} prompt tokens, "
+                f"context size {self.n_ctx_slot}",
+            )
+        if req.id_slot >= self.n_slots:
+            return ErrorEvent(400, "invalid_request_error", f"id_slot {req.id_slot} out of range [0, {self.n_slots})")
+        return None
+
+    def _pick_slot(self, req: CompletionRequest) -> Optional[Slot]:
+        if req.id_slot >= 0:
+            s = self.slots[req.id_slot]
+            return None if s.busy else s
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            return None
+        best = max(idle, key=lambda s: (common_prefix(s.cache_tokens, req.prompt_tokens), -s.t_last_used))
+        if common_prefix(best.cache_tokens, req.prompt_tokens) > 0:
+            return best
+        return min(idle, key=lambda s: s.t_last_used)
+
+    def _bind_waiting(self) -> None:
+        still = []
+        for h in self._waiting:
+            err = self._validate(h)
+            if err is not None:
+                h.push(err)
+                continue
+            slot = self._pick_slot(h.request)
+            if slot is None:
+                still.append(h)
+                continue
+            self._bind(slot, h)
+        self._waiting = still
+
+    def _bind(self, slot: Slot, h: RequestHandle) -> None:
+        req = h.request
+        kv = self.runner.kv
+        n_past = common_prefix(slot.cache_tokens, req.prompt_tokens) if req.cache_prompt else 0
+        n_past = min(n_past, len(req.prompt_tokens) - 1)  # the last prompt token must be computed for logits
+        if n_past > 0 and not kv.can_reuse(slot.seq_id, n_past):
+            n_past = 0  # the sliding-window cache no longer holds what reuse needs (llama.cpp does the same)
+        kv.seq_rm(slot.seq_id, n_past, -1)
+        if n_past == 0:
+            kv.seq_rm(slot.seq_id)
+        sampler = Sampler(req.sampling, self.model.hparams.n_vocab)
+        sampler.accept_many(req.prompt_tokens)
+        from opencoti.model.tokenizer import StreamDecoder
+
+        slot.start(h, n_past, sampler, StreamDecoder(self.model.tokenizer))
+
+    def _build_ubatch(self):
+        budget = self.n_ubatch
+        tokens, pos, seqs, out_rows, owners = [], [], [], [], []
+        for s in self.slots:
+            if s.state is SlotState.GENERATING and budget > 0:
+                out_rows.append(len(tokens))
+                owners.append((s, len(tokens), 1))
+                tokens.append(s.pending)
+                pos.append(s.n_past)
+                seqs.append(s.seq_id)
+                budget -= 1
+        for s in sorted((s for s in self.slots if s.state is SlotState.PROMPT), key=lambda s: s.t_start):
+            if budget <= 0:
+                break
+            chunk = s.next_prompt_chunk(budget)
+            start = len(tokens)
+            tokens.extend(chunk)
+            pos.extend(range(s.n_past, s.n_past + len(chunk)))
+            seqs.extend([s.seq_id] * len(chunk))
+            owners.append((s, start, len(chunk)))
+            if s.n_past + len(chunk) == len(s.prompt):
+                out_rows.append(len(tokens) - 1)
+            budget -= len(chunk)
+        if not tokens:
+            return None, owners
+        return UBatch.build(tokens, pos, seqs, out_rows), owners
+
+    def _on_kv_full(self, owners, msg: str) -> None:
+        # Nothing was committed. Fail the youngest prompt in the batch so the rest can proceed.
+        prompts = [s for s, _, _ in owners if s.state is SlotState.PROMPT]
+        victim = max(prompts, key=lambda s: s.t_start) if prompts else owners[-1][0]
+        victim.handle.push(ErrorEvent(503, "unavailable_error", msg))
+        victim.state = SlotState.IDLE
+        victim.handle = None
+        self.runner.kv.seq_rm(victim.seq_id)
+        victim.cache_tokens = []
+
+    def _postprocess(self, ub: UBatch, owners, logits: np.ndarray) -> None:
+        row_of = {int(r): i for i, r in enumerate(ub.out_rows)}
+        tok = self.model.tokenizer
+        for s, start, n in owners:
+            fed = ub.tokens[start:start + n].tolist()
+            s.cache_tokens.extend(fed)
+            s.n_past += n
+            last = start + n - 1
+            if last not in row_of:
+                continue  # a prompt chunk that is not the prompt's end
+            s.state = SlotState.GENERATING
+            lg = logits[row_of[last]]
+            token = s.sampler.sample(lg)
+            s.sampler.accept(token)
+            logprob = top = None
+            n_probs = s.handle.request.sampling.n_probs
+            if n_probs > 0:
+                ids, lps = top_logprobs(lg, n_probs)
+                top = [TokenProb(int(i), float(lp), tok.token_to_piece(int(i)).decode("utf-8", "replace"))
+                       for i, lp in zip(ids, lps)]
+                logprob = token_logprob(lg, token)
+            s.on_token(token, tok.is_eog(token), logprob, top)
+

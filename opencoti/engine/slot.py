@@ -1,0 +1,170 @@
+"""A server slot: one sequence's request state between the scheduler and the
+front end (llama.cpp ``server_slot``).
+
+The slot owns the text side of generation: incremental UTF-8 decoding, stop
+strings (full matches end generation; a possible partial match at the end of
+the text is held back, as llama.cpp's ``find_stopping_strings``), limits and
+timings. The KV side (which tokens are cached for ``seq_id``) is
+``cache_tokens``; the scheduler keeps it equal to what the KV cache holds.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Optional
+
+from opencoti.engine.api import FinishEvent, RequestHandle, TokenEvent
+
+
+class SlotState(Enum):
+    IDLE = "idle"
+    PROMPT = "prompt"  # prompt tokens still to prefill
+    GENERATING = "generating"
+
+
+def find_stop(text: str, stops: list[str], search_from: int = 0) -> tuple[int, str]:
+    """Earliest full match of any stop string in ``text[search_from:]``:
+    ``(index, stop)`` or ``(-1, "")``."""
+    best, word = -1, ""
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, max(0, search_from))
+        if i >= 0 and (best < 0 or i < best):
+            best, word = i, s
+    return best, word
+
+
+def partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string
+    (that much text must be held back until the next token decides)."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+class Slot:
+    """Per-slot state. ``seq_id`` equals the slot id (pools take ids above the slots)."""
+
+    def __init__(self, id: int, n_ctx: int):
+        self.id = id
+        self.seq_id = id
+        self.n_ctx = n_ctx  # hard per-slot context (cells this sequence may use)
+        self.state = SlotState.IDLE
+        self.cache_tokens: list[int] = []  # tokens whose KV is in the cache, in position order
+        self.t_last_used = 0.0
+        self._reset_request()
+
+    def _reset_request(self) -> None:
+        self.handle: Optional[RequestHandle] = None
+        self.prompt: list[int] = []
+        self.n_past = 0  # tokens in KV for this request (== len(cache_tokens) while busy)
+        self.n_cached = 0
+        self.pending: Optional[int] = None  # sampled token not yet in the KV
+        self.sampler = None
+        self.decoder = None
+        self.n_decoded = 0
+        self.text = ""  # generated text, stop strings not yet cut
+        self.n_sent = 0  # chars of ``text`` already emitted
+        self.t_start = 0.0
+        self.t_prompt_done = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.state is not SlotState.IDLE
+
+    def start(self, handle: RequestHandle, n_past: int, sampler, decoder) -> None:
+        """Bind a request; ``n_past`` prompt tokens are already in the KV."""
+        self._reset_request()
+        self.handle = handle
+        self.prompt = list(handle.request.prompt_tokens)
+        self.n_past = self.n_cached = n_past
+        self.cache_tokens = self.prompt[:n_past]
+        self.sampler = sampler
+        self.decoder = decoder
+        self.state = SlotState.PROMPT
+        self.t_start = time.perf_counter()
+
+    def next_prompt_chunk(self, budget: int) -> list[int]:
+        """Up to ``budget`` prompt tokens not yet in the KV."""
+        return self.prompt[self.n_past:self.n_past + budget]
+
+    # -- generation bookkeeping -------------------------------------------------------
+    def on_token(self, token: int, is_eog: bool, logprob=None, top=None) -> Optional[FinishEvent]:
+        """Account a sampled token: emit its text (stop-string aware); returns the
+        FinishEvent when generation ends with it, else None."""
+        req = self.handle.request
+        if self.n_decoded == 0:
+            self.t_prompt_done = time.perf_counter()
+        self.n_decoded += 1
+        if is_eog and not req.ignore_eos:
+            self.handle.push(TokenEvent(token, "", logprob, top))
+            return self.finish("eos")
+        piece = self.decoder.feed(token)
+        self.text += piece
+        if req.stop:
+            longest = max(len(s) for s in req.stop)
+            i, word = find_stop(self.text, req.stop, self.n_sent - longest)
+            if i >= 0:
+                out = self.text[self.n_sent:i]
+                self.text = self.text[:i]
+                self.n_sent = len(self.text)
+                self.handle.push(TokenEvent(token, out, logprob, top))
+                return self.finish("word", word)
+            hold = partial_stop_len(self.text, req.stop)
+        else:
+            hold = 0
+        end = max(self.n_sent, len(self.text) - hold)
+        self.handle.push(TokenEvent(token, self.text[self.n_sent:end], logprob, top))
+        self.n_sent = end
+        self.pending = token
+        if req.n_predict >= 0 and self.n_decoded >= req.n_predict:
+            return self.finish("limit")
+        if self.n_past + 1 >= self.n_ctx:
+            return self.finish("limit", truncated=True)
+        return None
+
+    def finish(self, stop_type: str, word: str = "", truncated: bool = False) -> FinishEvent:
+        """Build the final event (text still held back is released unless a stop
+        string was matched) and return the slot to IDLE."""
+        now = time.perf_counter()
+        if stop_type != "word" and self.decoder is not None:
+            self.text += self.decoder.flush()
+        rest = self.text[self.n_sent:] if stop_type != "word" else ""
+        t_prompt = (self.t_prompt_done or now) - self.t_start
+        t_gen = now - self.t_prompt_done if self.t_prompt_done else 0.0
+        n_prompt_new = len(self.prompt) - self.n_cached
+        n_gen = self.n_decoded
+        ev = FinishEvent(
+            stop_type=stop_type,
+            stopping_word=word,
+            text=rest,
+            truncated=truncated,
+            n_prompt_tokens=len(self.prompt),
+            n_cached=self.n_cached,
+            n_predicted=n_gen,
+            id_slot=self.id,
+            timings={
+                "cache_n": self.n_cached,
+                "prompt_n": n_prompt_new,
+                "prompt_ms": t_prompt * 1e3,
+                "prompt_per_token_ms": t_prompt * 1e3 / max(n_prompt_new, 1),
+                "prompt_per_second": n_prompt_new / t_prompt if t_prompt > 0 else 0.0,
+                "predicted_n": n_gen,
+                "predicted_ms": t_gen * 1e3,
+                "predicted_per_token_ms": t_gen * 1e3 / max(n_gen, 1),
+                "predicted_per_second": n_gen / t_gen if t_gen > 0 else 0.0,
+            },
+        )
+        handle = self.handle
+        self.pending = None
+        self.state = SlotState.IDLE
+        self.t_last_used = now
+        self.handle = None
+        handle.push(ev)
+        return ev
