@@ -1,0 +1,146 @@
+"""Unit tests of the cell/membership KV cache (llama.cpp llama-kv-cells semantics)."""
+
+import numpy as np
+import pytest
+
+from opencoti.engine.kv_cache import KVCache, KVCacheFullError, KVCacheSet
+from opencoti.model.hparams import HParams
+
+
+def _cache(n_cells=16, n_stream=1, n_seq=3, n_swa=0):
+    return KVCache([0, 1], n_cells, n_stream, n_seq, n_head_kv=1, d_k=4, d_v=4, n_swa=n_swa)
+
+
+def _put(c, seq, positions, fill=None):
+    seq_ids = np.full(len(positions), seq)
+    pos = np.asarray(positions, dtype=np.int32)
+    plan = c.prepare(seq_ids, pos)
+    c.apply(plan, seq_ids, pos)
+    val = np.asarray(positions if fill is None else fill, np.float32)[:, None, None] * np.ones((1, 1, 4), np.float32)
+    for il in c.layers:
+        c.write(il, plan, val, val)
+    return plan
+
+
+def test_write_and_views():
+    c = _cache()
+    plan = _put(c, 0, range(5))
+    assert c.n_used() == 5
+    (view,) = plan.views
+    assert sorted(view.cell_pos.tolist()) == [0, 1, 2, 3, 4]
+    assert view.rows.tolist() == [0, 1, 2, 3, 4]
+    assert c.seq_pos_min(0) == 0 and c.seq_pos_max(0) == 4
+    assert c.seq_pos_max(1) == -1
+
+
+def test_seq_cp_is_membership_in_one_stream():
+    c = _cache()
+    _put(c, 0, range(6))
+    c.seq_cp(0, 1, 0, 4)  # share the first 4 positions
+    assert c.n_used() == 6  # no new cells
+    assert c.seq_pos_max(1) == 3
+    shared = c.seq[0][:, 0] & c.seq[0][:, 1]
+    assert int(shared.sum()) == 4
+    # removing the source keeps the shared cells alive for seq 1
+    c.seq_rm(0)
+    assert c.n_used() == 4 and c.seq_pos_max(0) == -1 and c.seq_pos_max(1) == 3
+    c.seq_rm(1, 2, -1)
+    assert c.n_used() == 2
+
+
+def test_seq_cp_across_streams_copies_data():
+    c = _cache(n_cells=8, n_stream=3)
+    _put(c, 0, range(3), fill=[10, 11, 12])
+    c.seq_cp(0, 2)
+    assert c.n_used(0) == 3 and c.n_used(2) == 3
+    cells = np.nonzero(c.seq[2][:, 2])[0]
+    got = sorted(c.k[0][2, cells, 0, 0].tolist())
+    assert got == [10.0, 11.0, 12.0]
+
+
+def test_split_streams_are_hard_limits():
+    c = _cache(n_cells=4, n_stream=2, n_seq=2)
+    _put(c, 0, range(4))
+    with pytest.raises(KVCacheFullError):
+        c.prepare(np.array([0]), np.array([4], np.int32))
+    # the other stream is unaffected
+    _put(c, 1, range(4))
+    assert c.n_used(1) == 4
+
+
+def test_prepare_failure_changes_nothing():
+    c = _cache(n_cells=4)
+    _put(c, 0, range(3))
+    before = (c.pos.copy(), c.seq.copy())
+    with pytest.raises(KVCacheFullError):
+        c.prepare(np.array([1, 1]), np.array([0, 1], np.int32))
+    assert np.array_equal(before[0], c.pos) and np.array_equal(before[1], c.seq)
+
+
+def test_seq_keep_and_seq_add():
+    c = _cache()
+    _put(c, 0, range(4))
+    _put(c, 1, range(2))
+    c.seq_keep(1)
+    assert c.n_used() == 2 and c.seq_pos_max(0) == -1
+    shift = c.seq_add(1, 0, -1, 5)
+    assert c.seq_pos_min(1) == 5 and c.seq_pos_max(1) == 6
+    assert sorted(shift[shift != 0].tolist()) == [5, 5]
+    c.seq_add(1, 0, -1, -6)  # position 5 -> -1 is dropped
+    assert c.n_used() == 1 and c.seq_pos_min(1) == 0
+
+
+def test_seq_add_refuses_shared_cells():
+    c = _cache()
+    _put(c, 0, range(3))
+    c.seq_cp(0, 1)
+    with pytest.raises(ValueError):
+        c.seq_add(0, 0, -1, 1)
+
+
+def test_swa_pruning_frees_cells_outside_every_window():
+    c = _cache(n_cells=8, n_swa=4)
+    _put(c, 0, range(6))
+    c.prune_swa(np.array([0]), np.array([6], np.int32))  # query at 6 sees 3..6
+    assert c.seq_pos_min(0) == 3 and c.n_used() == 3
+    # a query position below the window start prunes nothing (regression: open-ended range)
+    c2 = _cache(n_cells=8, n_swa=16)
+    _put(c2, 0, range(6))
+    c2.prune_swa(np.array([0]), np.array([6], np.int32))
+    assert c2.n_used() == 6
+    # a cell shared with a sequence that still needs it survives
+    c3 = _cache(n_cells=8, n_swa=4)
+    _put(c3, 0, range(6))
+    c3.seq_cp(0, 1, 0, 2)
+    c3.prune_swa(np.array([0]), np.array([6], np.int32))
+    assert c3.n_used() == 5 and c3.seq_pos_min(1) == 0
+
+
+def _hp(n_layer=6, n_swa=8):
+    return HParams(
+        arch="gemma3", n_vocab=10, n_ctx_train=64, n_embd=8, n_layer=n_layer, n_head=2, n_head_kv=1,
+        n_embd_head_k=4, n_embd_head_v=4, n_ff=16, f_norm_rms_eps=1e-6, rope_type="neox",
+        rope_freq_base=1e4, n_swa=n_swa, swa_layers=[il % 6 < 5 for il in range(n_layer)],
+    )
+
+
+def test_iswa_sizes_follow_llama_cpp():
+    # unified: n_swa * n_seq_max + n_ubatch, padded to 256, at most the global size
+    kv = KVCacheSet(_hp(n_swa=512), n_ctx=8192, n_seq_max=4, unified=True, n_ubatch=512)
+    assert kv.base.n_cells == 8192 and kv.swa.n_cells == 2560
+    assert kv.base.layers == [5] and kv.swa.layers == [0, 1, 2, 3, 4]
+    # split streams: per stream n_swa + n_ubatch
+    kv = KVCacheSet(_hp(n_swa=512), n_ctx=8192, n_seq_max=4, unified=False, n_ubatch=512)
+    assert kv.base.n_stream == 4 and kv.base.n_cells == 2048 and kv.swa.n_cells == 1024
+    kv = KVCacheSet(_hp(n_swa=512), n_ctx=512, n_seq_max=1, unified=True, n_ubatch=512)
+    assert kv.swa.n_cells == 512
+
+
+def test_can_reuse_after_swa_pruning():
+    kv = KVCacheSet(_hp(n_swa=4), n_ctx=64, n_seq_max=1, unified=True, n_ubatch=8)
+    for p in range(10):
+        kv.apply(kv.prepare(np.array([0]), np.array([p], np.int32)), np.array([0]), np.array([p], np.int32))
+    # the sliding cache now starts at position 6 (query 9 sees 6..9)
+    assert kv.swa.seq_pos_min(0) == 6
+    assert kv.can_reuse(0, 10) and kv.can_reuse(0, 9)
+    assert not kv.can_reuse(0, 5)  # a query at 5 would need 2..5
