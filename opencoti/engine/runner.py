@@ -57,8 +57,10 @@ def iter_logits(runner: ModelRunner, tokens: list[int], seq_id: int = 0, pos0: i
 
 
 def eval_logits(model, tokens: list[int], n_ubatch: int = 512, backend=None,
-                n_ctx: Optional[int] = None) -> np.ndarray:
+                n_ctx: Optional[int] = None, type_k: str = "f16", type_v: str = "f16") -> np.ndarray:
     """Logits for every position of ``tokens`` (fresh KV, one sequence):
-    float32 ``[len(tokens), n_vocab]``; row i predicts token i+1."""
-    runner = ModelRunner(model, backend, n_ctx=n_ctx or max(256, len(tokens)), n_ubatch=n_ubatch)
+    float32 ``[len(tokens), n_vocab]``; row i predicts token i+1. ``type_k`` /
+    ``type_v`` pick the KV tier (f32 for exact-math comparisons)."""
+    runner = ModelRunner(model, backend, n_ctx=n_ctx or max(256, len(tokens)), n_ubatch=n_ubatch,
+                         type_k=type_k, type_v=type_v)
     return np.concatenate([lg for _, lg in iter_logits(runner, tokens)], axis=0)
