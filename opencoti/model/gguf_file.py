@@ -41,6 +41,12 @@ _NUMPY_DTYPES = {
     0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
     6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64,
 }
+_PLAIN_DTYPES = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
 _T_STRING = 8
 _T_ARRAY = 9
 
@@ -231,17 +237,16 @@ class GGUFFile:
     def dequantize(self, name: str, dtype=np.float32) -> np.ndarray:
         """Dequantize tensor ``name`` to ``dtype`` with NumPy shape ``reversed(ne)``.
 
-        Uses ``gguf.quants.dequantize`` (every type the gguf package supports).
+        Plain types (F32, F16, F64, I8..I64) are viewed; every other type goes
+        through ``gguf.quants.dequantize`` (all types the gguf package supports).
         Raises ``KeyError`` for an unknown name, ``GGUFError`` for a type the
         gguf package cannot dequantize.
         """
         info = self.tensors[name]
         raw = self.raw(name)
         t = info.ggml_type
-        if t == GGMLQuantizationType.F32:
-            out = raw.view(np.float32)
-        elif t == GGMLQuantizationType.F16:
-            out = raw.view(np.float16)
+        if t in _PLAIN_DTYPES:
+            out = raw.view(_PLAIN_DTYPES[t])
         else:
             try:
                 out = _gguf_dequantize(raw, t)
