@@ -28,6 +28,7 @@ class Params:
     n_threads: int = -1  # -t
     n_parallel: int = 1  # -np
     kv_unified: bool = False  # --kv-unified
+    ctx_shift: bool = False  # --context-shift: drop old tokens instead of stopping at the context limit
     n_gpu_layers: int = -1  # -ngl (-1: backend default)
     main_gpu: int = 0
     gpu: str = "auto"  # --gpu {auto,nvidia,vulkan,amd,apple,disable}

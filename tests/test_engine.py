@@ -126,3 +126,59 @@ def test_context_limit_truncates(model):
         assert len(toks) + len(ids) == 32
     finally:
         e.stop()
+
+
+def test_k_shift_is_lossless(model):
+    """K re-rotation after seq_add is exact: attention depends only on relative
+    positions, so shifting a whole sequence by +7 leaves the next logits unchanged,
+    and after dropping a range, layer-0 K/V (which depend on token and position
+    only) equal a cold run of the shifted tokens."""
+    import numpy as np
+
+    from opencoti.engine.batch import UBatch
+    from opencoti.engine.runner import ModelRunner, iter_logits
+
+    toks = model.tokenizer.tokenize("Alice has three apples. Bob has five pears. " * 4, add_special=True)[:40]
+    nxt = 1234
+
+    def fresh():
+        r = ModelRunner(model, n_ctx=128, n_ubatch=64, type_k="f32", type_v="f32")
+        list(iter_logits(r, toks))
+        return r
+
+    base = fresh().decode(UBatch.build([nxt], [40], [0], [0]))[0]
+    r = fresh()
+    r.seq_add(0, 0, 40, 7)
+    assert r.kv.seq_pos_min(0) == 7 and r.kv.seq_pos_max(0) == 46
+    moved = r.decode(UBatch.build([nxt], [47], [0], [0]))[0]
+    assert np.max(np.abs(moved - base)) < 2e-3
+    assert int(np.argmax(moved)) == int(np.argmax(base))
+
+    r = fresh()
+    r.kv.seq_rm(0, 4, 14)
+    r.seq_add(0, 14, 40, -10)
+    cold = ModelRunner(model, n_ctx=128, n_ubatch=64, type_k="f32", type_v="f32")
+    list(iter_logits(cold, toks[:4] + toks[14:]))
+    for a, b in zip(r.kv.caches, cold.kv.caches):
+        il = a.layers[0]
+        for p in range(30):
+            ia, ib = np.nonzero(a.pos[0] == p)[0], np.nonzero(b.pos[0] == p)[0]
+            assert len(ia) == len(ib) == 1
+            if il == 0:
+                np.testing.assert_allclose(a.k[il][0, ia], b.k[il][0, ib], atol=1e-4)
+
+
+def test_context_shift_keeps_generating(model):
+    e = Engine(model, Params(n_ctx=32, n_parallel=1, n_ubatch=32, ctx_shift=True)).start()
+    try:
+        toks = model.tokenizer.tokenize("Count: 1, 2, 3, 4, 5,", add_special=True)
+        _, ids, fin = run(e, toks, n_predict=60, sampling=GREEDY, n_keep=4)
+        assert len(ids) == 60 and fin.stop_type == "limit" and fin.truncated
+        # n_predict -2 fills the context and stops even with context shift on
+        _, ids, fin = run(e, toks, n_predict=-2, sampling=GREEDY)
+        assert len(toks) + len(ids) == 32 and fin.truncated
+        # n_predict 0 returns no tokens
+        text, ids, fin = run(e, toks, n_predict=0, sampling=GREEDY)
+        assert ids == [] and text == "" and fin.n_predicted == 0
+    finally:
+        e.stop()

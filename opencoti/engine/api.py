@@ -49,6 +49,9 @@ class CompletionRequest:
     cache_prompt: reuse the longest common prefix already in the slot's KV.
     id_slot: slot to use, -1 = any.
     ignore_eos: keep generating past end-of-generation tokens.
+    n_keep: with context shift, prompt tokens kept at the start (-1 = the whole
+        prompt; BOS is kept on top, as llama.cpp).
+    n_discard: tokens dropped per shift (0 = half of what is not kept).
     """
 
     prompt_tokens: list[int]
@@ -58,6 +61,8 @@ class CompletionRequest:
     cache_prompt: bool = True
     id_slot: int = -1
     ignore_eos: bool = False
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 @dataclass

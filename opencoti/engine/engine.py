@@ -287,6 +287,9 @@ class Engine:
             if last not in row_of:
                 continue  # a prompt chunk that is not the prompt's end
             s.state = SlotState.GENERATING
+            if s.handle.request.n_predict == 0:
+                s.finish("limit")
+                continue
             lg = logits[row_of[last]]
             token = s.sampler.sample(lg)
             s.sampler.accept(token)
@@ -297,5 +300,28 @@ class Engine:
                 top = [TokenProb(int(i), float(lp), tok.token_to_piece(int(i)).decode("utf-8", "replace"))
                        for i, lp in zip(ids, lps)]
                 logprob = token_logprob(lg, token)
-            s.on_token(token, tok.is_eog(token), logprob, top)
+            if s.on_token(token, tok.is_eog(token), logprob, top) is None and s.context_full:
+                if self.params.ctx_shift and s.handle.request.n_predict != -2:
+                    self._context_shift(s)
+                else:
+                    s.finish("limit", truncated=True)
+
+    def _context_shift(self, s: Slot) -> None:
+        """Drop the oldest non-kept tokens of a full slot (llama.cpp server's context
+        shift): keep ``n_keep`` (+BOS), discard ``n_discard`` (default half of the
+        rest), shift the remainder's positions down and re-rotate their K."""
+        req = s.handle.request
+        n_keep = len(s.prompt) if req.n_keep < 0 else req.n_keep + int(self.model.tokenizer.add_bos)
+        n_keep = max(0, min(n_keep, s.n_past - 1))
+        n_left = s.n_past - n_keep
+        n_discard = req.n_discard if req.n_discard > 0 else n_left // 2
+        n_discard = min(n_discard, n_left)
+        if n_discard <= 0:
+            s.finish("limit", truncated=True)
+            return
+        self.runner.kv.seq_rm(s.seq_id, n_keep, n_keep + n_discard)
+        self.runner.seq_add(s.seq_id, n_keep + n_discard, s.n_past, -n_discard)
+        del s.cache_tokens[n_keep:n_keep + n_discard]
+        s.n_past -= n_discard
+        s.truncated = True
 

@@ -344,6 +344,20 @@ class KVCacheSet:
     def seq_pos_max(self, seq_id: int) -> int:
         return self.base.seq_pos_max(seq_id)
 
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> list[tuple[KVCache, int, np.ndarray]]:
+        """Shift ``seq_id``'s positions in ``[p0, p1)`` by ``delta`` in every cache.
+
+        Returns ``[(cache, stream, shift)]`` where ``shift`` is the per-cell
+        position delta (int32 ``[n_cells]``) that the caller must apply to the
+        cached K of that cache's layers (``ModelRunner.seq_add`` does).
+        """
+        out = []
+        for c in self.caches:
+            shift = c.seq_add(seq_id, p0, p1, delta)
+            if shift.any():
+                out.append((c, c.stream_of(seq_id), shift))
+        return out
+
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position still cached for ``seq_id`` in any cache (the SWA
         cache prunes, so this tells how far back the sequence can be reused)."""

@@ -44,6 +44,13 @@ class ModelRunner:
         self.kv.apply(ub.plans, ub.seq_id, ub.pos)
         return self.net.forward(ub, self.kv)
 
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Shift a sequence's positions (llama.cpp ``llama_memory_seq_add``) and
+        re-rotate the cached K of the moved cells so attention stays exact."""
+        for cache, stream, shift in self.kv.seq_add(seq_id, p0, p1, delta):
+            cells = np.nonzero(shift)[0]
+            self.net.shift_k(cache, stream, cells, shift[cells])
+
 
 def iter_logits(runner: ModelRunner, tokens: list[int], seq_id: int = 0, pos0: int = 0
                 ) -> Iterator[tuple[int, np.ndarray]]:

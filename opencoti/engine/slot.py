@@ -73,6 +73,7 @@ class Slot:
         self.n_sent = 0  # chars of ``text`` already emitted
         self.t_start = 0.0
         self.t_prompt_done = 0.0
+        self.truncated = False  # the context was shifted (or generation hit the limit)
 
     @property
     def busy(self) -> bool:
@@ -125,9 +126,12 @@ class Slot:
         self.pending = token
         if req.n_predict >= 0 and self.n_decoded >= req.n_predict:
             return self.finish("limit")
-        if self.n_past + 1 >= self.n_ctx:
-            return self.finish("limit", truncated=True)
         return None
+
+    @property
+    def context_full(self) -> bool:
+        """The pending token would not fit: shift the context or stop (llama.cpp's test)."""
+        return self.n_past + 1 >= self.n_ctx
 
     def finish(self, stop_type: str, word: str = "", truncated: bool = False) -> FinishEvent:
         """Build the final event (text still held back is released unless a stop
@@ -144,7 +148,7 @@ class Slot:
             stop_type=stop_type,
             stopping_word=word,
             text=rest,
-            truncated=truncated,
+            truncated=truncated or self.truncated,
             n_prompt_tokens=len(self.prompt),
             n_cached=self.n_cached,
             n_predicted=n_gen,

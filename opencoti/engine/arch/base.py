@@ -155,6 +155,16 @@ class DecoderModel:
             return hp.rope_freq_base_swa, hp.rope_freq_scale_swa
         return hp.rope_freq_base, hp.rope_freq_scale
 
+    def shift_k(self, cache, stream: int, cells: np.ndarray, delta: np.ndarray) -> None:
+        """Rotate cached K of ``cells`` by ``delta`` positions in every layer of
+        ``cache`` (RoPE angles add: R(p + d) = R(d) R(p); llama.cpp ``build_k_shift``)."""
+        hp, B = self.hp, self.backend
+        for il in cache.layers:
+            base, scale = self.rope_params(il)
+            k = cache.k[il][stream, cells].astype(np.float32)
+            k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+            cache.k[il][stream, cells] = k
+
     def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         B, hp = self.backend, self.hp
         T = h.shape[0]
