@@ -182,3 +182,19 @@ def test_context_shift_keeps_generating(model):
         assert ids == [] and text == "" and fin.n_predicted == 0
     finally:
         e.stop()
+
+
+def test_idle_slot_kv_is_evicted_when_the_unified_cache_fills(model):
+    e = Engine(model, Params(n_ctx=64, n_parallel=2, kv_unified=True, n_ubatch=32)).start()
+    try:
+        a = model.tokenizer.tokenize("One two three four five six seven eight nine ten", add_special=True)
+        b = model.tokenizer.tokenize("Red green blue yellow purple orange black white", add_special=True)
+        _, _, fa = run(e, a, n_predict=30, sampling=GREEDY, id_slot=0)
+        assert isinstance(fa, FinishEvent)
+        # slot 0 idles holding ~40 cells; slot 1 needs more than what is left
+        _, ids, fb = run(e, b, n_predict=40, sampling=GREEDY, id_slot=1)
+        assert isinstance(fb, FinishEvent) and len(ids) == 40
+        assert e.slots[0].cache_tokens == []  # evicted
+        assert e.slots[1].cache_tokens  # kept
+    finally:
+        e.stop()

@@ -163,11 +163,14 @@ class Engine:
         ub, owners = self._build_ubatch()
         if ub is None:
             return
-        try:
-            logits = self.runner.decode(ub)
-        except KVCacheFullError as e:
-            self._on_kv_full(owners, str(e))
-            return
+        while True:
+            try:
+                logits = self.runner.decode(ub)
+                break
+            except KVCacheFullError as e:
+                if not self._evict_idle(ub):
+                    self._on_kv_full(owners, str(e))
+                    return
         self.n_steps += 1
         self.n_tokens_processed += ub.n_tokens
         self._postprocess(ub, owners, logits)
@@ -265,6 +268,19 @@ class Engine:
         if not tokens:
             return None, owners
         return UBatch.build(tokens, pos, seqs, out_rows), owners
+
+    def _evict_idle(self, ub: UBatch) -> bool:
+        """Free the KV of the least recently used idle slot that holds cells in a
+        stream this ubatch writes to. Returns False when there is none."""
+        kv = self.runner.kv
+        streams = {kv.base.stream_of(int(q)) for q in np.unique(ub.seq_id)}
+        idle = [s for s in self.slots if not s.busy and s.cache_tokens and kv.base.stream_of(s.seq_id) in streams]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: s.t_last_used)
+        kv.seq_rm(victim.seq_id)
+        victim.cache_tokens = []
+        return True
 
     def _on_kv_full(self, owners, msg: str) -> None:
         # Nothing was committed. Fail the youngest prompt in the batch so the rest can proceed.
