@@ -1,0 +1,365 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions`` and
+llama.cpp's ``/apply-template``.
+
+Request fields and response shapes follow the OpenAI API reference (Chat
+Completions, Completions, their streaming chunk objects) as llama.cpp's server
+implements them (``server-common.cpp`` ``oaicompat_chat_params_parse`` /
+``oaicompat_completion_params_parse``, ``server-task.cpp`` ``to_json_oaicompat*``).
+
+Chat prompts: the messages are rendered with the chat template chosen at
+startup, a leading BOS text is dropped when the tokenizer adds BOS itself, and
+the text is tokenized with special tokens parsed (llama.cpp behaviour).
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+import time
+from itertools import chain
+from typing import Any, Iterator, Optional, Union
+
+from opencoti.engine.api import ErrorEvent, FinishEvent, TokenEvent
+from opencoti.http import generate as gen
+from opencoti.http.errors import invalid_request
+from opencoti.http.routes import (
+    Request,
+    Response,
+    StreamResponse,
+    first_event,
+    submit_all,
+)
+from opencoti.http.sse import SSE_DONE, sse_event
+from opencoti.http.state import ServerState
+from opencoti.http.validate import (
+    ParsedCompletion,
+    get_bool,
+    get_int,
+    parse_completion,
+    tokenize_prompts,
+)
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def random_id(prefix: str) -> str:
+    """``prefix`` + 32 random letters/digits (llama.cpp ``gen_chatcmplid``)."""
+    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(32))
+
+
+def finish_reason(fin: FinishEvent) -> str:
+    """OpenAI finish_reason: "stop" for an end-of-generation token or a stop
+    string, "length" for the n_predict / context limit."""
+    return "stop" if fin.stop_type in ("eos", "word") else "length"
+
+
+def usage_json(r: gen.Result) -> dict:
+    return {"completion_tokens": r.n_predicted, "prompt_tokens": r.n_prompt,
+            "total_tokens": r.n_predicted + r.n_prompt}
+
+
+# ---------------------------------------------------------------------------
+# chat prompt
+
+
+def _check_messages(messages: Any) -> list:
+    """Type checks on ``messages`` before the template sees them (400 on failure)."""
+    if messages is None:
+        raise invalid_request('"messages" is required')
+    if not isinstance(messages, list):
+        raise invalid_request('"messages" must be an array of message objects')
+    if not messages:
+        raise invalid_request('"messages" must not be empty')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid_request(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid_request(f'messages[{i}].role must be a non-empty string')
+        content = m.get("content")
+        if role != "assistant" and "content" not in m:
+            raise invalid_request("All non-assistant messages must contain 'content'")
+        if role == "assistant" and "content" not in m and "tool_calls" not in m:
+            raise invalid_request("Assistant message must contain either 'content' or 'tool_calls'")
+        if content is not None and not isinstance(content, (str, list)):
+            raise invalid_request(f"messages[{i}].content must be a string or an array of content parts")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict):
+                    raise invalid_request(f"messages[{i}].content parts must be objects")
+                ptype = part.get("type")
+                if ptype in ("image_url", "input_audio"):
+                    raise invalid_request(f"{ptype} input is not supported: this server has no multimodal projector loaded")
+                if ptype != "text" or not isinstance(part.get("text"), str):
+                    raise invalid_request(f"messages[{i}].content: unsupported content part (only text parts with a string 'text')")
+    return messages
+
+
+def render_chat(state: ServerState, body: dict) -> str:
+    """Render the request's messages to prompt text with the server's template.
+
+    Handles ``tools``, ``chat_template_kwargs``, ``add_generation_prompt`` and a
+    final assistant message (prefilled: rendered without it, its content then
+    appended, as llama.cpp does). Raises 400 for malformed messages or when the
+    template refuses the conversation.
+    """
+    messages = _check_messages(body.get("messages"))
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid_request('"tools" must be an array')
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise invalid_request('"chat_template_kwargs" must be an object')
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    prefill: Optional[str] = None
+    if messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str):
+        prefill = messages[-1]["content"]
+        messages = messages[:-1]
+        if messages and messages[-1].get("role") == "assistant":
+            raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")
+        add_gen = True
+        if not messages:
+            raise invalid_request('"messages" needs at least one message before the prefilled assistant message')
+    tok = state.tokenizer
+    try:
+        text = state.chat_template.render_prompt(
+            messages, add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos),
+            add_generation_prompt=add_gen, tools=tools or None, **kwargs)
+    except ValueError as e:  # ChatTemplateError is a ValueError
+        raise invalid_request(str(e) or "the chat template refused the conversation") from None
+    if prefill:
+        text += prefill
+    return text
+
+
+def tokenize_chat(state: ServerState, text: str) -> list[int]:
+    """Tokenize rendered chat text: BOS added by the tokenizer (``render_prompt``
+    already removed a BOS text), special-token text parsed into special tokens."""
+    try:
+        ids = state.tokenizer.tokenize(text, add_special=True, parse_special=True)
+    except ValueError as e:
+        raise invalid_request(f"the chat prompt could not be tokenized: {e}") from None
+    if not ids:
+        raise invalid_request("the rendered chat prompt is empty")
+    return ids
+
+
+def _parse_chat_body(state: ServerState, body: dict) -> tuple[list[int], ParsedCompletion, int]:
+    """Validate a chat body; returns (prompt ids, parsed params, top_logprobs count)."""
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type", "text"), str):
+            raise invalid_request('"response_format" must be an object with a string "type"')
+        if rf.get("type", "text") != "text":
+            raise invalid_request(f'response_format type "{rf["type"]}" is not supported by this server yet')
+    parsed = parse_completion(body, state.params.sampling, state.params.n_predict,
+                              state.n_ctx_slot, state.n_slots)
+    want_logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, min=0, max=20)
+    if top is not None and not want_logprobs:
+        raise invalid_request("top_logprobs requires logprobs to be set to true")
+    n_top = parsed.options.n_probs  # an explicit llama.cpp n_probs wins
+    if want_logprobs and body.get("n_probs") is None:
+        n_top = top or 0
+    if want_logprobs or n_top > 0:
+        parsed.request.sampling.n_probs = max(n_top, 1)
+        parsed.options.want_logprobs = True
+    parsed.options.n_probs = n_top
+    prompt = tokenize_chat(state, render_chat(state, body))
+    return prompt, parsed, n_top
+
+
+# ---------------------------------------------------------------------------
+# /v1/chat/completions
+
+
+def _chunk(cid: str, created: int, model: str, choices: list, **extra: Any) -> dict:
+    return {"choices": choices, "created": created, "id": cid, "model": model,
+            "system_fingerprint": extra.pop("fingerprint"), "object": "chat.completion.chunk", **extra}
+
+
+def post_chat_completions(state: ServerState, req: Request) -> Union[Response, StreamResponse]:
+    """``POST /v1/chat/completions``: OpenAI chat completion, plain or streamed.
+
+    Non-stream: ``{id, object: "chat.completion", created, model,
+    system_fingerprint, choices: [{index, message: {role, content},
+    finish_reason, logprobs}], usage, timings}``. Stream: ``chat.completion.chunk``
+    objects (first delta carries ``role``), a final chunk with ``finish_reason``,
+    an optional usage chunk (``stream_options.include_usage``), then ``[DONE]``.
+    """
+    body = req.json()
+    prompt, parsed, n_top = _parse_chat_body(state, body)
+    opts = parsed.options
+    handle = submit_all(state, parsed, [prompt])[0]
+    cid = random_id("chatcmpl-")
+    created = int(time.time())
+    model = state.model_name
+    fp = state.build_info
+
+    if not opts.stream:
+        r = gen.collect(state.tokenizer, handle, req.is_disconnected, n_top=n_top,
+                        want_probs=opts.want_logprobs)
+        choice = {
+            "finish_reason": finish_reason(r.finish),
+            "index": 0,
+            "message": {"role": "assistant", "content": r.content},
+            "logprobs": {"content": r.probs} if opts.want_logprobs else None,
+        }
+        return Response({
+            "choices": [choice], "created": created, "model": model, "system_fingerprint": fp,
+            "object": "chat.completion", "usage": usage_json(r), "id": cid,
+            "timings": gen.timings_json(r.finish),
+        })
+
+    try:
+        first, events = first_event(handle, req)
+    except BaseException:
+        handle.cancel()
+        raise
+
+    def stream() -> Iterator[bytes]:
+        collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs)
+        done = False
+        try:
+            yield sse_event(_chunk(cid, created, model, [{
+                "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}],
+                fingerprint=fp))
+            for ev in chain([first], events):
+                if isinstance(ev, TokenEvent):
+                    entry = collector.add(ev)
+                    if not ev.text and entry is None:
+                        continue
+                    choice: dict = {"finish_reason": None, "index": 0, "delta": {"content": ev.text}}
+                    if entry is not None:
+                        choice["logprobs"] = {"content": [entry]}
+                    yield sse_event(_chunk(cid, created, model, [choice], fingerprint=fp))
+                elif isinstance(ev, FinishEvent):
+                    collector.add(ev)
+                    done = True
+                    r = collector.result
+                    if ev.text:
+                        yield sse_event(_chunk(cid, created, model, [{
+                            "finish_reason": None, "index": 0, "delta": {"content": ev.text}}], fingerprint=fp))
+                    timings = gen.timings_json(ev)
+                    final = _chunk(cid, created, model, [{
+                        "finish_reason": finish_reason(ev), "index": 0, "delta": {}}], fingerprint=fp)
+                    if opts.include_usage:
+                        yield sse_event(final)
+                        yield sse_event(_chunk(cid, created, model, [], fingerprint=fp,
+                                               usage=usage_json(r), timings=timings))
+                    else:
+                        final["timings"] = timings
+                        yield sse_event(final)
+                    yield SSE_DONE
+                elif isinstance(ev, ErrorEvent):
+                    done = True
+                    yield sse_event(gen.error_from_event(ev).body())
+                    return
+        finally:
+            if not done:
+                handle.cancel()
+
+    return StreamResponse(stream())
+
+
+# ---------------------------------------------------------------------------
+# /v1/completions
+
+
+def post_completions_oai(state: ServerState, req: Request) -> Union[Response, StreamResponse]:
+    """``POST /v1/completions``: OpenAI text completion.
+
+    ``logprobs`` (an integer, the number of top tokens) maps to ``n_probs``;
+    ``echo``, ``best_of`` and ``suffix`` are refused as in llama.cpp. Several
+    prompts give several choices (non-stream only).
+    """
+    body = req.json()
+    if body.get("prompt") is None:
+        raise invalid_request('"prompt" is required')
+    if get_bool(body, "echo", False):
+        raise invalid_request("Only no echo is supported")
+    for p in ("best_of", "suffix"):
+        if body.get(p) is not None:
+            raise invalid_request(f"Unsupported param: {p}")
+    parsed = parse_completion(body, state.params.sampling, state.params.n_predict,
+                              state.n_ctx_slot, state.n_slots)
+    lp = get_int(body, "logprobs", None, min=0, max=1024)
+    if lp is not None and body.get("n_probs") is None:
+        parsed.request.sampling.n_probs = lp
+        parsed.options.n_probs = lp
+    opts = parsed.options
+    want_probs = opts.n_probs > 0
+    prompts = tokenize_prompts(state.tokenizer, body["prompt"])
+    if opts.stream and len(prompts) > 1:
+        raise invalid_request("streaming supports a single prompt")
+    handles = submit_all(state, parsed, prompts)
+    cid = random_id("cmpl-")
+    created = int(time.time())
+    model = state.model_name
+    fp = state.build_info
+
+    def obj(choices: list, **extra: Any) -> dict:
+        return {"choices": choices, "created": created, "model": model, "system_fingerprint": fp,
+                "object": "text_completion", "id": cid, **extra}
+
+    if not opts.stream:
+        results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
+                                   n_top=opts.n_probs, want_probs=want_probs)
+        choices = [{"text": r.content, "index": i,
+                    "logprobs": {"content": r.probs} if want_probs else None,
+                    "finish_reason": finish_reason(r.finish)} for i, r in enumerate(results)]
+        usage = {"completion_tokens": sum(r.n_predicted for r in results),
+                 "prompt_tokens": sum(r.n_prompt for r in results)}
+        usage["total_tokens"] = usage["completion_tokens"] + usage["prompt_tokens"]
+        return Response(obj(choices, usage=usage, timings=gen.timings_json(results[0].finish)))
+
+    handle = handles[0]
+    try:
+        first, events = first_event(handle, req)
+    except BaseException:
+        handle.cancel()
+        raise
+
+    def stream() -> Iterator[bytes]:
+        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs)
+        done = False
+        try:
+            for ev in chain([first], events):
+                if isinstance(ev, TokenEvent):
+                    entry = collector.add(ev)
+                    if not ev.text and entry is None:
+                        continue
+                    yield sse_event(obj([{"text": ev.text, "index": 0,
+                                          "logprobs": {"content": [entry]} if entry is not None else None,
+                                          "finish_reason": None}]))
+                elif isinstance(ev, FinishEvent):
+                    collector.add(ev)
+                    done = True
+                    r = collector.result
+                    if ev.text:
+                        yield sse_event(obj([{"text": ev.text, "index": 0, "logprobs": None,
+                                              "finish_reason": None}]))
+                    yield sse_event(obj([{"text": "", "index": 0, "logprobs": None,
+                                          "finish_reason": finish_reason(ev)}],
+                                        usage=usage_json(r), timings=gen.timings_json(ev)))
+                    yield SSE_DONE
+                elif isinstance(ev, ErrorEvent):
+                    done = True
+                    yield sse_event(gen.error_from_event(ev).body())
+                    return
+        finally:
+            if not done:
+                handle.cancel()
+
+    return StreamResponse(stream())
+
+
+# ---------------------------------------------------------------------------
+# /apply-template
+
+
+def post_apply_template(state: ServerState, req: Request) -> Response:
+    """``POST /apply-template`` ``{messages, ...}`` -> ``{"prompt": text}``: the chat
+    prompt exactly as ``/v1/chat/completions`` would tokenize it (llama.cpp)."""
+    body = req.json()
+    return Response({"prompt": render_chat(state, body)})

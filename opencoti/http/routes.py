@@ -1,0 +1,492 @@
+"""Routes of llama.cpp's server API and the request/response types handlers use.
+
+A handler is ``fn(state: ServerState, req: Request) -> Response | StreamResponse``.
+It raises ``HTTPError`` for client errors; the server turns any other exception
+into a 500 JSON error. Paths, field names and shapes follow llama.cpp's
+``tools/server/server.cpp`` (route table), ``server-context.cpp`` (handlers,
+``get_res_props``, ``get_res_models``) and ``server-task.cpp`` (result JSON).
+
+The OpenAI-compatible routes live in ``opencoti.http.oai``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from itertools import chain
+from typing import Any, Callable, Iterator, Optional, Union
+
+from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, TokenEvent
+from opencoti.http import generate as gen
+from opencoti.http.errors import HTTPError, invalid_request, not_supported
+from opencoti.http.sse import sse_event
+from opencoti.http.state import ServerState
+from opencoti.http.validate import (
+    ParsedCompletion,
+    get_bool,
+    parse_completion,
+    require_object,
+    tokenize_mixed,
+    tokenize_prompts,
+)
+from opencoti.version import __version__
+
+# ---------------------------------------------------------------------------
+# request / response types
+
+
+@dataclass
+class Request:
+    """One parsed HTTP request.
+
+    path: without the query string. query: first value per query key.
+    body: raw body bytes. is_disconnected: returns True once the client has
+    closed its connection (checked while waiting on the engine).
+    """
+
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: Any
+    body: bytes
+    is_disconnected: Callable[[], bool] = lambda: False
+
+    def json(self) -> dict:
+        """The body as a JSON object; 400 if it is not valid JSON or not an object."""
+        if not self.body.strip():
+            raise invalid_request("request body is empty; expected a JSON object")
+        try:
+            data = json.loads(self.body.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise invalid_request("request body is not valid UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise invalid_request(f"invalid JSON in request body: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise invalid_request("invalid JSON in request body: nested too deeply") from None
+        return require_object(data)
+
+
+@dataclass
+class Response:
+    """A complete (non-streamed) response; ``body`` is JSON-serialized unless
+    ``raw`` is given."""
+
+    body: Any = None
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    raw: Optional[bytes] = None
+    content_type: str = "application/json; charset=utf-8"
+
+
+@dataclass
+class StreamResponse:
+    """A server-sent-events response: each item of ``chunks`` is one encoded event.
+
+    The server closes the iterator (``close()``) when the client goes away, so a
+    generator's ``finally`` can cancel its engine request.
+    """
+
+    chunks: Iterator[bytes]
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = "text/event-stream"
+
+
+Handler = Callable[[ServerState, Request], Union[Response, StreamResponse]]
+
+
+class Router:
+    """Exact-path route table: ``path -> {method: handler}``."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, dict[str, Handler]] = {}
+
+    def add(self, method: str, paths: Union[str, list[str]], fn: Handler) -> None:
+        for p in [paths] if isinstance(paths, str) else paths:
+            self.routes.setdefault(p, {})[method.upper()] = fn
+
+    def match(self, method: str, path: str) -> Optional[Handler]:
+        """The handler for ``method path``.
+
+        Raises HTTPError 404 for an unknown path, 405 (with ``Allow``) for a
+        known path and another method.
+        """
+        methods = self.routes.get(path)
+        if methods is None:
+            raise HTTPError(404, "not_found_error", "File Not Found")
+        fn = methods.get(method.upper())
+        if fn is None:
+            allow = ", ".join(sorted(methods))
+            raise HTTPError(405, "invalid_request_error",
+                            f"method {method} is not allowed on {path}; use {allow}",
+                            headers={"Allow": allow})
+        return fn
+
+
+# ---------------------------------------------------------------------------
+# JSON shapes shared with the OpenAI routes
+
+
+def sampler_names() -> list[str]:
+    """The sampler chain our engine applies, in llama.cpp's names and order."""
+    return ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]
+
+
+def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool = False) -> dict:
+    """llama.cpp's ``task_params::to_json`` for the settings a request ran with
+    (the fields this server implements; features it lacks report their "off" value)."""
+    s = req.sampling
+    out = {
+        "seed": s.seed if s.seed >= 0 else 0xFFFFFFFF,
+        "temperature": s.temperature,
+        "dynatemp_range": 0.0,
+        "dynatemp_exponent": 1.0,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "top_n_sigma": -1.0,
+        "xtc_probability": 0.0,
+        "xtc_threshold": 0.1,
+        "typical_p": s.typical_p,
+        "repeat_last_n": s.repeat_last_n,
+        "repeat_penalty": s.repeat_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "dry_multiplier": 0.0,
+        "mirostat": 0,
+        "stop": list(req.stop),
+        "max_tokens": req.n_predict,
+        "n_predict": req.n_predict,
+        "n_keep": req.n_keep,
+        "n_discard": req.n_discard,
+        "ignore_eos": req.ignore_eos,
+        "stream": stream,
+        "n_probs": s.n_probs,
+        "min_keep": 0,
+        "samplers": sampler_names(),
+        "cache_prompt": req.cache_prompt,
+        "id_slot": req.id_slot,
+    }
+    if only_metrics:
+        out.pop("stop")
+    return out
+
+
+def completion_final_json(state: ServerState, r: gen.Result, parsed: ParsedCompletion,
+                          stream: bool, index: int = 0) -> dict:
+    """llama.cpp's final ``/completion`` result (``to_json_non_oaicompat``).
+
+    In stream mode ``content`` and ``tokens`` are empty (they went out in the
+    partial events) and no ``completion_probabilities`` are repeated.
+    """
+    fin = r.finish
+    n_prompt = r.n_prompt
+    n_pred = r.n_predicted
+    out = {
+        "index": index,
+        "content": "" if stream else r.content,
+        "tokens": r.tokens if (parsed.options.return_tokens and not stream) else [],
+        "id_slot": fin.id_slot,
+        "stop": True,
+        "model": state.model_name,
+        "tokens_predicted": n_pred,
+        "tokens_evaluated": n_prompt,
+        "generation_settings": generation_settings(parsed.request, stream),
+        "prompt": state.tokenizer.detokenize(r.prompt_tokens, special=True),
+        "has_new_line": "\n" in r.content,
+        "truncated": bool(fin.truncated),
+        "stop_type": fin.stop_type,
+        "stopping_word": fin.stopping_word,
+        # tokens left in the slot's cache: the prompt plus the generated tokens
+        # fed back (the last sampled one is never evaluated)
+        "tokens_cached": n_prompt + max(n_pred - 1, 0),
+        "timings": gen.timings_json(fin),
+    }
+    if not stream and r.probs:
+        out["completion_probabilities"] = r.probs
+    return out
+
+
+def submit_all(state: ServerState, parsed: ParsedCompletion, prompts: list[list[int]]) -> list:
+    """Submit one engine request per prompt; if one submit fails, cancel the others."""
+    handles = []
+    try:
+        for p in prompts:
+            req = replace(parsed.request, prompt_tokens=list(p),
+                          sampling=replace(parsed.request.sampling), stop=list(parsed.request.stop))
+            handles.append(gen.submit(state.engine, req, state.n_ctx_slot))
+    except BaseException:
+        for h in handles:
+            h.cancel()
+        raise
+    return handles
+
+
+def first_event(handle, req: Request):
+    """Start a stream: wait for the request's first event so that an immediate
+    engine error still becomes a plain HTTP error (llama.cpp does the same).
+
+    Returns ``(first_event, event_iterator)``.
+    """
+    events = gen.iter_events(handle, req.is_disconnected)
+    try:
+        ev = next(events)
+    except StopIteration:
+        raise HTTPError(500, "server_error", "the engine ended the request without events") from None
+    if isinstance(ev, ErrorEvent):
+        raise gen.error_from_event(ev)
+    return ev, events
+
+
+# ---------------------------------------------------------------------------
+# llama.cpp routes
+
+
+def get_health(state: ServerState, req: Request) -> Response:
+    """``GET /health``: ``{"status": "ok"}`` (the loading case is answered by the server)."""
+    return Response({"status": "ok"})
+
+
+def get_props(state: ServerState, req: Request) -> Response:
+    """``GET /props``: server and model properties (llama.cpp ``get_res_props``),
+    plus opencoti's own under ``"opencoti"``."""
+    tok = state.tokenizer
+    dummy = CompletionRequest(prompt_tokens=[], n_predict=state.params.n_predict,
+                              sampling=replace(state.params.sampling))
+    tmpl = state.chat_template
+    engine_props: dict = {}
+    if hasattr(state.engine, "props"):
+        engine_props = dict(state.engine.props() or {})
+    props = {
+        "default_generation_settings": {
+            "params": generation_settings(dummy, False, only_metrics=True),
+            "n_ctx": state.n_ctx_slot,
+        },
+        "total_slots": state.n_slots,
+        "model_alias": state.model_name,
+        "model_path": str(getattr(state.model, "path", None) or state.params.model or ""),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": True,
+        "endpoint_props": False,
+        "endpoint_metrics": False,
+        "chat_template": getattr(tmpl, "source", "") if tmpl is not None else "",
+        "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
+        "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None and tok.eos_id >= 0 else "",
+        "build_info": state.build_info,
+        "is_sleeping": False,
+        "opencoti": {
+            "version": __version__,
+            "build": state.build_info,
+            "backend": engine_props.pop("backend", "cpu"),
+            "chat_template_name": getattr(tmpl, "name", None),
+            **engine_props,
+        },
+    }
+    return Response(props)
+
+
+def model_info(state: ServerState) -> dict:
+    """One entry of ``/v1/models`` (llama.cpp ``get_res_model_info``)."""
+    md = getattr(state.model, "metadata", {}) or {}
+    hp = getattr(state.model, "hparams", None)
+    path = getattr(state.model, "path", None) or state.params.model
+    try:
+        size = os.path.getsize(path) if path else 0
+    except OSError:
+        size = 0
+    return {
+        "id": state.model_name,
+        "aliases": [state.model_name],
+        "tags": [],
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "llamacpp",
+        "meta": {
+            "vocab_type": md.get("tokenizer.ggml.model"),
+            "n_vocab": state.tokenizer.n_vocab,
+            "n_ctx": state.n_ctx_slot,
+            "n_ctx_train": getattr(hp, "n_ctx_train", None),
+            "n_embd": getattr(hp, "n_embd", None),
+            "n_params": getattr(state.model, "n_params", None),
+            "size": size,
+            "architecture": md.get("general.architecture"),
+        },
+    }
+
+
+def get_models(state: ServerState, req: Request) -> Response:
+    """``GET /v1/models`` and ``/models``: OpenAI's list shape (plus llama.cpp's
+    Ollama-style ``models`` array)."""
+    info = model_info(state)
+    return Response({
+        "models": [{
+            "name": state.model_name,
+            "model": state.model_name,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                        "parameter_size": "", "quantization_level": ""},
+        }],
+        "object": "list",
+        "data": [info],
+    })
+
+
+def get_slots(state: ServerState, req: Request) -> Response:
+    """``GET /slots``: the engine's per-slot state; ``?fail_on_no_slot=1`` answers
+    503 when every slot is busy (llama.cpp)."""
+    slots = list(state.engine.slots_info()) if hasattr(state.engine, "slots_info") else []
+    if req.query.get("fail_on_no_slot"):
+        idle = [s for s in slots if not s.get("is_processing", False)]
+        if not idle:
+            raise HTTPError(503, "unavailable_error", "no slot available")
+    return Response(slots)
+
+
+def get_metrics(state: ServerState, req: Request) -> Response:
+    """``GET /metrics``: not offered yet (llama.cpp answers the same without ``--metrics``)."""
+    raise not_supported("This server does not support metrics endpoint.")
+
+
+def post_tokenize(state: ServerState, req: Request) -> Response:
+    """``POST /tokenize`` ``{content, add_special=false, parse_special=true,
+    with_pieces=false}`` -> ``{"tokens": [...]}``; with pieces each entry is
+    ``{id, piece}`` where a piece that is not valid UTF-8 is a list of bytes."""
+    body = req.json()
+    tok = state.tokenizer
+    if body.get("content") is None:
+        return Response({"tokens": []})
+    add_special = get_bool(body, "add_special", False)
+    parse_special = get_bool(body, "parse_special", True)
+    with_pieces = get_bool(body, "with_pieces", False)
+    ids = tokenize_mixed(tok, body["content"], add_special, parse_special, key="content")
+    if not with_pieces:
+        return Response({"tokens": ids})
+    out = []
+    for t in ids:
+        b = tok.token_to_piece(t, special=True)
+        try:
+            piece: Any = b.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(b)
+        out.append({"id": t, "piece": piece})
+    return Response({"tokens": out})
+
+
+def post_detokenize(state: ServerState, req: Request) -> Response:
+    """``POST /detokenize`` ``{tokens}`` -> ``{"content": text}``: the pieces joined
+    (special tokens rendered, llama.cpp ``tokens_to_str``)."""
+    body = req.json()
+    tok = state.tokenizer
+    ids = body.get("tokens")
+    if ids is None:
+        return Response({"content": ""})
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise invalid_request('"tokens" must be a list of integer token ids')
+    for t in ids:
+        if t < 0 or t >= tok.n_vocab:
+            raise invalid_request(f'"tokens" contains an invalid token id {t} (vocabulary has {tok.n_vocab} tokens)')
+    data = b"".join(tok.token_to_piece(t, special=True) for t in ids)
+    return Response({"content": data.decode("utf-8", errors="replace")})
+
+
+def post_completion(state: ServerState, req: Request) -> Union[Response, StreamResponse]:
+    """``POST /completion`` (and ``/completions``): llama.cpp's native completion.
+
+    Non-stream: one result object (an array for several prompts). Stream: one
+    SSE event per generated token ``{index, content, tokens, stop: false,
+    id_slot, tokens_predicted, tokens_evaluated[, completion_probabilities]}``,
+    then the final result with ``stop: true``; the stream has no ``[DONE]``.
+    """
+    body = req.json()
+    parsed = parse_completion(body, state.params.sampling, state.params.n_predict,
+                              state.n_ctx_slot, state.n_slots)
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid_request('"prompt" is required')
+    prompts = tokenize_prompts(state.tokenizer, body["prompt"])
+    opts = parsed.options
+    if opts.stream and len(prompts) > 1:
+        raise invalid_request("streaming supports a single prompt")
+    handles = submit_all(state, parsed, prompts)
+    want_probs = opts.n_probs > 0
+    if not opts.stream:
+        results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
+                                   n_top=opts.n_probs, want_probs=want_probs)
+        objs = [completion_final_json(state, r, parsed, False, i) for i, r in enumerate(results)]
+        return Response(objs[0] if len(objs) == 1 else objs)
+
+    handle = handles[0]
+    try:
+        first, events = first_event(handle, req)
+    except BaseException:
+        handle.cancel()
+        raise
+    n_prompt = len(handle.request.prompt_tokens)
+
+    def stream() -> Iterator[bytes]:
+        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs)
+        id_slot = getattr(handle, "id_slot", -1)
+        done = False
+        try:
+            for ev in chain([first], events):
+                if isinstance(ev, TokenEvent):
+                    entry = collector.add(ev)
+                    partial = {
+                        "index": 0,
+                        "content": ev.text,
+                        "tokens": [ev.token],
+                        "stop": False,
+                        "id_slot": getattr(handle, "id_slot", id_slot),
+                        "tokens_predicted": len(collector.result.tokens),
+                        "tokens_evaluated": n_prompt,
+                    }
+                    if entry is not None:
+                        partial["completion_probabilities"] = [entry]
+                    yield sse_event(partial)
+                elif isinstance(ev, FinishEvent):
+                    collector.add(ev)
+                    done = True
+                    if ev.text:  # text held back for a possible stop string, released at the end
+                        yield sse_event({"index": 0, "content": ev.text, "tokens": [], "stop": False,
+                                         "id_slot": ev.id_slot, "tokens_predicted": ev.n_predicted,
+                                         "tokens_evaluated": n_prompt})
+                    yield sse_event(completion_final_json(state, collector.result, parsed, True))
+                elif isinstance(ev, ErrorEvent):
+                    done = True
+                    yield sse_event(gen.error_from_event(ev).body())
+                    return
+        finally:
+            if not done:
+                handle.cancel()
+
+    return StreamResponse(stream())
+
+
+def build_router() -> Router:
+    """The full route table: llama.cpp routes plus the OpenAI-compatible ones."""
+    from opencoti.http import oai
+
+    r = Router()
+    r.add("GET", ["/health", "/v1/health"], get_health)
+    r.add("GET", "/props", get_props)
+    r.add("GET", ["/models", "/v1/models"], get_models)
+    r.add("GET", "/slots", get_slots)
+    r.add("GET", "/metrics", get_metrics)
+    r.add("POST", ["/completion", "/completions"], post_completion)
+    r.add("POST", "/tokenize", post_tokenize)
+    r.add("POST", "/detokenize", post_detokenize)
+    r.add("POST", "/apply-template", oai.post_apply_template)
+    r.add("POST", ["/v1/chat/completions", "/chat/completions"], oai.post_chat_completions)
+    r.add("POST", "/v1/completions", oai.post_completions_oai)
+    return r
+
+# Routes that never need the API key (llama.cpp's public endpoints).
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})

@@ -1,0 +1,315 @@
+"""Strict parsing of request bodies: typed field getters, prompt tokenization and
+the llama.cpp ``/completion`` parameter set.
+
+Every getter raises ``HTTPError`` 400 (``invalid_request_error``) with a message
+naming the field when the value has the wrong JSON type or is out of range. A
+JSON ``null`` counts as "not given" (OpenAI clients send explicit nulls).
+
+Field names, aliases and defaults follow llama.cpp's
+``tools/server/server-task.cpp`` (``params_from_json_cmpl``) and
+``server-common.cpp`` (``tokenize_mixed``, ``tokenize_input_prompts``); unlike
+llama.cpp, which silently falls back to the default on a type mismatch, we
+reject it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
+
+from opencoti.engine.api import CompletionRequest, SamplingParams
+from opencoti.http.errors import invalid_request
+
+# llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
+DEFAULT_SEED = 0xFFFFFFFF
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass in Python but not an integer in JSON.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def require_object(body: Any, what: str = "request body") -> dict:
+    """Return ``body`` if it is a JSON object, else raise 400."""
+    if not isinstance(body, dict):
+        raise invalid_request(f"{what} must be a JSON object")
+    return body
+
+
+def get_bool(body: dict, key: str, default: bool) -> bool:
+    """``body[key]`` as a bool (JSON true/false); ``default`` when absent or null."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid_request(f'"{key}" must be a boolean')
+    return v
+
+
+def get_int(
+    body: dict,
+    key: str,
+    default: Optional[int],
+    min: Optional[int] = None,
+    max: Optional[int] = None,
+) -> Optional[int]:
+    """``body[key]`` as an int; integral floats (``32.0``) are accepted.
+
+    Raises 400 for other types or a value outside ``[min, max]``.
+    """
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, float) and not isinstance(v, bool) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise invalid_request(f'"{key}" must be an integer')
+    if min is not None and v < min:
+        raise invalid_request(f'"{key}" must be >= {min}')
+    if max is not None and v > max:
+        raise invalid_request(f'"{key}" must be <= {max}')
+    return v
+
+
+def get_number(
+    body: dict,
+    key: str,
+    default: Optional[float],
+    min: Optional[float] = None,
+    max: Optional[float] = None,
+) -> Optional[float]:
+    """``body[key]`` as a finite float (JSON number); 400 otherwise or out of ``[min, max]``."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise invalid_request(f'"{key}" must be a number')
+    v = float(v)
+    if min is not None and v < min:
+        raise invalid_request(f'"{key}" must be >= {min}')
+    if max is not None and v > max:
+        raise invalid_request(f'"{key}" must be <= {max}')
+    return v
+
+
+def get_str(body: dict, key: str, default: Optional[str]) -> Optional[str]:
+    """``body[key]`` as a string; 400 for other types."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise invalid_request(f'"{key}" must be a string')
+    return v
+
+
+def get_stop(body: dict, key: str = "stop", default: Sequence[str] = ()) -> list[str]:
+    """Stop strings: a string or a list of strings; empty strings are dropped
+    (as llama.cpp does). Absent/null/empty -> ``default``."""
+    v = body.get(key)
+    if v is None:
+        return list(default)
+    if isinstance(v, str):
+        words = [v]
+    elif isinstance(v, list) and all(isinstance(w, str) for w in v):
+        words = list(v)
+    else:
+        raise invalid_request(f'"{key}" must be a string or a list of strings')
+    words = [w for w in words if w]
+    return words if words else list(default)
+
+
+# ---------------------------------------------------------------------------
+# prompts
+
+
+def _check_ids(ids: list[int], n_vocab: int, key: str) -> list[int]:
+    for t in ids:
+        if t < 0 or t >= n_vocab:
+            raise invalid_request(f'"{key}" contains an invalid token id {t} (vocabulary has {n_vocab} tokens)')
+    return ids
+
+
+def _tokenize(tokenizer, text: str, add_special: bool, parse_special: bool, key: str) -> list[int]:
+    try:
+        return tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
+    except ValueError as e:  # e.g. a lone surrogate (UnicodeEncodeError) in the JSON string
+        raise invalid_request(f'"{key}" could not be tokenized: {e}') from None
+
+
+def tokenize_mixed(tokenizer, value: Any, add_special: bool, parse_special: bool, key: str = "prompt") -> list[int]:
+    """Tokenize a string, or a list mixing strings and token ids, into one id list.
+
+    Only the first element of a list gets ``add_special`` (BOS); ids are copied
+    as they are. Source: llama.cpp ``server-common.cpp`` ``tokenize_mixed``.
+    Raises 400 for any other element type or an id outside the vocabulary.
+    """
+    if isinstance(value, str):
+        return _tokenize(tokenizer, value, add_special, parse_special, key)
+    if not isinstance(value, list):
+        raise invalid_request(f'"{key}" must be a string or a list of strings and token ids')
+    out: list[int] = []
+    first = True
+    for el in value:
+        if isinstance(el, str):
+            out.extend(_tokenize(tokenizer, el, add_special and first, parse_special, key))
+        elif _is_int(el):
+            out.append(el)
+        else:
+            raise invalid_request(f'"{key}" elements must be strings or integer token ids')
+        first = False
+    return _check_ids(out, tokenizer.n_vocab, key)
+
+
+def tokenize_prompts(tokenizer, prompt: Any, key: str = "prompt") -> list[list[int]]:
+    """Turn a ``prompt`` field into one token list per prompt.
+
+    Accepted shapes (llama.cpp ``tokenize_input_prompts``):
+    ``"text"``; ``[12, 34]`` (token ids); ``[12, "text", 34]`` (mixed, one prompt);
+    ``["a", "b"]`` or ``["a", [1, 2]]`` (several prompts). Strings are tokenized
+    with BOS (when the model adds one) and with special tokens parsed.
+    Raises 400 for an empty list, an empty token list, or other shapes.
+    """
+    if prompt is None:
+        raise invalid_request(f'"{key}" is required')
+    if isinstance(prompt, str):
+        prompts = [tokenize_mixed(tokenizer, prompt, True, True, key)]
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise invalid_request(f'"{key}" must not be empty')
+        if any(_is_int(e) for e in prompt):
+            prompts = [tokenize_mixed(tokenizer, prompt, True, True, key)]
+        else:
+            prompts = []
+            for sub in prompt:
+                if not isinstance(sub, (str, list)):
+                    raise invalid_request(
+                        f'"{key}" elements must be a string, a list of token ids, or a list of mixed strings and ids'
+                    )
+                prompts.append(tokenize_mixed(tokenizer, sub, True, True, key))
+    else:
+        raise invalid_request(f'"{key}" must be a string, a list of token ids, or a list of prompts')
+    for ids in prompts:
+        if not ids:
+            raise invalid_request(f'"{key}" tokenizes to no tokens; the model needs at least one input token')
+    return prompts
+
+
+# ---------------------------------------------------------------------------
+# completion parameters
+
+
+@dataclass
+class ResponseOptions:
+    """How to shape the response (not needed by the engine).
+
+    stream: answer as server-sent events.
+    n_probs: top-n log-probabilities to report per token (0 = none).
+    return_tokens: include generated token ids in ``tokens`` (non-stream).
+    include_usage: OpenAI ``stream_options.include_usage``.
+    want_logprobs: OpenAI ``logprobs`` flag (chat): report the chosen token's
+    log-probability even when ``n_probs`` is 0.
+    """
+
+    stream: bool = False
+    n_probs: int = 0
+    return_tokens: bool = False
+    include_usage: bool = False
+    want_logprobs: bool = False
+
+
+@dataclass
+class ParsedCompletion:
+    """A validated completion body: the engine request template (prompt still
+    empty) and the response options."""
+
+    request: CompletionRequest
+    options: ResponseOptions
+    extra: dict = field(default_factory=dict)
+
+
+def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int) -> SamplingParams:
+    """Read the sampler fields of a request over the server's defaults.
+
+    Fields (llama.cpp names): temperature, top_k, top_p, min_p, typical_p,
+    repeat_penalty, repeat_last_n (-1 = the slot's context), presence_penalty,
+    frequency_penalty, seed (-1 or 0xFFFFFFFF = random), n_probs.
+    Raises 400 on a wrong type or out-of-range value.
+    """
+    sp = replace(defaults)
+    sp.temperature = get_number(body, "temperature", sp.temperature)
+    sp.top_k = get_int(body, "top_k", sp.top_k)
+    sp.top_p = get_number(body, "top_p", sp.top_p)
+    sp.min_p = get_number(body, "min_p", sp.min_p)
+    sp.typical_p = get_number(body, "typical_p", sp.typical_p)
+    sp.repeat_penalty = get_number(body, "repeat_penalty", sp.repeat_penalty, min=0.0)
+    sp.repeat_last_n = get_int(body, "repeat_last_n", sp.repeat_last_n, min=-1)
+    if sp.repeat_last_n == -1:
+        sp.repeat_last_n = n_ctx_slot
+    sp.presence_penalty = get_number(body, "presence_penalty", sp.presence_penalty)
+    sp.frequency_penalty = get_number(body, "frequency_penalty", sp.frequency_penalty)
+    seed = get_int(body, "seed", sp.seed, min=-1, max=DEFAULT_SEED)
+    sp.seed = -1 if seed == DEFAULT_SEED else seed
+    sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0, max=1024)
+    return sp
+
+
+def parse_n_predict(body: dict, default: int) -> int:
+    """``n_predict`` over ``max_completion_tokens`` over ``max_tokens`` (llama.cpp's
+    precedence); -1 = until end-of-generation (or the context is full), -2 = until
+    the context is full, 0 = evaluate the prompt only."""
+    n = get_int(body, "max_tokens", default, min=-2)
+    n = get_int(body, "max_completion_tokens", n, min=-2)
+    return get_int(body, "n_predict", n, min=-2)
+
+
+def parse_completion(
+    body: dict,
+    sampling_defaults: SamplingParams,
+    n_predict_default: int,
+    n_ctx_slot: int,
+    n_slots: int,
+) -> ParsedCompletion:
+    """Validate the llama.cpp ``/completion`` fields of ``body`` (not the prompt).
+
+    Returns the engine request template (``prompt_tokens`` empty) and the
+    response options. Raises 400 for wrong types or values, and for features
+    this server does not offer (grammar, json_schema, several completions per
+    prompt) instead of silently ignoring them.
+    """
+    require_object(body)
+    sampling = parse_sampling(body, sampling_defaults, n_ctx_slot)
+    for unsupported in ("grammar", "json_schema"):
+        if body.get(unsupported) not in (None, "", {}):
+            raise invalid_request(f'"{unsupported}" is not supported by this server yet')
+    n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1), min=1)
+    if n_cmpl != 1:
+        raise invalid_request("only one completion per prompt is supported (n = 1)")
+    id_slot = get_int(body, "id_slot", -1, min=-1)
+    if id_slot >= n_slots:
+        raise invalid_request(f'"id_slot" must be < {n_slots} (the server has {n_slots} slots)')
+    req = CompletionRequest(
+        prompt_tokens=[],
+        n_predict=parse_n_predict(body, n_predict_default),
+        sampling=sampling,
+        stop=get_stop(body),
+        cache_prompt=get_bool(body, "cache_prompt", True),
+        id_slot=id_slot,
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        n_keep=get_int(body, "n_keep", 0, min=-1),
+        n_discard=get_int(body, "n_discard", 0, min=0),
+    )
+    stream_opts = body.get("stream_options")
+    if stream_opts is not None and not isinstance(stream_opts, dict):
+        raise invalid_request('"stream_options" must be an object')
+    opts = ResponseOptions(
+        stream=get_bool(body, "stream", False),
+        n_probs=sampling.n_probs,
+        return_tokens=get_bool(body, "return_tokens", False),
+        include_usage=get_bool(stream_opts or {}, "include_usage", False),
+    )
+    return ParsedCompletion(req, opts)

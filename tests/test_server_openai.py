@@ -1,0 +1,195 @@
+"""The OpenAI-compatible routes driven by the official ``openai`` Python client
+against an in-process server on the real gemma-3-270m model.
+
+Checks real content (not just shapes): non-empty greedy text, the same text
+streamed and not, usage numbers equal to the token count of the rendered chat
+prompt (``/apply-template`` + ``/tokenize``), log-probabilities consistent with
+the greedy choice, and ``/v1/completions`` against llama.cpp's reference.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import openai
+import pytest
+
+from opencoti.http.server import make_server, start_in_thread, stop_server
+from opencoti.params import Params
+
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def post(port: int, path: str, body: dict):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    ctype = resp.getheader("Content-Type", "")
+    return resp.status, (json.loads(data) if ctype.startswith("application/json") else data)
+
+
+@pytest.fixture(scope="module")
+def ref(shared_dir):
+    with open(shared_dir / "data" / "ref" / "gemma3_270m_llamacpp_greedy.json", encoding="utf-8") as f:
+        data = json.load(f)
+    return {c["name"]: c for c in data["cases"]}
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    from opencoti.model.loader import load_model
+
+    params = Params(model=model_path, n_ctx=1024, n_parallel=1, port=0)
+    model = load_model(model_path, params)
+    httpd, engine = make_server(model, params)
+    start_in_thread(httpd)
+    yield httpd.server_address[1]
+    stop_server(httpd, engine)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def chat_prompt_tokens(server):
+    status, body = post(server, "/apply-template", {"messages": MESSAGES})
+    assert status == 200
+    prompt = body["prompt"]
+    # gemma's turn markup; the BOS text is left to the tokenizer
+    assert prompt.startswith("<start_of_turn>user\n") and prompt.endswith("<start_of_turn>model\n")
+    assert "You are a helpful assistant." in prompt and "What is the capital of France?" in prompt
+    status, tok = post(server, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
+    assert status == 200
+    return tok["tokens"]
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["gemma-3-270m-q4_k_m.gguf"]
+
+
+def test_chat_non_stream(client, chat_prompt_tokens):
+    r = client.chat.completions.create(model="anything", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.model == "gemma-3-270m-q4_k_m.gguf" and r.system_fingerprint.startswith("opencoti-")
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(chat_prompt_tokens)
+    assert chat_prompt_tokens[0] == 2  # exactly one BOS, added by the tokenizer
+    assert chat_prompt_tokens.count(2) == 1
+    assert 1 <= r.usage.completion_tokens <= 24
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert choice.logprobs is None
+
+
+def test_chat_stream_matches_non_stream(client, chat_prompt_tokens):
+    full = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, last_choice, usage_chunk = chunks
+    text = "".join(c.choices[0].delta.content or "" for c in body)
+    assert text == full.choices[0].message.content and text.strip()
+    assert all(c.choices[0].finish_reason is None for c in body)
+    assert last_choice.choices[0].finish_reason == full.choices[0].finish_reason
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.prompt_tokens == len(chat_prompt_tokens)
+    assert usage_chunk.usage.completion_tokens == full.usage.completion_tokens
+    assert usage_chunk.usage.total_tokens == len(chat_prompt_tokens) + full.usage.completion_tokens
+
+
+def test_chat_stream_raw_sse_shape(server):
+    status, payload = post(server, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True})
+    assert status == 200
+    blocks = [b for b in payload.decode().split("\n\n") if b]
+    assert all(b.startswith("data: ") for b in blocks)
+    assert blocks[-1] == "data: [DONE]"
+    events = [json.loads(b[6:]) for b in blocks[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    final = events[-1]
+    assert final["choices"][0]["delta"] == {} and final["choices"][0]["finish_reason"] in ("stop", "length")
+    assert final["timings"]["predicted_n"] >= 1
+    assert "usage" not in final  # only with stream_options.include_usage
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    text = ""
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        lps = [t.logprob for t in entry.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        # greedy: the chosen token is the most likely one
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode("utf-8", "replace").startswith(entry.token)
+        text += entry.token
+    if r.choices[0].finish_reason == "length":
+        assert text == r.choices[0].message.content
+    # logprobs without a count: only the chosen token's log-probability
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True)
+    assert all(e.top_logprobs == [] and e.logprob <= 0 for e in r.choices[0].logprobs.content)
+
+
+def test_text_completions_match_reference(client, ref):
+    case = ref["recipe"]
+    r = client.completions.create(model="m", prompt=case["prompt"], max_tokens=32, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == case["content"] and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == case["n_prompt_tokens"] and r.usage.completion_tokens == 32
+    chunks = list(client.completions.create(model="m", prompt=case["prompt"], max_tokens=10, temperature=0,
+                                            stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == "".join(s["token"] for s in case["steps"][:10])
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_errors(client, server):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model="m", messages="hello", max_tokens=4)
+    assert ei.value.status_code == 400
+    for bad in ([{"role": 1, "content": "x"}], [{"role": "user"}], [], [{"role": "user", "content": 3}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]):
+        status, body = post(server, "/v1/chat/completions", {"messages": bad})
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", bad
+    for extra in ({"max_tokens": "many"}, {"temperature": [1]}, {"stop": 3}, {"logprobs": "yes"},
+                  {"top_logprobs": 2}, {"stream": 1}, {"n": 2}, {"response_format": {"type": "json_object"}}):
+        status, body = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra})
+        assert status == 400 and body["error"]["code"] == 400, extra
+    status, body = post(server, "/v1/completions", {"prompt": "x", "echo": True})
+    assert status == 400
+    # still serving
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hi."}],
+                                       max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_assistant_prefill_and_stop(client, server):
+    # a final assistant message is continued, not closed (llama.cpp's prefill)
+    status, body = post(server, "/apply-template", {"messages": [
+        {"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2,"}]})
+    assert status == 200 and body["prompt"].endswith("<start_of_turn>model\n1, 2,")
+    r = client.chat.completions.create(model="m", max_tokens=16, temperature=0, stop=["4"], messages=[
+        {"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2,"}])
+    content = r.choices[0].message.content
+    assert "4" not in content
+    if r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 16:
+        assert content  # stopped on the stop word or end of turn with some text first
