@@ -389,6 +389,15 @@ def test_completion_stream_events(port, ref):
     assert final["stop_type"] == "limit" and final["tokens_predicted"] == 12
     assert "completion_probabilities" not in final and final["timings"]["predicted_n"] == 12
 
+    # a stop string that starts to match is held back, then released when it does not complete
+    case = ref["by_name"]["count"]
+    status, _, payload = call(port, "POST", "/completion", {
+        "prompt": case["prompt"], "temperature": 0, "n_predict": 32, "stream": True, "stop": ["8, 10"]})
+    *partials, final = sse_events(payload)
+    assert any(ev["content"] == "" for ev in partials)  # something was held at least once
+    assert "".join(ev["content"] for ev in partials) == case["content"]
+    assert final["stop_type"] == "limit"
+
 
 def test_completion_multiple_prompts(port, ref):
     a, b = ref["by_name"]["count"], ref["by_name"]["recipe"]
@@ -494,7 +503,9 @@ def test_dropped_stream_does_not_hurt_next_request(server, port, ref):
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     got = b""
     while b"data: " not in got:
-        got += sock.recv(4096)
+        chunk = sock.recv(4096)
+        assert chunk, got  # the server must not close on us
+        got += chunk
     assert got.startswith(b"HTTP/1.1 200")
     sock.close()  # the client goes away mid-stream
 

@@ -79,6 +79,9 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     server: OpencotiHTTPServer
 
+    def version_string(self) -> str:  # the Server header
+        return self.server_version
+
     def setup(self) -> None:
         self.timeout = self.server.state.params.timeout or None
         super().setup()
