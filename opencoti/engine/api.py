@@ -24,6 +24,9 @@ class SamplingParams:
     ``temperature <= 0`` means greedy. ``seed`` < 0 (llama.cpp's LLAMA_DEFAULT_SEED
     0xFFFFFFFF is also accepted) picks a random seed. ``n_probs`` > 0 asks for
     the top-n tokens with their log-probabilities at every step.
+    ``grammar``: GBNF text constraining the output (llama.cpp's ``grammar``
+    field; a JSON schema is converted to GBNF by ``opencoti.engine.json_schema``
+    before it gets here); None or "" = unconstrained.
     """
 
     temperature: float = 0.8
@@ -37,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int = -1
     n_probs: int = 0
+    grammar: Optional[str] = None
 
 
 @dataclass
@@ -135,6 +139,7 @@ class RequestHandle:
 
     def __init__(self, request: CompletionRequest):
         self.request = request
+        self.id_slot = -1  # set by the engine when the request binds to a slot
         self._queue: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
 

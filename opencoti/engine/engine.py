@@ -28,6 +28,7 @@ import numpy as np
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, RequestHandle, TokenProb
 from opencoti.engine.batch import UBatch
+from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
 from opencoti.engine.kv_cache import KVCacheFullError
 from opencoti.engine.runner import ModelRunner
 from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
@@ -90,6 +91,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     def submit(self, request: CompletionRequest) -> RequestHandle:
         """Queue a request; events arrive on the returned handle."""
@@ -198,6 +203,12 @@ class Engine:
             )
         if req.id_slot >= self.n_slots:
             return ErrorEvent(400, "invalid_request_error", f"id_slot {req.id_slot} out of range [0, {self.n_slots})")
+        # -- grammar (constrained output): reject a grammar that does not compile --
+        if req.sampling.grammar:
+            try:
+                compile_grammar(req.sampling.grammar)
+            except GrammarError as e:
+                return ErrorEvent(400, "invalid_request_error", f"failed to parse grammar: {e}")
         return None
 
     def _pick_slot(self, req: CompletionRequest) -> Optional[Slot]:
@@ -236,7 +247,11 @@ class Engine:
         kv.seq_rm(slot.seq_id, n_past, -1)
         if n_past == 0:
             kv.seq_rm(slot.seq_id)
-        sampler = Sampler(req.sampling, self.model.hparams.n_vocab)
+        # -- grammar (constrained output): the slot's sampler gets a matcher --
+        grammar = None
+        if req.sampling.grammar:
+            grammar = GrammarMatcher(compile_grammar(req.sampling.grammar), self.model.tokenizer)
+        sampler = Sampler(req.sampling, self.model.hparams.n_vocab, grammar=grammar)
         sampler.accept_many(req.prompt_tokens)
         from opencoti.model.tokenizer import StreamDecoder
 
@@ -307,8 +322,13 @@ class Engine:
                 s.finish("limit")
                 continue
             lg = logits[row_of[last]]
-            token = s.sampler.sample(lg)
-            s.sampler.accept(token)
+            try:
+                token = s.sampler.sample(lg)
+                s.sampler.accept(token)  # also advances the grammar
+            except GrammarError as e:  # -- grammar: a dead end fails this request only --
+                s.handle.push(ErrorEvent(400, "invalid_request_error", f"grammar: {e}"))
+                s.state, s.handle, s.pending = SlotState.IDLE, None, None
+                continue
             logprob = top = None
             n_probs = s.handle.request.sampling.n_probs
             if n_probs > 0:

@@ -83,6 +83,7 @@ class Slot:
         """Bind a request; ``n_past`` prompt tokens are already in the KV."""
         self._reset_request()
         self.handle = handle
+        handle.id_slot = self.id
         self.prompt = list(handle.request.prompt_tokens)
         self.n_past = self.n_cached = n_past
         self.cache_tokens = self.prompt[:n_past]
