@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+import operator
 import re
 from collections.abc import Iterable, Sequence
 
@@ -187,6 +188,7 @@ class Tokenizer:
         self.fim_rep_id: int | None = None
         self.fim_sep_id: int | None = None
         self.eog_ids: frozenset[int] = frozenset()
+        self.suppress_tokens: list[int] = []  # tokenizer.ggml.suppress_tokens (never sampled)
         self.warnings: list[str] = []
         self._special_order: list[int] = []  # cache_special_tokens: longest text first
         self._special_rank: dict[int, int] = {}
@@ -226,6 +228,20 @@ class Tokenizer:
         self.warnings.append(msg)
 
     def _load(self, md: dict) -> None:
+        defaults = self._load_type(md)
+        if self.vocab_type == "none":
+            return
+        self._load_vocab(md)
+        ids = self._load_special_ids(md, defaults)
+        self._load_flags(md, ids)
+        self._detect_special_tokens(ids)
+        for name, v in ids.items():
+            setattr(self, name + "_id", v)
+        self._build_special_cache()
+        self._apply_model_attrs(md)
+
+    def _load_type(self, md: dict) -> dict:
+        """Vocabulary type, pre-tokenizer and their flags; returns the default special ids."""
         model = md.get(_K + "model")
         if model is None:
             raise TokenizerError("GGUF has no tokenizer: key 'tokenizer.ggml.model' is missing")
@@ -235,15 +251,15 @@ class Tokenizer:
         if not isinstance(pre, str):
             raise TokenizerError("invalid type for 'tokenizer.ggml.pre' (expected a string)")
         self.model = model
-        bos, eos, unk = None, None, None
+        defaults = {"bos": None, "eos": None, "unk": None}
         if model in ("no_vocab", "none"):
             self.vocab_type = "none"
-            n = md.get("general.vocab_size") or 0
+            n = md.get(f"{md.get('general.architecture', '')}.vocab_size") or 0
             self._tokens = [""] * int(n)
-            return
+            return defaults
         if model == "llama":
             self.vocab_type = "spm"
-            bos, eos, unk = 1, 2, 0
+            defaults = {"bos": 1, "eos": 2, "unk": 0}
         elif model in ("gpt2", "whitespace", "gemma4"):
             self.vocab_type = "bpe"
             merges = md.get(_K + "merges")
@@ -253,13 +269,13 @@ class Tokenizer:
                 merges = []
             if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges[:1]):
                 raise TokenizerError("invalid type for 'tokenizer.ggml.merges' (expected an array of strings)")
-            # first occurrence of a pair wins (std::unordered_map::emplace); key "left right"
+            # rank of "left right"; the first occurrence of a pair wins (llama.cpp emplace)
             n_m = len(merges)
             self._bpe_ranks = dict(zip(reversed(merges), range(n_m - 1, -1, -1)))
             if model == "gemma4":
                 pre = "gemma4"
             else:
-                bos, eos = 11, 11
+                defaults = {"bos": 11, "eos": 11, "unk": None}
         elif model in ("bert", "t5", "rwkv", "plamo2", "hybriddna"):
             raise TokenizerError(f"tokenizer model '{model}' is not supported by opencoti yet")
         else:
@@ -271,12 +287,9 @@ class Tokenizer:
             self.clean_spaces = True
             if not pre:
                 self._warn("missing pre-tokenizer type, using 'default' (generation quality will be degraded)")
-                pre_name = "default"
-            else:
-                pre_name = pre
-            cfg = pt.PRE_NAMES.get(pre_name)
+            cfg = pt.PRE_NAMES.get(pre or "default")
             if cfg is None:
-                raise TokenizerError(f"unknown pre-tokenizer type: '{pre_name}'")
+                raise TokenizerError(f"unknown pre-tokenizer type: '{pre}'")
             self.pre_type = cfg.pre_type
             if cfg.clean_spaces is not None:
                 self.clean_spaces = cfg.clean_spaces
@@ -286,7 +299,7 @@ class Tokenizer:
             if cfg.escape_whitespaces:
                 self.escape_whitespaces = True
             if cfg.no_bos_token:
-                bos = None
+                defaults["bos"] = None
             self.add_sep = cfg.add_sep
             self._regexes = pt.PRE_TYPE_REGEXES[cfg.pre_type]
             self._byte_encode = cfg.pre_type not in pt.RAW_UTF8_PRE_TYPES
@@ -298,7 +311,10 @@ class Tokenizer:
         self.pre = pre
         self.add_space_prefix = bool(md.get(_K + "add_space_prefix", self.add_space_prefix))
         self.remove_extra_whitespaces = bool(md.get(_K + "remove_extra_whitespaces", False))
+        return defaults
 
+    def _load_vocab(self, md: dict) -> None:
+        """Token texts, scores and attributes (from token types)."""
         tokens = md.get(_K + "tokens")
         if tokens is None:
             raise TokenizerError("cannot find tokenizer vocab ('tokenizer.ggml.tokens') in model file")
@@ -338,18 +354,20 @@ class Tokenizer:
         self._tokens = toks
         self._token_to_id = t2i
 
-        # special ids: defaults above, overridden by metadata
-        ids = {"bos": bos, "eos": eos, "eot": None, "eom": None, "unk": unk, "sep": None, "pad": None,
-               "mask": None, "fim_pre": None, "fim_suf": None, "fim_mid": None, "fim_pad": None,
-               "fim_rep": None, "fim_sep": None}
-        keys = [("bos", "bos_token_id"), ("eos", "eos_token_id"), ("eot", "eot_token_id"),
+    _ID_KEYS = (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("eot", "eot_token_id"),
                 ("eom", "eom_token_id"), ("unk", "unknown_token_id"), ("sep", "seperator_token_id"),
                 ("pad", "padding_token_id"), ("mask", "mask_token_id"), ("fim_pre", "fim_pre_token_id"),
                 ("fim_suf", "fim_suf_token_id"), ("fim_mid", "fim_mid_token_id"),
                 ("fim_pad", "fim_pad_token_id"), ("fim_rep", "fim_rep_token_id"),
-                ("fim_sep", "fim_sep_token_id"), ("fim_pre", "prefix_token_id"),
-                ("fim_suf", "suffix_token_id"), ("fim_mid", "middle_token_id")]
-        for name, key in keys:
+                ("fim_sep", "fim_sep_token_id"),
+                # deprecated spellings
+                ("fim_pre", "prefix_token_id"), ("fim_suf", "suffix_token_id"), ("fim_mid", "middle_token_id"))
+
+    def _load_special_ids(self, md: dict, defaults: dict) -> dict:
+        """Special token ids: the type's defaults, overridden by in-range metadata values."""
+        n = len(self._tokens)
+        ids: dict[str, int | None] = {name: defaults.get(name) for name, _ in self._ID_KEYS}
+        for name, key in self._ID_KEYS:
             cur = ids[name]
             if cur is not None and cur >= n:
                 self._warn(f"default special token '{_K + key}' = {cur} out of vocab range, disabling")
@@ -365,7 +383,10 @@ class Tokenizer:
                 else:
                     cur = v
             ids[name] = cur
+        return ids
 
+    def _load_flags(self, md: dict, ids: dict) -> None:
+        """add_bos / add_eos / add_sep, normalizer and suppress-token keys."""
         for flag, key in (("add_bos", "add_bos_token"), ("add_eos", "add_eos_token"), ("add_sep", "add_sep_token")):
             v = md.get(_K + key)
             if v is not None:
@@ -379,11 +400,17 @@ class Tokenizer:
                 # llama.cpp would abort when tokenizing with add_special; we drop the flag instead
                 setattr(self, flag, False)
                 self._warn(f"{flag} is set but {_K}{key} is not; not adding it")
-        self.lowercase = bool(md.get(_K + "lowercase", False))
+        self.lowercase = bool(md.get(_K + "normalizer.lowercase", False))
+        sup = md.get(_K + "suppress_tokens")
+        if sup is not None:
+            n = len(self._tokens)
+            self.suppress_tokens = [int(t) for t in sup if 0 <= int(t) < n]
 
-        attrs = self._attrs
-        # auto-detect EOT / EOM / FIM tokens by text. llama.cpp takes the first match in its
-        # hash-map order; we take the first text of its list that the vocabulary has.
+    def _detect_special_tokens(self, ids: dict) -> None:
+        """EOT/EOM/FIM by text, unused control tokens, and the end-of-generation set (mutates ``ids``)."""
+        toks, t2i, attrs = self._tokens, self._token_to_id, self._attrs
+        # llama.cpp takes the first match in its hash-map order; we take the first text of its
+        # list that the vocabulary has
         for name, texts in (("eot", _EOT_TEXTS), ("eom", _EOM_TEXTS), ("fim_pre", _FIM_PRE_TEXTS),
                             ("fim_suf", _FIM_SUF_TEXTS), ("fim_mid", _FIM_MID_TEXTS),
                             ("fim_pad", _FIM_PAD_TEXTS), ("fim_rep", _FIM_REP_TEXTS),
@@ -392,18 +419,13 @@ class Tokenizer:
                 continue
             found = [t2i[t] for t in texts if t in t2i]
             if found:
-                tid = found[0]
-                ids[name] = tid
-                attrs[tid] |= ATTR_CONTROL
-        # control tokens named "unused..." are unused
-        for tid, a in enumerate(attrs):
+                ids[name] = found[0]
+                attrs[found[0]] |= ATTR_CONTROL
+        for tid, a in enumerate(attrs):  # control tokens named "unused..." are unused
             if a & ATTR_CONTROL and not a & ATTR_UNUSED and "unused" in toks[tid]:
                 attrs[tid] = a | ATTR_UNUSED
 
-        eog = set()
-        for name in ("fim_pad", "fim_rep", "fim_sep"):
-            if ids[name] is not None:
-                eog.add(ids[name])
+        eog = {ids[name] for name in ("fim_pad", "fim_rep", "fim_sep") if ids[name] is not None}
         for t in _EOG_TEXTS:
             tid = t2i.get(t)
             if tid is not None:
@@ -418,10 +440,9 @@ class Tokenizer:
                 eog.add(ids[name])
                 self._warn(f"special_{name}_id is not in special_eog_ids - the tokenizer config may be incorrect")
         eog_texts = {toks[t]: t for t in sorted(eog)}
+        has_call = "<|call|>" in eog_texts or "<|calls|>" in eog_texts
         # o200k_harmony / solar-open: "<|end|>" is not an end of generation
-        if "<|end|>" in eog_texts and (
-                ("<|return|>" in eog_texts and ("<|call|>" in eog_texts or "<|calls|>" in eog_texts))
-                or (("<|call|>" in eog_texts or "<|calls|>" in eog_texts) and "<|flush|>" in eog_texts)):
+        if "<|end|>" in eog_texts and has_call and ("<|return|>" in eog_texts or "<|flush|>" in eog_texts):
             end_id = eog_texts["<|end|>"]
             eog.discard(end_id)
             attrs[end_id] = ATTR_USER_DEFINED
@@ -432,11 +453,11 @@ class Tokenizer:
             attrs[s_id] = ATTR_NORMAL
         self.eog_ids = frozenset(eog)
 
-        for name, v in ids.items():
-            setattr(self, name + "_id", v)
-
-        # special tokens cache: CONTROL / USER_DEFINED / UNKNOWN, longest text first
-        special = [i for i, a in enumerate(attrs) if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)]
+    def _build_special_cache(self) -> None:
+        """cache_special_tokens: CONTROL / USER_DEFINED / UNKNOWN ids, longest text first,
+        plus an index by 3-character prefix to skip the ones a text cannot contain."""
+        toks = self._tokens
+        special = [i for i, a in enumerate(self._attrs) if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)]
         special.sort(key=lambda i: -len(toks[i]))
         self._special_order = special
         self._special_rank = {tid: r for r, tid in enumerate(special)}
@@ -445,7 +466,9 @@ class Tokenizer:
             groups.setdefault(toks[tid][:3], []).append(tid)
         self._special_groups = groups
 
-        # per-model token attributes
+    def _apply_model_attrs(self, md: dict) -> None:
+        """LSTRIP / RSTRIP attributes llama.cpp sets by model, pre-tokenizer or architecture name."""
+        t2i, attrs = self._token_to_id, self._attrs
         model_name = str(md.get("general.name", "")).lower()
         pre_key = str(md.get(_K + "pre", ""))
         arch = str(md.get("general.architecture", ""))
@@ -459,7 +482,7 @@ class Tokenizer:
                 any(s in arch for s in ("nomic-bert-moe", "jina-bert-v3")):
             set_attr("<mask>", ATTR_LSTRIP, True)
         elif "phi-3" in model_name or "phi3" in model_name:
-            for tid in special:
+            for tid in self._special_order:
                 attrs[tid] |= ATTR_RSTRIP
             set_attr("</s>", ATTR_RSTRIP, True)
             for t in ("<unk>", "<s>", "<|endoftext|>"):
@@ -485,16 +508,19 @@ class Tokenizer:
                 self._nl_id = ids[0] if ids else self.pad_id
         return self._nl_id
 
-    def _check_id(self, tid: int) -> None:
-        if not isinstance(tid, int) or isinstance(tid, bool):
-            raise TokenizerError(f"token id must be an integer, got {type(tid).__name__}")
-        if tid < 0 or tid >= len(self._tokens):
-            raise TokenizerError(f"token id {tid} out of range [0, {len(self._tokens)})")
+    def _check_id(self, tid) -> int:
+        """``tid`` as a Python int (NumPy integers accepted); TokenizerError if not a valid id."""
+        try:
+            i = operator.index(tid)
+        except TypeError:
+            raise TokenizerError(f"token id must be an integer, got {type(tid).__name__}") from None
+        if i < 0 or i >= len(self._tokens):
+            raise TokenizerError(f"token id {i} out of range [0, {len(self._tokens)})")
+        return i
 
     def token_text(self, tid: int) -> str:
         """The vocabulary entry of ``tid`` as stored in the GGUF (e.g. ``"▁the"``, ``"Ġthe"``, ``"<0x0A>"``)."""
-        self._check_id(tid)
-        return self._tokens[tid]
+        return self._tokens[self._check_id(tid)]
 
     def token_id(self, text: str) -> int | None:
         """Id of the vocabulary entry spelled exactly ``text`` (GGUF spelling), or None."""
@@ -502,13 +528,11 @@ class Tokenizer:
 
     def token_attr(self, tid: int) -> int:
         """llama.cpp token attribute bits (``ATTR_*``) of ``tid``."""
-        self._check_id(tid)
-        return self._attrs[tid]
+        return self._attrs[self._check_id(tid)]
 
     def token_score(self, tid: int) -> float:
         """The ``tokenizer.ggml.scores`` entry of ``tid`` (0.0 when the GGUF has none)."""
-        self._check_id(tid)
-        return self._scores[tid]
+        return self._scores[self._check_id(tid)]
 
     def is_eog(self, tid: int) -> bool:
         """True if ``tid`` ends generation (EOS, EOT, EOM and the tokens llama.cpp detects by text)."""
@@ -790,7 +814,7 @@ class Tokenizer:
                     self._tokenize_bpe("".join(seg), out)
                     seg = []
             else:
-                seg.append(ch.lower() if self.lowercase else ch)
+                seg.append(ch.lower()[0] if self.lowercase else ch)  # simple lowercase mapping
         if seg:
             self._tokenize_bpe("".join(seg), out)
 
@@ -826,7 +850,7 @@ class Tokenizer:
         UTF-8 sequence. CONTROL and UNKNOWN tokens give their text only with
         ``special=True``, else ``b""``. Raises :class:`TokenizerError` for an id out of range.
         """
-        self._check_id(tid)
+        tid = self._check_id(tid)
         if not special and self._attrs[tid] & (ATTR_UNKNOWN | ATTR_CONTROL):
             return b""
         return self._piece(tid)
