@@ -8,7 +8,7 @@ environment variables follow llama.cpp's ``common/arg.cpp``:
   use exactly that name: ``LLAMA_ARG_MODEL``, ``LLAMA_ARG_CTX_SIZE``,
   ``LLAMA_ARG_N_PREDICT``, ``LLAMA_ARG_BATCH``, ``LLAMA_ARG_UBATCH``,
   ``LLAMA_ARG_THREADS``, ``LLAMA_ARG_TOP_K``, ``LLAMA_ARG_N_PARALLEL``,
-  ``LLAMA_ARG_KV_UNIFIED``, ``LLAMA_ARG_HOST``, ``LLAMA_ARG_PORT``,
+  ``LLAMA_ARG_KV_UNIFIED``, ``LLAMA_ARG_CONTEXT_SHIFT``, ``LLAMA_ARG_HOST``, ``LLAMA_ARG_PORT``,
   ``LLAMA_ARG_TIMEOUT``, ``LLAMA_ARG_N_GPU_LAYERS``, ``LLAMA_ARG_FLASH_ATTN``,
   ``LLAMA_ARG_MAIN_GPU``, ``LLAMA_API_KEY``, ``LLAMA_ARG_ALIAS``,
   ``LLAMA_ARG_CHAT_TEMPLATE``, ``LLAMA_ARG_CHAT_TEMPLATE_FILE``;
@@ -65,6 +65,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "frequency_penalty": ("LLAMA_ARG_FREQUENCY_PENALTY",),
     "parallel": ("LLAMA_ARG_N_PARALLEL",),
     "kv_unified": ("LLAMA_ARG_KV_UNIFIED",),
+    "context_shift": ("LLAMA_ARG_CONTEXT_SHIFT",),
     "host": ("LLAMA_ARG_HOST",),
     "port": ("LLAMA_ARG_PORT",),
     "timeout": ("LLAMA_ARG_TIMEOUT",),
@@ -148,7 +149,8 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 @click.option("-p", "--prompt", envvar=_env("prompt"),
               help="Prompt for one raw completion, streamed to stdout; without it, chat.")
 @click.option("-n", "--n-predict", "--predict", "n_predict", type=int, default=-1, show_default=True,
-              envvar=_env("n_predict"), help="Tokens to generate (-1: until end of generation or context full).")
+              envvar=_env("n_predict"),
+              help="Tokens to generate (-1: until end of generation or context full, -2: until context full).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=4096, show_default=True,
               envvar=_env("ctx_size"), help="Context size in tokens (0: the model's training context).")
 @click.option("-b", "--batch-size", type=click.IntRange(min=1), default=2048, show_default=True,
@@ -181,6 +183,9 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               help="Server slots (-1: auto = 4 with a unified KV cache).")
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
               help="One KV cache shared by all slots.")
+@click.option("--context-shift/--no-context-shift", default=False, show_default=True,
+              envvar=_env("context_shift"),
+              help="When the context is full, drop old tokens and go on instead of stopping.")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar=_env("host"),
               help="Server listen address.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, envvar=_env("port"),
@@ -246,6 +251,7 @@ def _params_from_options(kw: dict) -> Params:
         n_threads=kw["threads"] if kw["threads"] > 0 else -1,
         n_parallel=n_parallel,
         kv_unified=kv_unified,
+        ctx_shift=kw["context_shift"],
         n_gpu_layers=kw["gpu_layers"],
         main_gpu=kw["main_gpu"],
         gpu=kw["gpu"].lower(),

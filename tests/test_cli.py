@@ -92,7 +92,7 @@ def test_defaults_match_params_defaults(clean_env):
     p = build_params([])
     d = Params()
     for field in ["model", "prompt", "n_predict", "n_ctx", "n_batch", "n_ubatch", "n_threads", "n_parallel",
-                  "kv_unified", "n_gpu_layers", "main_gpu", "gpu", "flash_attn", "server", "host", "port",
+                  "kv_unified", "ctx_shift", "n_gpu_layers", "main_gpu", "gpu", "flash_attn", "server", "host", "port",
                   "api_key", "alias", "timeout", "chat_template", "chat_template_file", "system_prompt",
                   "verbose"]:
         assert getattr(p, field) == getattr(d, field), field
@@ -106,7 +106,7 @@ def test_short_and_multi_letter_flags(clean_env, tmp_path):
         "-p", "hello", "-n", "7", "-c", "1024", "-b", "256", "-ub", "128", "-t", "2", "-s", "42",
         "--temp", "0.5", "--top-k", "10", "--top-p", "0.9", "--min-p", "0.1", "--typical", "0.8",
         "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--presence-penalty", "0.2",
-        "--frequency-penalty", "0.3", "-np", "3", "-kvu", "--host", "0.0.0.0", "--port", "9090",
+        "--frequency-penalty", "0.3", "-np", "3", "-kvu", "--context-shift", "--host", "0.0.0.0", "--port", "9090",
         "-ngl", "99", "-fa", "on", "--gpu", "NVIDIA", "-mg", "1", "--server", "--api-key", "sk-1",
         "-a", "tiny", "--chat-template-file", str(tmpl), "-sys", "be brief", "-v",
     ])
@@ -114,7 +114,7 @@ def test_short_and_multi_letter_flags(clean_env, tmp_path):
     s = p.sampling
     assert (s.seed, s.temperature, s.top_k, s.top_p, s.min_p, s.typical_p) == (42, 0.5, 10, 0.9, 0.1, 0.8)
     assert (s.repeat_penalty, s.repeat_last_n, s.presence_penalty, s.frequency_penalty) == (1.1, 32, 0.2, 0.3)
-    assert (p.n_parallel, p.kv_unified, p.host, p.port) == (3, True, "0.0.0.0", 9090)
+    assert (p.n_parallel, p.kv_unified, p.ctx_shift, p.host, p.port) == (3, True, True, "0.0.0.0", 9090)
     assert (p.n_gpu_layers, p.flash_attn, p.gpu, p.main_gpu) == (99, "on", "nvidia", 1)
     assert (p.server, p.api_key, p.alias) == (True, "sk-1", "tiny")
     assert (p.chat_template_file, p.system_prompt, p.verbose) == (str(tmpl), "be brief", True)
@@ -160,6 +160,7 @@ ENV_CASES = [
     ("LLAMA_ARG_FREQUENCY_PENALTY", "0.5", "sampling.frequency_penalty", 0.5),
     ("LLAMA_ARG_N_PARALLEL", "2", "n_parallel", 2),
     ("LLAMA_ARG_KV_UNIFIED", "1", "kv_unified", True),
+    ("LLAMA_ARG_CONTEXT_SHIFT", "1", "ctx_shift", True),
     ("LLAMA_ARG_HOST", "0.0.0.0", "host", "0.0.0.0"),
     ("LLAMA_ARG_PORT", "8181", "port", 8181),
     ("LLAMA_ARG_TIMEOUT", "30", "timeout", 30),
@@ -212,7 +213,11 @@ def test_every_flag_has_an_env_twin_and_the_cases_cover_them():
                        ("parallel", "LLAMA_ARG_N_PARALLEL"), ("kv_unified", "LLAMA_ARG_KV_UNIFIED"),
                        ("gpu_layers", "LLAMA_ARG_N_GPU_LAYERS"), ("flash_attn", "LLAMA_ARG_FLASH_ATTN"),
                        ("main_gpu", "LLAMA_ARG_MAIN_GPU"), ("api_key", "LLAMA_API_KEY"),
-                       ("top_k", "LLAMA_ARG_TOP_K"), ("alias", "LLAMA_ARG_ALIAS")]:
+                       ("top_k", "LLAMA_ARG_TOP_K"), ("alias", "LLAMA_ARG_ALIAS"),
+                       ("context_shift", "LLAMA_ARG_CONTEXT_SHIFT"), ("host", "LLAMA_ARG_HOST"),
+                       ("port", "LLAMA_ARG_PORT"), ("timeout", "LLAMA_ARG_TIMEOUT"),
+                       ("chat_template", "LLAMA_ARG_CHAT_TEMPLATE"),
+                       ("chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE")]:
         assert ENV_NAMES[flag][0] == name
 
 
@@ -221,6 +226,20 @@ def test_command_line_beats_env(clean_env):
     clean_env.setenv("LLAMA_ARG_KV_UNIFIED", "1")
     p = build_params(["-c", "256", "--no-kv-unified"])
     assert (p.n_ctx, p.kv_unified) == (256, False)
+
+
+def test_bad_model_file_is_one_line_exit_1(tmp_path, model_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    trunc = tmp_path / "trunc.gguf"
+    with open(model_path, "rb") as f:
+        trunc.write_bytes(f.read(1 << 20))  # header cut off in the middle of the vocabulary
+    for path, needle in [(bad, "not a GGUF file"), (trunc, "truncated")]:
+        r = run_cli(["-m", str(path), "-p", "hi"])
+        assert r.returncode == 1
+        assert "Traceback" not in r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("opencoti: error: ") and needle in lines[0], r.stderr
 
 
 # --- the embedded default model ------------------------------------------------------------
@@ -280,3 +299,49 @@ def test_default_model_assembled_once_and_verified(monkeypatch, tmp_path):
     assert default_model.default_model_path() == path
     assert default_model.sha256_file(path) == pkg.EXPECTED_SHA256
     assert not list(path.parent.glob("*.tmp"))
+
+
+# --- running the model (-p and the REPL) -----------------------------------------------------
+
+
+def _reference_case(shared_dir, name):
+    data = json.loads((shared_dir / "data" / "ref" / "gemma3_270m_llamacpp_greedy.json").read_text())
+    return next(c for c in data["cases"] if c["name"] == name)
+
+
+def test_prompt_greedy_matches_llama_cpp(shared_dir, model_path):
+    case = _reference_case(shared_dir, "capital")
+    r = run_cli(["-m", model_path, "-p", case["prompt"], "-n", "8", "--temp", "0"], timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    # the prompt is echoed, then llama.cpp's greedy continuation follows
+    assert r.stdout.startswith(case["prompt"] + " the capital of the country of France")
+    expected = "".join(s["token"] for s in case["steps"][:8])
+    assert r.stdout.rstrip("\n") == case["prompt"] + expected
+
+
+def test_prompt_default_model_no_display_prompt(shared_dir, model_path):
+    case = _reference_case(shared_dir, "capital")
+    r = run_cli(["-p", case["prompt"], "-n", "4", "--temp", "0", "--no-display-prompt"], timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == "".join(s["token"] for s in case["steps"][:4])
+
+
+def test_chat_repl_replies_and_exits(model_path):
+    r = run_cli(["-m", model_path, "-n", "12", "--temp", "0"], input_text="Hello\nWhat is 2+2?\n/exit\n",
+                timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    out = r.stdout
+    # transcript: "> Hello\n<reply>\n> What is 2+2?\n<reply>\n> " (the last prompt got /exit)
+    assert out.startswith("> Hello\n") and out.endswith("\n> ")
+    second = out.index("\n> What is 2+2?\n")
+    first_reply = out[len("> Hello\n"):second]
+    second_reply = out[second + len("\n> What is 2+2?\n"):-len("\n> ")]
+    assert first_reply.strip() and second_reply.strip(), out
+
+
+def test_chat_repl_eof_leaves(model_path):
+    r = run_cli(["-m", model_path, "-n", "4", "--temp", "0"], input_text="", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "> \n"

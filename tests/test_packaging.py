@@ -57,13 +57,13 @@ def test_dependency_closure_follows_requirements():
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    path = build_zipapp.build(out, with_model=False)
-    return out, path
+    tag = build_zipapp.git_tag()  # read once: other commits may land while the tests run
+    path = build_zipapp.build(out, with_model=False, tag=tag)
+    return out, path, tag
 
 
 def test_build_names_and_contents(built):
-    out, path = built
-    tag = build_zipapp.git_tag()
+    out, path, tag = built
     assert re.fullmatch(r"[0-9a-f]{4,40}|nogit", tag)
     assert path == out / f"opencoti-{__version__}-{tag}.pyz"
     stable = out / "opencoti.pyz"
@@ -86,13 +86,13 @@ def test_build_names_and_contents(built):
 
 
 def test_pyz_runs_version_and_errors(built, tmp_path):
-    out, _ = built
+    out, _, tag = built
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "PYTHONPATH", "SHIV_"))}
     env["HOME"] = str(tmp_path)
     r = subprocess.run([sys.executable, str(out / "opencoti.pyz"), "--version"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == f"opencoti-{__version__}-{build_zipapp.git_tag()}"
+    assert r.stdout.strip() == f"opencoti-{__version__}-{tag}"
     # shiv unpacked its site-packages under ~/.llamafile/v/
     unpacked = list((tmp_path / ".llamafile" / "v").glob("opencoti.pyz_*/site-packages/opencoti/cli.py"))
     assert len(unpacked) == 1
@@ -101,3 +101,18 @@ def test_pyz_runs_version_and_errors(built, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("opencoti: error: No such option '--bogus'")
+
+
+def test_pyz_runs_the_model(built, tmp_path, model_path, shared_dir):
+    import json
+
+    ref = json.loads((shared_dir / "data" / "ref" / "gemma3_270m_llamacpp_greedy.json").read_text())
+    case = next(c for c in ref["cases"] if c["name"] == "capital")
+    out, _, _ = built
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "PYTHONPATH", "SHIV_"))}
+    env["HOME"] = str(tmp_path)
+    r = subprocess.run([sys.executable, str(out / "opencoti.pyz"), "-m", model_path, "-p", case["prompt"],
+                        "-n", "3", "--temp", "0", "--no-display-prompt"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == "".join(s["token"] for s in case["steps"][:3])
