@@ -26,9 +26,17 @@ transition function ``state x class -> state`` is filled lazily into a NumPy
 table. A full-vocabulary mask walks a trie of all token strings, level by level
 (one level = one code point), with vectorised table lookups; a rejected prefix
 prunes its whole subtree. The trie is built once per tokenizer
-(:func:`vocab_index`, cached weakly on the tokenizer); see ``bench`` numbers in
-the module tests (about 5-25 ms for the 262,144-token gemma-3 vocabulary on a
-2-core machine, depending on how much of the vocabulary survives).
+(:func:`vocab_index`, cached weakly on the tokenizer; ~0.7-1.2 s for gemma-3's
+262,144 tokens / 460,361 trie nodes). Measured on the 2-core machine
+(``bench/bench_grammar.py``): a full mask takes ~0.5 ms at structural JSON
+states (after ``{``, ``,``, inside a number), ~11 ms inside a string where
+nearly the whole vocabulary survives, and up to ~20 ms the first time a state
+is visited (the transition table is filled then).
+
+Deviation from llama.cpp: bytes that can never be UTF-8 (lead bytes F8-FF, code
+points above U+10FFFF) are rejected; llama.cpp lets negated classes and ``.``
+accept them. Rule names may contain ``_``. A token element reached in the middle
+of a token only accepts a token that ends there.
 
 Public API: :class:`Grammar` (``Grammar.parse(text)``), :func:`compile_grammar`
 (cached parse), :class:`GrammarMatcher` (``accept_token``, ``accept_bytes``,
@@ -426,6 +434,8 @@ class _CharGroup:
                 low = 1 << 11
             elif n_remain == 3:
                 low = 1 << 16
+        if low > _MAX_CP:
+            return False  # cannot complete to a code point (see decode_utf8)
         for lo, hi in self.ranges:
             if lo <= high and low <= hi:
                 return self.positive
@@ -797,12 +807,12 @@ class Grammar:
 
 
 def _fmt_char(cp: int) -> str:
-    if 0x20 <= cp < 0x7F and chr(cp) not in '\\"[]-^':
-        return chr(cp)
-    if chr(cp) in '\\"[]-' :
-        return "\\" + chr(cp)
-    if cp == 0x5E:
-        return "\\x5E"
+    """One code point as it may appear inside a GBNF character class."""
+    c = chr(cp)
+    if c in '\\"[]-':
+        return "\\" + c
+    if 0x20 <= cp < 0x7F and c != "^":
+        return c
     if cp <= 0xFF:
         return f"\\x{cp:02X}"
     if cp <= 0xFFFF:
@@ -851,7 +861,9 @@ def decode_utf8(data: bytes, value: int = 0, n_remain: int = 0) -> tuple[list[in
     A trailing incomplete sequence is returned as the new partial state;
     ``n_remain == -1`` marks an invalid sequence (no code points are returned
     then). Decoding stops at a NUL byte. Continuation bytes are not checked
-    beyond their top bits, as in llama.cpp.
+    beyond their top bits, as in llama.cpp. Unlike llama.cpp, bytes that can never
+    start UTF-8 (F8-FF) and values above U+10FFFF are invalid too (llama.cpp lets
+    negated classes accept them, producing invalid UTF-8).
     """
     cps: list[int] = []
     pos = 0
@@ -864,12 +876,14 @@ def decode_utf8(data: bytes, value: int = 0, n_remain: int = 0) -> tuple[list[in
         pos += 1
         n_remain -= 1
     if n_remain == 0 and pos > 0:
+        if value > _MAX_CP:
+            return [], 0, -1
         cps.append(value)
     # note: a partial start that is still incomplete keeps (value, n_remain)
     while pos < n and data[pos] != 0:
         first = data[pos]
         n_remain = _UTF8_LEN[first >> 4] - 1
-        if n_remain < 0:
+        if n_remain < 0 or first >= 0xF8:
             return [], 0, -1
         value = first & ((1 << (7 - n_remain)) - 1)
         pos += 1
@@ -878,6 +892,8 @@ def decode_utf8(data: bytes, value: int = 0, n_remain: int = 0) -> tuple[list[in
             pos += 1
             n_remain -= 1
         if n_remain == 0:
+            if value > _MAX_CP:
+                return [], 0, -1
             cps.append(value)
     return cps, (value if n_remain > 0 else 0), n_remain
 
@@ -1140,15 +1156,18 @@ class GrammarMatcher:
         """State and partial after ``token`` (state 0: rejected). EOG is not handled here."""
         vi = self.vocab
         g = self.grammar
-        if vi.reject[token]:
-            return 0, self.partial
         sid = self.state
         if self.partial[1] > 0:
-            cps, val, rem = decode_utf8(vi.pieces[token], *self.partial)
+            piece = vi.pieces[token]
+            if not piece or piece[0] == 0:
+                return 0, self.partial
+            cps, val, rem = decode_utf8(piece, *self.partial)
             if rem < 0:
                 return 0, self.partial
             tok_stacks = []  # the pending character must be completed first
         else:
+            if vi.reject[token]:
+                return 0, self.partial
             cps = [ord(c) for c in vi.strs[token]]
             val, rem = vi.partial_of.get(token, (0, 0))
             # a token element matches a whole token that has at least one complete code point

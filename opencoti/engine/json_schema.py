@@ -209,9 +209,11 @@ class _Regex:
     whose decoded value matches the pattern (quotes not included).
     """
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, dotall: bool = False, any_char: str = "char"):
         self.p = pattern
         self.i = 0
+        self.dot = [(0, _MAXCP)] if dotall else _DOT
+        self.any_char = any_char  # rule name for one JSON string character (unanchored ends)
 
     def error(self, msg: str) -> GrammarError:
         return GrammarError(f"pattern /{self.p}/: {msg} at index {self.i}")
@@ -230,7 +232,7 @@ class _Regex:
             self.i += 1
         if self.i != len(p):
             raise self.error("unsupported or unbalanced syntax" if self.peek() != "$" else "'$' inside the pattern")
-        anyc = _json_chars([(0, _MAXCP)])
+        anyc = self.any_char
         return ("" if start_anchor else f"{anyc}* ") + f"({expr})" + ("" if end_anchor else f" {anyc}*")
 
     def alternation(self, top: bool = False) -> str:
@@ -256,14 +258,20 @@ class _Regex:
             items.append(self.quantifier(atom))
         return " ".join(items)
 
+    _BRACES = re.compile(r"\{(\d+)(?:(,)(\d*))?\}")
+
+    def at_quantifier(self) -> bool:
+        c = self.peek()
+        return c in ("*", "+", "?") or (c == "{" and self._BRACES.match(self.p, self.i) is not None)
+
     def quantifier(self, atom: str) -> str:
         c = self.peek()
         if c in ("*", "+", "?"):
             self.i += 1
             q = c
-        elif c == "{" and re.match(r"\{\d*(,\d*)?\}", self.p[self.i:]):
-            m = re.match(r"\{(\d*)(?:(,)(\d*))?\}", self.p[self.i:])
-            self.i += m.end()
+        elif c == "{" and self._BRACES.match(self.p, self.i):
+            m = self._BRACES.match(self.p, self.i)
+            self.i = m.end()
             lo = int(m.group(1)) if m.group(1) else 0
             if m.group(2) is None:
                 q = f"{{{lo}}}"
@@ -276,8 +284,7 @@ class _Regex:
             return atom
         if self.peek() in ("?", "+"):  # lazy / possessive: same language
             self.i += 1
-        if self.peek() in ("*", "+", "?", "{") and not (self.peek() == "{" and not re.match(
-                r"\{\d*(,\d*)?\}", self.p[self.i:])):
+        if self.at_quantifier():
             raise self.error("nested quantifier")
         return f"({atom}){q}"
 
@@ -304,13 +311,10 @@ class _Regex:
             return _json_chars(self.char_class())
         if c == ".":
             self.i += 1
-            return _json_chars(_DOT)
+            return _json_chars(self.dot)
         if c == "\\":
             return _json_chars(self.escape(in_class=False))
-        if c in "*+?{":
-            if c == "{" and not re.match(r"\{\d*(,\d*)?\}", self.p[self.i:]):
-                self.i += 1
-                return _json_chars([(ord(c), ord(c))])
+        if self.at_quantifier():
             raise self.error("quantifier without a preceding item")
         if c == ")":
             raise self.error("unbalanced ')'")
@@ -601,14 +605,15 @@ class SchemaConverter:
                 "additionalProperties" in schema and schema["additionalProperties"] is not True)):
             return self.add_rule(name, self.object_rule(schema, pre))
 
-        if typ in (None, "array") and any(k in schema for k in ("items", "prefixItems", "minItems", "maxItems")):
+        if (typ is None and ("items" in schema or "prefixItems" in schema)) or (typ == "array" and any(
+                k in schema for k in ("items", "prefixItems", "minItems", "maxItems"))):
             return self.add_rule(name, self.array_rule(schema, pre))
 
         if typ in (None, "string") and "pattern" in schema:
             pat = schema["pattern"]
             if not isinstance(pat, str):
                 raise GrammarError(f"pattern must be a string at {name!r}")
-            expr = _Regex(pat if not self.dotall else pat).translate()
+            expr = _Regex(pat, self.dotall, self.primitive("char")).translate()
             return self.add_rule(name, f'"\\"" {expr} "\\""')
 
         fmt = schema.get("format")
@@ -628,15 +633,13 @@ class SchemaConverter:
 
         if typ in (None, "integer") and any(k in schema for k in
                                             ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
-            if typ is None and not any(k in schema for k in ("minimum", "maximum")):
-                pass
             lo, hi = _int_bounds(schema, name)
             if lo is None and hi is None:
                 return self.primitive("integer")
             return self.add_rule(name, _int_range(lo, hi))
 
-        if typ == "object" or not schema:
-            return self.primitive("object")
+        if typ == "object" or (not schema and name == "root"):
+            return self.primitive("object")  # llama.cpp: an empty top-level schema means "a JSON object"
         if typ is None:
             return self.primitive("value")
         return self.primitive(typ)
@@ -700,25 +703,45 @@ class SchemaConverter:
             for ch in _json_text(n)[1:-1]:
                 node = node.setdefault(ch, {})
             node[""] = {}
-        esc = '[\\\\] (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+        hexd = [(0x30, 0x39), (0x41, 0x46), (0x61, 0x66)]
+        escd = [(ord(c), ord(c)) for c in '"\\/bfnrt']
 
-        def visit(node: dict) -> str:
+        def minus(ranges, kids):
+            return _intersect(ranges, _complement([(ord(k), ord(k)) for k in kids]))
+
+        def visit(node: dict, ctx) -> str:
+            # ctx: "text", "esc" (after a backslash) or an int (hex digits left in \uXXXX)
             kids = sorted(k for k in node if k)
             alts = []
             for k in kids:
-                sub = visit(node[k])
-                alts.append(f"{_literal(k)} {sub}" if sub != "" else _literal(k))
-            excl = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)] + [(ord(k), ord(k)) for k in kids]
-            other = [_class(_complement(excl))]
-            if "\\" not in kids:
-                other.append(esc)
-            alts.append("( " + " | ".join(other) + " ) char*")
-            body = " | ".join(alts)
-            if "" in node:  # a declared name ends here: at least one more char
-                return f"( {body} )"
-            return f"( {body} )?"
+                if ctx == "text":
+                    nctx = "esc" if k == "\\" else "text"
+                elif ctx == "esc":
+                    nctx = 4 if k == "u" else "text"
+                else:
+                    nctx = ctx - 1 if ctx > 1 else "text"
+                alts.append(f"{_literal(k)} {visit(node[k], nctx)}")
+            # a first character that leaves every name, then anything
+            if ctx == "text":
+                excl = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)]
+                other = [_class(_complement(excl + [(ord(k), ord(k)) for k in kids]))]
+                if "\\" not in kids:
+                    other.append('[\\\\] (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4})')
+            elif ctx == "esc":
+                other = [_class(r) for r in [minus(escd, kids)] if r]
+                if "u" not in kids:
+                    other.append('"u" [0-9a-fA-F]{4}')
+            else:
+                rest = minus(hexd, kids)
+                other = [_class(rest) + (f" [0-9a-fA-F]{{{ctx - 1}}}" if ctx > 1 else "")] if rest else []
+            if other:
+                alts.append("( " + " | ".join(other) + " ) char*")
+            body = " | ".join(alts) if alts else '""'
+            if ctx == "text" and "" not in node:
+                return f"( {body} )?"  # a proper prefix of a name (or nothing) is fine
+            return f"( {body} )"
 
-        return f'"\\"" {visit(trie)} "\\""'
+        return f'"\\"" {visit(trie, "text")} "\\""'
 
     def array_rule(self, schema: dict, pre: str) -> str:
         items = schema.get("items")
