@@ -486,7 +486,10 @@ class Grammar:
         self._partial_memo: dict[tuple, bool] = {}
         self._cls_cache: dict[int, int] = {}
         self._vocab_cache = weakref.WeakKeyDictionary()
-        self.initial_state = self._intern(self._initial_stacks())
+        try:
+            self.initial_state = self._intern(self._initial_stacks())
+        except RecursionError:
+            raise GrammarError("the grammar nests too deeply to expand") from None
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -723,14 +726,17 @@ class Grammar:
         out: list[tuple] = []
         bit = 1 << k
         groups = self._groups
-        for s in self._states[sid]:
-            if not s:
-                continue
-            g = groups.get(s[-1])
-            if g is None or not (g.mask & bit):
-                continue  # token element on top, or the char does not match
-            base = s[:-1] + (g.nxt,) if not self._is_eos(g.nxt) else s[:-1]
-            out.extend(self._advance(base))
+        try:
+            for s in self._states[sid]:
+                if not s:
+                    continue
+                g = groups.get(s[-1])
+                if g is None or not (g.mask & bit):
+                    continue  # token element on top, or the char does not match
+                base = s[:-1] + (g.nxt,) if not self._is_eos(g.nxt) else s[:-1]
+                out.extend(self._advance(base))
+        except RecursionError:
+            raise GrammarError("the grammar nests too deeply to expand") from None
         nxt = self._intern(out)
         self._T[sid, k] = nxt
         return nxt
