@@ -113,7 +113,7 @@ def run_completion(engine, model, params: Params, out: TextIO = sys.stdout) -> i
     _log(params, f"prompt: {len(tokens)} tokens")
     req = CompletionRequest(prompt_tokens=tokens, n_predict=params.n_predict, sampling=params.sampling,
                             cache_prompt=True)
-    if getattr(params, "display_prompt", True):
+    if params.display_prompt:
         out.write(prompt)
         out.flush()
     handle = engine.submit(req)

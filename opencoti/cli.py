@@ -269,7 +269,7 @@ def _params_from_options(kw: dict) -> Params:
         verbose=kw["verbose"],
     )
     # Not a Params field (CLI-only presentation setting); chat_cli reads it with getattr.
-    params.display_prompt = kw["display_prompt"]  # type: ignore[attr-defined]
+    params.display_prompt = kw["display_prompt"]
     return params
 
 

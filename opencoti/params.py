@@ -45,4 +45,5 @@ class Params:
     chat_template: Optional[str] = None  # --chat-template NAME or inline template
     chat_template_file: Optional[str] = None
     system_prompt: Optional[str] = None
+    display_prompt: bool = True  # -p: echo the prompt before its completion
     verbose: bool = False

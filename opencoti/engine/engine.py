@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from opencoti.engine.api import CompletionRequest, ErrorEvent, RequestHandle, TokenProb
+from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, RequestHandle, TokenProb
 from opencoti.engine.batch import UBatch
 from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
 from opencoti.engine.kv_cache import KVCacheFullError
@@ -184,6 +184,9 @@ class Engine:
         for s in self.slots:
             if s.busy and s.handle.cancelled:
                 s.finish("limit")
+        for h in self._waiting:
+            if h.cancelled:  # never started: tell its reader so nothing waits forever
+                h.push(FinishEvent(stop_type="limit", n_prompt_tokens=len(h.request.prompt_tokens)))
         self._waiting = [h for h in self._waiting if not h.cancelled]
 
     def _validate(self, h: RequestHandle) -> Optional[ErrorEvent]:
