@@ -28,6 +28,8 @@ class Params:
     n_threads: int = -1  # -t
     n_parallel: int = 1  # -np
     kv_unified: bool = False  # --kv-unified
+    admission_poolless: str = "enforced"  # --admission-poolless {off,warn,enforced}
+    cache_idle_slots: bool = True  # --no-cache-idle-slots sets False
     ctx_shift: bool = False  # --context-shift: drop old tokens instead of stopping at the context limit
     n_gpu_layers: int = -1  # -ngl (-1: backend default)
     main_gpu: int = 0

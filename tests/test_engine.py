@@ -198,3 +198,80 @@ def test_idle_slot_kv_is_evicted_when_the_unified_cache_fills(model):
         assert e.slots[1].cache_tokens  # kept
     finally:
         e.stop()
+
+
+def _gated_engine(model, mode):
+    return Engine(model, Params(n_ctx=256, n_parallel=4, kv_unified=True, n_ubatch=64,
+                                admission_poolless=mode)).start()
+
+
+def test_admission_enforced_refuses_before_prefill(model):
+    import time
+
+    e = _gated_engine(model, "enforced")
+    try:
+        long_a = model.tokenizer.tokenize("alpha " * 60, add_special=True)  # ~61 tokens
+        hs = [e.submit(CompletionRequest(long_a, n_predict=60, sampling=GREEDY, cache_prompt=False)) for _ in range(2)]
+        time.sleep(0.2)  # both admitted and running: ~2 x 121 of 256 cells reserved
+        steps_before = e.n_tokens_processed
+        _, ids, ev = run(e, model.tokenizer.tokenize("beta " * 30, add_special=True), n_predict=20, sampling=GREEDY)
+        assert isinstance(ev, ErrorEvent) and ev.status == 429 and ev.retry_after >= 1
+        assert ids == []
+        assert e.n_admissions_refused == 1
+        # overcommit bypasses the gate
+        _, ids, ev = run(e, model.tokenizer.tokenize("beta " * 30, add_special=True), n_predict=5,
+                         sampling=GREEDY, overcommit=True)
+        assert isinstance(ev, FinishEvent) and len(ids) == 5
+        for h in hs:
+            assert isinstance(list(h.events(timeout=120))[-1], FinishEvent)
+        assert e.n_tokens_processed > steps_before
+        # once they finished, the same request is admitted
+        _, ids, ev = run(e, model.tokenizer.tokenize("beta " * 30, add_special=True), n_predict=20, sampling=GREEDY)
+        assert isinstance(ev, FinishEvent) and len(ids) == 20
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("mode", ["warn", "off"])
+def test_admission_warn_and_off_admit(model, mode):
+    import time
+
+    e = _gated_engine(model, mode)
+    try:
+        long_a = model.tokenizer.tokenize("alpha " * 60, add_special=True)
+        hs = [e.submit(CompletionRequest(long_a, n_predict=60, sampling=GREEDY, cache_prompt=False)) for _ in range(2)]
+        time.sleep(0.2)
+        h = e.submit(CompletionRequest(model.tokenizer.tokenize("beta " * 30, add_special=True), n_predict=20,
+                                       sampling=GREEDY))
+        evs = list(h.events(timeout=120))
+        assert isinstance(evs[-1], FinishEvent)
+        if mode == "warn":
+            assert h.admission == {"pool": "poolless", "saturated": True}
+        else:
+            assert h.admission is None
+        for x in hs:
+            list(x.events(timeout=120))
+    finally:
+        e.stop()
+
+
+def test_session_binds_to_its_slot(model):
+    e = Engine(model, Params(n_ctx=512, n_parallel=3, kv_unified=True, n_ubatch=64)).start()
+    try:
+        tok = model.tokenizer.tokenize
+        turn1 = tok("User: hello there. Assistant:", add_special=True)
+        t1, ids1, f1 = run(e, turn1, n_predict=8, sampling=GREEDY, session_id="A")
+        slot_a = f1.id_slot
+        # other traffic and another session in between
+        run(e, tok("Something else entirely", add_special=True), n_predict=4, sampling=GREEDY)
+        _, _, fb = run(e, tok("Session B speaking", add_special=True), n_predict=4, sampling=GREEDY, session_id="B")
+        assert fb.id_slot != slot_a
+        turn2 = turn1 + ids1 + tok(" And then?", add_special=False)
+        t2, ids2, f2 = run(e, turn2, n_predict=8, sampling=GREEDY, session_id="A")
+        assert f2.id_slot == slot_a
+        assert f2.n_cached >= len(turn1)
+        # warm equals cold
+        _, cold_ids, fc = run(e, turn2, n_predict=8, sampling=GREEDY, cache_prompt=False)
+        assert cold_ids == ids2 and fc.n_cached == 0
+    finally:
+        e.stop()

@@ -56,6 +56,8 @@ class CompletionRequest:
     n_keep: with context shift, prompt tokens kept at the start (-1 = the whole
         prompt; BOS is kept on top, as llama.cpp).
     n_discard: tokens dropped per shift (0 = half of what is not kept).
+    session_id: binds the request to the slot holding this session's KV.
+    overcommit: bypass the KV admission gate.
     """
 
     prompt_tokens: list[int]
@@ -67,6 +69,8 @@ class CompletionRequest:
     ignore_eos: bool = False
     n_keep: int = 0
     n_discard: int = 0
+    session_id: Optional[str] = None
+    overcommit: bool = False
 
 
 @dataclass
@@ -119,11 +123,15 @@ class FinishEvent:
 
 @dataclass
 class ErrorEvent:
-    """A request failed; ``status`` is the HTTP status, ``type`` llama.cpp's error type."""
+    """A request failed; ``status`` is the HTTP status, ``type`` llama.cpp's error type.
+
+    ``retry_after`` (seconds) is set on 429 admission refusals (``Retry-After`` header).
+    """
 
     status: int
     type: str
     message: str
+    retry_after: Optional[int] = None
 
 
 Event = Union[TokenEvent, FinishEvent, ErrorEvent]
@@ -140,6 +148,9 @@ class RequestHandle:
     def __init__(self, request: CompletionRequest):
         self.request = request
         self.id_slot = -1  # set by the engine when the request binds to a slot
+        # set by the engine before the first event: {"pool": name, "saturated": bool}
+        # when the request was admitted over capacity in warn mode (X-KV-Pool-Saturated)
+        self.admission: Optional[dict] = None
         self._queue: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
 

@@ -77,6 +77,8 @@ class Engine:
         self._stop = threading.Event()
         self.n_steps = 0
         self.n_tokens_processed = 0
+        self.n_admissions_refused = 0
+        self.recent_tps = 0.0  # EWMA of tokens processed per second of step time
 
     # -- front-end API (any thread) -----------------------------------------------------
     def start(self) -> "Engine":
@@ -138,7 +140,7 @@ class Engine:
             try:
                 h = self._queue.get(block=not active, timeout=None if not active else 0)
                 while h is not None:
-                    self._waiting.append(h)
+                    self._accept(h)
                     h = self._queue.get_nowait()
             except queue.Empty:
                 pass
@@ -168,6 +170,7 @@ class Engine:
         ub, owners = self._build_ubatch()
         if ub is None:
             return
+        t0 = time.perf_counter()
         while True:
             try:
                 logits = self.runner.decode(ub)
@@ -178,6 +181,9 @@ class Engine:
                     return
         self.n_steps += 1
         self.n_tokens_processed += ub.n_tokens
+        dt = time.perf_counter() - t0
+        if dt > 0:
+            self.recent_tps = 0.8 * self.recent_tps + 0.2 * (ub.n_tokens / dt) if self.recent_tps else ub.n_tokens / dt
         self._postprocess(ub, owners, logits)
 
     def _drop_cancelled(self) -> None:
@@ -215,28 +221,92 @@ class Engine:
         return None
 
     def _pick_slot(self, req: CompletionRequest) -> Optional[Slot]:
+        """The slot a request binds to now, or None (it waits).
+
+        ``id_slot`` if given. A ``session_id`` already held by a slot goes to
+        that slot (waiting while it is busy); a new session takes an idle slot
+        that holds no session, else the least recently used idle one. Among
+        candidates the longest cached prefix wins, then the least recently used.
+        """
         if req.id_slot >= 0:
             s = self.slots[req.id_slot]
             return None if s.busy else s
+        if req.session_id is not None:
+            for s in self.slots:
+                if s.session_id == req.session_id:
+                    return None if s.busy else s
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
-        best = max(idle, key=lambda s: (common_prefix(s.cache_tokens, req.prompt_tokens), -s.t_last_used))
+        free = [s for s in idle if s.session_id is None] or idle
+        best = max(free, key=lambda s: (common_prefix(s.cache_tokens, req.prompt_tokens), -s.t_last_used))
         if common_prefix(best.cache_tokens, req.prompt_tokens) > 0:
             return best
-        return min(idle, key=lambda s: s.t_last_used)
+        return min(free, key=lambda s: s.t_last_used)
+
+    # -- admission (KV gate) ---------------------------------------------------------------
+    def _accept(self, h: RequestHandle) -> None:
+        """A new request: validate, pass the KV admission gate, queue it."""
+        err = self._validate(h)
+        if err is None:
+            err = self._admit(h)
+        if err is not None:
+            h.push(err)
+            return
+        self._waiting.append(h)
+
+    def kv_headroom(self) -> int:
+        """Cells of the unified cache not held or reserved by running and admitted
+        requests (idle slots' cells count as free: they are evicted on demand)."""
+        held = sum(s.footprint for s in self.slots if s.busy)
+        reserved = sum(getattr(h, "reservation", 0) for h in self._waiting)
+        return self.runner.kv.base.n_cells - held - reserved
+
+    def _admit(self, h: RequestHandle) -> Optional[ErrorEvent]:
+        """The poolless admission gate (``--admission-poolless``), unified cache only
+        (split streams are hard per-slot limits, checked by ``_validate``).
+
+        Demand = prompt tokens not served from a cached prefix + ``n_predict``
+        when given (capped at the slot's context, where generation stops). Decided here, on the engine thread, so concurrent arrivals
+        see each other's reservations; the reservation ends when the request
+        binds to a slot.
+        """
+        req = h.request
+        mode = self.params.admission_poolless
+        h.reservation = 0
+        if mode == "off" or not self.runner.kv.unified:
+            return None
+        cand = self._pick_slot(req)
+        reuse = common_prefix(cand.cache_tokens, req.prompt_tokens) if cand is not None and req.cache_prompt else 0
+        # generation stops at the slot's context, so no request needs more than that
+        demand = min(len(req.prompt_tokens) + max(req.n_predict, 0), self.n_ctx_slot) - reuse
+        headroom = self.kv_headroom()
+        if demand <= headroom or req.overcommit:
+            h.reservation = demand
+            return None
+        if mode == "warn":
+            h.admission = {"pool": "poolless", "saturated": True}
+            h.reservation = demand
+            return None
+        self.n_admissions_refused += 1
+        shortfall = demand - max(headroom, 0)
+        tps = max(self.recent_tps, 1.0)
+        retry = max(1, min(60, int(shortfall / tps + 0.999)))
+        return ErrorEvent(
+            429, "unavailable_error",
+            f"KV pool 'poolless' saturated: request needs {demand} cells, {max(headroom, 0)} free "
+            f"of {self.runner.kv.base.n_cells}; retry later or send \"overcommit\": true",
+            retry_after=retry,
+        )
 
     def _bind_waiting(self) -> None:
         still = []
         for h in self._waiting:
-            err = self._validate(h)
-            if err is not None:
-                h.push(err)
-                continue
             slot = self._pick_slot(h.request)
             if slot is None:
                 still.append(h)
                 continue
+            h.reservation = 0
             self._bind(slot, h)
         self._waiting = still
 
@@ -254,6 +324,11 @@ class Engine:
         grammar = None
         if req.sampling.grammar:
             grammar = GrammarMatcher(compile_grammar(req.sampling.grammar), self.model.tokenizer)
+        if req.session_id is not None:
+            for other in self.slots:  # a session lives in one slot
+                if other is not slot and other.session_id == req.session_id:
+                    other.session_id = None
+        slot.session_id = req.session_id
         sampler = Sampler(req.sampling, self.model.hparams.n_vocab, grammar=grammar)
         sampler.accept_many(req.prompt_tokens)
         from opencoti.model.tokenizer import StreamDecoder

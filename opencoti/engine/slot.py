@@ -57,6 +57,7 @@ class Slot:
         self.n_ctx = n_ctx  # hard per-slot context (cells this sequence may use)
         self.state = SlotState.IDLE
         self.cache_tokens: list[int] = []  # tokens whose KV is in the cache, in position order
+        self.session_id: Optional[str] = None  # the session whose KV this slot holds
         self.t_last_used = 0.0
         self._reset_request()
 
@@ -74,6 +75,15 @@ class Slot:
         self.t_start = 0.0
         self.t_prompt_done = 0.0
         self.truncated = False  # the context was shifted (or generation hit the limit)
+
+    @property
+    def footprint(self) -> int:
+        """Cells this request is projected to hold: its prompt plus ``n_predict``
+        (what it holds now, if that is more). 0 when idle."""
+        if self.handle is None:
+            return 0
+        req = self.handle.request
+        return max(self.n_past + 1, len(self.prompt) + max(req.n_predict, 0))
 
     @property
     def busy(self) -> bool:
