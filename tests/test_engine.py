@@ -275,3 +275,14 @@ def test_session_binds_to_its_slot(model):
         assert cold_ids == ids2 and fc.n_cached == 0
     finally:
         e.stop()
+
+
+def test_control_tasks_and_erase(engine, model):
+    toks = model.tokenizer.tokenize("Erase me please", add_special=True)
+    run(engine, toks, n_predict=2, sampling=GREEDY, id_slot=2)
+    assert engine.slots[2].cache_tokens
+    assert engine.erase_slot(2).result(timeout=30) == len(toks) + 1
+    assert engine.slots[2].cache_tokens == [] and engine.runner.kv.seq_pos_max(2) == -1
+    with pytest.raises(ValueError):
+        engine.erase_slot(99).result(timeout=30)
+    assert engine.call(lambda e: e.n_slots).result(timeout=30) == 4

@@ -22,7 +22,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Optional
+from concurrent.futures import Future
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -33,6 +34,21 @@ from opencoti.engine.kv_cache import KVCacheFullError
 from opencoti.engine.runner import ModelRunner
 from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
 from opencoti.engine.slot import Slot, SlotState
+
+
+class _Control:
+    """A control task for the engine thread (see ``Engine.call``)."""
+
+    def __init__(self, fn, fut: Future):
+        self.fn, self.fut = fn, fut
+
+    def run(self, engine) -> None:
+        if not self.fut.set_running_or_notify_cancel():
+            return
+        try:
+            self.fut.set_result(self.fn(engine))
+        except BaseException as e:  # delivered to the caller, never kills the engine
+            self.fut.set_exception(e)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -98,6 +114,35 @@ class Engine:
         """True while the engine thread runs."""
         return self._thread is not None and self._thread.is_alive()
 
+    def call(self, fn: Callable[["Engine"], object]) -> Future:
+        """Run ``fn(engine)`` on the engine thread between steps (control tasks:
+        erase a slot, create or release a pool, …) and return a Future with its
+        result or exception. Raises ``RuntimeError`` if the engine is stopped."""
+        if self._stop.is_set():
+            raise RuntimeError("engine is stopped")
+        fut: Future = Future()
+        self._queue.put(_Control(fn, fut))
+        return fut
+
+    def erase_slot(self, id_slot: int) -> Future:
+        """Clear an idle slot's KV and session (llama.cpp ``POST /slots/{id}?action=erase``).
+        The Future raises ``ValueError`` for a bad id and ``RuntimeError`` if the slot is busy;
+        its result is the number of tokens erased."""
+
+        def erase(engine: "Engine") -> int:
+            if not 0 <= id_slot < engine.n_slots:
+                raise ValueError(f"id_slot {id_slot} out of range [0, {engine.n_slots})")
+            s = engine.slots[id_slot]
+            if s.busy:
+                raise RuntimeError(f"slot {id_slot} is processing a request")
+            n = len(s.cache_tokens)
+            engine.runner.kv.seq_rm(s.seq_id)
+            s.cache_tokens = []
+            s.session_id = None
+            return n
+
+        return self.call(erase)
+
     def submit(self, request: CompletionRequest) -> RequestHandle:
         """Queue a request; events arrive on the returned handle."""
         handle = RequestHandle(request)
@@ -140,7 +185,10 @@ class Engine:
             try:
                 h = self._queue.get(block=not active, timeout=None if not active else 0)
                 while h is not None:
-                    self._accept(h)
+                    if isinstance(h, _Control):
+                        h.run(self)
+                    else:
+                        self._accept(h)
                     h = self._queue.get_nowait()
             except queue.Empty:
                 pass
