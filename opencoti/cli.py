@@ -8,13 +8,14 @@ environment variables follow llama.cpp's ``common/arg.cpp``:
   use exactly that name: ``LLAMA_ARG_MODEL``, ``LLAMA_ARG_CTX_SIZE``,
   ``LLAMA_ARG_N_PREDICT``, ``LLAMA_ARG_BATCH``, ``LLAMA_ARG_UBATCH``,
   ``LLAMA_ARG_THREADS``, ``LLAMA_ARG_TOP_K``, ``LLAMA_ARG_N_PARALLEL``,
-  ``LLAMA_ARG_KV_UNIFIED``, ``LLAMA_ARG_CONTEXT_SHIFT``, ``LLAMA_ARG_HOST``, ``LLAMA_ARG_PORT``,
-  ``LLAMA_ARG_TIMEOUT``, ``LLAMA_ARG_N_GPU_LAYERS``, ``LLAMA_ARG_FLASH_ATTN``,
+  ``LLAMA_ARG_KV_UNIFIED``, ``LLAMA_ARG_CONTEXT_SHIFT``, ``LLAMA_ARG_CACHE_IDLE_SLOTS``,
+  ``LLAMA_ARG_HOST``, ``LLAMA_ARG_PORT``, ``LLAMA_ARG_TIMEOUT``, ``LLAMA_ARG_ENDPOINT_SLOTS``,
+  ``LLAMA_ARG_ENDPOINT_METRICS``, ``LLAMA_ARG_N_GPU_LAYERS``, ``LLAMA_ARG_FLASH_ATTN``,
   ``LLAMA_ARG_MAIN_GPU``, ``LLAMA_API_KEY``, ``LLAMA_ARG_ALIAS``,
   ``LLAMA_ARG_CHAT_TEMPLATE``, ``LLAMA_ARG_CHAT_TEMPLATE_FILE``;
 - flags llama.cpp gives no variable (``-p``, ``-s``, ``--temp``, ``--top-p``,
   ``--min-p``, ``--typical``, the penalties, ``-sys``, ``-v``) and llamafile's
-  own flags (``--server``, ``--gpu``) get ``LLAMA_ARG_<FLAG>``: the long flag
+  own flags (``--server``, ``--gpu``, ``--admission-poolless``) get ``LLAMA_ARG_<FLAG>``: the long flag
   name upper-cased with ``-`` -> ``_`` (``--repeat-penalty`` ->
   ``LLAMA_ARG_REPEAT_PENALTY``). See ``ENV_NAMES``.
 
@@ -66,6 +67,8 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "parallel": ("LLAMA_ARG_N_PARALLEL",),
     "kv_unified": ("LLAMA_ARG_KV_UNIFIED",),
     "context_shift": ("LLAMA_ARG_CONTEXT_SHIFT",),
+    "cache_idle_slots": ("LLAMA_ARG_CACHE_IDLE_SLOTS",),
+    "admission_poolless": ("LLAMA_ARG_ADMISSION_POOLLESS",),
     "host": ("LLAMA_ARG_HOST",),
     "port": ("LLAMA_ARG_PORT",),
     "timeout": ("LLAMA_ARG_TIMEOUT",),
@@ -74,6 +77,8 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "gpu": ("LLAMA_ARG_GPU",),
     "main_gpu": ("LLAMA_ARG_MAIN_GPU",),
     "server": ("LLAMA_ARG_SERVER",),
+    "slots": ("LLAMA_ARG_ENDPOINT_SLOTS",),
+    "metrics": ("LLAMA_ARG_ENDPOINT_METRICS",),
     # llama.cpp reads LLAMA_API_KEY; LLAMA_ARG_API_KEY is accepted as well.
     "api_key": ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY"),
     "alias": ("LLAMA_ARG_ALIAS",),
@@ -85,6 +90,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 GPU_CHOICES = ("auto", "nvidia", "vulkan", "amd", "apple", "disable")
+ADMISSION_CHOICES = ("off", "warn", "enforced")
 
 # llama.cpp common/arg.cpp is_truthy / is_falsey / is_autoy
 _TRUTHY = ("on", "enabled", "true", "1")
@@ -186,6 +192,15 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 @click.option("--context-shift/--no-context-shift", default=False, show_default=True,
               envvar=_env("context_shift"),
               help="When the context is full, drop old tokens and go on instead of stopping.")
+@click.option("--cache-idle-slots/--no-cache-idle-slots", default=True, show_default=True,
+              envvar=_env("cache_idle_slots"),
+              help="Keep idle slots' KV as prompt cache, evicted when the cache needs room "
+                   "(--no-cache-idle-slots: idle slots keep theirs, e.g. to share it).")
+@click.option("--admission-poolless", type=click.Choice(ADMISSION_CHOICES, case_sensitive=False),
+              default="enforced", show_default=True, envvar=_env("admission_poolless"),
+              help="KV admission gate of the unified cache: enforced = HTTP 429 + Retry-After when a "
+                   "request's prompt + n_predict does not fit, warn = admit with an X-KV-Pool-Saturated "
+                   "header, off = no gate.")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar=_env("host"),
               help="Server listen address.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, envvar=_env("port"),
@@ -202,6 +217,10 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               envvar=_env("main_gpu"), help="Index of the GPU to use.")
 @click.option("--server", is_flag=True, default=False, envvar=_env("server"),
               help="Run the HTTP server (llama.cpp's API and the OpenAI API).")
+@click.option("--slots/--no-slots", default=True, show_default=True, envvar=_env("slots"),
+              help="Serve the GET /slots monitoring endpoint (llama.cpp's default: on).")
+@click.option("--metrics", is_flag=True, default=False, envvar=_env("metrics"),
+              help="Serve Prometheus metrics at GET /metrics.")
 @click.option("--api-key", envvar=_env("api_key"), help="Server API key (Bearer token).")
 @click.option("-a", "--alias", envvar=_env("alias"), help="Model name the server reports.")
 @click.option("--chat-template", envvar=_env("chat_template"),
@@ -252,12 +271,16 @@ def _params_from_options(kw: dict) -> Params:
         n_parallel=n_parallel,
         kv_unified=kv_unified,
         ctx_shift=kw["context_shift"],
+        cache_idle_slots=kw["cache_idle_slots"],
+        admission_poolless=kw["admission_poolless"].lower(),
         n_gpu_layers=kw["gpu_layers"],
         main_gpu=kw["main_gpu"],
         gpu=kw["gpu"].lower(),
         flash_attn=kw["flash_attn"],
         sampling=sampling,
         server=kw["server"],
+        endpoint_slots=kw["slots"],
+        endpoint_metrics=kw["metrics"],
         host=kw["host"],
         port=kw["port"],
         api_key=kw["api_key"],

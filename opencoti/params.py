@@ -43,6 +43,8 @@ class Params:
     api_key: Optional[str] = None
     alias: Optional[str] = None
     timeout: int = 600  # seconds, HTTP read/write
+    endpoint_slots: bool = True  # --slots / --no-slots: GET /slots (llama.cpp's default: on)
+    endpoint_metrics: bool = False  # --metrics: GET /metrics (Prometheus text)
     # chat
     chat_template: Optional[str] = None  # --chat-template NAME or inline template
     chat_template_file: Optional[str] = None

@@ -161,6 +161,10 @@ ENV_CASES = [
     ("LLAMA_ARG_N_PARALLEL", "2", "n_parallel", 2),
     ("LLAMA_ARG_KV_UNIFIED", "1", "kv_unified", True),
     ("LLAMA_ARG_CONTEXT_SHIFT", "1", "ctx_shift", True),
+    ("LLAMA_ARG_CACHE_IDLE_SLOTS", "0", "cache_idle_slots", False),
+    ("LLAMA_ARG_ADMISSION_POOLLESS", "warn", "admission_poolless", "warn"),
+    ("LLAMA_ARG_ENDPOINT_SLOTS", "0", "endpoint_slots", False),
+    ("LLAMA_ARG_ENDPOINT_METRICS", "1", "endpoint_metrics", True),
     ("LLAMA_ARG_HOST", "0.0.0.0", "host", "0.0.0.0"),
     ("LLAMA_ARG_PORT", "8181", "port", 8181),
     ("LLAMA_ARG_TIMEOUT", "30", "timeout", 30),
@@ -216,6 +220,7 @@ def test_every_flag_has_an_env_twin_and_the_cases_cover_them():
                        ("top_k", "LLAMA_ARG_TOP_K"), ("alias", "LLAMA_ARG_ALIAS"),
                        ("context_shift", "LLAMA_ARG_CONTEXT_SHIFT"), ("host", "LLAMA_ARG_HOST"),
                        ("port", "LLAMA_ARG_PORT"), ("timeout", "LLAMA_ARG_TIMEOUT"),
+                       ("slots", "LLAMA_ARG_ENDPOINT_SLOTS"), ("metrics", "LLAMA_ARG_ENDPOINT_METRICS"),
                        ("chat_template", "LLAMA_ARG_CHAT_TEMPLATE"),
                        ("chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE")]:
         assert ENV_NAMES[flag][0] == name
