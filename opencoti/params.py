@@ -30,6 +30,7 @@ class Params:
     kv_unified: bool = False  # --kv-unified
     admission_poolless: str = "enforced"  # --admission-poolless {off,warn,enforced}
     cache_idle_slots: bool = True  # --no-cache-idle-slots sets False
+    polykv_max_pools: int = 0  # --polykv-max-pools M: pool seq_ids above the slots (0 = PolyKV off)
     ctx_shift: bool = False  # --context-shift: drop old tokens instead of stopping at the context limit
     n_gpu_layers: int = -1  # -ngl (-1: backend default)
     main_gpu: int = 0

@@ -58,6 +58,14 @@ class CompletionRequest:
     n_discard: tokens dropped per shift (0 = half of what is not kept).
     session_id: binds the request to the slot holding this session's KV.
     overcommit: bypass the KV admission gate.
+    post_sampling_probs: with ``sampling.n_probs`` > 0, report probabilities from the
+        sampler's final distribution (after top-k/top-p/min-p/temperature; cut tokens
+        have probability 0) instead of the model's full softmax (llama.cpp field).
+    pool_id: attach to PolyKV pool K: the longest token-exact common prefix of
+        the prompt and the pool is shared, not recomputed.
+    shared_pool_slot, shared_prefix_n_tokens: the manual path: share the first
+        P cells of slot N's sequence (token-exact with the prompt, else they are
+        recomputed).
     """
 
     prompt_tokens: list[int]
@@ -71,6 +79,10 @@ class CompletionRequest:
     n_discard: int = 0
     session_id: Optional[str] = None
     overcommit: bool = False
+    post_sampling_probs: bool = False
+    pool_id: Optional[int] = None
+    shared_pool_slot: int = -1
+    shared_prefix_n_tokens: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ recently used idle slot.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,12 +29,17 @@ from typing import Callable, Optional
 import numpy as np
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, RequestHandle, TokenProb
+from opencoti.engine.backend import select_backend
 from opencoti.engine.batch import UBatch
 from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
 from opencoti.engine.kv_cache import KVCacheFullError
+from opencoti.engine.polykv import Pool, PoolError, PoolRegistry
 from opencoti.engine.runner import ModelRunner
 from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
 from opencoti.engine.slot import Slot, SlotState
+
+
+log = logging.getLogger("opencoti.engine")
 
 
 class _Control:
@@ -49,6 +55,30 @@ class _Control:
             self.fut.set_result(self.fn(engine))
         except BaseException as e:  # delivered to the caller, never kills the engine
             self.fut.set_exception(e)
+
+
+# -- post_sampling_probs (added for the HTTP layer's llama.cpp field; see _postprocess) --
+def post_sampling_top(sampler: Sampler, logits: np.ndarray, token: int, n: int):
+    """The top ``n`` tokens of the distribution the sampler drew from (llama.cpp
+    ``populate_token_probs`` with ``post_sampling``: the candidates left after the
+    chain, softmaxed after temperature; a grammar's mask applies first). Call it
+    before ``accept`` (penalty history and grammar state as at the draw).
+
+    Returns ``(ids int64 [m], logprobs float64 [m], token_logprob)``, m <= n,
+    highest first, zero-probability tokens left out; a token the chain cut has
+    probability 0 (log -inf), so the reported probabilities sum to <= 1.
+    """
+    x = sampler.apply_grammar(logits) if sampler.grammar is not None else logits
+    ids, vals = sampler.candidates(x)
+    v = vals.astype(np.float64)
+    p = np.exp(v - v.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")[:n]
+    order = order[p[order] > 0]
+    with np.errstate(divide="ignore"):
+        lp = np.log(p)
+    hit = np.flatnonzero(ids == token)
+    return ids[order], lp[order], float(lp[hit[0]]) if hit.size else float("-inf")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -67,7 +97,8 @@ class Engine:
     Args:
         model: ``opencoti.model.loader.Model``.
         params: ``opencoti.params.Params`` (n_ctx, n_batch, n_ubatch, n_parallel, kv_unified).
-        backend: backend name/object (None -> CPU).
+        backend: backend name/object (None -> chosen from ``params.gpu`` /
+            ``n_gpu_layers`` / ``main_gpu`` by ``select_backend``).
 
     ``n_ctx`` is the total KV size; each slot may use ``n_ctx_slot`` cells
     (all of them when unified, else ``n_ctx / n_parallel``).
@@ -80,8 +111,16 @@ class Engine:
         n_ctx = params.n_ctx if params.n_ctx > 0 else hp.n_ctx_train
         self.n_slots = max(1, params.n_parallel)
         self.n_ubatch = max(1, min(params.n_ubatch, params.n_batch))
+        self.max_pools = max(0, params.polykv_max_pools)
+        self.pools = PoolRegistry(self.n_slots, self.max_pools) if self.max_pools else None
+        if self.pools is not None and params.ctx_shift:
+            log.warning("--context-shift with PolyKV pools: pooled sessions never shift (it would "
+                        "corrupt every reader of the prefix); they stop with truncated=true")
+        if backend is None:
+            backend = select_backend(getattr(params, "gpu", "auto"), getattr(params, "n_gpu_layers", -1),
+                                     getattr(params, "main_gpu", 0))
         self.runner = ModelRunner(
-            model, backend, n_ctx=n_ctx, n_seq_max=self.n_slots,
+            model, backend, n_ctx=n_ctx, n_seq_max=self.n_slots + self.max_pools,
             kv_unified=params.kv_unified or self.n_slots == 1, n_ubatch=self.n_ubatch,
         )
         self.n_ctx = n_ctx
@@ -139,6 +178,7 @@ class Engine:
             engine.runner.kv.seq_rm(s.seq_id)
             s.cache_tokens = []
             s.session_id = None
+            s.pool_id, s.n_shared = None, 0
             return n
 
         return self.call(erase)
@@ -181,7 +221,8 @@ class Engine:
     # -- engine thread ------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            active = any(s.busy for s in self.slots) or self._waiting
+            active = (any(s.busy for s in self.slots) or self._waiting
+                      or (self.pools is not None and self.pools.building()))
             try:
                 h = self._queue.get(block=not active, timeout=None if not active else 0)
                 while h is not None:
@@ -258,6 +299,18 @@ class Engine:
                 f"the request exceeds the available context size: {n} prompt tokens, "
                 f"context size {self.n_ctx_slot}",
             )
+        if req.pool_id is not None:
+            if self.pools is None:
+                return ErrorEvent(404, "not_found_error", "PolyKV is off (start with --polykv-max-pools M)")
+            p = self.pools.pools.get(req.pool_id)
+            if p is None or p.state != "ready":
+                return ErrorEvent(404, "not_found_error", f"pool {req.pool_id} not found or not ready")
+        if req.shared_pool_slot >= 0:
+            if self.params.cache_idle_slots:
+                return ErrorEvent(400, "invalid_request_error",
+                                  "shared_pool_slot needs the server started with --no-cache-idle-slots")
+            if req.shared_pool_slot >= self.n_slots or req.shared_pool_slot == req.id_slot:
+                return ErrorEvent(400, "invalid_request_error", f"shared_pool_slot {req.shared_pool_slot} is not a valid slot")
         if req.id_slot >= self.n_slots:
             return ErrorEvent(400, "invalid_request_error", f"id_slot {req.id_slot} out of range [0, {self.n_slots})")
         # -- grammar (constrained output): reject a grammar that does not compile --
@@ -283,7 +336,7 @@ class Engine:
             for s in self.slots:
                 if s.session_id == req.session_id:
                     return None if s.busy else s
-        idle = [s for s in self.slots if not s.busy]
+        idle = [s for s in self.slots if not s.busy and s.id != req.shared_pool_slot]
         if not idle:
             return None
         free = [s for s in idle if s.session_id is None] or idle
@@ -308,7 +361,8 @@ class Engine:
         requests (idle slots' cells count as free: they are evicted on demand)."""
         held = sum(s.footprint for s in self.slots if s.busy)
         reserved = sum(getattr(h, "reservation", 0) for h in self._waiting)
-        return self.runner.kv.base.n_cells - held - reserved
+        pooled = sum(len(p.tokens) for p in self.pools.pools.values()) if self.pools is not None else 0
+        return self.runner.kv.base.n_cells - held - reserved - pooled
 
     def _admit(self, h: RequestHandle) -> Optional[ErrorEvent]:
         """The poolless admission gate (``--admission-poolless``), unified cache only
@@ -326,6 +380,8 @@ class Engine:
             return None
         cand = self._pick_slot(req)
         reuse = common_prefix(cand.cache_tokens, req.prompt_tokens) if cand is not None and req.cache_prompt else 0
+        if req.pool_id is not None:  # validated: the pool exists and is ready
+            reuse = max(reuse, common_prefix(self.pools.pools[req.pool_id].tokens, req.prompt_tokens))
         # generation stops at the slot's context, so no request needs more than that
         demand = min(len(req.prompt_tokens) + max(req.n_predict, 0), self.n_ctx_slot) - reuse
         headroom = self.kv_headroom()
@@ -368,6 +424,9 @@ class Engine:
         kv.seq_rm(slot.seq_id, n_past, -1)
         if n_past == 0:
             kv.seq_rm(slot.seq_id)
+        slot.pool_id, n_shared = None, 0
+        if req.pool_id is not None or req.shared_pool_slot >= 0:
+            n_past, n_shared = self._share_prefix(slot, req, n_past)
         # -- grammar (constrained output): the slot's sampler gets a matcher --
         grammar = None
         if req.sampling.grammar:
@@ -382,6 +441,126 @@ class Engine:
         from opencoti.model.tokenizer import StreamDecoder
 
         slot.start(h, n_past, sampler, StreamDecoder(self.model.tokenizer))
+        slot.n_shared = n_shared
+        if n_shared:
+            slot.pool_id = req.pool_id
+
+    # -- PolyKV -------------------------------------------------------------------------
+    def _share_prefix(self, slot: Slot, req: CompletionRequest, n_past: int) -> tuple[int, int]:
+        """Attach ``slot`` to a pool's prefix when that beats its own cached prefix.
+
+        Shares ``min(common prefix, len(prompt) - 1)`` cells by membership
+        (``seq_cp``; a physical copy on the split cache). Returns the new
+        ``(n_past, n_shared)``. Falls back to recomputing (with a WARN) when the
+        sliding-window cache no longer holds the cells the share would need.
+        """
+        kv = self.runner.kv
+        if req.pool_id is not None:
+            pool = self.pools.get(req.pool_id)  # validated at admission
+            src_seq, src_tokens = pool.seq_id, pool.tokens[:pool.n_past]
+        else:
+            src = self.slots[req.shared_pool_slot]
+            src_seq = src.seq_id
+            src_tokens = src.cache_tokens[:max(0, req.shared_prefix_n_tokens)]
+        share = min(common_prefix(src_tokens, req.prompt_tokens), len(req.prompt_tokens) - 1)
+        if share <= n_past:
+            return n_past, 0
+        kv.seq_rm(slot.seq_id)
+        kv.seq_cp(src_seq, slot.seq_id, 0, share)
+        if not kv.can_reuse(slot.seq_id, share):
+            log.warning("pool share of %d tokens needs sliding-window cells the source no longer "
+                        "holds; recomputing the prompt", share)
+            kv.seq_rm(slot.seq_id)
+            return 0, 0
+        return share, share
+
+    def pool_attached(self) -> dict[int, int]:
+        """pool id -> number of slots currently sharing its prefix."""
+        out: dict[int, int] = {}
+        for s in self.slots:
+            if s.pool_id is not None and s.n_shared:
+                out[s.pool_id] = out.get(s.pool_id, 0) + 1
+        return out
+
+    def pool_cells(self, pool: Pool) -> int:
+        return int(np.count_nonzero(self.runner.kv.base.seq[self.runner.kv.base.stream_of(pool.seq_id), :, pool.seq_id]))
+
+    def _require_pools(self) -> PoolRegistry:
+        if self.pools is None:
+            raise PoolError("PolyKV is off (start with --polykv-max-pools M)", 404)
+        return self.pools
+
+    def create_pool(self, tokens: list[int], parent: Optional[int] = None,
+                    branch_pos: Optional[int] = None, pin: bool = False) -> Future:
+        """Create a pool from ``tokens`` (a fork of ``parent`` when given). The
+        Future resolves with the pool's info once its KV is built, or raises
+        ``PoolError`` (with an HTTP status)."""
+        outer: Future = Future()
+
+        def start(engine: "Engine") -> None:
+            reg = engine._require_pools()
+            n_vocab = engine.model.hparams.n_vocab
+            if any(not (0 <= t < n_vocab) for t in tokens):
+                raise PoolError(f"token id out of range [0, {n_vocab})")
+            if len(tokens) >= engine.n_ctx_slot:
+                raise PoolError(f"pool of {len(tokens)} tokens does not fit the context ({engine.n_ctx_slot})")
+            pool = reg.create(tokens, parent, branch_pos, pin)
+            pool.future = outer
+            kv = engine.runner.kv
+            if pool.parent is not None and pool.branch_pos:
+                par = reg.pools[pool.parent]
+                kv.seq_cp(par.seq_id, pool.seq_id, 0, pool.branch_pos)
+                if not kv.can_reuse(pool.seq_id, pool.branch_pos):
+                    kv.seq_rm(pool.seq_id)
+                    pool.n_past = 0
+            if pool.n_past >= len(pool.tokens):
+                engine._pool_ready(pool)
+
+        inner = self.call(start)
+        inner.add_done_callback(lambda f: f.exception() and outer.set_exception(f.exception()))
+        return outer
+
+    def _pool_ready(self, pool: Pool) -> None:
+        pool.state = "ready"
+        if pool.future is not None and not pool.future.done():
+            pool.future.set_result(self.pools.info(pool, self.pool_attached(), self.pool_cells(pool)))
+
+    def release_pool(self, pool_id: int) -> Future:
+        """Release a pool; its cells are reclaimed once its subtree is gone.
+        Result: the ids of the pools reclaimed now."""
+
+        def rel(engine: "Engine") -> list[int]:
+            reg = engine._require_pools()
+            gone = reg.release(pool_id, engine.pool_attached())
+            for p in gone:
+                engine.runner.kv.seq_rm(p.seq_id)
+            return [p.id for p in gone]
+
+        return self.call(rel)
+
+    def pin_pool(self, pool_id: int, pinned: bool) -> Future:
+        """Pin or unpin a pool (a pinned pool cannot be released). Result: its info."""
+
+        def pin(engine: "Engine") -> dict:
+            reg = engine._require_pools()
+            p = reg.get(pool_id)
+            p.pinned = pinned
+            return reg.info(p, engine.pool_attached(), engine.pool_cells(p))
+
+        return self.call(pin)
+
+    def pool_info(self, pool_id: Optional[int] = None) -> Future:
+        """Info of one pool, or a list of all (``pool_id`` None)."""
+
+        def info(engine: "Engine"):
+            reg = engine._require_pools()
+            att = engine.pool_attached()
+            if pool_id is not None:
+                p = reg.get(pool_id)
+                return reg.info(p, att, engine.pool_cells(p))
+            return [reg.info(p, att, engine.pool_cells(p)) for p in reg.pools.values()]
+
+        return self.call(info)
 
     def _build_ubatch(self):
         budget = self.n_ubatch
@@ -406,6 +585,15 @@ class Engine:
             if s.n_past + len(chunk) == len(s.prompt):
                 out_rows.append(len(tokens) - 1)
             budget -= len(chunk)
+        for p in (self.pools.building() if self.pools is not None else []):
+            if budget <= 0:
+                break
+            chunk = p.next_chunk(budget)
+            owners.append((p, len(tokens), len(chunk)))
+            tokens.extend(chunk)
+            pos.extend(range(p.n_past, p.n_past + len(chunk)))
+            seqs.extend([p.seq_id] * len(chunk))
+            budget -= len(chunk)
         if not tokens:
             return None, owners
         return UBatch.build(tokens, pos, seqs, out_rows), owners
@@ -419,12 +607,22 @@ class Engine:
         if not idle:
             return False
         victim = min(idle, key=lambda s: s.t_last_used)
-        kv.seq_rm(victim.seq_id)
+        kv.seq_rm(victim.seq_id)  # cells it shared with a pool stay: the pool is still a member
         victim.cache_tokens = []
+        victim.pool_id, victim.n_shared = None, 0
         return True
 
     def _on_kv_full(self, owners, msg: str) -> None:
         # Nothing was committed. Fail the youngest prompt in the batch so the rest can proceed.
+        building = [p for p, _, _ in owners if isinstance(p, Pool)]
+        if building:
+            p = building[-1]
+            self.runner.kv.seq_rm(p.seq_id)
+            self.pools.drop_failed(p)
+            p.state = "failed"
+            if p.future is not None and not p.future.done():
+                p.future.set_exception(PoolError(f"pool build failed: {msg}", 503))
+            return
         prompts = [s for s, _, _ in owners if s.state is SlotState.PROMPT]
         victim = max(prompts, key=lambda s: s.t_start) if prompts else owners[-1][0]
         victim.handle.push(ErrorEvent(503, "unavailable_error", msg))
@@ -437,6 +635,11 @@ class Engine:
         row_of = {int(r): i for i, r in enumerate(ub.out_rows)}
         tok = self.model.tokenizer
         for s, start, n in owners:
+            if isinstance(s, Pool):
+                s.n_past += n
+                if s.n_past == len(s.tokens):
+                    self._pool_ready(s)
+                continue
             fed = ub.tokens[start:start + n].tolist()
             s.cache_tokens.extend(fed)
             s.n_past += n
@@ -450,6 +653,9 @@ class Engine:
             lg = logits[row_of[last]]
             try:
                 token = s.sampler.sample(lg)
+                post = (post_sampling_top(s.sampler, lg, token, s.handle.request.sampling.n_probs)
+                        if s.handle.request.post_sampling_probs and s.handle.request.sampling.n_probs > 0
+                        else None)  # -- post_sampling_probs: read before accept --
                 s.sampler.accept(token)  # also advances the grammar
             except GrammarError as e:  # -- grammar: a dead end fails this request only --
                 s.handle.push(ErrorEvent(400, "invalid_request_error", f"grammar: {e}"))
@@ -458,12 +664,12 @@ class Engine:
             logprob = top = None
             n_probs = s.handle.request.sampling.n_probs
             if n_probs > 0:
-                ids, lps = top_logprobs(lg, n_probs)
+                ids, lps = top_logprobs(lg, n_probs) if post is None else post[:2]
                 top = [TokenProb(int(i), float(lp), tok.token_to_piece(int(i)).decode("utf-8", "replace"))
                        for i, lp in zip(ids, lps)]
-                logprob = token_logprob(lg, token)
+                logprob = token_logprob(lg, token) if post is None else post[2]
             if s.on_token(token, tok.is_eog(token), logprob, top) is None and s.context_full:
-                if self.params.ctx_shift and s.handle.request.n_predict != -2:
+                if self.params.ctx_shift and s.handle.request.n_predict != -2 and not s.n_shared:
                     self._context_shift(s)
                 else:
                     s.finish("limit", truncated=True)

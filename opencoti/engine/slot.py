@@ -58,6 +58,8 @@ class Slot:
         self.state = SlotState.IDLE
         self.cache_tokens: list[int] = []  # tokens whose KV is in the cache, in position order
         self.session_id: Optional[str] = None  # the session whose KV this slot holds
+        self.pool_id: Optional[int] = None  # PolyKV pool whose prefix cells this slot shares
+        self.n_shared = 0  # leading cells shared with that pool (or a manual pool slot)
         self.t_last_used = 0.0
         self._reset_request()
 
@@ -83,7 +85,7 @@ class Slot:
         if self.handle is None:
             return 0
         req = self.handle.request
-        return max(self.n_past + 1, len(self.prompt) + max(req.n_predict, 0))
+        return max(self.n_past + 1, len(self.prompt) + max(req.n_predict, 0)) - self.n_shared
 
     @property
     def busy(self) -> bool:

@@ -1,0 +1,184 @@
+"""PolyKV pools on the CPU engine: zero-copy sharing, forks, release, refcounts."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, SamplingParams, TokenEvent
+from opencoti.engine.engine import Engine
+from opencoti.engine.polykv import PoolError, PoolRegistry
+from opencoti.model.loader import load_model
+from opencoti.params import Params
+
+GREEDY = SamplingParams(temperature=0)
+SYSTEM = ("You are a careful assistant for a logistics company. Answer with short factual sentences. "
+          "Tools: get_route(from, to), get_weather(city), book_truck(id, date). ") * 6
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return load_model(str(model_path))
+
+
+def run(engine, toks, **kw):
+    h = engine.submit(CompletionRequest(list(toks), **kw))
+    evs = list(h.events(timeout=300))
+    return [e.token for e in evs if isinstance(e, TokenEvent)], evs[-1]
+
+
+def test_registry_tree_semantics():
+    reg = PoolRegistry(first_seq_id=4, max_pools=3)
+    a = reg.create([1, 2, 3, 4])
+    a.state = "ready"
+    b = reg.create([1, 2, 3, 4, 5, 6], parent_id=a.id)
+    assert b.branch_pos == 4 and b.n_past == 4 and a.children == {b.id}
+    b.state = "ready"
+    c = reg.create([1, 2, 9], parent_id=a.id, branch_pos=2)
+    assert c.branch_pos == 2
+    with pytest.raises(PoolError) as e:
+        reg.create([5, 6], parent_id=a.id)  # suffix-only fork
+    assert e.value.status == 400
+    with pytest.raises(PoolError) as e:
+        reg.create([7])  # no seq ids left
+    assert e.value.status == 503
+    # releasing the parent keeps it while children live
+    assert reg.release(a.id, {}) == []
+    assert a.id in reg.pools and a.released
+    b.pinned = True
+    assert reg.orphaned_pin(b)
+    with pytest.raises(PoolError) as e:
+        reg.release(b.id, {})
+    assert e.value.status == 409
+    b.pinned = False
+    assert [p.id for p in reg.release(b.id, {c.id: 0})] == [b.id]
+    assert a.id in reg.pools  # c still lives
+    gone = reg.release(c.id, {})
+    assert sorted(p.id for p in gone) == sorted([a.id, c.id])
+    assert reg.pools == {}
+    with pytest.raises(PoolError) as e:
+        reg.get(a.id)
+    assert e.value.status == 404
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_sessions_share_one_pool(model, unified):
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)
+    P = len(prefix)
+    n = 4 if unified else 3
+    e = Engine(model, Params(n_ctx=(P + 64) * (n + 1) if not unified else 2048, n_parallel=n,
+                             kv_unified=unified, n_ubatch=128, polykv_max_pools=1)).start()
+    try:
+        info = e.create_pool(prefix, pin=True).result(timeout=300)
+        assert info["state"] == "ready" and info["n_tokens"] == P
+        questions = [" Q: route from Lyon to Paris? A:", " Q: weather in Oslo? A:", " Q: book truck 7? A:",
+                     " Q: what tools exist? A:"][:n]
+        prompts = [prefix + tok(q, add_special=False) for q in questions]
+        out = [None] * n
+
+        def go(i):
+            out[i] = run(e, prompts[i], n_predict=8, sampling=GREEDY, pool_id=info["id"], session_id=f"s{i}")
+
+        ths = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        kv = e.runner.kv.base
+        for i, (ids, fin) in enumerate(out):
+            assert isinstance(fin, FinishEvent) and fin.n_cached >= P
+        if unified:
+            # zero-copy: P cells for the prefix + each session's own suffix, not n * P
+            suffix = sum(len(p) - P + 8 - 1 for p in prompts)
+            assert kv.n_used() == P + suffix
+            members = kv.seq[0][:, :n].sum(axis=1)
+            assert int(np.count_nonzero(members == n)) == P
+        else:
+            assert all(kv.n_used(st) >= P for st in range(n))  # copied per stream
+        # each session's greedy output equals the same prompt served without the pool
+        for i in range(n):
+            e.erase_slot(i).result(timeout=30)
+        for i in range(n):
+            ids, fin = run(e, prompts[i], n_predict=8, sampling=GREEDY, cache_prompt=False)
+            assert fin.n_cached == 0
+            assert ids == out[i][0], i
+    finally:
+        e.stop()
+
+
+def test_fork_branch_release_and_errors(model):
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)
+    e = Engine(model, Params(n_ctx=2048, n_parallel=2, kv_unified=True, n_ubatch=128, polykv_max_pools=3)).start()
+    try:
+        root = e.create_pool(prefix).result(timeout=300)
+        child_tokens = prefix + tok(" Extra instructions: be brief.", add_special=False)
+        child = e.create_pool(child_tokens, parent=root["id"]).result(timeout=300)
+        assert child["parent"] == root["id"] and child["branch_pos"] == len(prefix)
+        kv = e.runner.kv.base
+        # the child shares the root's cells: only its suffix is new
+        assert kv.n_used() == len(child_tokens)
+        branch = e.create_pool(prefix[:20] + tok(" Different tail", add_special=False),
+                               parent=root["id"], branch_pos=20).result(timeout=300)
+        assert branch["branch_pos"] == 20
+        with pytest.raises(PoolError) as ex:
+            e.create_pool(tok(" only a suffix", add_special=False), parent=root["id"]).result(timeout=60)
+        assert ex.value.status == 400
+        with pytest.raises(PoolError):
+            e.create_pool([1, 2, 3]).result(timeout=60)  # all 3 pool seq_ids taken
+        # a session on the child, then release everything
+        ids, fin = run(e, child_tokens + tok(" Go:", add_special=False), n_predict=4, sampling=GREEDY,
+                       pool_id=child["id"])
+        assert fin.n_cached >= len(child_tokens)
+        assert e.release_pool(root["id"]).result(timeout=30) == []  # children alive
+        assert e.pool_info(root["id"]).result(timeout=30)["released"] is True
+        e.release_pool(branch["id"]).result(timeout=30)
+        e.erase_slot(fin.id_slot).result(timeout=30)
+        gone = e.release_pool(child["id"]).result(timeout=30)
+        assert sorted(gone) == sorted([child["id"], root["id"]])
+        assert e.pool_info().result(timeout=30) == []
+        assert kv.n_used() == 0
+        # unknown pool on a request
+        _, ev = run(e, prefix, n_predict=1, pool_id=99)
+        assert isinstance(ev, ErrorEvent) and ev.status == 404
+    finally:
+        e.stop()
+
+
+def test_pools_off_by_default(model):
+    e = Engine(model, Params(n_ctx=256, n_parallel=1)).start()
+    try:
+        with pytest.raises(PoolError) as ex:
+            e.pool_info().result(timeout=30)
+        assert ex.value.status == 404
+        _, ev = run(e, [2, 100], n_predict=1, pool_id=1)
+        assert isinstance(ev, ErrorEvent) and ev.status == 404
+    finally:
+        e.stop()
+
+
+def test_manual_shared_pool_slot(model):
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)
+    e = Engine(model, Params(n_ctx=2048, n_parallel=2, kv_unified=True, n_ubatch=128,
+                             cache_idle_slots=False)).start()
+    try:
+        run(e, prefix, n_predict=1, sampling=GREEDY, id_slot=0)  # slot 0 holds the prefix
+        prompt = prefix + tok(" Q: hi? A:", add_special=False)
+        ids, fin = run(e, prompt, n_predict=6, sampling=GREEDY, id_slot=1, shared_pool_slot=0,
+                       shared_prefix_n_tokens=len(prefix))
+        assert fin.n_cached == len(prefix)
+        # zero-copy: the prefix cells once, then slot 1's suffix and its 5 decoded tokens
+        assert e.runner.kv.base.n_used() == len(prefix) + (len(prompt) - len(prefix)) + 5
+        e.erase_slot(1).result(timeout=30)
+        cold, _ = run(e, prompt, n_predict=6, sampling=GREEDY, id_slot=1, cache_prompt=False)
+        assert cold == ids
+    finally:
+        e.stop()
+    e = Engine(model, Params(n_ctx=256, n_parallel=2)).start()
+    try:
+        _, ev = run(e, [2, 5], n_predict=1, shared_pool_slot=0, shared_prefix_n_tokens=1)
+        assert isinstance(ev, ErrorEvent) and "no-cache-idle-slots" in ev.message
+    finally:
+        e.stop()
