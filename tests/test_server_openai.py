@@ -65,7 +65,9 @@ def chat_prompt_tokens(server):
     prompt = body["prompt"]
     # gemma's turn markup; the BOS text is left to the tokenizer
     assert prompt.startswith("<start_of_turn>user\n") and prompt.endswith("<start_of_turn>model\n")
-    assert "You are a helpful assistant." in prompt and "What is the capital of France?" in prompt
+    # gemma has no system role: the system message opens the first user turn (llama.cpp's gemma)
+    assert prompt == ("<start_of_turn>user\nYou are a helpful assistant.\n\nWhat is the capital of France?"
+                      "<end_of_turn>\n<start_of_turn>model\n")
     status, tok = post(server, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
     assert status == 200
     return tok["tokens"]
@@ -171,7 +173,8 @@ def test_openai_errors(client, server):
         status, body = post(server, "/v1/chat/completions", {"messages": bad})
         assert status == 400 and body["error"]["type"] == "invalid_request_error", bad
     for extra in ({"max_tokens": "many"}, {"temperature": [1]}, {"stop": 3}, {"logprobs": "yes"},
-                  {"top_logprobs": 2}, {"stream": 1}, {"n": 2}, {"response_format": {"type": "json_object"}}):
+                  {"top_logprobs": 2}, {"stream": 1}, {"n": 2}, {"response_format": {"type": "json_schema"}},
+                  {"response_format": {"type": "yaml"}}, {"session_id": 3}, {"overcommit": "yes"}):
         status, body = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra})
         assert status == 400 and body["error"]["code"] == 400, extra
     status, body = post(server, "/v1/completions", {"prompt": "x", "echo": True})
@@ -193,3 +196,47 @@ def test_assistant_prefill_and_stop(client, server):
     assert "4" not in content
     if r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 16:
         assert content  # stopped on the stop word or end of turn with some text first
+
+
+def test_response_format_json_schema(client):
+    """Constrained output through the official client: the reply parses as JSON and
+    follows the schema, streamed or not (the grammar ends it with end-of-turn)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
+                                               "sure": {"type": "boolean"}},
+              "required": ["answer", "sure"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    msgs = [{"role": "user", "content": "What is the capital of France? Reply in JSON."}]
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=40, temperature=0, response_format=rf)
+    assert r.choices[0].finish_reason == "stop"
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"answer", "sure"} and isinstance(obj["answer"], str) and len(obj["answer"]) <= 12
+    assert isinstance(obj["sure"], bool)
+    chunks = list(client.chat.completions.create(model="m", messages=msgs, max_tokens=40, temperature=0,
+                                                 response_format=rf, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    # json_object: any JSON object
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=40, temperature=0,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut at max_tokens: still the start of an object
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    # a schema that cannot be compiled is a 400, never unconstrained text
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model="m", messages=msgs, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    assert ei.value.status_code == 400
+
+
+def test_completions_client_stream_and_logprobs(client):
+    """openai client, /v1/completions: logprobs (an integer) and a streamed
+    completion whose usage arrives in the last chunk before [DONE]."""
+    r = client.completions.create(model="m", prompt="1, 2, 3, 4, 5,", max_tokens=5, temperature=0, logprobs=2)
+    assert r.choices[0].text == " 6, 7"  # llama.cpp's greedy tokens: " ", "6", ",", " ", "7"
+    content = r.choices[0].logprobs.model_extra["content"]
+    assert [e["token"] for e in content] == [" ", "6", ",", " ", "7"]
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"] for e in content)
+    chunks = list(client.completions.create(model="m", prompt="1, 2, 3, 4, 5,", max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " 6, 7"
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens

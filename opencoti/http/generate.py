@@ -9,6 +9,7 @@ the engine thread (DESIGN.md "How a request flows").
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from dataclasses import dataclass, field
@@ -58,18 +59,32 @@ def piece_json(tokenizer, token_id: int, logprob: float) -> dict:
     return {"id": int(token_id), "token": text, "bytes": list(b), "logprob": float(logprob)}
 
 
-def token_probs_json(tokenizer, ev: TokenEvent, n_top: int) -> Optional[dict]:
+def _as_prob(entry: dict) -> dict:
+    """A ``piece_json`` entry with ``logprob`` turned into ``prob`` (= exp(logprob))."""
+    lp = entry.pop("logprob")
+    entry["prob"] = math.exp(lp) if lp > -math.inf else 0.0
+    return entry
+
+
+def token_probs_json(tokenizer, ev: TokenEvent, n_top: int, post_sampling: bool = False) -> Optional[dict]:
     """llama.cpp's per-token entry of ``completion_probabilities`` (and of OpenAI
     ``logprobs.content``): ``{id, token, bytes, logprob, top_logprobs: [...]}``.
 
     ``n_top`` limits ``top_logprobs`` (0 = empty list). Returns None when the
-    engine sent no log-probabilities for this token.
+    engine sent no log-probabilities for this token. ``post_sampling``: the
+    engine's numbers are the sampler's final distribution; report them as
+    probabilities, ``{id, token, bytes, prob, top_probs: [{id, token, bytes,
+    prob}]}`` (llama.cpp ``probs_vector_to_json`` with ``post_sampling_probs``).
     """
     if ev.logprob is None:
         return None
     entry = piece_json(tokenizer, ev.token, ev.logprob)
-    top = ev.top or []
-    entry["top_logprobs"] = [piece_json(tokenizer, p.id, p.logprob) for p in top[:n_top]]
+    top = [piece_json(tokenizer, p.id, p.logprob) for p in (ev.top or [])[:n_top]]
+    if post_sampling:
+        _as_prob(entry)
+        entry["top_probs"] = [_as_prob(t) for t in top]
+    else:
+        entry["top_logprobs"] = top
     return entry
 
 
@@ -154,8 +169,25 @@ def iter_events(handle: RequestHandle, is_disconnected: Callable[[], bool]) -> I
 
 
 def error_from_event(ev: ErrorEvent) -> HTTPError:
-    """The HTTPError for an engine ``ErrorEvent``."""
-    return HTTPError(ev.status or 500, ev.type or "server_error", ev.message or "generation failed")
+    """The HTTPError for an engine ``ErrorEvent`` (a 429 admission refusal carries
+    ``Retry-After``, RFC 9110 §10.2.3, in seconds)."""
+    headers = {}
+    retry = getattr(ev, "retry_after", None)
+    if retry is not None:
+        headers["Retry-After"] = str(max(0, int(retry)))
+    return HTTPError(ev.status or 500, ev.type or "server_error", ev.message or "generation failed",
+                     headers=headers)
+
+
+def admission_headers(handles) -> dict[str, str]:
+    """``X-KV-Pool-Saturated: <pool>`` when any of ``handles`` was admitted over the
+    KV pool's capacity (``--admission-poolless warn``; the engine sets
+    ``handle.admission`` before the request's first event)."""
+    for h in handles:
+        adm = getattr(h, "admission", None)
+        if adm and adm.get("saturated"):
+            return {"X-KV-Pool-Saturated": str(adm.get("pool") or "poolless")}
+    return {}
 
 
 @dataclass
@@ -185,12 +217,19 @@ class Result:
 
 
 class Collector:
-    """Accumulates events of one request into a ``Result`` (text, ids, probs)."""
+    """Accumulates events of one request into a ``Result`` (text, ids, probs).
 
-    def __init__(self, tokenizer, prompt_tokens: list[int], n_top: int, want_probs: bool):
+    ``post_sampling``: probability entries in llama.cpp's ``post_sampling_probs``
+    shape. ``on_finish``: called with the FinishEvent (server metrics).
+    """
+
+    def __init__(self, tokenizer, prompt_tokens: list[int], n_top: int, want_probs: bool,
+                 post_sampling: bool = False, on_finish: Optional[Callable[[FinishEvent], None]] = None):
         self.tokenizer = tokenizer
         self.n_top = n_top
         self.want_probs = want_probs
+        self.post_sampling = post_sampling
+        self.on_finish = on_finish
         self.result = Result(prompt_tokens=list(prompt_tokens))
         self._parts: list[str] = []
 
@@ -204,7 +243,7 @@ class Collector:
             if ev.text:
                 self._parts.append(ev.text)
             if self.want_probs:
-                entry = token_probs_json(self.tokenizer, ev, self.n_top)
+                entry = token_probs_json(self.tokenizer, ev, self.n_top, self.post_sampling)
                 if entry is not None:
                     self.result.probs.append(entry)
                 return entry
@@ -214,6 +253,8 @@ class Collector:
                 self._parts.append(ev.text)
             self.result.finish = ev
             self.result.content = "".join(self._parts)
+            if self.on_finish is not None:
+                self.on_finish(ev)
             return None
         if isinstance(ev, ErrorEvent):
             raise error_from_event(ev)
@@ -221,12 +262,15 @@ class Collector:
 
 
 def collect(tokenizer, handle: RequestHandle, is_disconnected: Callable[[], bool],
-            n_top: int = 0, want_probs: bool = False) -> Result:
+            n_top: int = 0, want_probs: bool = False, post_sampling: bool = False,
+            on_finish: Optional[Callable] = None) -> Result:
     """Wait for ``handle`` to finish and return its ``Result`` (non-streaming use).
 
+    ``on_finish(request, finish_event)`` is called when it finishes (metrics).
     Raises HTTPError for an engine error, ClientDisconnected if the client left.
     """
-    c = Collector(tokenizer, handle.request.prompt_tokens, n_top, want_probs)
+    cb = (lambda ev: on_finish(handle.request, ev)) if on_finish is not None else None
+    c = Collector(tokenizer, handle.request.prompt_tokens, n_top, want_probs, post_sampling, cb)
     for ev in iter_events(handle, is_disconnected):
         c.add(ev)
     if c.result.finish is None:
@@ -235,13 +279,14 @@ def collect(tokenizer, handle: RequestHandle, is_disconnected: Callable[[], bool
 
 
 def collect_many(tokenizer, handles: list[RequestHandle], is_disconnected: Callable[[], bool],
-                 n_top: int = 0, want_probs: bool = False) -> list[Result]:
+                 n_top: int = 0, want_probs: bool = False, post_sampling: bool = False,
+                 on_finish: Optional[Callable] = None) -> list[Result]:
     """``collect`` for several requests submitted together; on any failure the
     requests still running are cancelled before the error propagates."""
     results: list[Result] = []
     try:
         for h in handles:
-            results.append(collect(tokenizer, h, is_disconnected, n_top, want_probs))
+            results.append(collect(tokenizer, h, is_disconnected, n_top, want_probs, post_sampling, on_finish))
     except BaseException:
         for h in handles:
             h.cancel()

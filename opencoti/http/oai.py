@@ -13,11 +13,14 @@ the text is tokenized with special tokens parsed (llama.cpp behaviour).
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 import time
 from itertools import chain
 from typing import Any, Iterator, Optional, Union
+
+import regex
 
 from opencoti.engine.api import ErrorEvent, FinishEvent, TokenEvent
 from opencoti.http import generate as gen
@@ -79,7 +82,7 @@ def _check_messages(messages: Any) -> list:
         content = m.get("content")
         if role != "assistant" and "content" not in m:
             raise invalid_request("All non-assistant messages must contain 'content'")
-        if role == "assistant" and "content" not in m and "tool_calls" not in m:
+        if role == "assistant" and content is None and not m.get("tool_calls"):
             raise invalid_request("Assistant message must contain either 'content' or 'tool_calls'")
         if content is not None and not isinstance(content, (str, list)):
             raise invalid_request(f"messages[{i}].content must be a string or an array of content parts")
@@ -92,18 +95,93 @@ def _check_messages(messages: Any) -> list:
                     raise invalid_request(f"{ptype} input is not supported: this server has no multimodal projector loaded")
                 if ptype != "text" or not isinstance(part.get("text"), str):
                     raise invalid_request(f"messages[{i}].content: unsupported content part (only text parts with a string 'text')")
+        tcs = m.get("tool_calls")
+        if tcs is not None:
+            if not isinstance(tcs, list):
+                raise invalid_request(f"messages[{i}].tool_calls must be an array")
+            for j, tc in enumerate(tcs):
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise invalid_request(f'messages[{i}].tool_calls[{j}] must be {{"type": "function", '
+                                          f'"function": {{"name": ..., "arguments": ...}}}}')
+                args = fn.get("arguments")
+                if args is not None and not isinstance(args, (str, dict)):
+                    raise invalid_request(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string")
     return messages
 
 
-def render_chat(state: ServerState, body: dict) -> str:
-    """Render the request's messages to prompt text with the server's template.
+def prepare_messages(messages: list) -> list:
+    """Copies of OpenAI messages in the form chat templates expect (llama.cpp's
+    ``common_chat_msgs_parse_oaicompat`` + minja's polyfills do the same):
+
+    - an assistant turn that has ``tool_calls`` and no ``content`` (absent or
+      null, as OpenAI sends it) gets ``content: ""`` (templates read it);
+    - ``function.arguments`` given as a JSON string (OpenAI's form) becomes the
+      object it encodes, which templates render with ``tojson`` (a string would
+      come out double-encoded); a string that is not a JSON object stays as is.
+    """
+    out = []
+    for m in messages:
+        m = dict(m)
+        tcs = m.get("tool_calls")
+        if tcs:
+            if m.get("content") is None:
+                m["content"] = ""
+            new_tcs = []
+            for tc in tcs:
+                tc = dict(tc)
+                fn = dict(tc.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        parsed = json.loads(args)
+                    except ValueError:
+                        parsed = None
+                    if isinstance(parsed, dict):
+                        fn["arguments"] = parsed
+                tc["function"] = fn
+                new_tcs.append(tc)
+            m["tool_calls"] = new_tcs
+        out.append(m)
+    return out
+
+
+def _content_text(m: dict) -> str:
+    c = m.get("content")
+    if isinstance(c, list):  # text parts, joined as the template sees them (normalize_messages)
+        return "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
+    return c if isinstance(c, str) else ""
+
+
+def content_spans(text: str, messages: list) -> list[tuple[int, int]]:
+    """Where each message's content sits in the rendered prompt ``text``:
+    ``[(start, end)]`` in message order, found by searching forward for the
+    content (or, for templates that ``trim`` it, the stripped content). A
+    content the template rewrote is not found and gets no span."""
+    spans, cursor = [], 0
+    for m in messages:
+        c = _content_text(m)
+        for cand in (c, c.strip()):
+            if not cand:
+                continue
+            i = text.find(cand, cursor)
+            if i >= 0:
+                spans.append((i, i + len(cand)))
+                cursor = i + len(cand)
+                break
+    return spans
+
+
+def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[int, int]]]:
+    """Render the request's messages to prompt text with the server's template;
+    returns ``(text, content_spans)``.
 
     Handles ``tools``, ``chat_template_kwargs``, ``add_generation_prompt`` and a
     final assistant message (prefilled: rendered without it, its content then
     appended, as llama.cpp does). Raises 400 for malformed messages or when the
     template refuses the conversation.
     """
-    messages = _check_messages(body.get("messages"))
+    messages = prepare_messages(_check_messages(body.get("messages")))
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid_request('"tools" must be an array')
@@ -112,7 +190,8 @@ def render_chat(state: ServerState, body: dict) -> str:
         raise invalid_request('"chat_template_kwargs" must be an object')
     add_gen = get_bool(body, "add_generation_prompt", True)
     prefill: Optional[str] = None
-    if messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str):
+    if messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str) \
+            and not messages[-1].get("tool_calls"):
         prefill = messages[-1]["content"]
         messages = messages[:-1]
         if messages and messages[-1].get("role") == "assistant":
@@ -127,16 +206,37 @@ def render_chat(state: ServerState, body: dict) -> str:
             add_generation_prompt=add_gen, tools=tools or None, **kwargs)
     except ValueError as e:  # ChatTemplateError is a ValueError
         raise invalid_request(str(e) or "the chat template refused the conversation") from None
+    spans = content_spans(text, messages)
     if prefill:
+        spans.append((len(text), len(text) + len(prefill)))
         text += prefill
-    return text
+    return text, spans
 
 
-def tokenize_chat(state: ServerState, text: str) -> list[int]:
+def render_chat(state: ServerState, body: dict) -> str:
+    """The rendered chat prompt text (see ``render_chat_spans``)."""
+    return render_chat_spans(state, body)[0]
+
+
+def tokenize_chat(state: ServerState, text: str, spans: Optional[list[tuple[int, int]]] = None) -> list[int]:
     """Tokenize rendered chat text: BOS added by the tokenizer (``render_prompt``
-    already removed a BOS text), special-token text parsed into special tokens."""
+    already removed a BOS text); control-token text written by the template
+    (``<start_of_turn>``, ``<|im_end|>`` …) becomes those tokens, while inside a
+    message's content (``spans``) it stays plain text, so a user cannot forge
+    turn markup.
+
+    Without content text that looks like a control token this is exactly
+    ``tokenize(text, add_special=True, parse_special=True)``: the text is cut at
+    the template's control tokens and the pieces between are tokenized alone, as
+    the tokenizer's own special-token partition does (llama-vocab.cpp
+    ``tokenizer_st_partition``).
+    """
+    tok = state.tokenizer
     try:
-        ids = state.tokenizer.tokenize(text, add_special=True, parse_special=True)
+        if not spans:
+            ids = tok.tokenize(text, add_special=True, parse_special=True)
+        else:
+            ids = _tokenize_outside_spans(state, text, spans)
     except ValueError as e:
         raise invalid_request(f"the chat prompt could not be tokenized: {e}") from None
     if not ids:
@@ -144,14 +244,47 @@ def tokenize_chat(state: ServerState, text: str) -> list[int]:
     return ids
 
 
+def _tokenize_outside_spans(state: ServerState, text: str, spans: list[tuple[int, int]]) -> list[int]:
+    tok = state.tokenizer
+    present = [(t, i) for t, i in state.control_tokens() if t in text]  # longest first
+    pattern = regex.compile("|".join(regex.escape(t) for t, _ in present)) if present else None
+    ids_of = dict(present)
+    frags: list = []  # str pieces and control-token ids, in order
+    buf: list[str] = []
+
+    def template_part(a: int, b: int) -> None:
+        pos = a
+        if pattern is not None:
+            for m in pattern.finditer(text, a, b):
+                buf.append(text[pos:m.start()])
+                frags.append("".join(buf))
+                buf.clear()
+                frags.append(ids_of[m.group(0)])
+                pos = m.end()
+        buf.append(text[pos:b])
+
+    pos = 0
+    for a, b in sorted(spans):
+        if a < pos:
+            continue
+        template_part(pos, a)
+        buf.append(text[a:b])  # content: never cut
+        pos = b
+    template_part(pos, len(text))
+    frags.append("".join(buf))
+    out: list[int] = [tok.bos_id] if tok.add_bos else []
+    for f in frags:
+        if isinstance(f, int):
+            out.append(f)
+        elif f:
+            out.extend(tok.tokenize(f, add_special=False, parse_special=False))
+    if tok.add_eos:
+        out.append(tok.eos_id)
+    return out
+
+
 def _parse_chat_body(state: ServerState, body: dict) -> tuple[list[int], ParsedCompletion, int]:
     """Validate a chat body; returns (prompt ids, parsed params, top_logprobs count)."""
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type", "text"), str):
-            raise invalid_request('"response_format" must be an object with a string "type"')
-        if rf.get("type", "text") != "text":
-            raise invalid_request(f'response_format type "{rf["type"]}" is not supported by this server yet')
     parsed = parse_completion(body, state.params.sampling, state.params.n_predict,
                               state.n_ctx_slot, state.n_slots)
     want_logprobs = get_bool(body, "logprobs", False)
@@ -165,7 +298,7 @@ def _parse_chat_body(state: ServerState, body: dict) -> tuple[list[int], ParsedC
         parsed.request.sampling.n_probs = max(n_top, 1)
         parsed.options.want_logprobs = True
     parsed.options.n_probs = n_top
-    prompt = tokenize_chat(state, render_chat(state, body))
+    prompt = tokenize_chat(state, *render_chat_spans(state, body))
     return prompt, parsed, n_top
 
 
@@ -198,7 +331,7 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
 
     if not opts.stream:
         r = gen.collect(state.tokenizer, handle, req.is_disconnected, n_top=n_top,
-                        want_probs=opts.want_logprobs)
+                        want_probs=opts.want_logprobs, on_finish=state.on_finish)
         choice = {
             "finish_reason": finish_reason(r.finish),
             "index": 0,
@@ -209,7 +342,7 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
             "choices": [choice], "created": created, "model": model, "system_fingerprint": fp,
             "object": "chat.completion", "usage": usage_json(r), "id": cid,
             "timings": gen.timings_json(r.finish),
-        })
+        }, headers=gen.admission_headers([handle]))
 
     try:
         first, events = first_event(handle, req)
@@ -218,7 +351,8 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
         raise
 
     def stream() -> Iterator[bytes]:
-        collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs)
+        collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs,
+                                  on_finish=lambda ev: state.on_finish(handle.request, ev))
         done = False
         try:
             yield sse_event(_chunk(cid, created, model, [{
@@ -259,7 +393,7 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
             if not done:
                 handle.cancel()
 
-    return StreamResponse(stream())
+    return StreamResponse(stream(), headers=gen.admission_headers([handle]))
 
 
 # ---------------------------------------------------------------------------
@@ -304,14 +438,15 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
 
     if not opts.stream:
         results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
-                                   n_top=opts.n_probs, want_probs=want_probs)
+                                   n_top=opts.n_probs, want_probs=want_probs, on_finish=state.on_finish)
         choices = [{"text": r.content, "index": i,
                     "logprobs": {"content": r.probs} if want_probs else None,
                     "finish_reason": finish_reason(r.finish)} for i, r in enumerate(results)]
         usage = {"completion_tokens": sum(r.n_predicted for r in results),
                  "prompt_tokens": sum(r.n_prompt for r in results)}
         usage["total_tokens"] = usage["completion_tokens"] + usage["prompt_tokens"]
-        return Response(obj(choices, usage=usage, timings=gen.timings_json(results[0].finish)))
+        return Response(obj(choices, usage=usage, timings=gen.timings_json(results[0].finish)),
+                        headers=gen.admission_headers(handles))
 
     handle = handles[0]
     try:
@@ -321,7 +456,8 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         raise
 
     def stream() -> Iterator[bytes]:
-        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs)
+        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
+                                  on_finish=lambda ev: state.on_finish(handle.request, ev))
         done = False
         try:
             for ev in chain([first], events):
@@ -351,7 +487,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
             if not done:
                 handle.cancel()
 
-    return StreamResponse(stream())
+    return StreamResponse(stream(), headers=gen.admission_headers([handle]))
 
 
 # ---------------------------------------------------------------------------

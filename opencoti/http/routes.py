@@ -12,7 +12,9 @@ The OpenAI-compatible routes live in ``opencoti.http.oai``.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 from itertools import chain
@@ -20,7 +22,9 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, TokenEvent
 from opencoti.http import generate as gen
+from opencoti.http import metrics as metrics_mod
 from opencoti.http.errors import HTTPError, invalid_request, not_supported
+from opencoti.http.metrics import kv_headroom
 from opencoti.http.sse import sse_event
 from opencoti.http.state import ServerState
 from opencoti.http.validate import (
@@ -52,6 +56,7 @@ class Request:
     headers: Any
     body: bytes
     is_disconnected: Callable[[], bool] = lambda: False
+    path_params: dict[str, str] = field(default_factory=dict)
 
     def json(self) -> dict:
         """The body as a JSON object; 400 if it is not valid JSON or not an object."""
@@ -98,22 +103,39 @@ Handler = Callable[[ServerState, Request], Union[Response, StreamResponse]]
 
 
 class Router:
-    """Exact-path route table: ``path -> {method: handler}``."""
+    """Route table: exact paths, plus templates with ``{name}`` segments
+    (``/slots/{id_slot}``) whose values land in ``Request.path_params``."""
 
     def __init__(self) -> None:
         self.routes: dict[str, dict[str, Handler]] = {}
+        self.templates: list[tuple["re.Pattern[str]", dict[str, Handler]]] = []
 
     def add(self, method: str, paths: Union[str, list[str]], fn: Handler) -> None:
         for p in [paths] if isinstance(paths, str) else paths:
-            self.routes.setdefault(p, {})[method.upper()] = fn
+            if "{" in p:
+                rx = re.compile("^" + re.sub(r"\\{(\w+)\\}", r"(?P<\1>[^/]+)", re.escape(p)) + "$")
+                for pat, methods in self.templates:
+                    if pat.pattern == rx.pattern:
+                        methods[method.upper()] = fn
+                        break
+                else:
+                    self.templates.append((rx, {method.upper(): fn}))
+            else:
+                self.routes.setdefault(p, {})[method.upper()] = fn
 
-    def match(self, method: str, path: str) -> Optional[Handler]:
-        """The handler for ``method path``.
+    def resolve(self, method: str, path: str) -> tuple[Handler, dict[str, str]]:
+        """``(handler, path_params)`` for ``method path``.
 
         Raises HTTPError 404 for an unknown path, 405 (with ``Allow``) for a
         known path and another method.
         """
-        methods = self.routes.get(path)
+        methods, params = self.routes.get(path), {}
+        if methods is None:
+            for rx, ms in self.templates:
+                m = rx.match(path)
+                if m:
+                    methods, params = ms, m.groupdict()
+                    break
         if methods is None:
             raise HTTPError(404, "not_found_error", "File Not Found")
         fn = methods.get(method.upper())
@@ -122,7 +144,11 @@ class Router:
             raise HTTPError(405, "invalid_request_error",
                             f"method {method} is not allowed on {path}; use {allow}",
                             headers={"Allow": allow})
-        return fn
+        return fn, params
+
+    def match(self, method: str, path: str) -> Handler:
+        """The handler for ``method path`` (see ``resolve``)."""
+        return self.resolve(method, path)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -168,9 +194,14 @@ def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool
         "samplers": sampler_names(),
         "cache_prompt": req.cache_prompt,
         "id_slot": req.id_slot,
+        "post_sampling_probs": req.post_sampling_probs,
+        "grammar": s.grammar or "",
+        "session_id": req.session_id,
+        "overcommit": req.overcommit,
     }
     if only_metrics:
         out.pop("stop")
+        out.pop("grammar")
     return out
 
 
@@ -210,13 +241,21 @@ def completion_final_json(state: ServerState, r: gen.Result, parsed: ParsedCompl
 
 
 def submit_all(state: ServerState, parsed: ParsedCompletion, prompts: list[list[int]]) -> list:
-    """Submit one engine request per prompt; if one submit fails, cancel the others."""
+    """Submit one engine request per prompt; if one submit fails, cancel the others.
+
+    Several prompts of one body share its ``session_id`` only for the first
+    (a session lives in one slot; the others run as plain requests).
+    """
     handles = []
     try:
-        for p in prompts:
+        for i, p in enumerate(prompts):
             req = replace(parsed.request, prompt_tokens=list(p),
                           sampling=replace(parsed.request.sampling), stop=list(parsed.request.stop))
-            handles.append(gen.submit(state.engine, req, state.n_ctx_slot))
+            if i > 0:
+                req.session_id = None
+            h = gen.submit(state.engine, req, state.n_ctx_slot)
+            state.track(h)
+            handles.append(h)
     except BaseException:
         for h in handles:
             h.cancel()
@@ -249,28 +288,74 @@ def get_health(state: ServerState, req: Request) -> Response:
     return Response({"status": "ok"})
 
 
+def kv_props(engine: Any) -> dict:
+    """The KV cache geometry (``/props`` ``opencoti.kv`` and the boot log).
+
+    ``caches``: one entry per cache (``global`` and, on iSWA models, ``swa``):
+    ``layers`` (count), ``n_cells`` per stream, ``n_stream`` (1 unified, else one
+    per sequence), ``n_swa`` (sliding window, 0 = none), ``bytes`` (K+V storage).
+    ``n_ctx``: cells of the global cache over all streams; ``n_ctx_slot``: what
+    one slot may use (all of it when unified, else ``n_ctx / n_seq_max``).
+    """
+    kv = getattr(getattr(engine, "runner", None), "kv", None)
+    if kv is None:
+        return {}
+    caches = []
+    iswa = len(kv.caches) > 1
+    for c in kv.caches:
+        caches.append({
+            "name": "swa" if iswa and c.n_swa > 0 else "global",
+            "layers": len(c.layers),
+            "n_cells": int(c.n_cells),
+            "n_stream": int(c.n_stream),
+            "n_swa": int(c.n_swa),
+            "bytes": int(c.nbytes()),
+        })
+    base = kv.caches[0]
+    return {
+        "type_k": base.type_k,
+        "type_v": base.type_v,
+        "n_ctx": int(getattr(engine, "n_ctx", kv.n_ctx)),
+        "n_ctx_slot": int(kv.n_ctx_seq),
+        "n_seq_max": int(kv.n_seq_max),
+        "unified": bool(kv.unified),
+        "caches": caches,
+        "bytes": int(kv.nbytes()),
+    }
+
+
 def get_props(state: ServerState, req: Request) -> Response:
     """``GET /props``: server and model properties (llama.cpp ``get_res_props``),
-    plus opencoti's own under ``"opencoti"``."""
+    plus opencoti's own under ``"opencoti"``: the KV layout (``kv``), the
+    admission gate, and every serving feature with ``enabled`` (features not
+    built yet report ``{"enabled": false}``)."""
     tok = state.tokenizer
-    dummy = CompletionRequest(prompt_tokens=[], n_predict=state.params.n_predict,
-                              sampling=replace(state.params.sampling))
+    params = state.params
+    engine = state.engine
+    dummy = CompletionRequest(prompt_tokens=[], n_predict=params.n_predict,
+                              sampling=replace(params.sampling))
     tmpl = state.chat_template
     engine_props: dict = {}
-    if hasattr(state.engine, "props"):
-        engine_props = dict(state.engine.props() or {})
+    if hasattr(engine, "props"):
+        engine_props = dict(engine.props() or {})
+    slots = list(getattr(engine, "slots", []) or [])
+    pools = getattr(engine, "pools", None)
     props = {
         "default_generation_settings": {
-            "params": generation_settings(dummy, False, only_metrics=True),
+            "id": 0,
+            "id_task": -1,
             "n_ctx": state.n_ctx_slot,
+            "speculative": False,
+            "is_processing": False,
+            "params": generation_settings(dummy, False, only_metrics=True),
         },
         "total_slots": state.n_slots,
         "model_alias": state.model_name,
-        "model_path": str(getattr(state.model, "path", None) or state.params.model or ""),
+        "model_path": str(getattr(state.model, "path", None) or params.model or ""),
         "modalities": {"vision": False, "video": False, "audio": False},
-        "endpoint_slots": True,
+        "endpoint_slots": bool(params.endpoint_slots),
         "endpoint_props": False,
-        "endpoint_metrics": False,
+        "endpoint_metrics": bool(params.endpoint_metrics),
         "chat_template": getattr(tmpl, "source", "") if tmpl is not None else "",
         "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
         "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None and tok.eos_id >= 0 else "",
@@ -282,6 +367,26 @@ def get_props(state: ServerState, req: Request) -> Response:
             "backend": engine_props.pop("backend", "cpu"),
             "chat_template_name": getattr(tmpl, "name", None),
             **engine_props,
+            "kv": kv_props(engine),
+            "admission": {
+                "poolless": params.admission_poolless,
+                "headroom_cells": kv_headroom(engine),
+                "refused_total": int(getattr(engine, "n_admissions_refused", 0) or 0),
+            },
+            "kv_reuse": {
+                "enabled": True,
+                "cache_prompt": True,  # the request default
+                "sessions": sorted(str(x.session_id) for x in slots if getattr(x, "session_id", None) is not None),
+                "cache_idle_slots": bool(params.cache_idle_slots),
+            },
+            "rest_kv": ({"enabled": True, "max_pools": int(getattr(engine, "max_pools", 0))}
+                        if pools is not None else {"enabled": False}),
+            "context_shift": {"enabled": bool(params.ctx_shift)},
+            "residency": {"enabled": False},
+            "dca": {"enabled": False},
+            "sparse_attn": {"enabled": False},
+            "speculative": {"enabled": False},
+            "repeat_layers": {"enabled": False},
         },
     }
     return Response(props)
@@ -340,20 +445,104 @@ def get_models(state: ServerState, req: Request) -> Response:
     })
 
 
+def slot_json(state: ServerState, slot: Any) -> dict:
+    """One ``GET /slots`` entry (llama.cpp ``server_slot::to_json``, metrics-only
+    form: no prompt text) plus ``opencoti``: the session bound to the slot, its
+    pool binding (PolyKV; null when it shares no pool prefix), state, and KV use.
+
+    Read from a handler thread without locking: plain values, at worst one
+    engine step stale.
+    """
+    handle = getattr(slot, "handle", None)
+    request = getattr(handle, "request", None) if handle is not None else None
+    busy = bool(getattr(slot, "busy", False)) and request is not None
+    if request is None:
+        request = state.last_request.get(slot.id)
+    out: dict = {
+        "id": slot.id,
+        "id_task": -1,
+        "n_ctx": int(slot.n_ctx),
+        "speculative": False,
+        "is_processing": busy,
+    }
+    if request is not None:
+        n_decoded = int(getattr(slot, "n_decoded", 0))  # the current request's, else the last one's
+        n_predict = request.n_predict
+        out["params"] = generation_settings(request, False, only_metrics=True)
+        out["next_token"] = [{
+            "has_next_token": busy,
+            "has_new_line": busy and "\n" in (getattr(slot, "text", "") or ""),
+            "n_remain": max(n_predict - n_decoded, 0) if n_predict >= 0 else -1,
+            "n_decoded": n_decoded,
+        }]
+    pool_id = getattr(slot, "pool_id", None)
+    state_ = getattr(slot, "state", None)
+    out["opencoti"] = {
+        "session_id": getattr(slot, "session_id", None),
+        "pool": ({"id": pool_id, "n_shared": int(getattr(slot, "n_shared", 0))}
+                 if pool_id is not None and getattr(slot, "n_shared", 0) else None),
+        "state": getattr(state_, "value", str(state_)),
+        "n_past": int(getattr(slot, "n_past", 0)),
+        "n_cached_tokens": len(getattr(slot, "cache_tokens", []) or []),
+    }
+    return out
+
+
 def get_slots(state: ServerState, req: Request) -> Response:
-    """``GET /slots``: the engine's per-slot state; ``?fail_on_no_slot=1`` answers
-    503 when every slot is busy (llama.cpp)."""
-    slots = list(state.engine.slots_info()) if hasattr(state.engine, "slots_info") else []
-    if req.query.get("fail_on_no_slot"):
-        idle = [s for s in slots if not s.get("is_processing", False)]
-        if not idle:
+    """``GET /slots`` (``--slots``, on by default; 501 with ``--no-slots``, as
+    llama.cpp): one ``slot_json`` per slot. ``?fail_on_no_slot=1`` answers 503
+    when every slot is busy (llama.cpp)."""
+    if not state.params.endpoint_slots:
+        raise not_supported("This server does not support slots endpoint. Start it with `--slots`")
+    slots = [slot_json(state, s) for s in list(getattr(state.engine, "slots", []) or [])]
+    if req.query.get("fail_on_no_slot") not in (None, "", "0", "false"):
+        if all(s["is_processing"] for s in slots):
             raise HTTPError(503, "unavailable_error", "no slot available")
     return Response(slots)
 
 
+def post_slot_action(state: ServerState, req: Request) -> Response:
+    """``POST /slots/{id_slot}?action=erase``: clear the slot's KV cache and
+    cached tokens (and unbind its session) -> ``{"id_slot", "n_erased"}``.
+
+    The erase runs on the engine thread (``Engine.erase_slot``); a busy slot is
+    erased as soon as its request ends (llama.cpp defers it the same way). 400
+    for a bad id or action; ``save`` / ``restore`` are 501 (this server has no
+    ``--slot-save-path``).
+    """
+    try:
+        id_slot = int(req.path_params.get("id_slot", ""))
+    except ValueError:
+        raise invalid_request("Invalid slot ID") from None
+    action = req.query.get("action", "")
+    if action in ("save", "restore"):
+        raise not_supported(f"slot action {action!r} is not supported by this server (no --slot-save-path)")
+    if action != "erase":
+        raise invalid_request('Invalid action: use ?action=erase')
+    if not 0 <= id_slot < state.n_slots:
+        raise invalid_request(f"Invalid slot ID {id_slot}: the server has slots 0..{state.n_slots - 1}")
+    deadline = time.monotonic() + max(1, int(state.params.timeout or 600))
+    while True:
+        try:
+            n = state.engine.erase_slot(id_slot).result(timeout=60)
+            break
+        except RuntimeError as e:  # busy: wait for its request to end
+            if "processing" not in str(e):
+                raise HTTPError(503, "unavailable_error", str(e)) from None
+            if req.is_disconnected() or time.monotonic() > deadline:
+                raise HTTPError(503, "unavailable_error", f"slot {id_slot} stayed busy") from None
+            time.sleep(0.05)
+        except ValueError as e:
+            raise invalid_request(str(e)) from None
+    return Response({"id_slot": id_slot, "n_erased": int(n)})
+
+
 def get_metrics(state: ServerState, req: Request) -> Response:
-    """``GET /metrics``: not offered yet (llama.cpp answers the same without ``--metrics``)."""
-    raise not_supported("This server does not support metrics endpoint.")
+    """``GET /metrics``: Prometheus text (``--metrics``; 501 without, as llama.cpp)."""
+    if not state.params.endpoint_metrics:
+        raise not_supported("This server does not support metrics endpoint. Start it with `--metrics`")
+    body = metrics_mod.render(state.metrics, state.engine)
+    return Response(raw=body.encode("utf-8"), content_type=metrics_mod.CONTENT_TYPE)
 
 
 def post_tokenize(state: ServerState, req: Request) -> Response:
@@ -419,9 +608,10 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     want_probs = opts.n_probs > 0
     if not opts.stream:
         results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
-                                   n_top=opts.n_probs, want_probs=want_probs)
+                                   n_top=opts.n_probs, want_probs=want_probs,
+                                   post_sampling=opts.post_sampling_probs, on_finish=state.on_finish)
         objs = [completion_final_json(state, r, parsed, False, i) for i, r in enumerate(results)]
-        return Response(objs[0] if len(objs) == 1 else objs)
+        return Response(objs[0] if len(objs) == 1 else objs, headers=gen.admission_headers(handles))
 
     handle = handles[0]
     try:
@@ -432,7 +622,8 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     n_prompt = len(handle.request.prompt_tokens)
 
     def stream() -> Iterator[bytes]:
-        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs)
+        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
+                                  opts.post_sampling_probs, lambda ev: state.on_finish(handle.request, ev))
         id_slot = getattr(handle, "id_slot", -1)
         done = False
         try:
@@ -467,7 +658,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
             if not done:
                 handle.cancel()
 
-    return StreamResponse(stream())
+    return StreamResponse(stream(), headers=gen.admission_headers([handle]))
 
 
 def build_router() -> Router:
@@ -479,6 +670,7 @@ def build_router() -> Router:
     r.add("GET", "/props", get_props)
     r.add("GET", ["/models", "/v1/models"], get_models)
     r.add("GET", "/slots", get_slots)
+    r.add("POST", "/slots/{id_slot}", post_slot_action)
     r.add("GET", "/metrics", get_metrics)
     r.add("POST", ["/completion", "/completions"], post_completion)
     r.add("POST", "/tokenize", post_tokenize)

@@ -61,9 +61,25 @@ class OpencotiHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], state: ServerState, router: Router):
         self.state = state
         self.router = router
+        self._active = 0  # requests being dispatched now (not idle keep-alive connections)
+        self._active_cv = threading.Condition()
         if ":" in address[0]:  # an IPv6 literal such as "::" or "::1"
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
+
+    def enter(self) -> None:
+        with self._active_cv:
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._active_cv:
+            self._active -= 1
+            self._active_cv.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is being dispatched (at most ``timeout`` s); True if idle."""
+        with self._active_cv:
+            return self._active_cv.wait_for(lambda: self._active <= 0, timeout)
 
     @property
     def url(self) -> str:
@@ -229,6 +245,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise HTTPError(401, "authentication_error", "Invalid API Key")
 
     def _dispatch(self) -> None:
+        self.server.enter()
+        try:
+            self._dispatch_inner()
+        finally:
+            self.server.leave()
+
+    def _dispatch_inner(self) -> None:
         state = self.server.state
         try:
             try:
@@ -241,10 +264,14 @@ class _Handler(BaseHTTPRequestHandler):
             if not state.ready:
                 msg = state.load_error or "Loading model"
                 raise HTTPError(503, "unavailable_error", msg)
+            if state.shutting_down:
+                self.close_connection = True
+                raise HTTPError(503, "unavailable_error", "the server is shutting down")
             self._check_api_key(path)
-            fn = self.server.router.match(self.command, path)
+            fn, path_params = self.server.router.resolve(self.command, path)
             req = Request(method=self.command, path=path, query=dict(parse_qsl(url.query)),
-                          headers=self.headers, body=body, is_disconnected=self._peer_closed)
+                          headers=self.headers, body=body, is_disconnected=self._peer_closed,
+                          path_params=path_params)
             res = fn(state, req)
             if isinstance(res, StreamResponse):
                 self._write_stream(res)
@@ -352,12 +379,39 @@ def start_in_thread(httpd: OpencotiHTTPServer) -> threading.Thread:
     return t
 
 
-def stop_server(httpd: OpencotiHTTPServer, engine: Any = None) -> None:
-    """Stop accepting requests, close the socket and stop the engine."""
+def stop_server(httpd: OpencotiHTTPServer, engine: Any = None, grace_s: float = 5.0) -> int:
+    """Graceful stop: refuse new requests (503), stop accepting connections,
+    end every request in flight with a 503 ``unavailable_error`` (a streamed
+    one gets it as its last event), give the handler threads up to ``grace_s``
+    seconds to write those answers, then close the socket and stop the engine.
+    Returns the number of requests that were cut short."""
+    state = httpd.state
+    state.shutting_down = True
     httpd.shutdown()
+    n = state.fail_inflight(503, "unavailable_error", "the server is shutting down")
+    httpd.wait_idle(grace_s)
     httpd.server_close()
     if engine is not None:
         engine.stop()
+    return n
+
+
+def log_kv_layout(engine: Any) -> None:
+    """Print the KV cache sizes at boot, llama.cpp style (``llama_kv_cache: ...``)."""
+    from opencoti.http.routes import kv_props
+
+    kv = kv_props(engine)
+    if not kv:
+        return
+    mib = 1024 * 1024
+    _log(f"llama_context: n_ctx = {kv['n_ctx']}, n_ctx_slot = {kv['n_ctx_slot']}, "
+         f"n_seq_max = {kv['n_seq_max']}, kv_unified = {'true' if kv['unified'] else 'false'}")
+    for c in kv["caches"]:
+        swa = f", n_swa = {c['n_swa']}" if c["n_swa"] else ""
+        _log(f"llama_kv_cache: {c['name']:>6}: {c['n_cells']:6d} cells x {c['n_stream']} stream(s), "
+             f"{c['layers']:3d} layers, K ({kv['type_k']}) + V ({kv['type_v']}) = "
+             f"{c['bytes'] / mib:8.2f} MiB{swa}")
+    _log(f"llama_kv_cache: total {kv['bytes'] / mib:.2f} MiB")
 
 
 def serve(params: Params) -> int:
@@ -402,6 +456,7 @@ def serve(params: Params) -> int:
         except (OSError, ValueError, RuntimeError) as e:
             _log(f"main: error: failed to load model: {e}")
             return 1
+        log_kv_layout(engine)
         state.set_ready(model, engine, template)
         _log(f"main: model loaded, chat template: {getattr(template, 'name', '?')}")
         _log(f"main: server is listening on {httpd.url} - starting the main loop")
@@ -413,9 +468,8 @@ def serve(params: Params) -> int:
         _log("srv    operator(): operator(): cleaning up before exit...")
         return 0
     finally:
-        httpd.shutdown()
-        httpd.server_close()
-        if engine is not None:
-            engine.stop()
+        n = stop_server(httpd, engine)
+        if n:
+            _log(f"main: {n} request(s) in flight ended with 503 (shutting down)")
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)

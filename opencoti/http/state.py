@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any, Optional
 
+from opencoti.http.metrics import ServerMetrics
 from opencoti.params import Params
 from opencoti.version import full_version
 
@@ -35,6 +37,11 @@ class ServerState:
     ``.metadata``, ``.path``, ``.chat_template_source``) or None while loading.
     engine: the running Engine or None while loading. chat_template: the
     ChatTemplate chosen once at startup (None while loading).
+
+    Also kept here: ``metrics`` (request counters for ``/metrics``), the
+    requests in flight (weakly: a finished handle drops out by itself; used to
+    fail them on shutdown), each slot's last request (``/slots`` ``params``),
+    and ``shutting_down`` (new requests get 503).
     """
 
     def __init__(self, params: Params):
@@ -47,6 +54,12 @@ class ServerState:
         self.build_info: str = full_version()
         self._ready = threading.Event()
         self.load_error: Optional[str] = None
+        self.metrics = ServerMetrics()
+        self.shutting_down = False
+        self.last_request: dict[int, Any] = {}  # id_slot -> the CompletionRequest it ran last
+        self._inflight: "weakref.WeakSet" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._control_tokens: Optional[list[tuple[str, int]]] = None
 
     # ------------------------------------------------------------------
     def set_ready(self, model: Any, engine: Any, chat_template: Any) -> None:
@@ -84,3 +97,51 @@ class ServerState:
         if self.params.kv_unified:
             return n_ctx
         return max(1, n_ctx // self.n_slots)
+
+    # ------------------------------------------------------------------
+    def track(self, handle: Any) -> None:
+        """Remember an engine request in flight (for shutdown)."""
+        with self._lock:
+            self._inflight.add(handle)
+
+    def inflight(self) -> list:
+        with self._lock:
+            return list(self._inflight)
+
+    def on_finish(self, request: Any, fin: Any) -> None:
+        """A request finished: count it (``/metrics``) and note it as its slot's last."""
+        self.metrics.on_finish(getattr(fin, "timings", None) or {})
+        id_slot = getattr(fin, "id_slot", -1)
+        if id_slot is not None and id_slot >= 0:
+            self.last_request[id_slot] = request
+
+    def fail_inflight(self, status: int, type: str, message: str) -> int:
+        """Give every request in flight a final error event and cancel it in the
+        engine (graceful shutdown: the handler threads answer at once instead of
+        waiting for an engine that is going away). Returns how many."""
+        from opencoti.engine.api import ErrorEvent
+
+        n = 0
+        for h in self.inflight():
+            h.push(ErrorEvent(status, type, message))
+            h.cancel()
+            n += 1
+        return n
+
+    def control_tokens(self) -> list[tuple[str, int]]:
+        """``(text, id)`` of the tokens only ``parse_special`` recognises (CONTROL and
+        UNKNOWN, llama-vocab.cpp ``tokenizer_st_partition``), longest text first;
+        computed once."""
+        if self._control_tokens is None:
+            from opencoti.model.tokenizer import ATTR_CONTROL, ATTR_UNKNOWN
+
+            tok = self.tokenizer
+            found = []
+            for tid in range(tok.n_vocab):
+                if tok.token_attr(tid) & (ATTR_CONTROL | ATTR_UNKNOWN):
+                    text = tok.token_text(tid)
+                    if text:
+                        found.append((text, tid))
+            found.sort(key=lambda x: -len(x[0]))
+            self._control_tokens = found
+        return self._control_tokens

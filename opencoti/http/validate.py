@@ -213,6 +213,8 @@ class ResponseOptions:
     include_usage: OpenAI ``stream_options.include_usage``.
     want_logprobs: OpenAI ``logprobs`` flag (chat): report the chosen token's
     log-probability even when ``n_probs`` is 0.
+    post_sampling_probs: report ``prob`` / ``top_probs`` (probabilities after the
+    sampler chain) instead of ``logprob`` / ``top_logprobs`` (llama.cpp).
     """
 
     stream: bool = False
@@ -220,6 +222,7 @@ class ResponseOptions:
     return_tokens: bool = False
     include_usage: bool = False
     want_logprobs: bool = False
+    post_sampling_probs: bool = False
 
 
 @dataclass
@@ -276,16 +279,22 @@ def parse_completion(
 ) -> ParsedCompletion:
     """Validate the llama.cpp ``/completion`` fields of ``body`` (not the prompt).
 
+    Besides the sampler fields: ``n_predict`` (``max_tokens``), ``stop``,
+    ``cache_prompt``, ``id_slot``, ``ignore_eos``, ``n_keep``, ``n_discard``,
+    ``session_id`` (string: bind to the slot holding this session's KV),
+    ``overcommit`` (bool: bypass the KV admission gate), ``post_sampling_probs``,
+    and constrained output: ``grammar`` (GBNF), ``json_schema``, or OpenAI
+    ``response_format`` (``json_object`` / ``json_schema``), compiled here so a
+    bad one is a 400 before anything runs (``opencoti.engine.json_schema``).
+
     Returns the engine request template (``prompt_tokens`` empty) and the
     response options. Raises 400 for wrong types or values, and for features
-    this server does not offer (grammar, json_schema, several completions per
-    prompt) instead of silently ignoring them.
+    this server does not offer (several completions per prompt) instead of
+    silently ignoring them. Unknown fields are ignored.
     """
     require_object(body)
     sampling = parse_sampling(body, sampling_defaults, n_ctx_slot)
-    for unsupported in ("grammar", "json_schema"):
-        if body.get(unsupported) not in (None, "", {}):
-            raise invalid_request(f'"{unsupported}" is not supported by this server yet')
+    sampling.grammar = parse_grammar(body)
     n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1), min=1)
     if n_cmpl != 1:
         raise invalid_request("only one completion per prompt is supported (n = 1)")
@@ -302,6 +311,9 @@ def parse_completion(
         ignore_eos=get_bool(body, "ignore_eos", False),
         n_keep=get_int(body, "n_keep", 0, min=-1),
         n_discard=get_int(body, "n_discard", 0, min=0),
+        session_id=get_str(body, "session_id", None),
+        overcommit=get_bool(body, "overcommit", False),
+        post_sampling_probs=get_bool(body, "post_sampling_probs", False),
     )
     stream_opts = body.get("stream_options")
     if stream_opts is not None and not isinstance(stream_opts, dict):
@@ -311,5 +323,25 @@ def parse_completion(
         n_probs=sampling.n_probs,
         return_tokens=get_bool(body, "return_tokens", False),
         include_usage=get_bool(stream_opts or {}, "include_usage", False),
+        post_sampling_probs=req.post_sampling_probs,
     )
     return ParsedCompletion(req, opts)
+
+
+def parse_grammar(body: dict) -> Optional[str]:
+    """The GBNF grammar a body asks for (``grammar``, ``json_schema`` or
+    ``response_format``), compiled once to prove it is valid; None when
+    unconstrained. Raises 400 when it is malformed or does not compile, so a
+    constrained request never runs unconstrained."""
+    from opencoti.engine.grammar import GrammarError
+    from opencoti.engine.json_schema import grammar_from_request
+
+    try:
+        return grammar_from_request(body)
+    except GrammarError as e:
+        msg = str(e)
+        if not msg.startswith(('"', "either", "response_format")):  # a field-shape message stays as is
+            msg = f"failed to parse grammar: {msg}"
+        raise invalid_request(msg) from None
+    except RecursionError:
+        raise invalid_request("failed to parse grammar: nested too deeply") from None
