@@ -80,6 +80,8 @@ class KVCache:
         n_head_kv, d_k, d_v: per-layer K/V shape.
         type_k, type_v: storage tier name ("f16", "f32").
         n_swa: sliding window (0 = global layers; > 0 enables pruning).
+        zeros: allocator ``zeros(shape, dtype)`` for K/V storage (the backend's:
+            NumPy on the CPU, device memory on a GPU); the bookkeeping stays NumPy.
     Raises ``ValueError`` for an unknown tier.
     """
 
@@ -95,6 +97,7 @@ class KVCache:
         type_k: str = "f16",
         type_v: str = "f16",
         n_swa: int = 0,
+        zeros=np.zeros,
     ):
         for t in (type_k, type_v):
             if t not in KV_TYPES:
@@ -107,8 +110,8 @@ class KVCache:
         self.type_k, self.type_v = type_k, type_v
         self.pos = np.full((n_stream, n_cells), -1, dtype=np.int32)
         self.seq = np.zeros((n_stream, n_cells, n_seq_max), dtype=bool)
-        self.k = {il: np.zeros((n_stream, n_cells, n_head_kv, d_k), KV_TYPES[type_k]) for il in layers}
-        self.v = {il: np.zeros((n_stream, n_cells, n_head_kv, d_v), KV_TYPES[type_v]) for il in layers}
+        self.k = {il: zeros((n_stream, n_cells, n_head_kv, d_k), KV_TYPES[type_k]) for il in layers}
+        self.v = {il: zeros((n_stream, n_cells, n_head_kv, d_v), KV_TYPES[type_v]) for il in layers}
 
     # -- geometry ---------------------------------------------------------------------
     def stream_of(self, seq_id: int) -> int:
@@ -294,6 +297,7 @@ class KVCacheSet:
         n_ubatch: int,
         type_k: str = "f16",
         type_v: str = "f16",
+        zeros=np.zeros,
     ):
         n_stream = 1 if unified else n_seq_max
         n_cells = n_ctx if unified else max(1, n_ctx // n_seq_max)
@@ -303,7 +307,7 @@ class KVCacheSet:
         self.n_ctx_seq = n_cells  # hard per-sequence limit
         shape = dict(
             n_stream=n_stream, n_seq_max=n_seq_max, n_head_kv=hp.n_head_kv,
-            d_k=hp.n_embd_head_k, d_v=hp.n_embd_head_v, type_k=type_k, type_v=type_v,
+            d_k=hp.n_embd_head_k, d_v=hp.n_embd_head_v, type_k=type_k, type_v=type_v, zeros=zeros,
         )
         self.caches: list[KVCache] = []
         self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]

@@ -34,7 +34,8 @@ class ModelRunner:
         self.backend = get_backend(backend)
         self.net = model.network(self.backend)
         self.n_ubatch = n_ubatch
-        self.kv = KVCacheSet(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, type_k, type_v)
+        self.kv = KVCacheSet(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, type_k, type_v,
+                             zeros=self.backend.zeros)
 
     def decode(self, ub: UBatch) -> np.ndarray:
         """Plan cells, commit, run the forward. Returns logits float32
@@ -42,6 +43,8 @@ class ModelRunner:
         changed) when the cache has no room for the ubatch."""
         ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
         self.kv.apply(ub.plans, ub.seq_id, ub.pos)
+        if getattr(self.backend, "graphs", False):  # device backends replay decode steps as graphs
+            return self.backend.run_graph(ub, self.kv.caches, lambda: self.net.forward(ub, self.kv))
         return self.net.forward(ub, self.kv)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:

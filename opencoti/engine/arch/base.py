@@ -126,6 +126,7 @@ class DecoderModel:
         (``ub.plans``). Returns logits float32 ``[len(ub.out_rows), n_vocab]``."""
         B, hp = self.backend, self.hp
         eps = hp.f_norm_rms_eps
+        B.begin_ubatch(ub)
         x = B.get_rows(self.tok_embd, ub.tokens)
         if self.scale_embeddings:
             x = x * np.float32(np.sqrt(hp.n_embd))
@@ -140,9 +141,9 @@ class DecoderModel:
             if L.post_ffw_norm is not None:
                 h = B.rms_norm(h, L.post_ffw_norm, eps)
             x = x + h
-        x = x[ub.out_rows]
+        x = B.get_rows(x, ub.out_rows)
         x = B.rms_norm(x, self.output_norm, eps)
-        logits = B.mul_mat(x, self.output)
+        logits = B.to_host(B.mul_mat(x, self.output))
         if hp.final_logit_softcapping > 0:
             c = np.float32(hp.final_logit_softcapping)
             logits = c * np.tanh(logits / c)
@@ -163,7 +164,7 @@ class DecoderModel:
             base, scale = self.rope_params(il)
             k = cache.k[il][stream, cells].astype(np.float32)
             k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
-            cache.k[il][stream, cells] = k
+            cache.k[il][stream, cells] = k.astype(cache.k[il].dtype)
 
     def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         B, hp = self.backend, self.hp
@@ -190,16 +191,10 @@ class DecoderModel:
 
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]
-        cache.write(il, plan, k, v)
+        B.kv_write(cache, il, plan, k, v)
         n_swa = hp.n_swa if hp.swa_layers[il] else 0
-        out = np.empty((T, hp.n_head * hp.n_embd_head_v), dtype=np.float32)
-        for view in plan.views:
-            kk = cache.k[il][view.stream, view.cells]
-            vv = cache.v[il][view.stream, view.cells]
-            out[view.rows] = B.attention(
-                q[view.rows], ub.pos[view.rows], kk, vv, view.cell_pos,
-                hp.attention_scale, n_swa, hp.attn_logit_softcapping,
-            )
+        out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan,
+                                hp.attention_scale, n_swa, hp.attn_logit_softcapping)
         o = B.mul_mat(out, L.wo)
         if L.bo is not None:
             o = o + L.bo
@@ -207,7 +202,4 @@ class DecoderModel:
 
     def ffn(self, L: LayerWeights, h: np.ndarray) -> np.ndarray:
         B = self.backend
-        g = B.mul_mat(h, L.ffn_gate)
-        u = B.mul_mat(h, L.ffn_up)
-        g = B.gelu_tanh(g) if self.ffn_act == "gelu_tanh" else B.silu(g)
-        return B.mul_mat(g * u, L.ffn_down)
+        return B.mul_mat(B.gated_ffn(h, L.ffn_gate, L.ffn_up, self.ffn_act), L.ffn_down)

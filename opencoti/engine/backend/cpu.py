@@ -21,6 +21,20 @@ class CPUBackend:
     """NumPy implementation of the op interface (DESIGN.md "Backends: one op set")."""
 
     name = "cpu"
+    xp = np
+
+    # -- device plumbing (no-ops on the host) --------------------------------------------
+    @staticmethod
+    def zeros(shape, dtype) -> np.ndarray:
+        """Zero-filled array (KV storage)."""
+        return np.zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def to_host(x: np.ndarray) -> np.ndarray:
+        return x
+
+    def begin_ubatch(self, ub) -> None:
+        """Per-step hook where a device backend uploads the ubatch's index arrays."""
 
     # -- weights ----------------------------------------------------------------------
     def load_weight(self, gguf: GGUFFile, name: str) -> np.ndarray:
@@ -54,6 +68,12 @@ class CPUBackend:
     def silu(x: np.ndarray) -> np.ndarray:
         """x * sigmoid(x)."""
         return x / (1.0 + np.exp(-x))
+
+    def gated_ffn(self, x: np.ndarray, gate, up, act: str) -> np.ndarray:
+        """``act(x @ gate.T) * (x @ up.T)``; act "gelu_tanh" or "silu"."""
+        g = self.mul_mat(x, gate)
+        g = self.gelu_tanh(g) if act == "gelu_tanh" else self.silu(g)
+        return g * self.mul_mat(x, up)
 
     # -- rope -------------------------------------------------------------------------
     @staticmethod
@@ -94,7 +114,27 @@ class CPUBackend:
             out[..., 1:n_rot:2] = x0 * sin + x1 * cos
         return out
 
-    # -- attention --------------------------------------------------------------------
+    # -- KV cache + attention ----------------------------------------------------------
+    @staticmethod
+    def kv_write(cache, il: int, plan, k: np.ndarray, v: np.ndarray) -> None:
+        """Store a layer's new K ``[T, n_head_kv, d_k]`` / V into the plan's cells."""
+        cache.write(il, plan, k, v)
+
+    def attention_cells(self, q: np.ndarray, q_pos: np.ndarray, k_store, v_store, plan, scale: float,
+                        n_swa: int = 0, softcap: float = 0.0) -> np.ndarray:
+        """Attention of ``q [T, n_head, d_k]`` over each row's sequence cells
+        (``plan.views``: rows, stream, cells, cell_pos) in the layer's storage
+        ``k_store [n_stream, n_cells, n_head_kv, d_k]`` / ``v_store``. Returns
+        ``[T, n_head * d_v]`` float32."""
+        T, n_head, _ = q.shape
+        out = np.empty((T, n_head * v_store.shape[-1]), dtype=np.float32)
+        for view in plan.views:
+            out[view.rows] = self.attention(
+                q[view.rows], q_pos[view.rows], k_store[view.stream, view.cells], v_store[view.stream, view.cells],
+                view.cell_pos, scale, n_swa, softcap,
+            )
+        return out
+
     @staticmethod
     def attention(
         q: np.ndarray,

@@ -1,0 +1,115 @@
+"""llama-bench-style table on a GPU backend (default CUDA), plus aggregate decode.
+
+    python bench/bench_cuda.py [-m model.gguf] [--backend cuda] [-r 3] [--seqs 1,8,32]
+
+Rows: pp512, pp4096 (prefill in ubatches of 512, logits for the last token
+only), tg128, tg128 at depth 8192, and aggregate decode with N concurrent
+sequences (each prefilled with a 512-token prompt, then 128 steps that decode
+one token of every sequence in one ubatch; unified KV), like
+llama-batched-bench. Every step returns its logits to the host, so the
+wall clock covers the GPU work. Each test: one warm-up, then ``-r`` runs, mean
+± stddev. Compare with ../shared/BENCHMARKS.md (llama.cpp on the same H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from opencoti.engine.batch import UBatch  # noqa: E402
+from opencoti.engine.runner import ModelRunner  # noqa: E402
+from opencoti.model.loader import load_model  # noqa: E402
+
+LLAMA_CPP_H200 = {"pp512": 49823, "pp4096": 39022, "tg128": 939, "tg128 @ d8192": 844,
+                  "decode x1": 825, "decode x8": 3987, "decode x32": 7561, "decode x64": 9391}
+
+
+def _prefill(runner, n, seq=0, pos0=0, seed=0):
+    toks = np.random.default_rng(seed).integers(100, 20000, n)
+    for s in range(0, n, runner.n_ubatch):
+        c = toks[s:s + runner.n_ubatch]
+        m = len(c)
+        runner.decode(UBatch.build(c, np.arange(pos0 + s, pos0 + s + m), [seq] * m, [m - 1]))
+
+
+def _timed(fn, reps):
+    out = []
+    for r in range(reps + 1):
+        v = fn()
+        if r:
+            out.append(v)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--seqs", default="1,8,32", help="concurrent sequences for aggregate decode")
+    ap.add_argument("--pp", default="512,4096")
+    ap.add_argument("--depths", default="0,8192")
+    a = ap.parse_args()
+
+    model = load_model(a.model, with_tokenizer=False)
+    rows = []
+
+    runner = ModelRunner(model, a.backend, n_ctx=8192 + 256, n_ubatch=512)
+    for n in [int(x) for x in a.pp.split(",") if x]:
+        def pp(n=n):
+            runner.kv.clear()
+            t = time.perf_counter()
+            _prefill(runner, n)
+            return n / (time.perf_counter() - t)
+        rows.append((f"pp{n}", _timed(pp, a.repetitions)))
+    for d in [int(x) for x in a.depths.split(",") if x]:
+        def tg(d=d):
+            runner.kv.clear()
+            if d:
+                _prefill(runner, d)
+            t = time.perf_counter()
+            for i in range(128):
+                runner.decode(UBatch.build([1000 + i], [d + i], [0], [0]))
+            return 128 / (time.perf_counter() - t)
+        rows.append(("tg128" + (f" @ d{d}" if d else ""), _timed(tg, a.repetitions)))
+    del runner
+
+    for ns in [int(x) for x in a.seqs.split(",") if x]:
+        r = ModelRunner(model, a.backend, n_ctx=ns * 640 + 256, n_seq_max=ns, kv_unified=True, n_ubatch=512)
+
+        def agg(r=r, ns=ns):
+            r.kv.clear()
+            for s in range(ns):
+                _prefill(r, 512, seq=s, seed=s)
+            t = time.perf_counter()
+            for i in range(128):
+                r.decode(UBatch.build([1000 + i + s for s in range(ns)], [512 + i] * ns, list(range(ns)),
+                                      list(range(ns))))
+            return ns * 128 / (time.perf_counter() - t)
+        rows.append((f"decode x{ns}", _timed(agg, max(1, a.repetitions - 1))))
+        del r
+
+    from opencoti.engine.backend import get_backend
+
+    b = get_backend(a.backend)
+    print(f"\nopencoti bench: backend {b.name} ({getattr(b, 'device_name', 'host')}), model {model.name}, "
+          f"{os.path.getsize(model.path) / 2**20:.1f} MiB\n")
+    print("| test | opencoti t/s | llama.cpp t/s (H200) | ratio |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, vals in rows:
+        mean = statistics.mean(vals)
+        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        ref = LLAMA_CPP_H200.get(name)
+        print(f"| {name} | {mean:,.1f} ± {sd:,.1f} | {ref:,} | {mean / ref:.2f} |" if ref else
+              f"| {name} | {mean:,.1f} ± {sd:,.1f} | | |")
+
+
+if __name__ == "__main__":
+    main()

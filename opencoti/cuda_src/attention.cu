@@ -1,0 +1,146 @@
+// Attention over KV cells (paged at cell granularity), flash-decoding style.
+//
+// Query row r (one token of the ubatch) belongs to view vw = row_view[r]; its
+// candidate cells are cells[view_off[vw] .. view_off[vw+1]) (flat indices into
+// the f16 K/V storage [n_cells_total, n_kv, D]) with positions cell_pos[]. A
+// cell is visible when cell_pos <= q_pos and, with n_swa > 0,
+// q_pos - cell_pos < n_swa (llama.cpp's standard SWA). GQA: query head
+// h reads kv head h / G.
+//
+// attn_partial: grid (T, n_kv, n_split), 4 warps. Split s of a view covers an
+// equal slice of its cells; each warp walks cells strided by 4 with an online
+// softmax (Milakov & Gimelshein 2018) for the G query heads of the kv head, the
+// lane holding D/32 dims. Warps merge in shared memory; with n_split == 1 the
+// normalized output is written directly, else (max, sum, acc) partials that
+// attn_merge combines by log-sum-exp (Dao et al., flash-decoding).
+#include "quants.cuh"
+
+#define NWARP 4
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float wsum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <int D, int MAXG>
+__device__ __forceinline__ void attn_partial_impl(
+    const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
+    const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
+    const u16* __restrict__ K, const u16* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
+    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int E = D / 32;  // dims per lane
+    const int r = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z;
+    const int G = n_head / n_kv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qp = q_pos[r];
+    const int vw = row_view[r];
+    const int b0 = view_off[vw], len = view_off[vw + 1] - b0;
+    const int chunk = (len + n_split - 1) / n_split;
+    const int c0 = b0 + sp * chunk, c1 = min(b0 + len, c0 + chunk);
+
+    float qv[MAXG][E], acc[MAXG][E], m[MAXG], l[MAXG];
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        m[g] = NEG_INF; l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            acc[g][e] = 0.f;
+            qv[g][e] = g < G ? q[((long long)r * n_head + kh * G + g) * D + lane * E + e] * scale : 0.f;
+        }
+    }
+    for (int i = c0 + warp; i < c1; i += NWARP) {
+        int cp = cell_pos[i];
+        if (cp > qp || (n_swa > 0 && qp - cp >= n_swa)) continue;
+        long long base = ((long long)cells[i] * n_kv + kh) * D + lane * E;
+        float kf[E], vf[E];
+#pragma unroll
+        for (int e = 0; e < E; e++) { kf[e] = h2f(K[base + e]); vf[e] = h2f(V[base + e]); }
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) {
+            if (g < G) {
+                float s = 0.f;
+#pragma unroll
+                for (int e = 0; e < E; e++) s += qv[g][e] * kf[e];
+                s = wsum(s);
+                if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+                float mn = fmaxf(m[g], s);
+                float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mn);
+                float p = __expf(s - mn);
+                l[g] = l[g] * corr + p;
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[g][e] = acc[g][e] * corr + p * vf[e];
+                m[g] = mn;
+            }
+        }
+    }
+    // merge the warps: shared [NWARP][MAXG][D] acc + [NWARP][MAXG] m, l
+    __shared__ float s_acc[NWARP][MAXG][D];
+    __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        if (g < G) {
+#pragma unroll
+            for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
+            if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        int g = idx / D, d = idx % D;
+        float M = NEG_INF;
+        for (int w = 0; w < NWARP; w++) M = fmaxf(M, s_m[w][g]);
+        float L = 0.f, A = 0.f;
+        if (M != NEG_INF) {
+            for (int w = 0; w < NWARP; w++) {
+                if (s_m[w][g] == NEG_INF) continue;
+                float f = __expf(s_m[w][g] - M);
+                L += s_l[w][g] * f;
+                A += s_acc[w][g][d] * f;
+            }
+        }
+        int h = kh * G + g;
+        if (n_split == 1) {
+            out[((long long)r * n_head + h) * D + d] = L > 0.f ? A / L : 0.f;
+        } else {
+            long long pi = ((long long)r * n_head + h) * n_split + sp;
+            part_acc[pi * D + d] = A;
+            if (d == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
+        }
+    }
+}
+
+#define DEF_ATTN(D, G)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) attn_partial_d##D##_g##G(                               \
+        const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
+        const int* cell_pos, const u16* K, const u16* V, int n_head, int n_kv, float scale, int n_swa,         \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) {                             \
+        attn_partial_impl<D, G>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, scale,    \
+                                n_swa, softcap, n_split, out, part_acc, part_ml); }
+DEF_ATTN(32, 1) DEF_ATTN(32, 2) DEF_ATTN(32, 4) DEF_ATTN(32, 8)
+DEF_ATTN(64, 1) DEF_ATTN(64, 2) DEF_ATTN(64, 4) DEF_ATTN(64, 8)
+DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
+DEF_ATTN(256, 1) DEF_ATTN(256, 2) DEF_ATTN(256, 4) DEF_ATTN(256, 8)
+
+// out[r, h, :] = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}; grid (T, n_head), D threads.
+extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                      float* __restrict__ out, int n_head, int D, int n_split) {
+    long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
+    float M = NEG_INF;
+    for (int s = 0; s < n_split; s++) M = fmaxf(M, part_ml[2 * (rh * n_split + s)]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float L = 0.f, A = 0.f;
+        if (M != NEG_INF) {
+            for (int s = 0; s < n_split; s++) {
+                long long pi = rh * n_split + s;
+                float ms = part_ml[2 * pi];
+                if (ms == NEG_INF) continue;
+                float f = __expf(ms - M);
+                L += part_ml[2 * pi + 1] * f;
+                A += part_acc[pi * D + d] * f;
+            }
+        }
+        out[rh * D + d] = L > 0.f ? A / L : 0.f;
+    }
+}

@@ -1,0 +1,257 @@
+// opencoti CUDA kernels: quantized GEMV / dequantize / get_rows over GGUF
+// blocks, RMSNorm, RoPE, activations, KV writes and attention over KV cells.
+// Compiled at first GPU run with NVRTC (opencoti/engine/backend/cuda_kernels.py).
+//
+// Conventions: activations are row-major float32 [rows, n]; weights are the
+// GGUF tensor bytes, row r at W + r * row_bytes; KV storage is f16
+// [n_stream * n_cells, n_head_kv, D] addressed by flat cell index.
+#include "quants.cuh"
+
+#define WARP 32
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// y[t, r] = sum_k W[r, k] * x[t, k] for t < nt (nt <= NT): one warp per output row,
+// lanes stride over 32-element chunks, dequantizing in registers (ggml mul_mat_vec).
+template <class Q, int NT>
+__device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ x,
+                                          float* __restrict__ y, int nrows, int ncols, int nt) {
+    int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= nrows) return;
+    const u8* wr = W + (long long)row * row_bytes;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    int nch = ncols >> 5;
+    for (int c = lane; c < nch; c += WARP) {
+        float v[32];
+        Q::chunk(wr, c, v);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                const float4* xp = (const float4*)(x + (long long)t * ncols + 32 * c);
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    float4 q = __ldg(xp + i);
+                    s += v[4 * i] * q.x + v[4 * i + 1] * q.y + v[4 * i + 2] * q.z + v[4 * i + 3] * q.w;
+                }
+                acc[t] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        if (t < nt) {
+            float s = warp_sum(acc[t]);
+            if (lane == 0) y[(long long)t * nrows + row] = s;
+        }
+    }
+}
+
+// Two weights of one type over the same x (FFN gate and up), then out = act(gate) * up.
+template <class Q>
+__device__ __forceinline__ void gemv_gated_impl(const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long row_bytes,
+                                                const float* __restrict__ x, float* __restrict__ y,
+                                                int nrows, int ncols, int act) {
+    int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= nrows) return;
+    float ag = 0.f, au = 0.f;
+    int nch = ncols >> 5;
+    for (int c = lane; c < nch; c += WARP) {
+        float v[32];
+        const float4* xp = (const float4*)(x + 32 * c);
+        float4 xv[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) xv[i] = __ldg(xp + i);
+        Q::chunk(Wg + (long long)row * row_bytes, c, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) ag += v[4 * i] * xv[i].x + v[4 * i + 1] * xv[i].y + v[4 * i + 2] * xv[i].z + v[4 * i + 3] * xv[i].w;
+        Q::chunk(Wu + (long long)row * row_bytes, c, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) au += v[4 * i] * xv[i].x + v[4 * i + 1] * xv[i].y + v[4 * i + 2] * xv[i].z + v[4 * i + 3] * xv[i].w;
+    }
+    ag = warp_sum(ag);
+    au = warp_sum(au);
+    if (lane == 0) {
+        float g;
+        if (act == 1) {  // gelu tanh
+            g = 0.5f * ag * (1.f + tanhf(0.7978845608028654f * (ag + 0.044715f * ag * ag * ag)));
+        } else {  // silu
+            g = ag / (1.f + expf(-ag));
+        }
+        y[row] = g * au;
+    }
+}
+
+// Dequantize a whole [nrows, ncols] weight to f32 or f16 (prefill GEMMs): one thread per chunk.
+template <class Q, bool HALF>
+__device__ __forceinline__ void dequant_impl(const u8* __restrict__ W, long long row_bytes, void* out, int nrows, int ncols) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    int nch = ncols >> 5;
+    if (i >= (long long)nrows * nch) return;
+    int row = (int)(i / nch), c = (int)(i % nch);
+    float v[32];
+    Q::chunk(W + (long long)row * row_bytes, c, v);
+    long long o = (long long)row * ncols + 32 * c;
+    if (HALF) {
+        u16* p = (u16*)out + o;
+#pragma unroll
+        for (int k = 0; k < 32; k++) p[k] = f2h(v[k]);
+    } else {
+        float4* p = (float4*)((float*)out + o);
+#pragma unroll
+        for (int k = 0; k < 8; k++) p[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+    }
+}
+
+// out[i, :] = W[ids[i], :] (embedding lookup); grid = n ids, threads over chunks.
+template <class Q>
+__device__ __forceinline__ void get_rows_impl(const u8* __restrict__ W, long long row_bytes, const int* __restrict__ ids,
+                                              float* __restrict__ out, int ncols) {
+    int r = blockIdx.x;
+    const u8* wr = W + (long long)ids[r] * row_bytes;
+    int nch = ncols >> 5;
+    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
+        float v[32];
+        Q::chunk(wr, c, v);
+        float* p = out + (long long)r * ncols + 32 * c;
+#pragma unroll
+        for (int k = 0; k < 32; k++) p[k] = v[k];
+    }
+}
+
+#define DEF_QKERNELS(ID, Q)                                                                                   \
+    extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt) { \
+        gemv_impl<Q, 1>(W, rb, x, y, nr, nc, nt); }                                                           \
+    extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt) { \
+        gemv_impl<Q, 8>(W, rb, x, y, nr, nc, nt); }                                                           \
+    extern "C" __global__ void gemv_gated_##ID(const u8* Wg, const u8* Wu, long long rb, const float* x, float* y, \
+                                               int nr, int nc, int act) {                                     \
+        gemv_gated_impl<Q>(Wg, Wu, rb, x, y, nr, nc, act); }                                                 \
+    extern "C" __global__ void dequant_f32_##ID(const u8* W, long long rb, float* out, int nr, int nc) {     \
+        dequant_impl<Q, false>(W, rb, out, nr, nc); }                                                         \
+    extern "C" __global__ void dequant_f16_##ID(const u8* W, long long rb, u16* out, int nr, int nc) {       \
+        dequant_impl<Q, true>(W, rb, out, nr, nc); }                                                          \
+    extern "C" __global__ void get_rows_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { \
+        get_rows_impl<Q>(W, rb, ids, out, nc); }
+
+FOR_EACH_QTYPE(DEF_QKERNELS)
+
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    v = warp_sum(v);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    v = l < nw ? sh[l] : 0.f;
+    return warp_sum(v);
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                                    int n, float eps) {
+    __shared__ float sh[32];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+    s = block_sum(s, sh);
+    float r = rsqrtf(s / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * r * (w ? w[i] : 1.f);
+}
+
+// x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
+extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const float* __restrict__ h,
+                                              const float* __restrict__ w_post, const float* __restrict__ w_next,
+                                              float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps) {
+    __shared__ float sh[32];
+    long long o = (long long)blockIdx.x * n;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += h[o + i] * h[o + i];
+    s = block_sum(s, sh);
+    float r = w_post ? rsqrtf(s / n + eps) : 1.f;
+    float s2 = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[o + i] + h[o + i] * r * (w_post ? w_post[i] : 1.f);
+        x_out[o + i] = v;
+        s2 += v * v;
+    }
+    s2 = block_sum(s2, sh);
+    if (!h_out) return;
+    float r2 = rsqrtf(s2 / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
+}
+
+// RoPE (ggml_rope_ext without YaRN) on x [T, H, D]: grid = T*H rows. mode 0 = norm
+// (pairs 2i, 2i+1), 2 = neox (pairs i, i + n_rot/2). Angles in double precision.
+// Optional fused per-head RMSNorm before rotation (norm_w != null), as q/k norms.
+extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos, float* __restrict__ y,
+                                int H, int D, int n_rot, float base, float freq_scale, int mode,
+                                const float* __restrict__ ff, const float* __restrict__ norm_w, float eps) {
+    extern __shared__ float buf[];  // D floats
+    __shared__ float sh[32];
+    long long row = blockIdx.x;
+    int t = (int)(row / H);
+    const float* xr = x + row * D;
+    float* yr = y + row * D;
+    float r = 1.f;
+    if (norm_w) {
+        float s = 0.f;
+        for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i] * xr[i];
+        s = block_sum(s, sh);
+        r = rsqrtf(s / D + eps);
+    }
+    for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = xr[i] * r * (norm_w ? norm_w[i] : 1.f);
+    __syncthreads();
+    int half = n_rot / 2;
+    double p = (double)pos[t] * (double)freq_scale;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        if (i >= n_rot) { yr[i] = buf[i]; continue; }
+        int k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
+        double inv = pow((double)base, -2.0 * k / n_rot);
+        if (ff) inv /= (double)ff[k];
+        double sn, cs;
+        sincos(p * inv, &sn, &cs);
+        float c = (float)cs, s = (float)sn;
+        int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
+        float x0 = buf[i0], x1 = buf[i1];
+        yr[i] = (i == i0) ? x0 * c - x1 * s : x0 * s + x1 * c;
+    }
+}
+
+extern "C" __global__ void gelu_tanh(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) { float v = x[i]; y[i] = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))); }
+}
+extern "C" __global__ void silu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) { float v = x[i]; y[i] = v / (1.f + expf(-v)); }
+}
+// y = act(g) * u
+extern "C" __global__ void gated_act(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
+                                     long long n, int act) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = g[i], a;
+    if (act == 1) a = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    else a = v / (1.f + expf(-v));
+    y[i] = a * u[i];
+}
+
+// K/V of T tokens into f16 cells: K[cell[t]] = k[t] (kw floats per token), same for V.
+extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v,
+                                    u16* __restrict__ K, u16* __restrict__ V, const int* __restrict__ cell,
+                                    int kw, int vw) {
+    int t = blockIdx.x;
+    long long c = cell[t];
+    for (int i = threadIdx.x; i < kw; i += blockDim.x) K[c * kw + i] = f2h(k[(long long)t * kw + i]);
+    for (int i = threadIdx.x; i < vw; i += blockDim.x) V[c * vw + i] = f2h(v[(long long)t * vw + i]);
+}
