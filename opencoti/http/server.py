@@ -10,7 +10,9 @@ Entry points:
 
 - ``serve(params)``: what ``opencoti --server`` runs. Starts listening at once
   (``/health`` answers 503 while the model loads, as llama.cpp does), loads the
-  model, starts the engine, serves until Ctrl-C / SIGTERM, then stops cleanly.
+  model, starts the engine, prints the KV cache sizes, serves until Ctrl-C /
+  SIGTERM, then stops gracefully (``stop_server``: requests in flight end with
+  a 503 error at once, the process exits promptly).
 - ``make_server(model, params)``: build a ready server around an already
   loaded model (tests, embedding); returns ``(httpd, engine)``; run it with
   ``start_in_thread(httpd)`` and stop it with ``stop_server(httpd, engine)``.
