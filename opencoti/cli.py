@@ -69,6 +69,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "context_shift": ("LLAMA_ARG_CONTEXT_SHIFT",),
     "cache_idle_slots": ("LLAMA_ARG_CACHE_IDLE_SLOTS",),
     "admission_poolless": ("LLAMA_ARG_ADMISSION_POOLLESS",),
+    "polykv_max_pools": ("LLAMA_ARG_POLYKV_MAX_POOLS",),
     "host": ("LLAMA_ARG_HOST",),
     "port": ("LLAMA_ARG_PORT",),
     "timeout": ("LLAMA_ARG_TIMEOUT",),
@@ -201,6 +202,10 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               help="KV admission gate of the unified cache: enforced = HTTP 429 + Retry-After when a "
                    "request's prompt + n_predict does not fit, warn = admit with an X-KV-Pool-Saturated "
                    "header, off = no gate.")
+@click.option("--polykv-max-pools", type=click.IntRange(min=0), default=0, show_default=True,
+              envvar=_env("polykv_max_pools"),
+              help="PolyKV: shared-prefix KV pools (seq_ids reserved above the slots) and the "
+                   "/polykv REST routes; 0 = off.")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar=_env("host"),
               help="Server listen address.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, envvar=_env("port"),
@@ -273,6 +278,7 @@ def _params_from_options(kw: dict) -> Params:
         ctx_shift=kw["context_shift"],
         cache_idle_slots=kw["cache_idle_slots"],
         admission_poolless=kw["admission_poolless"].lower(),
+        polykv_max_pools=kw["polykv_max_pools"],
         n_gpu_layers=kw["gpu_layers"],
         main_gpu=kw["main_gpu"],
         gpu=kw["gpu"].lower(),

@@ -663,7 +663,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
 
 def build_router() -> Router:
     """The full route table: llama.cpp routes plus the OpenAI-compatible ones."""
-    from opencoti.http import oai
+    from opencoti.http import oai, polykv_routes
 
     r = Router()
     r.add("GET", ["/health", "/v1/health"], get_health)
@@ -678,6 +678,7 @@ def build_router() -> Router:
     r.add("POST", "/apply-template", oai.post_apply_template)
     r.add("POST", ["/v1/chat/completions", "/chat/completions"], oai.post_chat_completions)
     r.add("POST", "/v1/completions", oai.post_completions_oai)
+    polykv_routes.register(r)
     return r
 
 # Routes that never need the API key (llama.cpp's public endpoints).

@@ -313,6 +313,9 @@ def parse_completion(
         n_discard=get_int(body, "n_discard", 0, min=0),
         session_id=get_str(body, "session_id", None),
         overcommit=get_bool(body, "overcommit", False),
+        pool_id=get_int(body, "pool_id", None, min=0),
+        shared_pool_slot=get_int(body, "shared_pool_slot", -1, min=-1),
+        shared_prefix_n_tokens=get_int(body, "shared_prefix_n_tokens", 0, min=0),
         post_sampling_probs=get_bool(body, "post_sampling_probs", False),
     )
     stream_opts = body.get("stream_options")

@@ -1,0 +1,297 @@
+"""PolyKV control plane over REST (``--polykv-max-pools M``; with M = 0 every
+route answers 404).
+
+    POST /polykv/pools                 create from prompt | tokens | from_session | from_slot [, pin]
+    GET  /polykv/pools                 list
+    GET  /polykv/pools/{id}            one pool (incl. orphaned_pin)
+    POST /polykv/pools/{id}/fork       child with its FULL prefix [, branch_pos, pin]
+    POST /polykv/pools/{id}/pin        pin / unpin / release
+    POST /polykv/pools/{id}/sampling   store per-pool sampling defaults
+    POST /polykv/pools/{id}/admission  store per-pool admission settings
+    GET  /polykv/pools/{id}/capacity   ?expected_tokens=N: can a new session fit
+    GET  /polykv/tps                   SSE stream of per-session decode rates (?once=1: one snapshot)
+
+Pool mutations run on the engine thread (``Engine.create_pool`` etc.); handlers
+wait on the returned Future. Errors are llama.cpp-style JSON (``PoolError``
+carries the status).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from opencoti.engine.polykv import PoolError
+from opencoti.engine.slot import SlotState
+from opencoti.http.errors import HTTPError, invalid_request
+from opencoti.http.sse import sse_event
+from opencoti.http.validate import tokenize_mixed
+
+WAIT_S = 600  # a pool build is a prefill: allow it the HTTP timeout
+
+ADMISSION_KEYS = {
+    "target_tps_per_session": (int, float), "mode": str, "on_saturation": str,
+    "guarantee_min_sessions": int, "settle_tokens": int, "settle_max_ms": int,
+}
+SAMPLING_KEYS = {
+    "temperature": (int, float), "top_k": int, "top_p": (int, float), "min_p": (int, float),
+    "typical_p": (int, float), "repeat_penalty": (int, float), "repeat_last_n": int,
+    "presence_penalty": (int, float), "frequency_penalty": (int, float), "seed": int, "n_predict": int,
+}
+
+
+def _engine(state):
+    eng = state.engine
+    if eng is None or eng.pools is None:
+        raise HTTPError(404, "not_found_error", "File Not Found")
+    return eng
+
+
+def _wait(fut):
+    try:
+        return fut.result(timeout=WAIT_S)
+    except PoolError as e:
+        raise HTTPError(e.status, "not_found_error" if e.status == 404 else "invalid_request_error", str(e)) from None
+    except (ValueError, RuntimeError) as e:
+        raise invalid_request(str(e)) from None
+
+
+def _pool_id(req) -> int:
+    try:
+        return int(req.path_params["id"])
+    except ValueError:
+        raise HTTPError(404, "not_found_error", f"no pool {req.path_params['id']!r}") from None
+
+
+def _prefix_tokens(state, body: dict) -> list[int]:
+    """The prefix of a create/fork body: exactly one of prompt, tokens, from_session, from_slot."""
+    given = [k for k in ("prompt", "tokens", "from_session", "from_slot") if body.get(k) is not None]
+    if len(given) != 1:
+        raise invalid_request('give exactly one of "prompt", "tokens", "from_session", "from_slot"')
+    key = given[0]
+    val = body[key]
+    if key == "prompt":
+        if not isinstance(val, (str, list)):
+            raise invalid_request('"prompt" must be a string or a list of strings and token ids')
+        return tokenize_mixed(state.tokenizer, val, True, True, "prompt")
+    if key == "tokens":
+        if not isinstance(val, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in val):
+            raise invalid_request('"tokens" must be a list of token ids')
+        return list(val)
+    eng = state.engine
+
+    def slot_tokens(engine) -> list[int]:
+        for s in engine.slots:
+            if (key == "from_session" and s.session_id == val) or (key == "from_slot" and s.id == val):
+                return list(s.cache_tokens)
+        raise PoolError(f"no slot holds {key} {val!r}", 404)
+
+    if key == "from_session" and not isinstance(val, str):
+        raise invalid_request('"from_session" must be a string')
+    if key == "from_slot" and (not isinstance(val, int) or isinstance(val, bool)):
+        raise invalid_request('"from_slot" must be an integer')
+    return _wait(eng.call(slot_tokens))
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, bool):
+        raise invalid_request(f'"{key}" must be a boolean')
+    return v
+
+
+def post_pools(state, req):
+    from opencoti.http.routes import Response
+
+    eng = _engine(state)
+    body = req.json()
+    tokens = _prefix_tokens(state, body)
+    info = _wait(eng.create_pool(tokens, pin=_bool(body, "pin")))
+    return Response(info, status=201)
+
+
+def get_pools(state, req):
+    from opencoti.http.routes import Response
+
+    eng = _engine(state)
+    return Response({"object": "list", "data": _wait(eng.pool_info())})
+
+
+def get_pool(state, req):
+    """One pool; ``?tokens=1`` adds its token list (for forks by tokens)."""
+    from opencoti.http.routes import Response
+
+    eng = _engine(state)
+    pid = _pool_id(req)
+    info = _wait(eng.pool_info(pid))
+    if req.query.get("tokens") in ("1", "true"):
+        info["tokens"] = _wait(eng.call(lambda e: list(e.pools.get(pid).tokens)))
+    return Response(info)
+
+
+def post_fork(state, req):
+    from opencoti.http.routes import Response
+
+    eng = _engine(state)
+    body = req.json()
+    tokens = _prefix_tokens(state, body)
+    bp = body.get("branch_pos")
+    if bp is not None and (not isinstance(bp, int) or isinstance(bp, bool)):
+        raise invalid_request('"branch_pos" must be an integer')
+    info = _wait(eng.create_pool(tokens, parent=_pool_id(req), branch_pos=bp, pin=_bool(body, "pin")))
+    return Response(info, status=201)
+
+
+def post_pin(state, req):
+    from opencoti.http.routes import Response
+
+    return Response(_wait(_engine(state).pin_pool(_pool_id(req), True)))
+
+
+def post_unpin(state, req):
+    from opencoti.http.routes import Response
+
+    return Response(_wait(_engine(state).pin_pool(_pool_id(req), False)))
+
+
+def post_release(state, req):
+    from opencoti.http.routes import Response
+
+    pid = _pool_id(req)
+    gone = _wait(_engine(state).release_pool(pid))
+    return Response({"id": pid, "released": True, "reclaimed": gone})
+
+
+def _store(state, req, attr: str, allowed: dict):
+    from opencoti.http.routes import Response
+
+    eng = _engine(state)
+    body = req.json()
+    for k, v in body.items():
+        if k not in allowed:
+            raise invalid_request(f"unknown {attr} field {k!r} (allowed: {', '.join(sorted(allowed))})")
+        if isinstance(v, bool) or not isinstance(v, allowed[k]):
+            raise invalid_request(f'"{k}" has the wrong type')
+    if attr == "admission":
+        if body.get("mode", "advisory") not in ("advisory", "enforced"):
+            raise invalid_request('"mode" must be "advisory" or "enforced"')
+        if body.get("on_saturation", "reject") not in ("reject", "warn"):
+            raise invalid_request('"on_saturation" must be "reject" or "warn"')
+    pid = _pool_id(req)
+
+    def apply(engine):
+        p = engine.pools.get(pid)
+        getattr(p, attr).update(body)
+        return {"id": pid, attr: dict(getattr(p, attr))}
+
+    return Response(_wait(eng.call(apply)))
+
+
+def post_sampling(state, req):
+    return _store(state, req, "sampling", SAMPLING_KEYS)
+
+
+def post_admission(state, req):
+    return _store(state, req, "admission", ADMISSION_KEYS)
+
+
+def _session_rates(engine) -> list[dict]:
+    now = time.perf_counter()
+    out = []
+    for s in engine.slots:
+        if s.state is SlotState.IDLE and not s.cache_tokens:
+            continue
+        dt = now - s.t_prompt_done if s.t_prompt_done and s.busy else 0.0
+        out.append({
+            "id_slot": s.id,
+            "session_id": s.session_id,
+            "pool_id": s.pool_id,
+            "is_processing": s.busy,
+            "tps_ewma": (s.n_decoded / dt) if dt > 0 else 0.0,
+            "ctx_used": s.n_past,
+            "ctx_total": s.n_ctx,
+            "ctx_headroom_tokens": s.n_ctx - s.n_past,
+        })
+    return out
+
+
+def get_capacity(state, req):
+    """Can a new session of ``expected_tokens`` (suffix + generation) join pool {id} now?"""
+    from opencoti.http.routes import Response
+
+    eng = _engine(state)
+    pid = _pool_id(req)
+    raw = req.query.get("expected_tokens", "256")
+    try:
+        expected = int(raw)
+        if expected <= 0:
+            raise ValueError
+    except ValueError:
+        raise invalid_request('"expected_tokens" must be a positive integer') from None
+
+    def cap(engine):
+        p = engine.pools.get(pid)
+        headroom = engine.kv_headroom() if engine.runner.kv.unified else sum(
+            s.n_ctx for s in engine.slots if not s.busy)
+        busy = [s for s in engine.slots if s.busy]
+        rates = [r["tps_ewma"] for r in _session_rates(engine) if r["is_processing"]]
+        mean_tps = sum(rates) / len(rates) if rates else 0.0
+        idle_slots = engine.n_slots - len(busy)
+        can = expected <= headroom and idle_slots > 0
+        reason = "ok" if can else ("no idle slot" if idle_slots == 0 else "kv pool saturated")
+        n = len(busy)
+        pool_cells = sum(len(q.tokens) for q in engine.pools.pools.values())
+        return {
+            "id": pid,
+            "expected_tokens": expected,
+            "can_admit": can,
+            "reason": reason,
+            "headroom_sessions": min(max(headroom, 0) // expected, idle_slots),
+            "free_cells": max(headroom, 0),
+            "mean_active_tps": mean_tps,
+            "compaction_pressure": pool_cells / max(engine.runner.kv.base.n_cells, 1),
+            "settling": False,
+            "settle_remaining_ms": 0,
+            "n_warming": sum(1 for s in busy if s.state is SlotState.PROMPT),
+            "projected_mean_tps_next": mean_tps * n / (n + 1) if n else 0.0,
+            "sessions_attached": engine.pool_attached().get(p.id, 0),
+        }
+
+    return Response(_wait(eng.call(cap)))
+
+
+def get_tps(state, req):
+    """``GET /polykv/tps``: SSE, one snapshot per second (bounded by the HTTP
+    timeout); ``?once=1`` answers a single JSON snapshot."""
+    from opencoti.http.routes import Response, StreamResponse
+
+    eng = _engine(state)
+
+    def snap() -> dict:
+        return {"time": time.time(), "sessions": _wait(eng.call(_session_rates))}
+
+    if req.query.get("once") in ("1", "true"):
+        return Response(snap())
+
+    def stream() -> Iterator[bytes]:
+        deadline = time.monotonic() + max(1, state.params.timeout)
+        while time.monotonic() < deadline and not req.is_disconnected():
+            yield sse_event(snap())
+            time.sleep(1.0)
+
+    return StreamResponse(stream())
+
+
+def register(router: Any) -> None:
+    """Add the PolyKV routes to ``router`` (an ``opencoti.http.routes.Router``)."""
+    router.add("POST", "/polykv/pools", post_pools)
+    router.add("GET", "/polykv/pools", get_pools)
+    router.add("GET", "/polykv/pools/{id}", get_pool)
+    router.add("POST", "/polykv/pools/{id}/fork", post_fork)
+    router.add("POST", "/polykv/pools/{id}/pin", post_pin)
+    router.add("POST", "/polykv/pools/{id}/unpin", post_unpin)
+    router.add("POST", "/polykv/pools/{id}/release", post_release)
+    router.add("POST", "/polykv/pools/{id}/sampling", post_sampling)
+    router.add("POST", "/polykv/pools/{id}/admission", post_admission)
+    router.add("GET", "/polykv/pools/{id}/capacity", get_capacity)
+    router.add("GET", "/polykv/tps", get_tps)

@@ -1,0 +1,115 @@
+"""PolyKV REST control plane and the Python client against a live server."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from opencoti.client import AsyncPolykvClient, OpencotiHTTPError, PolykvClient, PoolSaturatedError
+from opencoti.http.server import make_server, start_in_thread, stop_server
+from opencoti.model.loader import load_model
+from opencoti.params import Params
+
+SYSTEM = "You are a terse assistant. Tools: search(q), open(url), summarize(text). Rules: cite sources. " * 3
+
+
+def _serve(model_path, **kw):
+    params = Params(model=model_path, n_ctx=1024, n_parallel=2, kv_unified=True, port=0, **kw)
+    model = load_model(model_path, params)
+    httpd, engine = make_server(model, params)
+    start_in_thread(httpd)
+    return httpd, engine
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    httpd, engine = _serve(model_path, polykv_max_pools=3)
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine
+    stop_server(httpd, engine)
+
+
+def test_routes_404_when_off(model_path):
+    httpd, engine = _serve(model_path)
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        for method, path in [("GET", "/polykv/pools"), ("POST", "/polykv/pools"), ("GET", "/polykv/pools/1"),
+                             ("POST", "/polykv/pools/1/fork"), ("GET", "/polykv/tps")]:
+            r = httpx.request(method, base + path, json={"prompt": "x"}, timeout=30)
+            assert r.status_code == 404, path
+            assert r.json()["error"]["type"] == "not_found_error"
+        r = httpx.post(base + "/completion", json={"prompt": "hi", "pool_id": 1, "n_predict": 1}, timeout=30)
+        assert r.status_code == 404
+    finally:
+        stop_server(httpd, engine)
+
+
+def test_pool_lifecycle_and_attach(server):
+    base, engine = server
+    with PolykvClient(base) as c:
+        pool = c.create_pool(prompt=SYSTEM, pin=True)
+        P = pool["n_tokens"]
+        assert pool["state"] == "ready" and pool["pinned"] and pool["n_cells"] == P
+        assert [p["id"] for p in c.list_pools()] == [pool["id"]]
+        prompt = SYSTEM + " Question: what tools do you have? Answer:"
+        out = c.complete(prompt, pool_id=pool["id"], session_id="a1", n_predict=6, temperature=0)
+        assert out["timings"]["cache_n"] >= P - 1 and out["tokens_predicted"] == 6
+        assert c.get_pool(pool["id"])["sessions_attached"] == 1
+        cold = c.complete(prompt, n_predict=6, temperature=0, cache_prompt=False, id_slot=1)
+        assert cold["content"] == out["content"] and cold["timings"]["cache_n"] == 0
+        # fork by tokens: the child's full prefix; a suffix-only fork is a 400
+        suffix = c.tokenize(" Extra rule: be polite.")
+        child = c.fork_by_tokens(pool["id"], suffix)
+        assert child["parent"] == pool["id"] and child["branch_pos"] == P and child["n_tokens"] == P + len(suffix)
+        with pytest.raises(OpencotiHTTPError) as e:
+            c.fork(pool["id"], tokens=suffix)
+        assert e.value.status == 400
+        # capacity and tps snapshots
+        cap = c.capacity(pool["id"], expected_tokens=64)
+        assert cap["can_admit"] is True and cap["headroom_sessions"] >= 1 and cap["free_cells"] > 0
+        snap = c.tps()
+        assert any(s["session_id"] == "a1" for s in snap["sessions"])
+        # pinned pools are not released; after unpin the release keeps it while the child lives
+        with pytest.raises(OpencotiHTTPError) as e:
+            c.release(pool["id"])
+        assert e.value.status == 409
+        c.unpin(pool["id"])
+        assert c.release(pool["id"])["reclaimed"] == []
+        assert c.get_pool(child["id"])["orphaned_pin"] is False
+        assert c.set_sampling(child["id"], temperature=0.2)["sampling"] == {"temperature": 0.2}
+        assert c.set_admission(child["id"], mode="enforced", target_tps_per_session=10)["admission"]["mode"] == "enforced"
+        with pytest.raises(OpencotiHTTPError):
+            c.set_admission(child["id"], mode="sometimes")
+        gone = c.release(child["id"])["reclaimed"]
+        assert sorted(gone) == sorted([child["id"]])  # the root stays: session a1 still shares its cells
+        with pytest.raises(OpencotiHTTPError) as e:
+            c.get_pool(child["id"])
+        assert e.value.status == 404
+
+
+def test_bad_bodies(server):
+    base, _ = server
+    for body in [{}, {"prompt": "a", "tokens": [1]}, {"tokens": ["x"]}, {"prompt": 5}, {"from_slot": "zero"}]:
+        r = httpx.post(base + "/polykv/pools", json=body, timeout=30)
+        assert r.status_code == 400, body
+    r = httpx.post(base + "/polykv/pools", json={"from_session": "nobody"}, timeout=30)
+    assert r.status_code == 404
+    r = httpx.get(base + "/polykv/pools/abc", timeout=30)
+    assert r.status_code == 404
+
+
+def test_async_client_and_429(server):
+    base, engine = server
+
+    async def go():
+        async with AsyncPolykvClient(base) as c:
+            p = await c.create_pool(tokens=[2, 818, 5279, 529], pin=False)
+            assert p["n_tokens"] == 4
+            assert (await c.get_pool(p["id"]))["state"] == "ready"
+            await c.release(p["id"])
+
+    asyncio.run(go())
+    # a refusal raises PoolSaturatedError with Retry-After
+    with PolykvClient(base) as c:
+        with pytest.raises(PoolSaturatedError) as e:
+            c.complete("x " * 400, n_predict=900)
+        assert e.value.status == 429 and e.value.retry_after >= 1
