@@ -182,3 +182,37 @@ def test_manual_shared_pool_slot(model):
         assert isinstance(ev, ErrorEvent) and "no-cache-idle-slots" in ev.message
     finally:
         e.stop()
+
+
+def test_shared_prefix_attention_equals_per_sequence(model):
+    """Reading the pool's cells once for all sharers (LSE merge) gives the same
+    logits as attending each sequence over all its cells."""
+    from opencoti.engine.batch import UBatch
+    from opencoti.engine.runner import ModelRunner, iter_logits
+
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)[:120]
+    P = len(prefix)
+    suffixes = [tok(" Q: a? A:", add_special=False), tok(" Q: something longer here? A:", add_special=False)]
+
+    def build():
+        r = ModelRunner(model, n_ctx=1024, n_seq_max=3, n_ubatch=64, type_k="f32", type_v="f32")
+        list(iter_logits(r, prefix, seq_id=2))  # the pool
+        for s, suf in enumerate(suffixes):
+            r.kv.seq_cp(2, s, 0, P)
+            list(iter_logits(r, suf, seq_id=s, pos0=P))
+        return r
+
+    def step(r, share):
+        ub = UBatch.build([100, 200], [P + len(suffixes[0]), P + len(suffixes[1])], [0, 1], [0, 1])
+        if share:
+            ub.share_src = {0: 2, 1: 2}
+        out = r.decode(ub)
+        return out, ub
+
+    plain, ub0 = step(build(), False)
+    shared, ub1 = step(build(), True)
+    assert all(not p.groups for p in ub0.plans)
+    assert any(p.groups and len(p.groups[0].cells) == P for p in ub1.plans)
+    np.testing.assert_allclose(shared, plain, atol=2e-4)
+    assert (shared.argmax(axis=1) == plain.argmax(axis=1)).all()

@@ -22,6 +22,8 @@ class UBatch:
     seq_id: np.ndarray
     out_rows: np.ndarray
     plans: list = field(default_factory=list)  # kv_cache.CachePlan per cache, set by the runner
+    # seq_id -> the PolyKV pool seq whose prefix cells it shares (shared-prefix attention hint)
+    share_src: dict = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:

@@ -596,7 +596,12 @@ class Engine:
             budget -= len(chunk)
         if not tokens:
             return None, owners
-        return UBatch.build(tokens, pos, seqs, out_rows), owners
+        ub = UBatch.build(tokens, pos, seqs, out_rows)
+        if self.pools is not None:  # shared-prefix attention hint: who reads which pool's cells
+            for s, _, _ in owners:
+                if isinstance(s, Slot) and s.n_shared and s.pool_id in self.pools.pools:
+                    ub.share_src[s.seq_id] = self.pools.pools[s.pool_id].seq_id
+        return ub, owners
 
     def _evict_idle(self, ub: UBatch) -> bool:
         """Free the KV of the least recently used idle slot that holds cells in a

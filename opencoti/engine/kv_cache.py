@@ -58,6 +58,20 @@ class SeqView:
     stream: int
     cells: np.ndarray
     cell_pos: np.ndarray
+    seq_id: int = -1
+    private: np.ndarray | None = None  # set when in a SharedGroup: cells not shared with the group
+    private_pos: np.ndarray | None = None
+
+
+@dataclass
+class SharedGroup:
+    """Sequences of one ubatch that share a pool prefix: ``views`` (indices into
+    ``CachePlan.views``), the ``stream``, the shared ``cells`` and their ``cell_pos``."""
+
+    views: list[int]
+    stream: int
+    cells: np.ndarray
+    cell_pos: np.ndarray
 
 
 @dataclass
@@ -67,6 +81,7 @@ class CachePlan:
     stream: np.ndarray
     cell: np.ndarray
     views: list[SeqView] = field(default_factory=list)
+    groups: list[SharedGroup] = field(default_factory=list)
 
 
 class KVCache:
@@ -257,9 +272,11 @@ class KVCache:
             cell[rows] = free[: len(rows)]
         return CachePlan(stream=stream, cell=cell)
 
-    def apply(self, plan: CachePlan, seq_ids: np.ndarray, pos: np.ndarray) -> None:
+    def apply(self, plan: CachePlan, seq_ids: np.ndarray, pos: np.ndarray,
+              share_src: dict | None = None) -> None:
         """Commit a plan: set the cells' positions and membership, then build
-        ``plan.views`` (per-sequence cell lists for attention)."""
+        ``plan.views`` (per-sequence cell lists for attention) and, when
+        ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
         self.seq[plan.stream, plan.cell, :] = False
         self.seq[plan.stream, plan.cell, seq_ids] = True
@@ -268,7 +285,39 @@ class KVCache:
             s = int(s)
             st = self.stream_of(s)
             cells = np.nonzero(self.seq[st, :, s])[0]
-            plan.views.append(SeqView(np.nonzero(seq_ids == s)[0], st, cells, self.pos[st, cells]))
+            plan.views.append(SeqView(np.nonzero(seq_ids == s)[0], st, cells, self.pos[st, cells], s))
+        plan.groups = self._shared_groups(plan.views, share_src or {})
+
+    def _shared_groups(self, views: list[SeqView], share_src: dict) -> list[SharedGroup]:
+        """Group the ubatch's sequences that share one pool's prefix (same stream).
+
+        A group's ``cells`` are the pool's cells that every member still holds;
+        each member's ``private`` cells are the rest of its own. Attention may
+        then read the shared cells once for all members' queries and merge by
+        log-sum-exp (``SharedGroup``); ``view.cells`` stays complete, so a
+        backend that ignores groups is still exact.
+        """
+        by_src: dict[tuple[int, int], list[int]] = {}
+        for i, v in enumerate(views):
+            src = share_src.get(v.seq_id)
+            if src is not None and 0 <= src < self.n_seq_max:
+                by_src.setdefault((v.stream, int(src)), []).append(i)
+        groups: list[SharedGroup] = []
+        for (st, src), members in by_src.items():
+            if len(members) < 2:
+                continue
+            common = self.seq[st, :, src].copy()
+            for i in members:
+                common &= self.seq[st, :, views[i].seq_id]
+            shared = np.nonzero(common)[0]
+            if len(shared) == 0:
+                continue
+            for i in members:
+                v = views[i]
+                v.private = v.cells[~common[v.cells]]
+                v.private_pos = self.pos[st, v.private]
+            groups.append(SharedGroup(members, st, shared, self.pos[st, shared]))
+        return groups
 
     def write(self, il: int, plan: CachePlan, k: np.ndarray, v: np.ndarray) -> None:
         """Store a layer's new K ``[n_tokens, n_head_kv, d_k]`` and V into the planned cells
@@ -389,6 +438,7 @@ class KVCacheSet:
             c.prune_swa(seq_ids, pos)
         return [c.prepare(seq_ids, pos) for c in self.caches]
 
-    def apply(self, plans: list[CachePlan], seq_ids: np.ndarray, pos: np.ndarray) -> None:
+    def apply(self, plans: list[CachePlan], seq_ids: np.ndarray, pos: np.ndarray,
+              share_src: dict | None = None) -> None:
         for c, p in zip(self.caches, plans):
-            c.apply(p, seq_ids, pos)
+            c.apply(p, seq_ids, pos, share_src)

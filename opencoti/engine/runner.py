@@ -34,6 +34,7 @@ class ModelRunner:
         self.backend = get_backend(backend)
         self.net = model.network(self.backend)
         self.n_ubatch = n_ubatch
+        self.graphs: dict = {}  # captured decode graphs (device backends), tied to this runner's KV
         self.kv = KVCacheSet(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, type_k, type_v,
                              zeros=self.backend.zeros)
 
@@ -42,9 +43,9 @@ class ModelRunner:
         ``[len(ub.out_rows), n_vocab]``. Raises ``KVCacheFullError`` (nothing
         changed) when the cache has no room for the ubatch."""
         ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
-        self.kv.apply(ub.plans, ub.seq_id, ub.pos)
+        self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
         if getattr(self.backend, "graphs", False):  # device backends replay decode steps as graphs
-            return self.backend.run_graph(ub, self.kv.caches, lambda: self.net.forward(ub, self.kv))
+            return self.backend.run_graph(ub, self.kv.caches, lambda: self.net.forward(ub, self.kv), self.graphs)
         return self.net.forward(ub, self.kv)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:

@@ -128,7 +128,24 @@ class CPUBackend:
         ``[T, n_head * d_v]`` float32."""
         T, n_head, _ = q.shape
         out = np.empty((T, n_head * v_store.shape[-1]), dtype=np.float32)
-        for view in plan.views:
+        grouped = set()
+        for g in getattr(plan, "groups", ()):
+            # shared-prefix attention: the pool's cells are read once for every sharer's queries
+            views = [plan.views[i] for i in g.views]
+            rows = np.concatenate([v.rows for v in views])
+            o_s, l_s = self.attention_lse(q[rows], q_pos[rows], k_store[g.stream, g.cells],
+                                          v_store[g.stream, g.cells], g.cell_pos, scale, n_swa, softcap)
+            at = 0
+            for v in views:
+                n = len(v.rows)
+                o_p, l_p = self.attention_lse(q[v.rows], q_pos[v.rows], k_store[v.stream, v.private],
+                                              v_store[v.stream, v.private], v.private_pos, scale, n_swa, softcap)
+                out[v.rows] = merge_lse(o_s[at:at + n], l_s[at:at + n], o_p, l_p).reshape(n, -1)
+                at += n
+            grouped.update(g.views)
+        for i, view in enumerate(plan.views):
+            if i in grouped:
+                continue
             out[view.rows] = self.attention(
                 q[view.rows], q_pos[view.rows], k_store[view.stream, view.cells], v_store[view.stream, view.cells],
                 view.cell_pos, scale, n_swa, softcap,
@@ -158,6 +175,17 @@ class CPUBackend:
         Returns ``[T, n_head * d_v]`` float32.
         """
         T, n_head, _ = q.shape
+        o, _ = CPUBackend.attention_lse(q, q_pos, k, v, kv_pos, scale, n_swa, softcap)
+        return o.reshape(T, -1)
+
+    @staticmethod
+    def attention_lse(q, q_pos, k, v, kv_pos, scale: float, n_swa: int = 0, softcap: float = 0.0):
+        """``attention`` over a subset of a sequence's cells, also returning the
+        log-sum-exp of the visible scores so partial results merge exactly
+        (flash-decoding's split-K merge; Dao et al. 2023): returns
+        ``o [T, n_head, d_v]`` (softmax-normalised over these cells, 0 where
+        none is visible) and ``lse [T, n_head]`` (-inf where none is visible)."""
+        T, n_head, _ = q.shape
         C, n_kv, d_v = v.shape
         g = n_head // n_kv
         kf = k.astype(np.float32, copy=False)
@@ -172,10 +200,27 @@ class CPUBackend:
         if n_swa > 0:
             visible &= delta < n_swa
         s = np.where(visible[None, None], s, np.float32(-np.inf))
+        if C == 0:
+            return np.zeros((T, n_head, d_v), np.float32), np.full((T, n_head), -np.inf, np.float32)
         m = np.max(s, axis=-1, keepdims=True)
         m = np.where(np.isfinite(m), m, 0.0)
         p = np.exp(s - m)
         denom = np.sum(p, axis=-1, keepdims=True)
         p /= np.where(denom > 0, denom, 1.0)
         o = np.matmul(p, vf.transpose(1, 0, 2)[:, None, :, :])  # [n_kv, g, T, d_v]
-        return np.ascontiguousarray(o.transpose(2, 0, 1, 3)).reshape(T, n_head * d_v).astype(np.float32, copy=False)
+        with np.errstate(divide="ignore"):
+            lse = (np.log(denom) + m)[..., 0]  # [n_kv, g, T]
+        o = np.ascontiguousarray(o.transpose(2, 0, 1, 3)).reshape(T, n_head, d_v).astype(np.float32, copy=False)
+        return o, np.ascontiguousarray(lse.transpose(2, 0, 1)).reshape(T, n_head).astype(np.float32)
+
+
+def merge_lse(o1: np.ndarray, l1: np.ndarray, o2: np.ndarray, l2: np.ndarray) -> np.ndarray:
+    """Merge two attention partials over disjoint cell sets:
+    ``o = (o1 e^{l1} + o2 e^{l2}) / (e^{l1} + e^{l2})`` computed stably.
+    o*: ``[T, n_head, d_v]``, l*: ``[T, n_head]`` (-inf = empty part)."""
+    m = np.maximum(l1, l2)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w1 = np.exp(l1 - m)[..., None]
+    w2 = np.exp(l2 - m)[..., None]
+    den = w1 + w2
+    return (o1 * w1 + o2 * w2) / np.where(den > 0, den, 1.0)

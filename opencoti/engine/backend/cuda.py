@@ -79,10 +79,9 @@ class CUDABackend:
         self._ub = None
         self._dev: dict = {}
         self._meta: dict = {}
-        self._graphs: dict = {}
         self._staged = False
         self._capturing = False
-        self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "0") == "1"  # off until replay is proven
+        self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
 
@@ -300,7 +299,7 @@ class CUDABackend:
         return [write, row_view, np.asarray(off), np.concatenate(cells), np.concatenate(cpos)]
 
     # -- CUDA graphs ----------------------------------------------------------------------
-    def run_graph(self, ub, caches, forward):
+    def run_graph(self, ub, caches, forward, graphs: dict):
         """Run ``forward()`` (the network on ``ub``) as a replayed CUDA graph.
 
         Decode steps launch ~200 small kernels; from Python each costs ~9 us, inside a
@@ -310,7 +309,9 @@ class CUDABackend:
         n_out, per cache: views, cell-list bucket): cell lists are padded to a power of
         two >= 256, and attention's split count follows the bucket, so one graph serves
         every step until a sequence outgrows its bucket. ``caches``: the KV caches in
-        ``ub.plans`` order (their per-stream cell counts). Returns host logits.
+        ``ub.plans`` order (their per-stream cell counts). ``graphs``: the caller's
+        graph store (one per runner: a graph holds that network's weights and KV
+        storage addresses, so it must never serve another runner). Returns host logits.
         Falls back to eager execution for ubatches over ``GEMV_MAX_TOKENS`` rows
         (cuBLAS prefill is not captured).
         """
@@ -326,7 +327,7 @@ class CUDABackend:
         for p, n, cap in zip(ub.plans, ncells, caps):
             host += self._plan_host(p, n, cap)
         flat = np.concatenate(host).astype(np.int32)
-        g = self._graphs.get(key)
+        g = graphs.get(key)
         if g is None:
             buf = cp.empty(flat.size, dtype=cp.int32)
         else:
@@ -347,7 +348,10 @@ class CUDABackend:
             if g is None:
                 cp.cuda.get_current_stream().synchronize()
                 stream = cp.cuda.Stream(non_blocking=True)
-                with stream:
+                # a private pool per graph (as PyTorch's graph pools): the graph's scratch
+                # memory is never handed to anything else while the graph lives
+                pool = cp.cuda.MemoryPool()
+                with cp.cuda.using_allocator(pool.malloc), stream:
                     forward()  # warm-up on the capture stream: compiles CuPy kernels, fills its pool
                     stream.synchronize()
                     self._capturing = True
@@ -358,7 +362,7 @@ class CUDABackend:
                     out = forward()
                     graph = stream.end_capture()
                 self._capturing = False
-                g = self._graphs[key] = {"buf": buf, "graph": graph, "out": out}
+                g = graphs[key] = {"buf": buf, "graph": graph, "out": out, "pool": pool, "stream": stream}
             g["graph"].launch(stream=cp.cuda.get_current_stream())
             return cp.asnumpy(g["out"])
         finally:
