@@ -216,3 +216,30 @@ def test_shared_prefix_attention_equals_per_sequence(model):
     assert any(p.groups and len(p.groups[0].cells) == P for p in ub1.plans)
     np.testing.assert_allclose(shared, plain, atol=2e-4)
     assert (shared.argmax(axis=1) == plain.argmax(axis=1)).all()
+
+
+def test_enforced_pool_admission_gates_new_sessions_only(model):
+    import time
+
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)[:64]
+    e = Engine(model, Params(n_ctx=2048, n_parallel=3, kv_unified=True, n_ubatch=128, polykv_max_pools=1)).start()
+    try:
+        pool = e.create_pool(prefix).result(timeout=300)
+        e.call(lambda eng: eng.pools.get(pool["id"]).gate.configure(
+            {"target_tps_per_session": 1e6, "mode": "enforced", "guarantee_min_sessions": 1})).result(timeout=30)
+        q = prefix + tok(" Q: hi? A:", add_special=False)
+        h1 = e.submit(CompletionRequest(q, n_predict=40, sampling=GREEDY, pool_id=pool["id"], session_id="one"))
+        time.sleep(1.0)  # session one is decoding
+        _, ev = run(e, q, n_predict=4, sampling=GREEDY, pool_id=pool["id"], session_id="two")
+        assert isinstance(ev, ErrorEvent) and ev.status == 429 and ev.retry_after >= 1
+        # overcommit bypasses; the continuing session is never gated
+        _, ev = run(e, q, n_predict=2, sampling=GREEDY, pool_id=pool["id"], session_id="three", overcommit=True)
+        assert isinstance(ev, FinishEvent)
+        assert isinstance(list(h1.events(timeout=300))[-1], FinishEvent)
+        h1b = e.submit(CompletionRequest(q, n_predict=30, sampling=GREEDY, pool_id=pool["id"], session_id="one"))
+        _, ev = run(e, q, n_predict=2, sampling=GREEDY, pool_id=pool["id"], session_id="one")
+        assert isinstance(ev, FinishEvent)  # same session queued behind itself: never refused
+        list(h1b.events(timeout=300))
+    finally:
+        e.stop()

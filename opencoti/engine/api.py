@@ -163,6 +163,8 @@ class RequestHandle:
         # set by the engine before the first event: {"pool": name, "saturated": bool}
         # when the request was admitted over capacity in warn mode (X-KV-Pool-Saturated)
         self.admission: Optional[dict] = None
+        self.session_tps: Optional[float] = None  # pool requests: the pool's mean decode rate (X-Session-TPS)
+        self.sessions_remaining: Optional[int] = None  # settled admission's headroom (X-Sessions-Remaining)
         self._queue: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
 

@@ -270,6 +270,8 @@ class Engine:
                     return
         self.n_steps += 1
         self.n_tokens_processed += ub.n_tokens
+        if self.pools is not None:
+            self._observe_pools()
         dt = time.perf_counter() - t0
         if dt > 0:
             self.recent_tps = 0.8 * self.recent_tps + 0.2 * (ub.n_tokens / dt) if self.recent_tps else ub.n_tokens / dt
@@ -376,6 +378,10 @@ class Engine:
         req = h.request
         mode = self.params.admission_poolless
         h.reservation = 0
+        if req.pool_id is not None:
+            err = self._admit_to_pool(h)
+            if err is not None:
+                return err
         if mode == "off" or not self.runner.kv.unified:
             return None
         cand = self._pick_slot(req)
@@ -402,6 +408,45 @@ class Engine:
             f"of {self.runner.kv.base.n_cells}; retry later or send \"overcommit\": true",
             retry_after=retry,
         )
+
+    def pool_rates(self, pool_id: int) -> tuple[int, float, int]:
+        """(sessions decoding on the pool, their mean tokens/s, tokens decoded by
+        the session whose admission opened the settle window)."""
+        now = time.perf_counter()
+        rates = [s.n_decoded / (now - s.t_prompt_done) for s in self.slots
+                 if s.state is SlotState.GENERATING and s.pool_id == pool_id and s.t_prompt_done and now > s.t_prompt_done]
+        pool = self.pools.pools.get(pool_id)
+        settle = pool.gate.settle_seq if pool is not None else None
+        done = self.slots[settle].n_decoded if settle is not None and settle >= 0 and self.slots[settle].busy else 10**9
+        return len(rates), (sum(rates) / len(rates) if rates else 0.0), done
+
+    def _admit_to_pool(self, h: RequestHandle) -> Optional[ErrorEvent]:
+        """Settled admission (P7) of a new session on a pool; continuing sessions
+        (already attached under this session_id) and ``overcommit`` pass."""
+        req = h.request
+        pool = self.pools.pools[req.pool_id]
+        n, mean, done = self.pool_rates(pool.id)
+        h.session_tps = mean
+        continuing = req.session_id is not None and any(
+            s.session_id == req.session_id and s.pool_id == pool.id for s in self.slots)
+        if continuing or req.overcommit or not pool.gate.enabled:
+            return None
+        d = pool.gate.decide(n, mean, done)
+        h.sessions_remaining = d.sessions_remaining
+        if not d.admit:
+            self.n_admissions_refused += 1
+            return ErrorEvent(429, "unavailable_error",
+                              f"pool {pool.id} saturated: {d.reason}", retry_after=d.retry_after)
+        if d.saturated:
+            h.admission = {"pool": f"pool-{pool.id}", "saturated": True}
+        pool.gate.on_admit(mean, -1)
+        return None
+
+    def _observe_pools(self) -> None:
+        for p in self.pools.pools.values():
+            if p.gate.settling_since is not None:
+                n, mean, done = self.pool_rates(p.id)
+                p.gate.observe(mean, done, n)
 
     def _bind_waiting(self) -> None:
         still = []
@@ -442,8 +487,11 @@ class Engine:
 
         slot.start(h, n_past, sampler, StreamDecoder(self.model.tokenizer))
         slot.n_shared = n_shared
-        if n_shared:
+        if req.pool_id is not None:
             slot.pool_id = req.pool_id
+            gate = self.pools.pools[req.pool_id].gate
+            if gate.settling_since is not None and gate.settle_seq == -1:
+                gate.settle_seq = slot.id
 
     # -- PolyKV -------------------------------------------------------------------------
     def _share_prefix(self, slot: Slot, req: CompletionRequest, n_past: int) -> tuple[int, int]:

@@ -29,6 +29,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
+from opencoti.engine.pool_admission import SettledAdmission
+
 
 class PoolError(ValueError):
     """A pool request that cannot be honoured; ``status`` is the HTTP status to answer."""
@@ -63,6 +65,10 @@ class Pool:
     admission: dict = field(default_factory=dict)
     future: Optional[Future] = None  # resolved when the build finishes
     t_start: float = field(default_factory=time.perf_counter)
+    gate: SettledAdmission = field(default_factory=SettledAdmission)
+
+    def __post_init__(self) -> None:
+        self.admission = self.gate.config  # one dict: the REST route updates the gate's config
 
     def next_chunk(self, budget: int) -> list[int]:
         return self.tokens[self.n_past:self.n_past + budget]
