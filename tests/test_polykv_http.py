@@ -54,6 +54,9 @@ def test_pool_lifecycle_and_attach(server):
         out = c.complete(prompt, pool_id=pool["id"], session_id="a1", n_predict=6, temperature=0)
         assert out["timings"]["cache_n"] >= P - 1 and out["tokens_predicted"] == 6
         assert c.get_pool(pool["id"])["sessions_attached"] == 1
+        r = httpx.post(base + "/completion", json={"prompt": prompt, "pool_id": pool["id"], "session_id": "a1",
+                                                   "n_predict": 2}, timeout=120)
+        assert r.status_code == 200 and float(r.headers["X-Session-TPS"]) >= 0
         cold = c.complete(prompt, n_predict=6, temperature=0, cache_prompt=False, id_slot=1)
         assert cold["content"] == out["content"] and cold["timings"]["cache_n"] == 0
         # fork by tokens: the child's full prefix; a suffix-only fork is a 400

@@ -469,9 +469,12 @@ class Engine:
         kv.seq_rm(slot.seq_id, n_past, -1)
         if n_past == 0:
             kv.seq_rm(slot.seq_id)
+        # a session re-using its own cache keeps the pool cells it already shares
+        kept = min(slot.n_shared, n_past) if req.pool_id is not None and slot.pool_id == req.pool_id else 0
         slot.pool_id, n_shared = None, 0
         if req.pool_id is not None or req.shared_pool_slot >= 0:
             n_past, n_shared = self._share_prefix(slot, req, n_past)
+        n_shared = n_shared or kept
         # -- grammar (constrained output): the slot's sampler gets a matcher --
         grammar = None
         if req.sampling.grammar:

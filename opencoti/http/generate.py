@@ -181,13 +181,22 @@ def error_from_event(ev: ErrorEvent) -> HTTPError:
 
 def admission_headers(handles) -> dict[str, str]:
     """``X-KV-Pool-Saturated: <pool>`` when any of ``handles`` was admitted over the
-    KV pool's capacity (``--admission-poolless warn``; the engine sets
-    ``handle.admission`` before the request's first event)."""
+    KV pool's capacity (``--admission-poolless warn``, or a pool's settled
+    admission in warn/advisory mode), plus PolyKV's ``X-Session-TPS`` and
+    ``X-Sessions-Remaining``. The engine sets these handle fields before the
+    request's first event."""
+    out: dict[str, str] = {}
     for h in handles:
         adm = getattr(h, "admission", None)
         if adm and adm.get("saturated"):
-            return {"X-KV-Pool-Saturated": str(adm.get("pool") or "poolless")}
-    return {}
+            out["X-KV-Pool-Saturated"] = str(adm.get("pool") or "poolless")
+        tps = getattr(h, "session_tps", None)  # PolyKV: the pool's mean decode rate per session
+        if tps is not None:
+            out["X-Session-TPS"] = f"{tps:.2f}"
+        left = getattr(h, "sessions_remaining", None)  # PolyKV settled admission headroom
+        if left is not None:
+            out["X-Sessions-Remaining"] = str(left)
+    return out
 
 
 @dataclass
