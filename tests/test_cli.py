@@ -163,6 +163,7 @@ ENV_CASES = [
     ("LLAMA_ARG_CONTEXT_SHIFT", "1", "ctx_shift", True),
     ("LLAMA_ARG_CACHE_IDLE_SLOTS", "0", "cache_idle_slots", False),
     ("LLAMA_ARG_ADMISSION_POOLLESS", "warn", "admission_poolless", "warn"),
+    ("LLAMA_ARG_POLYKV_MAX_POOLS", "4", "polykv_max_pools", 4),
     ("LLAMA_ARG_ENDPOINT_SLOTS", "0", "endpoint_slots", False),
     ("LLAMA_ARG_ENDPOINT_METRICS", "1", "endpoint_metrics", True),
     ("LLAMA_ARG_HOST", "0.0.0.0", "host", "0.0.0.0"),
