@@ -344,6 +344,17 @@ def run(params: Params) -> int:
     return run_cli(params)
 
 
+def set_cpu_threads(n_threads: int) -> None:
+    """``-t N``: the CPU backend's BLAS threads. NumPy's BLAS reads its thread
+    count when first loaded, so this must run before anything imports NumPy
+    (``main`` calls it right after parsing); an explicit OPENBLAS/OMP/MKL
+    setting in the environment wins. No-op for N <= 0 (all cores)."""
+    if n_threads <= 0:
+        return
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, str(n_threads))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point (``opencoti``, ``python -m opencoti``, the .pyz). Exits the process."""
     try:
@@ -356,6 +367,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except click.exceptions.Abort:
         sys.exit(130)
     verbose = params.verbose
+    set_cpu_threads(params.n_threads)
     try:
         code = run(params)
     except KeyboardInterrupt:

@@ -351,3 +351,17 @@ def test_chat_repl_eof_leaves(model_path):
     r = run_cli(["-m", model_path, "-n", "4", "--temp", "0"], input_text="", timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "> \n"
+
+
+def test_threads_flag_sets_blas_threads_before_numpy_loads():
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from opencoti.cli import build_params, set_cpu_threads; "
+            "p = build_params(['-t', '1']); "
+            "assert 'numpy' not in sys.modules; set_cpu_threads(p.n_threads); "
+            "import numpy; print(os.environ['OPENBLAS_NUM_THREADS'], p.n_threads)")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
