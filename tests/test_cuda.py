@@ -366,3 +366,50 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
             gpu.graphs = saved
     # graphs split attention by the cell bucket, eager by the live length: f32 sums in another order
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_engine_concurrent_sessions_equal_sequential(gpu, unified):
+    """8 concurrent sessions on CUDA give the same greedy text as one at a time, with
+    prompts longer than a ubatch (prefill chunks that need no logits) and a PolyKV pool."""
+    import threading
+
+    from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent
+    from opencoti.engine.engine import Engine
+    from opencoti.model.loader import load_model
+    from opencoti.params import Params
+
+    path = os.environ.get("OPENCOTI_MODEL")
+    if not path:
+        from opencoti.model.default_model import default_model_path
+
+        path = str(default_model_path())
+    model = load_model(path)
+    tok = model.tokenizer.tokenize
+    prefix = tok("Rules: answer briefly and exactly. " * 40, add_special=True)
+    prompts = [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False) for i in range(8)]
+    greedy = SamplingParams(temperature=0)
+
+    def run(e, p, **kw):
+        evs = list(e.submit(CompletionRequest(p, n_predict=12, sampling=greedy, **kw)).events(timeout=300))
+        assert isinstance(evs[-1], FinishEvent), evs[-1]
+        return [ev.token for ev in evs if isinstance(ev, TokenEvent)]
+
+    e = Engine(model, Params(n_ctx=8 * 512, n_parallel=8, kv_unified=unified, n_ubatch=128,
+                             polykv_max_pools=1), backend="cuda").start()
+    try:
+        seq = [run(e, p, cache_prompt=False) for p in prompts]
+        pool = e.create_pool(prefix).result(timeout=300)
+        out = [None] * 8
+
+        def go(i):
+            out[i] = run(e, prompts[i], pool_id=pool["id"] if i % 2 else None, cache_prompt=False)
+
+        ths = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        assert out == seq
+    finally:
+        e.stop()

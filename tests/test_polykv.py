@@ -229,13 +229,17 @@ def test_enforced_pool_admission_gates_new_sessions_only(model):
         e.call(lambda eng: eng.pools.get(pool["id"]).gate.configure(
             {"target_tps_per_session": 1e6, "mode": "enforced", "guarantee_min_sessions": 1})).result(timeout=30)
         q = prefix + tok(" Q: hi? A:", add_special=False)
-        h1 = e.submit(CompletionRequest(q, n_predict=40, sampling=GREEDY, pool_id=pool["id"], session_id="one"))
-        time.sleep(1.0)  # session one is decoding
+        h1 = e.submit(CompletionRequest(q, n_predict=1000, sampling=GREEDY, pool_id=pool["id"], session_id="one",
+                                        ignore_eos=True))
+        deadline = time.time() + 120
+        while not any(s.n_decoded >= 2 and s.busy for s in e.slots) and time.time() < deadline:
+            time.sleep(0.05)  # wait until session one is decoding (it runs until cancelled)
         _, ev = run(e, q, n_predict=4, sampling=GREEDY, pool_id=pool["id"], session_id="two")
         assert isinstance(ev, ErrorEvent) and ev.status == 429 and ev.retry_after >= 1
         # overcommit bypasses; the continuing session is never gated
         _, ev = run(e, q, n_predict=2, sampling=GREEDY, pool_id=pool["id"], session_id="three", overcommit=True)
         assert isinstance(ev, FinishEvent)
+        h1.cancel()
         assert isinstance(list(h1.events(timeout=300))[-1], FinishEvent)
         h1b = e.submit(CompletionRequest(q, n_predict=30, sampling=GREEDY, pool_id=pool["id"], session_id="one"))
         _, ev = run(e, q, n_predict=2, sampling=GREEDY, pool_id=pool["id"], session_id="one")

@@ -238,6 +238,7 @@ class Engine:
             try:
                 self.step()
             except Exception as e:  # never let one bad step kill the server
+                log.exception("engine step failed")
                 self._fail_all(500, "server_error", f"internal error: {type(e).__name__}: {e}")
 
     def _fail_all(self, status: int, typ: str, msg: str) -> None:

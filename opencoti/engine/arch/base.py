@@ -141,6 +141,8 @@ class DecoderModel:
             if L.post_ffw_norm is not None:
                 h = B.rms_norm(h, L.post_ffw_norm, eps)
             x = x + h
+        if len(ub.out_rows) == 0:  # a prefill chunk that is not a prompt's end: no logits wanted
+            return np.zeros((0, hp.n_vocab), dtype=np.float32)
         x = B.get_rows(x, ub.out_rows)
         x = B.rms_norm(x, self.output_norm, eps)
         logits = B.to_host(B.mul_mat(x, self.output))
