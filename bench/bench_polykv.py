@@ -29,17 +29,20 @@ from opencoti.params import Params  # noqa: E402
 
 
 def run_all(engine, prompts, n_gen, **kw):
-    """Submit all prompts at once; returns (join_s, decode_tps, finishes)."""
+    """Submit all prompts at once; returns (join_s, decode_tps, finishes, generated tokens)."""
     t0 = time.perf_counter()
     handles = [engine.submit(CompletionRequest(p, n_predict=n_gen, sampling=SamplingParams(temperature=0),
                                                session_id=f"s{i}", **kw)) for i, p in enumerate(prompts)]
     first_token = [None] * len(handles)
     fins = [None] * len(handles)
+    tokens = [[] for _ in handles]
 
     def drain(i, h):
         for ev in h.events(timeout=3600):
-            if isinstance(ev, TokenEvent) and first_token[i] is None:
-                first_token[i] = time.perf_counter()
+            if isinstance(ev, TokenEvent):
+                tokens[i].append(ev.token)
+                if first_token[i] is None:
+                    first_token[i] = time.perf_counter()
             if isinstance(ev, FinishEvent):
                 fins[i] = ev
 
@@ -51,7 +54,7 @@ def run_all(engine, prompts, n_gen, **kw):
     t_end = time.perf_counter()
     join = max(first_token) - t0
     decode_tps = sum(f.n_predicted for f in fins) / max(t_end - max(first_token), 1e-9)
-    return join, decode_tps, fins
+    return join, decode_tps, fins, tokens
 
 
 def main() -> None:
@@ -86,12 +89,12 @@ def main() -> None:
                     t_pool = time.perf_counter() - t
                     kw = {"pool_id": info["id"]}
                 prompts = [prefix + q for q in questions]
-                join, tps, fins = run_all(engine, prompts, a.gen, **kw)
+                join, tps, fins, answers = run_all(engine, prompts, a.gen, **kw)
                 cells = engine.runner.kv.base.n_used()
-                # multi-turn: each session re-queries with its history + a follow-up
-                hist = [prompts[i] + f for i, f in enumerate(follow)]
+                # multi-turn: each session re-queries with its history (its answer included) + a follow-up
+                hist = [prompts[i] + answers[i] + f for i, f in enumerate(follow)]
                 t = time.perf_counter()
-                _, tps2, fins2 = run_all(engine, hist, a.gen, **kw)
+                _, tps2, fins2, _ = run_all(engine, hist, a.gen, **kw)
                 requery = sum(f.n_predicted for f in fins2) / (time.perf_counter() - t)
                 rows.append((n, mode, cells, t_pool + join, tps, requery))
             finally:
