@@ -14,7 +14,7 @@ SYSTEM = "You are a terse assistant. Tools: search(q), open(url), summarize(text
 
 
 def _serve(model_path, **kw):
-    params = Params(model=model_path, n_ctx=1024, n_parallel=2, kv_unified=True, port=0, **kw)
+    params = Params(model=model_path, n_ctx=1024, n_parallel=2, kv_unified=True, port=0, endpoint_metrics=True, **kw)
     model = load_model(model_path, params)
     httpd, engine = make_server(model, params)
     start_in_thread(httpd)
@@ -54,6 +54,13 @@ def test_pool_lifecycle_and_attach(server):
         out = c.complete(prompt, pool_id=pool["id"], session_id="a1", n_predict=6, temperature=0)
         assert out["timings"]["cache_n"] >= P - 1 and out["tokens_predicted"] == 6
         assert c.get_pool(pool["id"])["sessions_attached"] == 1
+        props = httpx.get(base + "/props", timeout=30).json()["opencoti"]["rest_kv"]
+        assert props["enabled"] and props["pools"] == 1 and props["cells_pinned"] == P and props["sessions_attached"] == 1
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        assert "opencoti:polykv_pools 1" in metrics and f"opencoti:polykv_cells_pinned {P}" in metrics
+        slots = httpx.get(base + "/slots", timeout=30).json()
+        assert any(s["opencoti"]["pool"] and s["opencoti"]["pool"]["id"] == pool["id"]
+                   and s["opencoti"]["n_pool_shared"] >= P - 1 for s in slots)
         r = httpx.post(base + "/completion", json={"prompt": prompt, "pool_id": pool["id"], "session_id": "a1",
                                                    "n_predict": 2}, timeout=120)
         assert r.status_code == 200 and float(r.headers["X-Session-TPS"]) >= 0

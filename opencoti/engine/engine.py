@@ -537,6 +537,17 @@ class Engine:
     def pool_cells(self, pool: Pool) -> int:
         return int(np.count_nonzero(self.runner.kv.base.seq[self.runner.kv.base.stream_of(pool.seq_id), :, pool.seq_id]))
 
+    def pool_gauges(self) -> dict:
+        """PolyKV gauges (engine thread): pools, pinned pools' prefix tokens, sessions attached."""
+        if self.pools is None:
+            return {"pools": 0, "cells_pinned": 0, "sessions_attached": 0}
+        ps = list(self.pools.pools.values())
+        return {
+            "pools": len(ps),
+            "cells_pinned": sum(len(p.tokens) for p in ps if p.pinned),
+            "sessions_attached": sum(self.pool_attached().values()),
+        }
+
     def _require_pools(self) -> PoolRegistry:
         if self.pools is None:
             raise PoolError("PolyKV is off (start with --polykv-max-pools M)", 404)

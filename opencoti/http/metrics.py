@@ -147,6 +147,13 @@ def render(metrics: ServerMetrics, engine: Any) -> str:
         ("counter", "opencoti:requests_total", "Requests finished.", tot["n_requests_total"]),
         ("gauge", "opencoti:kv_cells", "KV cells of the global-layer cache (all streams).", kv["cells"]),
     ]
+    if getattr(engine, "pools", None) is not None:
+        g = engine.call(lambda e: e.pool_gauges()).result(timeout=30)
+        rows += [
+            ("gauge", "opencoti:polykv_pools", "PolyKV pools alive.", g["pools"]),
+            ("gauge", "opencoti:polykv_cells_pinned", "Prefix tokens held by pinned pools.", g["cells_pinned"]),
+            ("gauge", "opencoti:polykv_sessions_attached", "Slots sharing a pool prefix.", g["sessions_attached"]),
+        ]
     if headroom is not None:
         rows.append(("gauge", "opencoti:kv_headroom_cells",
                      "Cells the admission gate sees as free (not held or reserved).", headroom))

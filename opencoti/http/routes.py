@@ -379,7 +379,8 @@ def get_props(state: ServerState, req: Request) -> Response:
                 "sessions": sorted(str(x.session_id) for x in slots if getattr(x, "session_id", None) is not None),
                 "cache_idle_slots": bool(params.cache_idle_slots),
             },
-            "rest_kv": ({"enabled": True, "max_pools": int(getattr(engine, "max_pools", 0))}
+            "rest_kv": ({"enabled": True, "max_pools": int(getattr(engine, "max_pools", 0)),
+                         **engine.call(lambda e: e.pool_gauges()).result(timeout=30)}
                         if pools is not None else {"enabled": False}),
             "context_shift": {"enabled": bool(params.ctx_shift)},
             "residency": {"enabled": False},
@@ -481,6 +482,7 @@ def slot_json(state: ServerState, slot: Any) -> dict:
         "session_id": getattr(slot, "session_id", None),
         "pool": ({"id": pool_id, "n_shared": int(getattr(slot, "n_shared", 0))}
                  if pool_id is not None and getattr(slot, "n_shared", 0) else None),
+        "n_pool_shared": int(getattr(slot, "n_shared", 0)),
         "state": getattr(state_, "value", str(state_)),
         "n_past": int(getattr(slot, "n_past", 0)),
         "n_cached_tokens": len(getattr(slot, "cache_tokens", []) or []),
