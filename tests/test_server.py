@@ -917,7 +917,7 @@ def test_slots_and_erase(server, port):
     assert s1["params"]["n_predict"] == 2 and s1["params"]["id_slot"] == 1 and s1["params"]["temperature"] == 0
     assert s1["next_token"] == [{"has_next_token": False, "has_new_line": False, "n_remain": 0, "n_decoded": 2}]
     n_cached = len(prompt) + 1  # the prompt and the first generated token (the last is never fed back)
-    assert s1["opencoti"] == {"session_id": "sess-e", "pool": None, "state": "idle", "n_past": n_cached,
+    assert s1["opencoti"] == {"session_id": "sess-e", "pool": None, "n_pool_shared": 0, "state": "idle", "n_past": n_cached,
                               "n_cached_tokens": n_cached}
     assert engine.slots[1].cache_tokens[:len(prompt)] == prompt
 
