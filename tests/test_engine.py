@@ -286,3 +286,18 @@ def test_control_tasks_and_erase(engine, model):
     with pytest.raises(ValueError):
         engine.erase_slot(99).result(timeout=30)
     assert engine.call(lambda e: e.n_slots).result(timeout=30) == 4
+
+
+def test_no_cache_idle_slots_keeps_idle_kv(model):
+    e = Engine(model, Params(n_ctx=64, n_parallel=2, kv_unified=True, n_ubatch=32, cache_idle_slots=False,
+                             admission_poolless="off")).start()
+    try:
+        a = model.tokenizer.tokenize("One two three four five six seven eight nine ten", add_special=True)
+        b = model.tokenizer.tokenize("Red green blue yellow purple orange black white", add_special=True)
+        run(e, a, n_predict=30, sampling=GREEDY, id_slot=0)
+        kept = list(e.slots[0].cache_tokens)
+        _, _, fb = run(e, b, n_predict=40, sampling=GREEDY, id_slot=1)
+        assert isinstance(fb, ErrorEvent) and fb.status == 503  # no room: the idle slot's KV is not taken
+        assert e.slots[0].cache_tokens == kept and kept
+    finally:
+        e.stop()

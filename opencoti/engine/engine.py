@@ -668,7 +668,10 @@ class Engine:
 
     def _evict_idle(self, ub: UBatch) -> bool:
         """Free the KV of the least recently used idle slot that holds cells in a
-        stream this ubatch writes to. Returns False when there is none."""
+        stream this ubatch writes to. Returns False when there is none, or when
+        ``--no-cache-idle-slots`` keeps idle slots' KV in place."""
+        if not self.params.cache_idle_slots:
+            return False
         kv = self.runner.kv
         streams = {kv.base.stream_of(int(q)) for q in np.unique(ub.seq_id)}
         idle = [s for s in self.slots if not s.busy and s.cache_tokens and kv.base.stream_of(s.seq_id) in streams]
