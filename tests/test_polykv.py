@@ -247,3 +247,22 @@ def test_enforced_pool_admission_gates_new_sessions_only(model):
         list(h1b.events(timeout=300))
     finally:
         e.stop()
+
+
+def test_released_pool_takes_no_new_sessions_and_is_reclaimed_when_they_leave(model):
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)[:40]
+    e = Engine(model, Params(n_ctx=1024, n_parallel=2, kv_unified=True, n_ubatch=64, polykv_max_pools=1)).start()
+    try:
+        pool = e.create_pool(prefix).result(timeout=300)
+        ids, fin = run(e, prefix + tok(" Q1", add_special=False), n_predict=1, pool_id=pool["id"], session_id="A")
+        assert isinstance(fin, FinishEvent)
+        assert e.release_pool(pool["id"]).result(timeout=30) == []  # session A still shares it
+        _, ev = run(e, prefix + tok(" Q2", add_special=False), n_predict=1, pool_id=pool["id"], session_id="B")
+        assert isinstance(ev, ErrorEvent) and ev.status == 404
+        # session A's slot moves on to unrelated work: the pool is reclaimed, its seq_id free again
+        run(e, tok("unrelated", add_special=True), n_predict=1, session_id="A", cache_prompt=False)
+        assert e.pool_info().result(timeout=30) == []
+        assert e.create_pool(prefix).result(timeout=300)["state"] == "ready"
+    finally:
+        e.stop()

@@ -123,3 +123,18 @@ def test_async_client_and_429(server):
         with pytest.raises(PoolSaturatedError) as e:
             c.complete("x " * 400, n_predict=900)
         assert e.value.status == 429 and e.value.retry_after >= 1
+
+
+def test_more_bad_inputs(server):
+    base, _ = server
+    r = httpx.post(base + "/polykv/pools/999/fork", json={"branch_pos": 2}, timeout=30)
+    assert r.status_code == 404
+    with PolykvClient(base) as c:
+        p = c.create_pool(tokens=[2, 818, 5279])
+        with pytest.raises(OpencotiHTTPError) as e:
+            c.set_admission(p["id"], target_tps_per_session=-1)
+        assert e.value.status == 400
+        c.release(p["id"])
+    big = b'{"prompt": "hi", "n_predict": 1' + b"0" * 5000 + b"}"
+    r = httpx.post(base + "/completion", content=big, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -179,6 +179,7 @@ class Engine:
             s.cache_tokens = []
             s.session_id = None
             s.pool_id, s.n_shared = None, 0
+            engine._reclaim_pools()
             return n
 
         return self.call(erase)
@@ -306,8 +307,8 @@ class Engine:
             if self.pools is None:
                 return ErrorEvent(404, "not_found_error", "PolyKV is off (start with --polykv-max-pools M)")
             p = self.pools.pools.get(req.pool_id)
-            if p is None or p.state != "ready":
-                return ErrorEvent(404, "not_found_error", f"pool {req.pool_id} not found or not ready")
+            if p is None or p.state != "ready" or p.released:
+                return ErrorEvent(404, "not_found_error", f"pool {req.pool_id} not found, not ready or released")
         if req.shared_pool_slot >= 0:
             if self.params.cache_idle_slots:
                 return ErrorEvent(400, "invalid_request_error",
@@ -491,6 +492,7 @@ class Engine:
 
         slot.start(h, n_past, sampler, StreamDecoder(self.model.tokenizer))
         slot.n_shared = n_shared
+        self._reclaim_pools()  # the slot may have left a released pool
         if req.pool_id is not None:
             slot.pool_id = req.pool_id
             gate = self.pools.pools[req.pool_id].gate
@@ -525,6 +527,14 @@ class Engine:
             kv.seq_rm(slot.seq_id)
             return 0, 0
         return share, share
+
+    def _reclaim_pools(self) -> None:
+        """Reclaim released pools whose subtree and sessions are gone (called
+        whenever a slot leaves a pool)."""
+        if self.pools is None:
+            return
+        for p in self.pools.collect(self.pool_attached()):
+            self.runner.kv.seq_rm(p.seq_id)
 
     def pool_attached(self) -> dict[int, int]:
         """pool id -> number of slots currently sharing its prefix."""
@@ -681,6 +691,7 @@ class Engine:
         kv.seq_rm(victim.seq_id)  # cells it shared with a pool stay: the pool is still a member
         victim.cache_tokens = []
         victim.pool_id, victim.n_shared = None, 0
+        self._reclaim_pools()
         return True
 
     def _on_kv_full(self, owners, msg: str) -> None:

@@ -51,7 +51,8 @@ def _wait(fut):
     try:
         return fut.result(timeout=WAIT_S)
     except PoolError as e:
-        raise HTTPError(e.status, "not_found_error" if e.status == 404 else "invalid_request_error", str(e)) from None
+        typ = {404: "not_found_error", 503: "unavailable_error"}.get(e.status, "invalid_request_error")
+        raise HTTPError(e.status, typ, str(e)) from None
     except (ValueError, RuntimeError) as e:
         raise invalid_request(str(e)) from None
 
@@ -133,12 +134,14 @@ def post_fork(state, req):
     from opencoti.http.routes import Response
 
     eng = _engine(state)
+    parent = _pool_id(req)
+    _wait(eng.pool_info(parent))  # 404 for an unknown parent before the body is judged
     body = req.json()
     tokens = _prefix_tokens(state, body)
     bp = body.get("branch_pos")
     if bp is not None and (not isinstance(bp, int) or isinstance(bp, bool)):
         raise invalid_request('"branch_pos" must be an integer')
-    info = _wait(eng.create_pool(tokens, parent=_pool_id(req), branch_pos=bp, pin=_bool(body, "pin")))
+    info = _wait(eng.create_pool(tokens, parent=parent, branch_pos=bp, pin=_bool(body, "pin")))
     return Response(info, status=201)
 
 
@@ -172,6 +175,8 @@ def _store(state, req, attr: str, allowed: dict):
             raise invalid_request(f"unknown {attr} field {k!r} (allowed: {', '.join(sorted(allowed))})")
         if isinstance(v, bool) or not isinstance(v, allowed[k]):
             raise invalid_request(f'"{k}" has the wrong type')
+        if attr == "admission" and isinstance(v, (int, float)) and v < 0:
+            raise invalid_request(f'"{k}" must be >= 0')
     if attr == "admission":
         if body.get("mode", "advisory") not in ("advisory", "enforced"):
             raise invalid_request('"mode" must be "advisory" or "enforced"')

@@ -70,6 +70,8 @@ class Request:
             raise invalid_request(f"invalid JSON in request body: {e.msg} at line {e.lineno} column {e.colno}") from None
         except RecursionError:
             raise invalid_request("invalid JSON in request body: nested too deeply") from None
+        except ValueError as e:  # e.g. an integer literal over Python's 4300-digit limit
+            raise invalid_request(f"invalid JSON in request body: {e}") from None
         return require_object(data)
 
 
