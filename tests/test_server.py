@@ -1019,3 +1019,32 @@ def test_serve_entry_point_starts_and_stops_cleanly(model_path, repo_root):
     assert b"llama_kv_cache: global:    512 cells x 1 stream(s)" in out
     assert b"llama_kv_cache:    swa:" in out and b"llama_kv_cache: total" in out
     assert b"1 request(s) in flight ended with 503" in out
+
+
+def test_logit_bias_and_unsupported_samplers(port):
+    import json as _json
+    import urllib.request
+
+    def post(body):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=_json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, _json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, _json.loads(e.read())
+
+    base = {"prompt": "The capital of France is", "n_predict": 1, "temperature": 0}
+    st, ref = post({**base, "return_tokens": True})
+    first = ref["tokens"][0]
+    assert first == 506  # " the" (llama.cpp's greedy choice)
+    st, banned = post({**base, "return_tokens": True, "logit_bias": [[first, False]]})
+    assert st == 200 and banned["tokens"][0] != first
+    st, banned2 = post({**base, "return_tokens": True, "logit_bias": {str(first): -100}})
+    assert st == 200 and banned2["tokens"][0] == banned["tokens"][0]
+    for bad in [{"logit_bias": "x"}, {"logit_bias": [[1, "x"]]}, {"logit_bias": {"hello": 1}},
+                {"mirostat": 2}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": 0.8}]:
+        st, err = post({**base, **bad})
+        assert st == 400 and err["error"]["type"] == "invalid_request_error", bad
+    st, _ = post({**base, "mirostat": 0, "samplers": ["top_k", "temperature"]})
+    assert st == 200

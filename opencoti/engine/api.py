@@ -40,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int = -1
     n_probs: int = 0
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit (-inf bans it)
     grammar: Optional[str] = None
 
 

@@ -214,12 +214,18 @@ class Sampler:
     # -- chain -------------------------------------------------------------------------------
 
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
-        """The logits after repetition/frequency/presence penalties: float32 [n_vocab].
+        """The logits after ``logit_bias`` and repetition/frequency/presence penalties: float32 [n_vocab].
 
         Returns the input itself (no copy) when penalties are off or the history
         is empty, else a modified copy.
         """
         x = _as_logits(logits, self.n_vocab)
+        bias = self.params.logit_bias
+        if bias:  # llama.cpp applies logit_bias first in the chain
+            ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+            keep = (ids >= 0) & (ids < x.shape[0])
+            x = x.copy()
+            x[ids[keep]] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))[keep]
         if not self._penalties_on or not self._history:
             return x
         p = self.params

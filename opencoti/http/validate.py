@@ -258,7 +258,58 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int) -> Sam
     seed = get_int(body, "seed", sp.seed, min=-1, max=DEFAULT_SEED)
     sp.seed = -1 if seed == DEFAULT_SEED else seed
     sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0, max=1024)
+    sp.logit_bias = parse_logit_bias(body.get("logit_bias"))
+    check_unsupported_samplers(body)
     return sp
+
+
+# llama.cpp sampler fields this engine does not implement, with their "off" value:
+# a request that turns one on gets a 400 instead of silently different sampling.
+UNSUPPORTED_SAMPLERS = {"mirostat": 0, "xtc_probability": 0, "dry_multiplier": 0, "dynatemp_range": 0}
+
+
+def check_unsupported_samplers(body: dict) -> None:
+    """400 when a request enables a sampler we do not have; ``samplers`` must be a list of strings."""
+    for key, off in UNSUPPORTED_SAMPLERS.items():
+        v = body.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise invalid_request(f'"{key}" must be a number')
+        if v != off:
+            raise invalid_request(f'"{key}" is not supported by this server (sampler chain: '
+                                  "penalties, top_k, typical_p, top_p, min_p, temperature)")
+    samplers = body.get("samplers")
+    if samplers is not None and (not isinstance(samplers, (list, str)) or
+                                 (isinstance(samplers, list) and not all(isinstance(x, str) for x in samplers))):
+        raise invalid_request('"samplers" must be a list of sampler names')
+
+
+def parse_logit_bias(value) -> dict:
+    """``logit_bias`` as llama.cpp / OpenAI send it: ``[[id, bias], …]`` or
+    ``{"id": bias}``; bias ``false`` bans the token (-inf). Ids only (text keys
+    are a 400). Returns ``{id: bias}``."""
+    if value is None:
+        return {}
+    pairs = value.items() if isinstance(value, dict) else value
+    if not isinstance(value, (dict, list)):
+        raise invalid_request('"logit_bias" must be an object or a list of [token, bias] pairs')
+    out: dict = {}
+    for item in pairs:
+        if isinstance(value, list):
+            if not isinstance(item, list) or len(item) != 2:
+                raise invalid_request('"logit_bias" list items must be [token, bias] pairs')
+        tok, bias = item
+        if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
+            tok = int(tok)
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            raise invalid_request('"logit_bias" keys must be token ids')
+        if bias is False:
+            bias = float("-inf")
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise invalid_request('"logit_bias" values must be numbers or false')
+        out[tok] = float(bias)
+    return out
 
 
 def parse_n_predict(body: dict, default: int) -> int:
