@@ -4,7 +4,8 @@
 
 For each N: KV cells used, time for N sessions to join (their prompts
 prefilled: the shared prefix + a short private question), steady batched
-decode tokens/s (all N decoding together), and a multi-turn re-query
+decode tokens/s (tokens per second while all N sessions decode together; nan if
+they never overlap: raise --gen), and a multi-turn re-query
 (every session asks a second question) tokens/s. "naive" = each session
 prefills its own copy of the prefix; "pool" = the prefix is built once as a
 PolyKV pool and sessions attach by ``pool_id`` (zero-copy membership on the
@@ -36,13 +37,15 @@ def run_all(engine, prompts, n_gen, **kw):
     first_token = [None] * len(handles)
     fins = [None] * len(handles)
     tokens = [[] for _ in handles]
+    stamps = [[] for _ in handles]
 
     def drain(i, h):
         for ev in h.events(timeout=3600):
             if isinstance(ev, TokenEvent):
                 tokens[i].append(ev.token)
+                stamps[i].append(time.perf_counter())
                 if first_token[i] is None:
-                    first_token[i] = time.perf_counter()
+                    first_token[i] = stamps[i][-1]
             if isinstance(ev, FinishEvent):
                 fins[i] = ev
 
@@ -52,8 +55,13 @@ def run_all(engine, prompts, n_gen, **kw):
     for t in ths:
         t.join()
     t_end = time.perf_counter()
-    join = max(first_token) - t0
-    decode_tps = sum(f.n_predicted for f in fins) / max(t_end - max(first_token), 1e-9)
+    t_all = max(first_token)  # every session is decoding from here on
+    join = t_all - t0
+    # steady batched decode: only tokens produced while all sessions run (earlier starters'
+    # tokens before t_all would inflate the rate of staggered joins)
+    t_stop = min(st[-1] for st in stamps)  # until the first session finishes
+    n_window = sum(1 for st in stamps for t in st if t_all < t <= t_stop)
+    decode_tps = n_window / (t_stop - t_all) if t_stop > t_all and n_window else float("nan")
     return join, decode_tps, fins, tokens
 
 
