@@ -1,5 +1,7 @@
 """GGUF reading: metadata, every dequantizable tensor type, and bad files."""
 
+import re
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
@@ -144,3 +146,11 @@ def test_real_model_is_memory_mapped(model_path):
     assert not v.flags.writeable
     assert f.tensors["token_embd.weight"].ggml_type.name == "Q8_0"
     assert f.tensors["token_embd.weight"].shape == (262144, 640)
+
+
+def test_unmappable_files_name_the_path(tmp_path):
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    for p in (empty, tmp_path, "/dev/null"):
+        with pytest.raises(GGUFError, match=re.escape(str(p))):
+            GGUFFile(p)

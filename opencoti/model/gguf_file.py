@@ -20,6 +20,7 @@ The tensor blob is memory-mapped read-only: nothing is copied at load.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +154,14 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = str(path)
-        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        if os.path.isdir(self.path):
+            raise GGUFError(f"{self.path}: is a directory, not a GGUF file")
+        try:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except FileNotFoundError:
+            raise
+        except (ValueError, OSError) as e:  # empty file, device node, unreadable
+            raise GGUFError(f"{self.path}: cannot map the file as GGUF: {e}") from None
         buf = memoryview(self._mm)
         cur = _Cursor(buf, self.path)
         cur.need(4, "magic")
