@@ -138,3 +138,17 @@ def test_more_bad_inputs(server):
     big = b'{"prompt": "hi", "n_predict": 1' + b"0" * 5000 + b"}"
     r = httpx.post(base + "/completion", content=big, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_pool_sampling_defaults_apply_to_attached_requests(server):
+    base, _ = server
+    with PolykvClient(base) as c:
+        p = c.create_pool(prompt=SYSTEM)
+        c.set_sampling(p["id"], temperature=0, n_predict=3)
+        out = c.complete(SYSTEM + " Q:", pool_id=p["id"])
+        assert out["tokens_predicted"] == 3 and out["generation_settings"]["temperature"] == 0
+        own = c.complete(SYSTEM + " Q:", pool_id=p["id"], n_predict=5)  # the request's field wins
+        assert own["tokens_predicted"] == 5
+        plain = c.complete(SYSTEM + " Q:", n_predict=2)  # not attached: server defaults
+        assert plain["generation_settings"]["temperature"] != 0
+        c.release(p["id"])

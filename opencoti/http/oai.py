@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional, Union
 import regex
 
 from opencoti.engine.api import ErrorEvent, FinishEvent, TokenEvent
+from opencoti.http.polykv_routes import request_defaults
 from opencoti.http import generate as gen
 from opencoti.http.errors import invalid_request
 from opencoti.http.routes import (
@@ -285,7 +286,7 @@ def _tokenize_outside_spans(state: ServerState, text: str, spans: list[tuple[int
 
 def _parse_chat_body(state: ServerState, body: dict) -> tuple[list[int], ParsedCompletion, int]:
     """Validate a chat body; returns (prompt ids, parsed params, top_logprobs count)."""
-    parsed = parse_completion(body, state.params.sampling, state.params.n_predict,
+    parsed = parse_completion(body, *request_defaults(state, body),
                               state.n_ctx_slot, state.n_slots)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, min=0, max=20)
@@ -415,7 +416,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
     for p in ("best_of", "suffix"):
         if body.get(p) is not None:
             raise invalid_request(f"Unsupported param: {p}")
-    parsed = parse_completion(body, state.params.sampling, state.params.n_predict,
+    parsed = parse_completion(body, *request_defaults(state, body),
                               state.n_ctx_slot, state.n_slots)
     lp = get_int(body, "logprobs", None, min=0, max=1024)
     if lp is not None and body.get("n_probs") is None:

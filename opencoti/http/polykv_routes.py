@@ -287,6 +287,25 @@ def get_tps(state, req):
     return StreamResponse(stream())
 
 
+def request_defaults(state, body: dict):
+    """``(SamplingParams, n_predict)`` defaults for a completion request: the
+    server's, overridden by the per-pool ``sampling`` defaults when the body
+    attaches to a pool (``pool_id``); the request's own fields still win."""
+    from dataclasses import replace
+
+    sp, n_predict = state.params.sampling, state.params.n_predict
+    pid = body.get("pool_id") if isinstance(body, dict) else None
+    eng = state.engine
+    if not isinstance(pid, int) or isinstance(pid, bool) or eng is None or eng.pools is None:
+        return sp, n_predict
+    pool = eng.pools.pools.get(pid)  # a plain dict read: at worst one step stale
+    if pool is None or not pool.sampling:
+        return sp, n_predict
+    fields = dict(pool.sampling)
+    n_predict = int(fields.pop("n_predict", n_predict))
+    return replace(sp, **fields), n_predict
+
+
 def register(router: Any) -> None:
     """Add the PolyKV routes to ``router`` (an ``opencoti.http.routes.Router``)."""
     router.add("POST", "/polykv/pools", post_pools)

@@ -21,6 +21,7 @@ from itertools import chain
 from typing import Any, Callable, Iterator, Optional, Union
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, TokenEvent
+from opencoti.http.polykv_routes import request_defaults
 from opencoti.http import generate as gen
 from opencoti.http import metrics as metrics_mod
 from opencoti.http.errors import HTTPError, invalid_request, not_supported
@@ -600,7 +601,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     then the final result with ``stop: true``; the stream has no ``[DONE]``.
     """
     body = req.json()
-    parsed = parse_completion(body, state.params.sampling, state.params.n_predict,
+    parsed = parse_completion(body, *request_defaults(state, body),
                               state.n_ctx_slot, state.n_slots)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid_request('"prompt" is required')
