@@ -1048,3 +1048,17 @@ def test_logit_bias_and_unsupported_samplers(port):
         assert st == 400 and err["error"]["type"] == "invalid_request_error", bad
     st, _ = post({**base, "mirostat": 0, "samplers": ["top_k", "temperature"]})
     assert st == 200
+
+
+def test_head_on_get_routes(port):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("HEAD", "/health")
+    r = conn.getresponse()
+    assert r.status == 200 and r.read() == b"" and int(r.getheader("Content-Length")) > 0
+    conn.request("HEAD", "/completion")
+    r = conn.getresponse()
+    r.read()
+    assert r.status == 405
+    conn.close()

@@ -142,6 +142,8 @@ class Router:
         if methods is None:
             raise HTTPError(404, "not_found_error", "File Not Found")
         fn = methods.get(method.upper())
+        if fn is None and method.upper() == "HEAD":
+            fn = methods.get("GET")  # HEAD = GET without the body (the writer drops it)
         if fn is None:
             allow = ", ".join(sorted(methods))
             raise HTTPError(405, "invalid_request_error",
