@@ -101,10 +101,10 @@ class SettledAdmission:
             return Decision(True, False, "guaranteed", sessions_remaining=remaining, projected_tps=proj)
         settle_ms = self.settle_remaining_ms(now, settle_tokens_done)
         if settle_ms > 0:
-            saturated, reason = True, "settling"
+            reason = "settling"
             retry = max(1, math.ceil(settle_ms / 1000))
         elif proj < target:
-            saturated, reason = True, f"projected {proj:.1f} tok/s per session < target {target:g}"
+            reason = f"projected {proj:.1f} tok/s per session < target {target:g}"
             retry = max(1, math.ceil(cfg["settle_max_ms"] / 1000))
         else:
             return Decision(True, False, "ok", sessions_remaining=remaining, projected_tps=proj)

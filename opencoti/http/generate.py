@@ -13,7 +13,7 @@ import math
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from opencoti.engine.api import (
     CompletionRequest,
@@ -23,7 +23,7 @@ from opencoti.engine.api import (
     TokenEvent,
 )
 from opencoti.http.errors import HTTPError, exceed_context, server_error
-from opencoti.http.sse import ClientDisconnected
+from opencoti.http.sse import ClientDisconnected, sse_event
 
 # How often a waiting handler checks whether its client is still there (s).
 POLL_S = 0.25
@@ -301,3 +301,25 @@ def collect_many(tokenizer, handles: list[RequestHandle], is_disconnected: Calla
             h.cancel()
         raise
     return results
+
+
+def sse_events(handle: RequestHandle, events, render: Callable, prefix: Iterable[bytes] = ()) -> Iterator[bytes]:
+    """The event loop every streaming route shares: ``prefix`` chunks, then
+    ``render(ev)`` (an iterable of encoded SSE chunks) for each Token/Finish
+    event; an ErrorEvent becomes the stream's last event. If the client leaves
+    before the request finished (the server closes this generator), the engine
+    request is cancelled."""
+    done = False
+    try:
+        yield from prefix
+        for ev in events:
+            if isinstance(ev, ErrorEvent):
+                done = True
+                yield sse_event(error_from_event(ev).body())
+                return
+            if isinstance(ev, FinishEvent):
+                done = True
+            yield from render(ev)
+    finally:
+        if not done:
+            handle.cancel()

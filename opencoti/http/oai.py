@@ -22,9 +22,9 @@ from typing import Any, Iterator, Optional, Union
 
 import regex
 
-from opencoti.engine.api import ErrorEvent, FinishEvent, TokenEvent
-from opencoti.http.polykv_routes import request_defaults
+from opencoti.engine.api import FinishEvent, TokenEvent
 from opencoti.http import generate as gen
+from opencoti.http.polykv_routes import request_defaults
 from opencoti.http.errors import invalid_request
 from opencoti.http.routes import (
     Request,
@@ -351,50 +351,40 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
         handle.cancel()
         raise
 
-    def stream() -> Iterator[bytes]:
-        collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs,
-                                  on_finish=lambda ev: state.on_finish(handle.request, ev))
-        done = False
-        try:
-            yield sse_event(_chunk(cid, created, model, [{
-                "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}],
-                fingerprint=fp))
-            for ev in chain([first], events):
-                if isinstance(ev, TokenEvent):
-                    entry = collector.add(ev)
-                    if not ev.text and entry is None:
-                        continue
-                    choice: dict = {"finish_reason": None, "index": 0, "delta": {"content": ev.text}}
-                    if entry is not None:
-                        choice["logprobs"] = {"content": [entry]}
-                    yield sse_event(_chunk(cid, created, model, [choice], fingerprint=fp))
-                elif isinstance(ev, FinishEvent):
-                    collector.add(ev)
-                    done = True
-                    r = collector.result
-                    if ev.text:
-                        yield sse_event(_chunk(cid, created, model, [{
-                            "finish_reason": None, "index": 0, "delta": {"content": ev.text}}], fingerprint=fp))
-                    timings = gen.timings_json(ev)
-                    final = _chunk(cid, created, model, [{
-                        "finish_reason": finish_reason(ev), "index": 0, "delta": {}}], fingerprint=fp)
-                    if opts.include_usage:
-                        yield sse_event(final)
-                        yield sse_event(_chunk(cid, created, model, [], fingerprint=fp,
-                                               usage=usage_json(r), timings=timings))
-                    else:
-                        final["timings"] = timings
-                        yield sse_event(final)
-                    yield SSE_DONE
-                elif isinstance(ev, ErrorEvent):
-                    done = True
-                    yield sse_event(gen.error_from_event(ev).body())
-                    return
-        finally:
-            if not done:
-                handle.cancel()
+    collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs,
+                              on_finish=lambda ev: state.on_finish(handle.request, ev))
+    role = sse_event(_chunk(cid, created, model, [{
+        "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}], fingerprint=fp))
 
-    return StreamResponse(stream(), headers=gen.admission_headers([handle]))
+    def render(ev) -> Iterator[bytes]:
+        if isinstance(ev, TokenEvent):
+            entry = collector.add(ev)
+            if not ev.text and entry is None:
+                return
+            choice: dict = {"finish_reason": None, "index": 0, "delta": {"content": ev.text}}
+            if entry is not None:
+                choice["logprobs"] = {"content": [entry]}
+            yield sse_event(_chunk(cid, created, model, [choice], fingerprint=fp))
+            return
+        collector.add(ev)  # FinishEvent
+        r = collector.result
+        if ev.text:
+            yield sse_event(_chunk(cid, created, model, [{
+                "finish_reason": None, "index": 0, "delta": {"content": ev.text}}], fingerprint=fp))
+        timings = gen.timings_json(ev)
+        final = _chunk(cid, created, model, [{
+            "finish_reason": finish_reason(ev), "index": 0, "delta": {}}], fingerprint=fp)
+        if opts.include_usage:
+            yield sse_event(final)
+            yield sse_event(_chunk(cid, created, model, [], fingerprint=fp,
+                                   usage=usage_json(r), timings=timings))
+        else:
+            final["timings"] = timings
+            yield sse_event(final)
+        yield SSE_DONE
+
+    return StreamResponse(gen.sse_events(handle, chain([first], events), render, prefix=[role]),
+                          headers=gen.admission_headers([handle]))
 
 
 # ---------------------------------------------------------------------------
@@ -456,39 +446,26 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         handle.cancel()
         raise
 
-    def stream() -> Iterator[bytes]:
-        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
-                                  on_finish=lambda ev: state.on_finish(handle.request, ev))
-        done = False
-        try:
-            for ev in chain([first], events):
-                if isinstance(ev, TokenEvent):
-                    entry = collector.add(ev)
-                    if not ev.text and entry is None:
-                        continue
-                    yield sse_event(obj([{"text": ev.text, "index": 0,
-                                          "logprobs": {"content": [entry]} if entry is not None else None,
-                                          "finish_reason": None}]))
-                elif isinstance(ev, FinishEvent):
-                    collector.add(ev)
-                    done = True
-                    r = collector.result
-                    if ev.text:
-                        yield sse_event(obj([{"text": ev.text, "index": 0, "logprobs": None,
-                                              "finish_reason": None}]))
-                    yield sse_event(obj([{"text": "", "index": 0, "logprobs": None,
-                                          "finish_reason": finish_reason(ev)}],
-                                        usage=usage_json(r), timings=gen.timings_json(ev)))
-                    yield SSE_DONE
-                elif isinstance(ev, ErrorEvent):
-                    done = True
-                    yield sse_event(gen.error_from_event(ev).body())
-                    return
-        finally:
-            if not done:
-                handle.cancel()
+    collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
+                              on_finish=lambda ev: state.on_finish(handle.request, ev))
 
-    return StreamResponse(stream(), headers=gen.admission_headers([handle]))
+    def render(ev) -> Iterator[bytes]:
+        if isinstance(ev, TokenEvent):
+            entry = collector.add(ev)
+            if ev.text or entry is not None:
+                yield sse_event(obj([{"text": ev.text, "index": 0,
+                                      "logprobs": {"content": [entry]} if entry is not None else None,
+                                      "finish_reason": None}]))
+            return
+        collector.add(ev)  # FinishEvent
+        if ev.text:
+            yield sse_event(obj([{"text": ev.text, "index": 0, "logprobs": None, "finish_reason": None}]))
+        yield sse_event(obj([{"text": "", "index": 0, "logprobs": None, "finish_reason": finish_reason(ev)}],
+                            usage=usage_json(collector.result), timings=gen.timings_json(ev)))
+        yield SSE_DONE
+
+    return StreamResponse(gen.sse_events(handle, chain([first], events), render),
+                          headers=gen.admission_headers([handle]))
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,6 @@ The OpenAI-compatible routes live in ``opencoti.http.oai``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import time
@@ -20,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any, Callable, Iterator, Optional, Union
 
-from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, TokenEvent
-from opencoti.http.polykv_routes import request_defaults
+from opencoti.engine.api import CompletionRequest, ErrorEvent, TokenEvent
 from opencoti.http import generate as gen
+from opencoti.http.polykv_routes import request_defaults
 from opencoti.http import metrics as metrics_mod
 from opencoti.http.errors import HTTPError, invalid_request, not_supported
 from opencoti.http.metrics import kv_headroom
@@ -628,44 +627,34 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
         raise
     n_prompt = len(handle.request.prompt_tokens)
 
-    def stream() -> Iterator[bytes]:
-        collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
-                                  opts.post_sampling_probs, lambda ev: state.on_finish(handle.request, ev))
-        id_slot = getattr(handle, "id_slot", -1)
-        done = False
-        try:
-            for ev in chain([first], events):
-                if isinstance(ev, TokenEvent):
-                    entry = collector.add(ev)
-                    partial = {
-                        "index": 0,
-                        "content": ev.text,
-                        "tokens": [ev.token],
-                        "stop": False,
-                        "id_slot": getattr(handle, "id_slot", id_slot),
-                        "tokens_predicted": len(collector.result.tokens),
-                        "tokens_evaluated": n_prompt,
-                    }
-                    if entry is not None:
-                        partial["completion_probabilities"] = [entry]
-                    yield sse_event(partial)
-                elif isinstance(ev, FinishEvent):
-                    collector.add(ev)
-                    done = True
-                    if ev.text:  # text held back for a possible stop string, released at the end
-                        yield sse_event({"index": 0, "content": ev.text, "tokens": [], "stop": False,
-                                         "id_slot": ev.id_slot, "tokens_predicted": ev.n_predicted,
-                                         "tokens_evaluated": n_prompt})
-                    yield sse_event(completion_final_json(state, collector.result, parsed, True))
-                elif isinstance(ev, ErrorEvent):
-                    done = True
-                    yield sse_event(gen.error_from_event(ev).body())
-                    return
-        finally:
-            if not done:
-                handle.cancel()
+    collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
+                              opts.post_sampling_probs, lambda ev: state.on_finish(handle.request, ev))
 
-    return StreamResponse(stream(), headers=gen.admission_headers([handle]))
+    def render(ev) -> Iterator[bytes]:
+        if isinstance(ev, TokenEvent):
+            entry = collector.add(ev)
+            partial = {
+                "index": 0,
+                "content": ev.text,
+                "tokens": [ev.token],
+                "stop": False,
+                "id_slot": getattr(handle, "id_slot", -1),
+                "tokens_predicted": len(collector.result.tokens),
+                "tokens_evaluated": n_prompt,
+            }
+            if entry is not None:
+                partial["completion_probabilities"] = [entry]
+            yield sse_event(partial)
+        else:  # FinishEvent
+            collector.add(ev)
+            if ev.text:  # text held back for a possible stop string, released at the end
+                yield sse_event({"index": 0, "content": ev.text, "tokens": [], "stop": False,
+                                 "id_slot": ev.id_slot, "tokens_predicted": ev.n_predicted,
+                                 "tokens_evaluated": n_prompt})
+            yield sse_event(completion_final_json(state, collector.result, parsed, True))
+
+    return StreamResponse(gen.sse_events(handle, chain([first], events), render),
+                          headers=gen.admission_headers([handle]))
 
 
 def build_router() -> Router:
