@@ -13,11 +13,11 @@ summation order differs: ops match to ~1e-5 relative, logits to 2e-3.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 import pytest
+from gemma_refs import load_refs, logprobs
 
 cp = pytest.importorskip("cupy", reason="CUDA tests need CuPy")
 try:
@@ -274,21 +274,7 @@ def real_runner():
 
 @pytest.fixture(scope="module")
 def refs(shared_dir):
-    with open(shared_dir / "data/ref/gemma3_270m_transformers_f32.json") as f:
-        exact = json.load(f)
-    with open(shared_dir / "data/ref/gemma3_270m_llamacpp_greedy.json") as f:
-        lcpp = json.load(f)
-    return {c["name"]: c for c in exact["cases"]}, {c["name"]: c for c in lcpp["cases"]}
-
-
-def _logprobs(runner, tokens):
-    runner.kv.clear()
-    out = []
-    for _, lg in iter_logits(runner, tokens):
-        m = lg.max(axis=1, keepdims=True)
-        lse = np.log(np.exp((lg - m).astype(np.float64)).sum(axis=1, keepdims=True)) + m
-        out.append((lg - lse).astype(np.float32))
-    return np.concatenate(out)
+    return load_refs(shared_dir)
 
 
 # The CPU parity test's tolerances, unchanged (exact math 0.02 nats, llama.cpp 0.5).
@@ -300,7 +286,7 @@ def test_real_model_parity(real_runner, refs, name):
     exact, lcpp = refs[0][name], refs[1][name]
     prompt = exact["prompt_tokens"]
     steps = [s["id"] for s in exact["steps"]]
-    lp = _logprobs(real_runner, prompt + steps)
+    lp = logprobs(real_runner, prompt + steps)
     n = len(prompt)
     got = np.array([lp[j, prompt[j + 1]] for j in range(n - 1)])
     want = np.array(exact["prompt_next_logprobs"], dtype=np.float64)

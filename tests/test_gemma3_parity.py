@@ -11,12 +11,11 @@ References (../shared/data/ref, see its README):
 Covers ``long_swa`` (735) and ``long_2k`` (1,815 tokens), past the 512-token window.
 """
 
-import json
-
 import numpy as np
 import pytest
+from gemma_refs import CASES, load_refs, logprobs
 
-from opencoti.engine.runner import ModelRunner, iter_logits
+from opencoti.engine.runner import ModelRunner
 from opencoti.model.loader import load_model
 
 
@@ -28,25 +27,9 @@ def runner(model_path):
 
 @pytest.fixture(scope="module")
 def refs(shared_dir):
-    with open(shared_dir / "data/ref/gemma3_270m_transformers_f32.json") as f:
-        exact = json.load(f)
-    with open(shared_dir / "data/ref/gemma3_270m_llamacpp_greedy.json") as f:
-        lcpp = json.load(f)
-    return {c["name"]: c for c in exact["cases"]}, {c["name"]: c for c in lcpp["cases"]}
+    return load_refs(shared_dir)
 
 
-def _logprobs(runner, tokens):
-    """log-softmax rows [len(tokens), n_vocab] (float64 reduction, float32 storage)."""
-    runner.kv.clear()
-    out = []
-    for _, lg in iter_logits(runner, tokens):
-        m = lg.max(axis=1, keepdims=True)
-        lse = np.log(np.exp((lg - m).astype(np.float64)).sum(axis=1, keepdims=True)) + m
-        out.append((lg - lse).astype(np.float32))
-    return np.concatenate(out)
-
-
-CASES = ["capital", "count", "code", "unicode", "recipe", "story", "long_swa", "long_2k"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -55,7 +38,7 @@ def test_parity(runner, refs, name):
     prompt = exact["prompt_tokens"]
     assert prompt == lcpp["prompt_tokens"]
     steps = [s["id"] for s in exact["steps"]]
-    lp = _logprobs(runner, prompt + steps)
+    lp = logprobs(runner, prompt + steps)
     n = len(prompt)
 
     # prompt positions vs exact math
@@ -85,9 +68,9 @@ def test_ubatch_size_invariance(runner, refs):
     across the sliding window boundary."""
     case = refs[0]["long_swa"]
     toks = case["prompt_tokens"][:700]
-    a = _logprobs(runner, toks)
+    a = logprobs(runner, toks)
     small = ModelRunner(runner.model, n_ctx=2048, n_ubatch=64)
-    b = _logprobs(small, toks)
+    b = logprobs(small, toks)
     rows = [0, 100, 511, 512, 513, 699]
     # f32 GEMMs of different shapes round differently: ~1e-2 nats deep in the tail, far less at the top
     np.testing.assert_allclose(a[rows], b[rows], atol=2e-2)
