@@ -111,9 +111,9 @@ def test_dequantize_matches_gguf(gpu, qname):
 
 
 @pytest.mark.parametrize("qname", QNAMES)
-@pytest.mark.parametrize("n", [1, 3, 8, 13])
+@pytest.mark.parametrize("n", [1, 3, 8, 13, 40, 64, 65])
 def test_mul_mat_matches_reference(gpu, qname, n):
-    """GEMV (n <= 8) and dequantize + cuBLAS (n > 8) against float64 on the dequantized weight."""
+    """Tiled GEMV (n <= 64) and dequantize + cuBLAS (n > 64) against float64 on the dequantized weight."""
     rng = np.random.default_rng(2 + n)
     rows, cols = 300, 768
     raw = random_blocks(qname, rows, cols, rng)
@@ -193,7 +193,8 @@ def _cache_with_two_seqs(n_kv, d, n_ctx, rng, xp_zeros):
     return c, plan, ub_pos
 
 
-@pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (128, 8, 2), (64, 6, 6), (32, 3, 1)])
+@pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (128, 8, 2), (64, 6, 6), (32, 3, 1),
+                                           (512, 8, 2), (512, 16, 2), (128, 28, 4), (64, 16, 1)])
 @pytest.mark.parametrize("n_swa,softcap", [(0, 0.0), (37, 0.0), (0, 50.0)])
 @pytest.mark.parametrize("n_ctx", [64, 1500])
 def test_attention_cells(gpu, cpu, d, n_head, n_kv, n_swa, softcap, n_ctx):
@@ -326,7 +327,7 @@ def test_real_model_greedy_decode_matches_reference(real_runner, refs):
 
 def test_graph_decode_matches_eager(tmp_path, gpu):
     """Decode steps replayed as CUDA graphs give the eager path's logits, across a
-    cell-bucket change (256 -> 512 cells) and for 1- and 3-sequence ubatches."""
+    cell-bucket change (256 -> 512 cells), for 1- and 3-sequence ubatches and 20-row ones."""
     pytest.importorskip("transformers")
     from opencoti.engine.batch import UBatch
     from opencoti.model.loader import load_model
@@ -347,6 +348,9 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
                 res.append(r.decode(UBatch.build([7 + i], [250 + i], [0], [0])))
             for i in range(3):
                 res.append(r.decode(UBatch.build([5, 6, 7], [262 + i, i, i], [0, 1, 2], [0, 1, 2])))
+            for i in range(2):  # 20 rows: tiled GEMV inside a graph
+                res.append(r.decode(UBatch.build(list(range(9, 29)), np.arange(265 + 20 * i, 285 + 20 * i),
+                                                 [0] * 20, np.arange(20))))
             outs[graphs] = np.concatenate(res)
         finally:
             gpu.graphs = saved

@@ -7,7 +7,8 @@
 // q_pos - cell_pos < n_swa (llama.cpp's standard SWA). GQA: query head
 // h reads kv head h / G.
 //
-// attn_partial: grid (T, n_kv, n_split), 4 warps. Split s of a view covers an
+// attn_partial: grid (T, n_kv * ceil(G / MAXG), n_split), 4 warps; a block serves up
+// to MAXG query heads of one kv head (any G: larger groups take several blocks). Split s of a view covers an
 // equal slice of its cells; each warp walks cells strided by 4 with an online
 // softmax (Milakov & Gimelshein 2018) for the G query heads of the kv head, the
 // lane holding D/32 dims. Warps merge in shared memory; with n_split == 1 the
@@ -31,8 +32,11 @@ __device__ __forceinline__ void attn_partial_impl(
     const u16* __restrict__ K, const u16* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int E = D / 32;  // dims per lane
-    const int r = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z;
+    const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
+    const int n_hg = (G + MAXG - 1) / MAXG;  // blocks per kv head when G > MAXG
+    const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * MAXG;
+    const int Gb = min(MAXG, G - g0);        // query heads of this block: kh * G + g0 + [0, Gb)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qp = q_pos[r];
     const int vw = row_view[r];
@@ -47,7 +51,7 @@ __device__ __forceinline__ void attn_partial_impl(
 #pragma unroll
         for (int e = 0; e < E; e++) {
             acc[g][e] = 0.f;
-            qv[g][e] = g < G ? q[((long long)r * n_head + kh * G + g) * D + lane * E + e] * scale : 0.f;
+            qv[g][e] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + lane * E + e] * scale : 0.f;
         }
     }
     for (int i = c0 + warp; i < c1; i += NWARP) {
@@ -59,7 +63,7 @@ __device__ __forceinline__ void attn_partial_impl(
         for (int e = 0; e < E; e++) { kf[e] = h2f(K[base + e]); vf[e] = h2f(V[base + e]); }
 #pragma unroll
         for (int g = 0; g < MAXG; g++) {
-            if (g < G) {
+            if (g < Gb) {
                 float s = 0.f;
 #pragma unroll
                 for (int e = 0; e < E; e++) s += qv[g][e] * kf[e];
@@ -80,14 +84,14 @@ __device__ __forceinline__ void attn_partial_impl(
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
 #pragma unroll
     for (int g = 0; g < MAXG; g++) {
-        if (g < G) {
+        if (g < Gb) {
 #pragma unroll
             for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
             if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
         int g = idx / D, d = idx % D;
         float M = NEG_INF;
         for (int w = 0; w < NWARP; w++) M = fmaxf(M, s_m[w][g]);
@@ -100,7 +104,7 @@ __device__ __forceinline__ void attn_partial_impl(
                 A += s_acc[w][g][d] * f;
             }
         }
-        int h = kh * G + g;
+        int h = kh * G + g0 + g;
         if (n_split == 1) {
             out[((long long)r * n_head + h) * D + d] = L > 0.f ? A / L : 0.f;
         } else {
@@ -122,6 +126,7 @@ DEF_ATTN(32, 1) DEF_ATTN(32, 2) DEF_ATTN(32, 4) DEF_ATTN(32, 8)
 DEF_ATTN(64, 1) DEF_ATTN(64, 2) DEF_ATTN(64, 4) DEF_ATTN(64, 8)
 DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
 DEF_ATTN(256, 1) DEF_ATTN(256, 2) DEF_ATTN(256, 4) DEF_ATTN(256, 8)
+DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
 
 // out[r, h, :] = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}; grid (T, n_head), D threads.
 extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,

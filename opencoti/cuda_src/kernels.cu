@@ -15,14 +15,20 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------
-// y[t, r] = sum_k W[r, k] * x[t, k] for t < nt (nt <= NT): one warp per output row,
+// y[t, r] = sum_k W[r, k] * x[t, k] for the nt token rows: one warp per output row,
 // lanes stride over 32-element chunks, dequantizing in registers (ggml mul_mat_vec).
+// grid = (ceil(nt / NT), ceil(nrows / warps per block)): blockIdx.x picks a tile of NT
+// token rows and is the fastest grid index, so the tiles that read the same weight
+// rows run back to back and the weight comes from L2 after the first tile.
 template <class Q, int NT>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                                           float* __restrict__ y, int nrows, int ncols, int nt) {
-    int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
+    int row = (int)((blockIdx.y * (long long)blockDim.x + threadIdx.x) >> 5);
     int lane = threadIdx.x & 31;
     if (row >= nrows) return;
+    x += (long long)blockIdx.x * NT * ncols;
+    y += (long long)blockIdx.x * NT * nrows;
+    nt = min(NT, nt - (int)blockIdx.x * NT);
     const u8* wr = W + (long long)row * row_bytes;
     float acc[NT];
 #pragma unroll

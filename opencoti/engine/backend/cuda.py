@@ -6,7 +6,7 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 
 - ``mul_mat`` with up to ``GEMV_MAX_TOKENS`` activation rows: a GEMV that
   dequantizes the weight's blocks in registers (one warp per output row, as
-  ggml-cuda ``mul_mat_vec``); more rows (prefill): the weight is dequantized to
+  ggml-cuda ``mul_mat_vec``), over tiles of ``GEMV_TILE`` rows; more rows (prefill): the weight is dequantized to
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
 - ``attention_cells``: split-K online-softmax attention that reads f16 K/V
   through the cache plan's per-sequence cell lists (``attention.cu``).
@@ -31,9 +31,10 @@ import numpy as np
 from opencoti.engine.backend.cuda_kernels import load_module
 from opencoti.model.gguf_file import GGUFFile
 
-GEMV_MAX_TOKENS = 8
-ATTN_HEAD_DIMS = (32, 64, 128, 256)
-ATTN_GROUPS = (1, 2, 4, 8)
+GEMV_MAX_TOKENS = 64  # rows up to this: tiled GEMV (weights read once per 8 rows, from L2 after the first)
+GEMV_TILE = 8
+ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
+ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
@@ -106,7 +107,16 @@ class CUDABackend:
         through ``run_graph`` the device array itself (the graph's output) is returned."""
         if self._staged:
             return x
-        return self.cp.asnumpy(x)
+        return self._pinned_host(self.cp.ascontiguousarray(x))
+
+    def _pinned_host(self, x) -> np.ndarray:
+        """Device -> host copy into page-locked memory from CuPy's pinned pool (a DMA at
+        full link speed, no staging copy); the returned array owns that memory."""
+        import cupyx
+
+        out = cupyx.empty_pinned(x.shape, dtype=x.dtype)
+        x.get(out=out)
+        return out
 
     def begin_ubatch(self, ub) -> None:
         """Upload the ubatch's token ids, positions and output rows (one copy)."""
@@ -171,7 +181,7 @@ class CUDABackend:
             return cp.matmul(x, self.dequantize(w).T)
         y = cp.empty((n, rows), dtype=cp.float32)
         fn = self._qfn("gemv1" if n == 1 else "gemv8", w)
-        fn(((rows * 32 + 255) // 256,), (256,),
+        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (rows * 32 + 255) // 256), (256,),
            (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n)))
         return y
 
@@ -364,7 +374,7 @@ class CUDABackend:
                 self._capturing = False
                 g = graphs[key] = {"buf": buf, "graph": graph, "out": out, "pool": pool, "stream": stream}
             g["graph"].launch(stream=cp.cuda.get_current_stream())
-            return cp.asnumpy(g["out"])
+            return self._pinned_host(g["out"])
         finally:
             self._staged = False
             self._capturing = False
@@ -396,13 +406,15 @@ class CUDABackend:
         if dv != D or k_store.shape[3] != D:
             raise NotImplementedError("CUDA attention needs d_k == d_v")
         G = H // n_kv
-        g = next((x for x in ATTN_GROUPS if x >= G), None)
-        if D not in ATTN_HEAD_DIMS or g is None:
-            raise NotImplementedError(f"CUDA attention: head_dim {D} / GQA group {G} not supported "
-                                      f"(head_dim {ATTN_HEAD_DIMS}, group <= {ATTN_GROUPS[-1]})")
+        if D not in ATTN_HEAD_DIMS or H % n_kv:
+            raise NotImplementedError(f"CUDA attention: head_dim {D} with {H} heads / {n_kv} kv heads not "
+                                      f"supported (head_dim {ATTN_HEAD_DIMS}, n_head a multiple of n_head_kv)")
+        groups = [x for x in ATTN_GROUPS if D < 512 or x <= 4]
+        g = next((x for x in groups if x >= G), groups[-1])
+        n_hg = (G + g - 1) // g
         meta = self._plan_meta(plan, k_store.shape[1])
         out = cp.empty((T, H * D), dtype=cp.float32)
-        base = T * n_kv
+        base = T * n_kv * n_hg
         n_split = 1
         if base < 2 * self.n_sm:
             n_split = int(max(1, min(meta["max_len"] // 128, (2 * self.n_sm + base - 1) // base, 64)))
@@ -412,7 +424,7 @@ class CUDABackend:
         else:
             part_acc = part_ml = out
         self._fn("a", f"attn_partial_d{D}_g{g}")(
-            (T, n_kv, n_split), (128,),
+            (T, n_kv * n_hg, n_split), (128,),
             (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
              k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
              np.float32(softcap), np.int32(n_split), out, part_acc, part_ml))
