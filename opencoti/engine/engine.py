@@ -545,7 +545,7 @@ class Engine:
         return out
 
     def pool_cells(self, pool: Pool) -> int:
-        return int(np.count_nonzero(self.runner.kv.base.seq[self.runner.kv.base.stream_of(pool.seq_id), :, pool.seq_id]))
+        return len(self.runner.kv.base.cells_of(pool.seq_id))
 
     def pool_gauges(self) -> dict:
         """PolyKV gauges (engine thread): pools, pinned pools' prefix tokens, sessions attached."""

@@ -4,10 +4,11 @@ Modelled on llama.cpp's cell cache (``src/llama-kv-cells.h``,
 ``src/llama-kv-cache.cpp``, ``src/llama-kv-cache-iswa.cpp``):
 
 - A *stream* holds ``n_cells`` cells. Cell ``i`` has a position ``pos[i]``
-  (-1 = empty) and a membership set ``seq[i, :]`` (bool per seq_id). A cell is
-  empty exactly when no sequence is a member.
+  (-1 = empty) and a membership set ``seq[:, i]`` (bool per seq_id; stored
+  seq-major, ``seq[stream, seq_id, cell]``, so one sequence's cells are one
+  contiguous row). A cell is empty exactly when no sequence is a member.
 - A query token of sequence ``s`` at position ``p`` attends every cell of its
-  stream with ``seq[c, s]`` and ``pos[c] <= p`` (and ``p - pos[c] < n_swa`` on
+  stream with ``seq[s, c]`` and ``pos[c] <= p`` (and ``p - pos[c] < n_swa`` on
   a sliding-window layer).
 - Sharing is membership: ``seq_cp(src, dst)`` adds ``dst`` to ``src``'s cells;
   nothing is copied. ``seq_rm`` / ``seq_keep`` / ``seq_add`` as in llama.cpp.
@@ -124,7 +125,7 @@ class KVCache:
         self.n_swa = n_swa
         self.type_k, self.type_v = type_k, type_v
         self.pos = np.full((n_stream, n_cells), -1, dtype=np.int32)
-        self.seq = np.zeros((n_stream, n_cells, n_seq_max), dtype=bool)
+        self.seq = np.zeros((n_stream, n_seq_max, n_cells), dtype=bool)  # [stream, seq_id, cell]
         self.k = {il: zeros((n_stream, n_cells, n_head_kv, d_k), KV_TYPES[type_k]) for il in layers}
         self.v = {il: zeros((n_stream, n_cells, n_head_kv, d_v), KV_TYPES[type_v]) for il in layers}
 
@@ -148,12 +149,19 @@ class KVCache:
         p0 = 0 if p0 < 0 else p0
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
         pos = self.pos[st]
-        m = self.seq[st, :, seq_id] & (pos >= p0) & (pos < p1)
+        m = self.seq[st, seq_id] & (pos >= p0) & (pos < p1)
         return st, m
 
-    def _gc(self, st: int) -> None:
-        empty = ~self.seq[st].any(axis=1)
-        self.pos[st, empty] = -1
+    def _gc(self, st: int, cells: np.ndarray | None = None) -> None:
+        """Mark cells without members empty (all cells, or only ``cells``)."""
+        if cells is None:
+            self.pos[st, ~self.seq[st].any(axis=0)] = -1
+        elif len(cells):
+            self.pos[st, cells[~self.seq[st][:, cells].any(axis=0)]] = -1
+
+    def cells_of(self, seq_id: int) -> np.ndarray:
+        """Cell indices (in ``seq_id``'s stream) that ``seq_id`` is a member of."""
+        return np.nonzero(self.seq[self.stream_of(seq_id), seq_id])[0]
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id`` from its cells with position in ``[p0, p1)`` (-1 = open end).
@@ -165,8 +173,9 @@ class KVCache:
                 self.seq_rm(s, p0, p1)
             return
         st, m = self._range(seq_id, p0, p1)
-        self.seq[st, m, seq_id] = False
-        self._gc(st)
+        cells = np.nonzero(m)[0]
+        self.seq[st, seq_id, cells] = False
+        self._gc(st, cells)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` a member of ``src``'s cells in ``[p0, p1)``.
@@ -178,7 +187,7 @@ class KVCache:
         st_s, m = self._range(src, p0, p1)
         st_d = self.stream_of(dst)
         if st_s == st_d:
-            self.seq[st_s, m, dst] = True
+            self.seq[st_s, dst, m] = True
             return
         src_cells = np.nonzero(m)[0]
         free = np.nonzero(self.pos[st_d] < 0)[0]
@@ -186,7 +195,7 @@ class KVCache:
             raise KVCacheFullError(f"seq_cp: stream {st_d} has {len(free)} free cells, need {len(src_cells)}")
         dst_cells = free[: len(src_cells)]
         self.pos[st_d, dst_cells] = self.pos[st_s, src_cells]
-        self.seq[st_d, dst_cells, dst] = True
+        self.seq[st_d, dst, dst_cells] = True
         for il in self.layers:
             self.k[il][st_d, dst_cells] = self.k[il][st_s, src_cells]
             self.v[il][st_d, dst_cells] = self.v[il][st_s, src_cells]
@@ -207,13 +216,13 @@ class KVCache:
         shared cell would move it for every member); a shared cell raises ``ValueError``.
         """
         st, m = self._range(seq_id, p0, p1)
-        if np.any(self.seq[st, m].sum(axis=1) > 1):
+        if np.any(self.seq[st][:, m].sum(axis=0) > 1):
             raise ValueError("seq_add on cells shared with another sequence")
         shift = np.zeros(self.n_cells, dtype=np.int32)
         shift[m] = delta
         self.pos[st, m] += delta
         gone = m & (self.pos[st] < 0)
-        self.seq[st, gone, :] = False
+        self.seq[st, :, gone] = False
         self.pos[st, gone] = -1
         shift[gone] = 0
         return shift
@@ -221,13 +230,13 @@ class KVCache:
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id``'s cells, -1 if it has none."""
         st = self.stream_of(seq_id)
-        p = self.pos[st][self.seq[st, :, seq_id]]
+        p = self.pos[st][self.seq[st, seq_id]]
         return int(p.min()) if p.size else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of ``seq_id``'s cells, -1 if it has none."""
         st = self.stream_of(seq_id)
-        p = self.pos[st][self.seq[st, :, seq_id]]
+        p = self.pos[st][self.seq[st, seq_id]]
         return int(p.max()) if p.size else -1
 
     def clear(self) -> None:
@@ -242,16 +251,22 @@ class KVCache:
         a cell at position q with ``p_min - q >= n_swa`` can never be seen again
         by s (positions only grow), so s leaves it. No-op for global caches.
         """
-        if self.n_swa <= 0:
+        if self.n_swa <= 0 or len(seq_ids) == 0:
             return
-        for s in np.unique(seq_ids):
-            p_end = int(pos[seq_ids == s].min()) - self.n_swa + 1  # prune positions < p_end
-            if p_end <= 0:
-                continue
-            st, m = self._range(int(s), 0, p_end)
-            if m.any():
-                self.seq[st, m, int(s)] = False
-                self._gc(st)
+        seqs, inv = np.unique(np.asarray(seq_ids, dtype=np.int64), return_inverse=True)
+        p_min = np.full(len(seqs), np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(p_min, inv, np.asarray(pos, dtype=np.int64))
+        p_end = p_min - self.n_swa + 1  # prune positions < p_end
+        keep = p_end > 0
+        seqs, p_end = seqs[keep], p_end[keep]
+        for st in np.unique([self.stream_of(int(s)) for s in seqs]) if len(seqs) else []:
+            on = np.array([self.stream_of(int(s)) == st for s in seqs])
+            ss = seqs[on]
+            old = self.seq[st][ss] & (self.pos[st][None, :] < p_end[on][:, None])  # [n_s, n_cells]
+            r, cells = np.nonzero(old)
+            if len(cells):
+                self.seq[st, ss[r], cells] = False
+                self._gc(st, np.unique(cells))
 
     def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> CachePlan:
         """Choose free cells for each token of a ubatch; changes nothing.
@@ -278,14 +293,22 @@ class KVCache:
         ``plan.views`` (per-sequence cell lists for attention) and, when
         ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
-        self.seq[plan.stream, plan.cell, :] = False
-        self.seq[plan.stream, plan.cell, seq_ids] = True
+        self.seq[plan.stream, :, plan.cell] = False
+        self.seq[plan.stream, seq_ids, plan.cell] = True
         plan.views = []
-        for s in np.unique(seq_ids):
-            s = int(s)
-            st = self.stream_of(s)
-            cells = np.nonzero(self.seq[st, :, s])[0]
-            plan.views.append(SeqView(np.nonzero(seq_ids == s)[0], st, cells, self.pos[st, cells], s))
+        seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        seqs, inv = np.unique(seq_ids, return_inverse=True)
+        rows_of = np.split(np.argsort(inv, kind="stable"), np.cumsum(np.bincount(inv, minlength=len(seqs)))[:-1])
+        streams = np.array([self.stream_of(int(s)) for s in seqs], dtype=np.int64)
+        for st in np.unique(streams):
+            idx = np.nonzero(streams == st)[0]
+            r, cells = np.nonzero(self.seq[st][seqs[idx]])  # one pass over this stream's rows
+            cpos = self.pos[st, cells]
+            bounds = np.searchsorted(r, np.arange(len(idx) + 1))
+            for j, i in enumerate(idx):
+                a, b = bounds[j], bounds[j + 1]
+                plan.views.append(SeqView(rows_of[i], int(st), cells[a:b], cpos[a:b], int(seqs[i])))
+        plan.views.sort(key=lambda v: v.seq_id)
         plan.groups = self._shared_groups(plan.views, share_src or {})
 
     def _shared_groups(self, views: list[SeqView], share_src: dict) -> list[SharedGroup]:
@@ -306,9 +329,9 @@ class KVCache:
         for (st, src), members in by_src.items():
             if len(members) < 2:
                 continue
-            common = self.seq[st, :, src].copy()
+            common = self.seq[st, src].copy()
             for i in members:
-                common &= self.seq[st, :, views[i].seq_id]
+                common &= self.seq[st, views[i].seq_id]
             shared = np.nonzero(common)[0]
             if len(shared) == 0:
                 continue
