@@ -134,7 +134,7 @@ struct UQ6_K { static constexpr int R = 2;
             u32 c = (ql >> (8 * k)) & 255, h = (qh >> (8 * k)) & 255;
             v[0][k] = da * (float)((int)((c & 15) | (((h >> sa) & 3) << 4)) - 32);
             v[1][k] = db * (float)((int)((c >> 4) | (((h >> sb) & 3) << 4)) - 32); }
-        p[0] = 128 * n + 32 * hi + l0; p[1] = p[0] + 64; } };
+        p[0] = 256 * b + 128 * n + 32 * hi + l0; p[1] = p[0] + 64; } };
 // Q2_K / Q3_K: 16 units per block, 4 runs each; unit w: half n = w / 8, lb = 4 (w % 8):
 // quant bytes q[32n + lb..], shift 2j gives elements 128n + 32j + lb.. (j = 0..3),
 // sub-block scale index 8n + 2j + (lb >= 16).
@@ -149,7 +149,7 @@ struct UQ2_K { static constexpr int R = 4;
             float dl = d * (s & 15), ml = dm * (s >> 4);
 #pragma unroll
             for (int k = 0; k < 4; k++) v[j][k] = dl * ((q >> (8 * k + 2 * j)) & 3) - ml;
-            p[j] = 128 * n + 32 * j + lb; } } };
+            p[j] = 256 * b + 128 * n + 32 * j + lb; } } };
 struct UQ3_K { static constexpr int R = 4;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
         int b = u >> 4, w = u & 15, n = w >> 3, lb = 4 * (w & 7); const u8* blk = row + 110 * b;
@@ -162,7 +162,7 @@ struct UQ3_K { static constexpr int R = 4;
 #pragma unroll
             for (int k = 0; k < 4; k++)
                 v[j][k] = dl * (float)((int)((q >> (8 * k + 2 * j)) & 3) - (((hm >> (8 * k + bit)) & 1) ? 0 : 4));
-            p[j] = 128 * n + 32 * j + lb; } } };
+            p[j] = 256 * b + 128 * n + 32 * j + lb; } } };
 
 #define FOR_EACH_UTYPE(X) X(0, UF32) X(1, UF16) X(30, UBF16) X(2, UQ4_0) X(3, UQ4_1) X(6, UQ5_0) X(7, UQ5_1) \
     X(8, UQ8_0) X(10, UQ2_K) X(11, UQ3_K) X(12, UQ4_K) X(13, UQ5_K) X(14, UQ6_K)
