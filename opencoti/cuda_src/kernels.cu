@@ -16,28 +16,30 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------
-// y[t, r] = sum_k W[r, k] * x[t, k] for the nt token rows: one warp per output row; the
-// lanes walk the row's units (gemv_units.cuh) so that a warp's loads are coalesced, and
-// dequantize in registers (ggml-cuda mul_mat_vec_q's layout, f32 activations).
-// grid = (ceil(nt / NT), ceil(nrows / warps per block)): blockIdx.x picks a tile of NT
+// y[t, r] = sum_k W[r, k] * x[t, k] for the nt token rows: wpr warps per output row (1, 2,
+// 4 or 8: long rows get several, summed through shared memory); the lanes walk the row's
+// units (gemv_units.cuh) so that a warp's loads are coalesced, and dequantize in registers
+// (ggml-cuda mul_mat_vec_q's layout, f32 activations).
+// grid = (ceil(nt / NT), ceil(nrows / rows per block)): blockIdx.x picks a tile of NT
 // token rows and is the fastest grid index, so the tiles that read the same weight
 // rows run back to back and the weight comes from L2 after the first tile.
 template <class U, int NT>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ x,
-                                          float* __restrict__ y, int nrows, int ncols, int nt) {
+                                          float* __restrict__ y, int nrows, int ncols, int nt, int wpr) {
     constexpr int R = U::R;
-    int row = (int)((blockIdx.y * (long long)blockDim.x + threadIdx.x) >> 5);
-    int lane = threadIdx.x & 31;
-    if (row >= nrows) return;
+    __shared__ float red[8][NT];  // wpr > 1: per-warp partial sums (blockDim <= 256)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.y * ((blockDim.x >> 5) / wpr) + warp / wpr, sub = warp % wpr;
+    const bool active = row < nrows;
     x += (long long)blockIdx.x * NT * ncols;
     y += (long long)blockIdx.x * NT * nrows;
     nt = min(NT, nt - (int)blockIdx.x * NT);
-    const u8* wr = W + (long long)row * row_bytes;
+    const u8* wr = W + (long long)(active ? row : 0) * row_bytes;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    const int nunits = ncols / (4 * R);
-    for (int u = lane; u < nunits; u += WARP) {
+    const int nunits = active ? ncols / (4 * R) : 0;
+    for (int u = sub * WARP + lane; u < nunits; u += WARP * wpr) {
         float v[R][4];
         int p[R];
         U::unit(wr, u, v, p);
@@ -56,11 +58,26 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long ro
         }
     }
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        if (t < nt) {
-            float s = warp_sum(acc[t]);
-            if (lane == 0) y[(long long)t * nrows + row] = s;
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+    if (wpr > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
         }
+        __syncthreads();
+        if (sub == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float s = 0.f;
+                for (int w = 0; w < wpr; w++) s += red[warp + w][t];
+                acc[t] = s;
+            }
+        }
+    }
+    if (active && sub == 0 && lane == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < nt) y[(long long)t * nrows + row] = acc[t];
     }
 }
 
@@ -138,10 +155,10 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ W, long lon
 }
 
 #define DEF_UKERNELS(ID, U)                                                                                   \
-    extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt) { \
-        gemv_impl<U, 1>(W, rb, x, y, nr, nc, nt); }                                                           \
-    extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt) { \
-        gemv_impl<U, 8>(W, rb, x, y, nr, nc, nt); }                                                           \
+    extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
+                                          int wpr) { gemv_impl<U, 1>(W, rb, x, y, nr, nc, nt, wpr); }         \
+    extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
+                                          int wpr) { gemv_impl<U, 8>(W, rb, x, y, nr, nc, nt, wpr); }         \
     extern "C" __global__ void gemv_gated_##ID(const u8* Wg, const u8* Wu, long long rb, const float* x, float* y, \
                                                int nr, int nc, int act) {                                     \
         gemv_gated_impl<U>(Wg, Wu, rb, x, y, nr, nc, act); }

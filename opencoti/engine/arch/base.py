@@ -130,17 +130,13 @@ class DecoderModel:
         x = B.get_rows(self.tok_embd, ub.tokens)
         if self.scale_embeddings:
             x = x * np.float32(np.sqrt(hp.n_embd))
+        h = B.rms_norm(x, self.layers[0].attn_norm, eps)
         for il, L in enumerate(self.layers):
-            h = B.rms_norm(x, L.attn_norm, eps)
             h = self.attention(il, L, h, ub, kv)
-            if L.post_attention_norm is not None:
-                h = B.rms_norm(h, L.post_attention_norm, eps)
-            x = x + h
-            h = B.rms_norm(x, L.ffn_norm, eps)
+            x, h = B.add_rms_norm(x, h, L.post_attention_norm, L.ffn_norm, eps)
             h = self.ffn(L, h)
-            if L.post_ffw_norm is not None:
-                h = B.rms_norm(h, L.post_ffw_norm, eps)
-            x = x + h
+            nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else None
+            x, h = B.add_rms_norm(x, h, L.post_ffw_norm, nxt, eps)
         if len(ub.out_rows) == 0:  # a prefill chunk that is not a prompt's end: no logits wanted
             return np.zeros((0, hp.n_vocab), dtype=np.float32)
         x = B.get_rows(x, ub.out_rows)
@@ -183,13 +179,10 @@ class DecoderModel:
         q = q.reshape(T, hp.n_head, hp.n_embd_head_k)
         k = k.reshape(T, hp.n_head_kv, hp.n_embd_head_k)
         v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)
-        if L.q_norm is not None:
-            q = B.rms_norm(q, L.q_norm, hp.f_norm_rms_eps)
-        if L.k_norm is not None:
-            k = B.rms_norm(k, L.k_norm, hp.f_norm_rms_eps)
-        base, scale = self.rope_params(il)
-        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
-        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+        base, scale = self.rope_params(il)  # q/k norms (if any) are fused into rope
+        eps = hp.f_norm_rms_eps
+        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.q_norm, eps=eps)
+        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.k_norm, eps=eps)
 
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]

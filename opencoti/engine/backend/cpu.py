@@ -59,6 +59,15 @@ class CPUBackend:
         y = x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)
         return y * w if w is not None else y
 
+    @classmethod
+    def add_rms_norm(cls, x: np.ndarray, h: np.ndarray, w_post: np.ndarray | None, w_next: np.ndarray | None,
+                     eps: float) -> tuple[np.ndarray, np.ndarray | None]:
+        """Residual step of a block: ``x_out = x + rms_norm(h, w_post)`` (``x + h``
+        without a post-norm), then ``h_out = rms_norm(x_out, w_next)`` (None without
+        ``w_next``). x, h: float32 ``[n_tokens, n_embd]``. Returns ``(x_out, h_out)``."""
+        x = x + (cls.rms_norm(h, w_post, eps) if w_post is not None else h)
+        return x, (cls.rms_norm(x, w_next, eps) if w_next is not None else None)
+
     @staticmethod
     def gelu_tanh(x: np.ndarray) -> np.ndarray:
         """GELU, tanh approximation (Hendrycks & Gimpel 2016; ggml_gelu)."""
@@ -85,15 +94,20 @@ class CPUBackend:
         freq_scale: float = 1.0,
         mode: str = "norm",
         freq_factors: np.ndarray | None = None,
+        norm: np.ndarray | None = None,
+        eps: float = 0.0,
     ) -> np.ndarray:
         """Rotary position embedding (Su et al. 2021), as ggml_rope_ext without YaRN.
 
         x: ``[n_tokens, n_heads, head_dim]`` float32; pos: int ``[n_tokens]``.
         Rotates the first ``n_rot`` dims: ``mode="norm"`` pairs (2i, 2i+1),
         ``mode="neox"`` pairs (i, i + n_rot/2). Angle for pair i:
-        ``pos * freq_scale * base**(-2i/n_rot) / freq_factors[i]``.
-        Returns a new array.
+        ``pos * freq_scale * base**(-2i/n_rot) / freq_factors[i]``. With ``norm``
+        (``[head_dim]``), each head vector is first RMS-normalized and scaled by it
+        (q/k norms, as ``rms_norm(x, norm, eps)``). Returns a new array.
         """
+        if norm is not None:
+            x = CPUBackend.rms_norm(x, norm, eps)
         half = n_rot // 2
         inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
         if freq_factors is not None:

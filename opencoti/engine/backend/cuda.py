@@ -40,6 +40,16 @@ QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q
 _NULL = np.uint64(0)
 
 
+def _warps_per_row(rows: int, cols: int) -> int:
+    """Warps per output row of the GEMV: more for long rows of few-row weights (a 7B
+    model's ffn_down: 3,584 rows of 18,944), so that enough loads are in flight to
+    stream the weight at memory bandwidth; each warp keeps >= 4 units per lane."""
+    wpr = 1
+    while wpr < 8 and rows * wpr < 16384 and cols // 8 // (64 * wpr) >= 4:
+        wpr *= 2
+    return wpr
+
+
 class QTensor:
     """A 2-D GGUF weight on the GPU in its block format.
 
@@ -181,8 +191,9 @@ class CUDABackend:
             return cp.matmul(x, self.dequantize(w).T)
         y = cp.empty((n, rows), dtype=cp.float32)
         fn = self._qfn("gemv1" if n == 1 else "gemv8", w)
-        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (rows * 32 + 255) // 256), (256,),
-           (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n)))
+        wpr = _warps_per_row(rows, cols)
+        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (rows * wpr + 7) // 8), (256,),
+           (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
         return y
 
     def gated_ffn(self, x, gate, up, act: str):
@@ -233,6 +244,22 @@ class CUDABackend:
                                   (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)))
         return y
 
+    def add_rms_norm(self, x, h, w_post, w_next, eps: float):
+        """``x + rms_norm(h, w_post)`` and ``rms_norm(that, w_next)`` in one kernel (see
+        ``CPUBackend.add_rms_norm``). Returns ``(x_out, h_out or None)``."""
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        h = cp.ascontiguousarray(h, dtype=cp.float32)
+        n = x.shape[-1]
+        rows = x.size // n
+        xo = cp.empty_like(x)
+        ho = cp.empty_like(x) if w_next is not None else None
+        self._fn("k", "post_norm_add_norm")((rows,), (min(256, (n + 31) // 32 * 32),),
+                                            (x, h, w_post if w_post is not None else _NULL,
+                                             w_next if w_next is not None else _NULL, xo,
+                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps)))
+        return xo, ho
+
     def _unary(self, name: str, x):
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -249,8 +276,9 @@ class CUDABackend:
         return self._unary("silu", x)
 
     def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
-             freq_factors=None):
-        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``); returns a new array."""
+             freq_factors=None, norm=None, eps: float = 0.0):
+        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``), with the optional per-head
+        RMSNorm fused into the same kernel; returns a new array."""
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         T, H, D = x.shape
@@ -258,7 +286,8 @@ class CUDABackend:
         self._fn("k", "rope")((T * H,), (min(256, (D + 31) // 32 * 32),),
                               (x, self._idx(pos), y, np.int32(H), np.int32(D), np.int32(n_rot),
                                np.float32(base), np.float32(freq_scale), np.int32(2 if mode == "neox" else 0),
-                               freq_factors if freq_factors is not None else _NULL, _NULL, np.float32(0)),
+                               freq_factors if freq_factors is not None else _NULL,
+                               norm if norm is not None else _NULL, np.float32(eps)),
                               shared_mem=4 * D)
         return y
 
