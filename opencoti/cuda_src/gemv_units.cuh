@@ -94,16 +94,32 @@ struct UQ8_0 { static constexpr int R = 2;  // unit l: qs bytes 8l..8l+7
 // 256-element K-quant super-blocks.
 // Q4_K / Q5_K: 32 units per block; unit w = 8j + i holds qs word w: low nibbles are
 // elements 64j + 4i.., high nibbles 64j + 32 + 4i.. (sub-blocks 2j and 2j+1).
-struct UQ4_K { static constexpr int R = 2;
+// Q4_K: 8 units per block, 32 values each (16 quant bytes in one 16-byte load; d/dmin in
+// one word; the 12 scale bytes in three words): unit w = 2j + h covers qs bytes
+// 32j + 16h.. : low nibbles are elements 64j + 16h.., high nibbles 64j + 32 + 16h..
+struct UQ4_K { static constexpr int R = 8;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
-        int b = u >> 5, w = u & 31, j = w >> 3, i = w & 7; const u8* blk = row + 144 * b;
-        float d = hf(blk), dm = hf(blk + 2), s0, m0, s1, m1;
-        scale_min_k4(2 * j, blk + 4, s0, m0); scale_min_k4(2 * j + 1, blk + 4, s1, m1);
+        int b = u >> 3, w = u & 7, j = w >> 1, h = w & 1; const u8* blk = row + 144 * b;
+        u32 dd = ldw4(blk);
+        float d = h2f((u16)(dd & 0xFFFF)), dm = h2f((u16)(dd >> 16));
+        u32 sw[3] = {ldw4(blk + 4), ldw4(blk + 8), ldw4(blk + 12)};
+        const u8* sc = (const u8*)sw;
+        float s0, m0, s1, m1;
+        scale_min_k4(2 * j, sc, s0, m0); scale_min_k4(2 * j + 1, sc, s1, m1);
         float d0 = d * s0, n0 = dm * m0, d1 = d * s1, n1 = dm * m1;
-        u32 q = ldw4(blk + 16 + 4 * w);
+        uint4 q4 = *(const uint4*)(blk + 16 + 32 * j + 16 * h);
+        u32 qs[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-        for (int k = 0; k < 4; k++) { u32 c = (q >> (8 * k)) & 255; v[0][k] = d0 * (c & 15) - n0; v[1][k] = d1 * (c >> 4) - n1; }
-        p[0] = 256 * b + 64 * j + 4 * i; p[1] = p[0] + 32; } };
+        for (int r = 0; r < 4; r++) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                u32 c = (qs[r] >> (8 * k)) & 255;
+                v[r][k] = d0 * (c & 15) - n0;
+                v[4 + r][k] = d1 * (c >> 4) - n1;
+            }
+            p[r] = 256 * b + 64 * j + 16 * h + 4 * r;
+            p[4 + r] = p[r] + 32;
+        } } };
 struct UQ5_K { static constexpr int R = 2;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
         int b = u >> 5, w = u & 31, j = w >> 3, i = w & 7; const u8* blk = row + 176 * b;

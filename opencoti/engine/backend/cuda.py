@@ -115,7 +115,7 @@ class CUDABackend:
     def to_host(self, x) -> np.ndarray:
         """Device array -> NumPy (synchronizes). While a graph is captured or run
         through ``run_graph`` the device array itself (the graph's output) is returned."""
-        if self._staged:
+        if self._staged or isinstance(x, np.ndarray):
             return x
         return self._pinned_host(self.cp.ascontiguousarray(x))
 
