@@ -94,10 +94,23 @@ struct UQ8_0 { static constexpr int R = 2;  // unit l: qs bytes 8l..8l+7
 // 256-element K-quant super-blocks.
 // Q4_K / Q5_K: 32 units per block; unit w = 8j + i holds qs word w: low nibbles are
 // elements 64j + 4i.., high nibbles 64j + 32 + 4i.. (sub-blocks 2j and 2j+1).
-// Q4_K: 8 units per block, 32 values each (16 quant bytes in one 16-byte load; d/dmin in
+// 256-element K-quant super-blocks.
+// Q4_K / Q5_K: 32 units per block; unit w = 8j + i holds qs word w: low nibbles are
+// elements 64j + 4i.., high nibbles 64j + 32 + 4i.. (sub-blocks 2j and 2j+1).
+struct UQ4_K { static constexpr int R = 2;
+    static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
+        int b = u >> 5, w = u & 31, j = w >> 3, i = w & 7; const u8* blk = row + 144 * b;
+        float d = hf(blk), dm = hf(blk + 2), s0, m0, s1, m1;
+        scale_min_k4(2 * j, blk + 4, s0, m0); scale_min_k4(2 * j + 1, blk + 4, s1, m1);
+        float d0 = d * s0, n0 = dm * m0, d1 = d * s1, n1 = dm * m1;
+        u32 q = ldw4(blk + 16 + 4 * w);
+#pragma unroll
+        for (int k = 0; k < 4; k++) { u32 c = (q >> (8 * k)) & 255; v[0][k] = d0 * (c & 15) - n0; v[1][k] = d1 * (c >> 4) - n1; }
+        p[0] = 256 * b + 64 * j + 4 * i; p[1] = p[0] + 32; } };
+// Q4_K for one token row (gemv1, gated): 8 units per block, 32 values each (16 quant bytes in one 16-byte load; d/dmin in
 // one word; the 12 scale bytes in three words): unit w = 2j + h covers qs bytes
 // 32j + 16h.. : low nibbles are elements 64j + 16h.., high nibbles 64j + 32 + 16h..
-struct UQ4_K { static constexpr int R = 8;
+struct UQ4_K32 { static constexpr int R = 8;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
         int b = u >> 3, w = u & 7, j = w >> 1, h = w & 1; const u8* blk = row + 144 * b;
         u32 dd = ldw4(blk);
@@ -180,5 +193,8 @@ struct UQ3_K { static constexpr int R = 4;
                 v[j][k] = dl * (float)((int)((q >> (8 * k + 2 * j)) & 3) - (((hm >> (8 * k + bit)) & 1) ? 0 : 4));
             p[j] = 256 * b + 128 * n + 32 * j + lb; } } };
 
-#define FOR_EACH_UTYPE(X) X(0, UF32) X(1, UF16) X(30, UBF16) X(2, UQ4_0) X(3, UQ4_1) X(6, UQ5_0) X(7, UQ5_1) \
-    X(8, UQ8_0) X(10, UQ2_K) X(11, UQ3_K) X(12, UQ4_K) X(13, UQ5_K) X(14, UQ6_K)
+// X(macro) list: ggml type id, unit for one token row, unit for tiles of 8 rows (wide
+// units need fewer loads per value but hold more registers per token row)
+#define FOR_EACH_UTYPE(X) X(0, UF32, UF32) X(1, UF16, UF16) X(30, UBF16, UBF16) X(2, UQ4_0, UQ4_0) \
+    X(3, UQ4_1, UQ4_1) X(6, UQ5_0, UQ5_0) X(7, UQ5_1, UQ5_1) X(8, UQ8_0, UQ8_0) X(10, UQ2_K, UQ2_K) \
+    X(11, UQ3_K, UQ3_K) X(12, UQ4_K32, UQ4_K) X(13, UQ5_K, UQ5_K) X(14, UQ6_K, UQ6_K)

@@ -154,11 +154,11 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ W, long lon
     }
 }
 
-#define DEF_UKERNELS(ID, U)                                                                                   \
+#define DEF_UKERNELS(ID, U, U8)                                                                                   \
     extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
                                           int wpr) { gemv_impl<U, 1>(W, rb, x, y, nr, nc, nt, wpr); }         \
     extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
-                                          int wpr) { gemv_impl<U, 8>(W, rb, x, y, nr, nc, nt, wpr); }         \
+                                          int wpr) { gemv_impl<U8, 8>(W, rb, x, y, nr, nc, nt, wpr); }         \
     extern "C" __global__ void gemv_gated_##ID(const u8* Wg, const u8* Wu, long long rb, const float* x, float* y, \
                                                int nr, int nc, int act) {                                     \
         gemv_gated_impl<U>(Wg, Wu, rb, x, y, nr, nc, act); }
