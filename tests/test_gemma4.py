@@ -333,6 +333,27 @@ def test_unsupported_metadata_is_refused(build, variant, override, needle):
         _runner(path, overrides=[override])
 
 
+@pytest.mark.parametrize("override, needle", [
+    (dict(hidden_activation="silu"), "hidden_activation"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                           "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                              "rope_theta": 1e6}}), "sliding layers' RoPE"),
+])
+def test_synth_refuses_configs_gguf_cannot_express(override, needle):
+    with pytest.raises(ValueError, match=needle):
+        sg.tiny_config("gemma4", **override)
+
+
+def test_attention_biases_are_refused(tmp_path):
+    path = tmp_path / "bias.gguf"
+    sg.write_random_model("gemma4", path, seed=1, attention_bias=True)
+    assert "blk.0.attn_q.bias" in GGUFFile(path).tensors
+    with pytest.raises(GGUFError, match=r"tensor\(s\) of features this architecture does not support, "
+                                        r"e.g. blk.0.attn_k.bias"):
+        _runner(str(path))
+
+
 def test_moe_needs_the_backend_op(build):
     from opencoti.engine.arch.gemma4 import Gemma4
     from opencoti.engine.backend.cpu import CPUBackend

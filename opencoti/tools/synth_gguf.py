@@ -187,8 +187,14 @@ def tiny_config(arch: str, **overrides: Any):
     if arch == "gemma3" and "query_pre_attn_scalar" not in overrides:
         # llama.cpp scales gemma3 attention by 1/sqrt(head_dim) (except 27B); keep HF equal
         kw["query_pre_attn_scalar"] = kw["head_dim"]
-    if arch == "gemma4" and kw.get("use_bidirectional_attention"):
-        raise ValueError("gemma4: use_bidirectional_attention is not representable in GGUF (llama.cpp is causal)")
+    if arch == "gemma4":  # what a gemma4 GGUF cannot say (llama.cpp's graph hard-codes it)
+        if kw.get("use_bidirectional_attention"):
+            raise ValueError("gemma4: use_bidirectional_attention has no GGUF key (llama.cpp is causal)")
+        if kw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError("gemma4: hidden_activation other than gelu_pytorch_tanh has no GGUF key")
+        swa_rope = (kw.get("rope_parameters") or {}).get("sliding_attention", {})
+        if swa_rope.get("rope_type", "default") != "default":
+            raise ValueError("gemma4: sliding layers' RoPE must be rope_type 'default'")
     if arch == "gemma3" and "layer_types" not in overrides:
         # llama.cpp: set_swa_pattern(6) -> layer il is global iff il % 6 == 5
         n = kw["num_hidden_layers"]

@@ -53,8 +53,10 @@ Refused at load, naming the feature: MoE on a backend without the ``moe_ffn``
 op, split ``ffn_gate_exps``/``ffn_up_exps``
 expert tensors (the converter writes the fused ``ffn_gate_up_exps``), per-layer
 varying ``attention.head_count``, K and V head dims that differ, a KV-sharing
-layout whose llama.cpp and HF readings disagree, and a per-layer embedding
-table whose vocabulary differs from ``token_embd``'s.
+layout whose llama.cpp and HF readings disagree, a per-layer embedding
+table whose vocabulary differs from ``token_embd``'s, and any tensor the graph
+does not use (e.g. ``attn_q.bias`` from HF ``attention_bias``; llama.cpp
+refuses such files too: "wrong number of tensors").
 """
 
 from __future__ import annotations
@@ -215,7 +217,10 @@ class Gemma4(DecoderModel):
         self.backend = backend
         self.gguf = gguf
 
+        used: set[str] = set()
+
         def req(name: str, shape: Optional[tuple] = None):
+            used.add(name)
             if name not in gguf.tensors:
                 raise GGUFError(f"{gguf.path}: missing tensor {name!r} for architecture {ARCH}")
             if shape is not None and gguf.tensors[name].shape != shape:
@@ -248,10 +253,8 @@ class Gemma4(DecoderModel):
             self.per_layer_model_proj = req("per_layer_model_proj.weight", (n_layer * n_pl, n_embd))
             self.per_layer_proj_norm = req("per_layer_proj_norm.weight", (n_pl,))
 
-        self.rope_freqs = None
-        if not all(hp.swa_layers):
-            # proportional RoPE of the global layers (one tensor shared by all of them)
-            self.rope_freqs = req("rope_freqs.weight", (hp.n_embd_head_k // 2,))
+        # proportional RoPE of the global layers (one tensor shared by all of them)
+        self.rope_freqs = (opt if all(hp.swa_layers) else req)("rope_freqs.weight", (hp.n_embd_head_k // 2,))
 
         self.layers: list[Gemma4Layer] = []
         for il in range(n_layer):
@@ -297,6 +300,10 @@ class Gemma4(DecoderModel):
                 L.proj = req(p + "proj.weight", (n_embd, n_pl))
                 L.post_norm = req(p + "post_norm.weight", (n_embd,))
             self.layers.append(L)
+        extra = sorted(set(gguf.tensors) - used)
+        if extra:  # llama.cpp: "wrong number of tensors"; a feature this graph does not have
+            raise GGUFError(f"{gguf.path}: {ARCH}: {len(extra)} tensor(s) of features this architecture does "
+                            f"not support, e.g. {', '.join(extra[:4])}")
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
