@@ -345,6 +345,19 @@ def test_synth_refuses_configs_gguf_cannot_express(override, needle):
         sg.tiny_config("gemma4", **override)
 
 
+def test_synth_cli_writes_a_variant(tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    assert sg.main(["--arch", "gemma4", "--variant", "moe", "--out", str(out), "--qtype", "Q8_0",
+                    "--set", "num_experts=4"]) == 0
+    g = GGUFFile(out)
+    assert g.metadata["gemma4.expert_count"] == 4 and g.tensors["blk.0.ffn_gate_up_exps.weight"].ne[2] == 4
+    assert g.tensors["blk.0.ffn_gate_up_exps.weight"].ggml_type == QT.Q8_0
+    g.close()
+    with pytest.raises(SystemExit):
+        sg.main(["--arch", "qwen3", "--variant", "moe", "--out", str(tmp_path / "x.gguf")])
+    assert "--variant applies to --arch gemma4 only" in capsys.readouterr().err
+
+
 def test_attention_biases_are_refused(tmp_path):
     path = tmp_path / "bias.gguf"
     sg.write_random_model("gemma4", path, seed=1, attention_bias=True)

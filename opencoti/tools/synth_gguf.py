@@ -959,7 +959,7 @@ def _parse_override(s: str) -> tuple[str, Any]:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """``python -m opencoti.tools.synth_gguf --arch ARCH --out FILE [--qtype T] [--seed N]
-    [--rope-scaling llama3] [--vocab spm|bpe] [--set key=json ...]``."""
+    [--variant V] [--rope-scaling llama3] [--vocab spm|bpe] [--set key=json ...]``."""
     ap = argparse.ArgumentParser(prog="python -m opencoti.tools.synth_gguf",
                                  description="Write a tiny random-weight model as GGUF.")
     ap.add_argument("--arch", required=True, choices=ARCHS)
@@ -967,6 +967,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--qtype", default="F32", help="type of 2-D weights (F32, F16, Q8_0, Q4_0, Q4_K, Q6_K, ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", default="auto", choices=("auto", "spm", "bpe"))
+    ap.add_argument("--variant", choices=tuple(GEMMA4_VARIANTS), default=None,
+                    help="gemma4 only: a family member (GEMMA4_VARIANTS), before --set overrides")
     ap.add_argument("--rope-scaling", choices=("none", "llama3"), default="none",
                     help="llama only: llama 3.1 rope scaling (writes rope_freqs.weight)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
@@ -974,6 +976,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--chat-template", default=None, help="file with a Jinja chat template to embed")
     args = ap.parse_args(list(argv) if argv is not None else None)
     overrides = dict(args.overrides)
+    if args.variant is not None:
+        if args.arch != "gemma4":
+            ap.error("--variant applies to --arch gemma4 only")
+        overrides = {**GEMMA4_VARIANTS[args.variant], **overrides}
     if args.rope_scaling == "llama3":
         if args.arch != "llama":
             ap.error("--rope-scaling llama3 applies to --arch llama only")
