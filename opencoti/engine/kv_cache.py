@@ -15,9 +15,12 @@ Modelled on llama.cpp's cell cache (``src/llama-kv-cells.h``,
 - ``--kv-unified``: one stream of ``n_ctx`` cells for every sequence.
   Otherwise one stream per sequence, ``n_ctx / n_seq`` cells each, and
   ``seq_cp`` across streams copies the cells' data physically.
-- iSWA models (Gemma-3) get two caches (``KVCacheISWA``): one for global
-  layers and one for sliding-window layers, whose cells are pruned once they
-  fall out of every member's window.
+- iSWA models (Gemma-3/4) get two caches: one for global layers and one for
+  sliding-window layers, whose cells are pruned once they fall out of every
+  member's window. Each cache has its own K/V head shape (Gemma-4's global
+  layers have a larger head dim and fewer KV heads).
+- KV-sharing layers (Gemma-4 E-series: ``hp.kv_reuse``) store nothing; they
+  attend over an earlier layer's cells (``layer_cache[il]`` is that layer's cache).
 
 The cache owns all bookkeeping; backends only read the index arrays that
 ``prepare`` hands them (paged attention at cell granularity).
@@ -349,6 +352,17 @@ class KVCache:
         self.v[il][plan.stream, plan.cell] = v
 
 
+def _kv_shape(hp, layers: list[int]) -> dict:
+    """``n_head_kv`` / ``d_k`` / ``d_v`` shared by ``layers`` (one cache holds one shape;
+    Gemma-4's global and sliding layers differ, but each kind is uniform). ``ValueError``
+    if they differ."""
+    shapes = {(hp.n_head_kv_l(il), hp.n_embd_head_k_l(il), hp.n_embd_head_v_l(il)) for il in layers}
+    if len(shapes) > 1:
+        raise ValueError(f"layers {layers} of one KV cache have different K/V shapes {sorted(shapes)}")
+    n_kv, d_k, d_v = shapes.pop() if shapes else (hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)
+    return dict(n_head_kv=n_kv, d_k=d_k, d_v=d_v)
+
+
 class KVCacheSet:
     """The model's caches and which layer reads which.
 
@@ -377,22 +391,25 @@ class KVCacheSet:
         self.n_seq_max = n_seq_max
         self.n_ctx = n_ctx
         self.n_ctx_seq = n_cells  # hard per-sequence limit
-        shape = dict(
-            n_stream=n_stream, n_seq_max=n_seq_max, n_head_kv=hp.n_head_kv,
-            d_k=hp.n_embd_head_k, d_v=hp.n_embd_head_v, type_k=type_k, type_v=type_v, zeros=zeros,
-        )
+        common = dict(n_stream=n_stream, n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, zeros=zeros)
+        # layers that store K/V; a layer that reuses another's KV (hp.kv_src) gets no storage
+        own = [il for il in range(hp.n_layer) if hp.kv_src(il) == il]
         self.caches: list[KVCache] = []
         self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]
         if hp.is_iswa:
-            glob = [il for il in range(hp.n_layer) if not hp.swa_layers[il]]
-            swa = [il for il in range(hp.n_layer) if hp.swa_layers[il]]
+            glob = [il for il in own if not hp.swa_layers[il]]
+            swa = [il for il in own if hp.swa_layers[il]]
             n_swa_cells = min(n_cells, pad_to(hp.n_swa * (n_seq_max if unified else 1) + n_ubatch, N_PAD))
-            self.caches = [KVCache(glob, n_cells, **shape), KVCache(swa, n_swa_cells, n_swa=hp.n_swa, **shape)]
+            self.caches = [KVCache(glob, n_cells, **_kv_shape(hp, glob), **common),
+                           KVCache(swa, n_swa_cells, n_swa=hp.n_swa, **_kv_shape(hp, swa), **common)]
         else:
-            self.caches = [KVCache(list(range(hp.n_layer)), n_cells, n_swa=hp.n_swa, **shape)]
+            self.caches = [KVCache(own, n_cells, n_swa=hp.n_swa, **_kv_shape(hp, own), **common)]
         for c in self.caches:
             for il in c.layers:
                 self.layer_cache[il] = c
+        for il in range(hp.n_layer):
+            if self.layer_cache[il] is None:  # KV-sharing layer: the cache of the layer it reads
+                self.layer_cache[il] = self.layer_cache[hp.kv_src(il)]
 
     @property
     def base(self) -> KVCache:

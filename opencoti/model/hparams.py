@@ -57,6 +57,44 @@ class HParams:
     rope_scaling_factor: float = 0.0
     n_ctx_orig_yarn: int = 0
     tie_embeddings: bool = False
+    # -- per-layer shapes and KV sharing (Gemma-4; llama.cpp ``llama_hparams``) ---------------
+    # Empty lists / 0 mean "uniform": the scalars above hold for every layer.
+    n_head_kv_arr: list[int] = field(default_factory=list)  # ``attention.head_count_kv`` array
+    n_ff_arr: list[int] = field(default_factory=list)  # ``feed_forward_length`` array
+    n_embd_head_k_swa: int = 0  # ``attention.key_length_swa``: head dim of sliding layers
+    n_embd_head_v_swa: int = 0  # ``attention.value_length_swa``
+    n_rot_swa: int = 0  # ``rope.dimension_count_swa``
+    # kv_reuse[il] = -1: layer il stores its own K/V; j >= 0: it attends over layer j's cache
+    # and writes none (llama.cpp ``n_layer_kv_from_start`` + the KV cache's layer-reuse callback).
+    kv_reuse: list[int] = field(default_factory=list)
+    n_embd_per_layer: int = 0  # ``embedding_length_per_layer_input``: per-layer embedding width
+    n_expert: int = 0  # ``expert_count``
+    n_expert_used: int = 0  # ``expert_used_count``
+    n_ff_exp: int = 0  # ``expert_feed_forward_length``
+
+    def n_head_kv_l(self, il: int) -> int:
+        """KV heads of layer ``il`` (llama.cpp ``hparams.n_head_kv(il)``)."""
+        return self.n_head_kv_arr[il] if self.n_head_kv_arr else self.n_head_kv
+
+    def n_embd_head_k_l(self, il: int) -> int:
+        """K head dim of layer ``il``: the ``_swa`` value on sliding layers when set."""
+        return self.n_embd_head_k_swa if (self.n_embd_head_k_swa and self.swa_layers[il]) else self.n_embd_head_k
+
+    def n_embd_head_v_l(self, il: int) -> int:
+        """V head dim of layer ``il`` (as ``n_embd_head_k_l``)."""
+        return self.n_embd_head_v_swa if (self.n_embd_head_v_swa and self.swa_layers[il]) else self.n_embd_head_v
+
+    def n_rot_l(self, il: int) -> int:
+        """Rotated dims of layer ``il`` (``rope.dimension_count[_swa]``)."""
+        return self.n_rot_swa if (self.n_rot_swa and self.swa_layers[il]) else self.n_rot
+
+    def n_ff_l(self, il: int) -> int:
+        """FFN width of layer ``il``."""
+        return self.n_ff_arr[il] if self.n_ff_arr else self.n_ff
+
+    def kv_src(self, il: int) -> int:
+        """The layer whose KV cache layer ``il`` reads (``il`` itself unless it reuses one)."""
+        return self.kv_reuse[il] if self.kv_reuse and self.kv_reuse[il] >= 0 else il
 
     @property
     def n_embd_k_gqa(self) -> int:

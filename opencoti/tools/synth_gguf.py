@@ -1,8 +1,9 @@
 """Random-weight tiny models written to GGUF, for architecture parity tests.
 
 A tiny Hugging Face ``transformers`` model (random init, float32, CPU) is
-built for one of ``llama``, ``qwen2``, ``qwen3`` or ``gemma3`` (text-only
-``Gemma3ForCausalLM``) and written to GGUF with ``gguf.GGUFWriter`` using the
+built for one of ``llama``, ``qwen2``, ``qwen3``, ``gemma3`` (text-only
+``Gemma3ForCausalLM``) or ``gemma4`` (text-only ``Gemma4ForCausalLM``; its
+family members are ``GEMMA4_VARIANTS``) and written to GGUF with ``gguf.GGUFWriter`` using the
 tensor names, tensor transforms and metadata keys that llama.cpp's
 ``convert_hf_to_gguf.py`` writes for that architecture (``conversion/base.py``
 ``TextModel.set_gguf_parameters``, ``conversion/llama.py``,
@@ -25,8 +26,24 @@ tensor names, tensor transforms and metadata keys that llama.cpp's
   RoPE base (10000) and the attention scale (``1/sqrt(head_dim)`` below 27B),
   so the tiny configs use exactly those values. The embedding scale
   ``sqrt(n_embd)`` is applied in the forward pass, never stored.
+- ``gemma4`` (``conversion/gemma.py`` ``Gemma4Model``): norm weights as they
+  are (Gemma-4's RMSNorm multiplies by ``w``); ``attention.key_length`` is the
+  global layers' head dim and ``attention.key_length_swa`` the sliding
+  layers'; ``attention.head_count_kv`` / ``feed_forward_length`` become
+  per-layer arrays when layers differ; ``attention.sliding_window_pattern``
+  is a bool per layer; ``attention.shared_kv_layers``,
+  ``embedding_length_per_layer_input``, ``rope.dimension_count[_swa]``,
+  ``expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``;
+  the global layers' "proportional" RoPE is the tensor ``rope_freqs.weight``
+  (1 for rotated pairs, 1e30 for the rest); ``layer_scalar`` ->
+  ``blk.N.layer_output_scale.weight``, ``router.scale`` ->
+  ``blk.N.ffn_gate_inp.scale``, ``router.per_expert_scale`` ->
+  ``blk.N.ffn_down_exps.scale``, ``experts.gate_up_proj`` ->
+  ``blk.N.ffn_gate_up_exps.weight`` (fused, gate rows first). KV-sharing
+  layers have no ``attn_k``/``attn_v``/``attn_k_norm``; global layers with
+  ``attention_k_eq_v`` no ``attn_v``.
 - tied embeddings: no ``output.weight`` tensor.
-- 1-D tensors and ``*_norm.weight`` are always F32; 2-D weights take the
+- 1-D tensors, ``*_norm.weight`` and MoE routers (``ffn_gate_inp.weight``) are always F32; 2-D weights take the
   requested type (converter ``prepare_tensors``); rows that a K-quant cannot
   hold (length not a multiple of 256) fall back like llama-quantize does
   (``llama-quant.cpp``: Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, then F16).
@@ -66,16 +83,18 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, LlamaFileType, MODEL_ARCH
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
 
 _GGUF_ARCH = {
     "llama": MODEL_ARCH.LLAMA,
     "qwen2": MODEL_ARCH.QWEN2,
     "qwen3": MODEL_ARCH.QWEN3,
     "gemma3": MODEL_ARCH.GEMMA3,
+    "gemma4": MODEL_ARCH.GEMMA4,
 }
 # HF config.model_type -> our arch name
-_MODEL_TYPE_TO_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_MODEL_TYPE_TO_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                       "gemma4_text": "gemma4"}
 
 # The tiny default shapes. qwen3 and gemma3 use head_dim != hidden/heads, as the real
 # models do, so that attention.key_length matters.
@@ -103,6 +122,34 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                    }),
+    # Gemma-4 dense with one head dim (256) on every layer; see GEMMA4_VARIANTS for the others.
+    # Real head dims (256 / 512) on a 64-wide model: the tensors stay tiny, the shapes are real.
+    "gemma4": dict(_COMMON, num_hidden_layers=6, num_key_value_heads=1, head_dim=256, global_head_dim=256,
+                   sliding_window=8, tie_word_embeddings=True, final_logit_softcapping=30.0,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                   hidden_size_per_layer_input=0, vocab_size_per_layer_input=384,
+                   rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                          "rope_theta": 1000000.0},
+                   }),
+}
+
+# Gemma-4 family members as config overrides of _DEFAULTS["gemma4"]:
+# - dense_hd512: the 31B's attention: global layers with head dim 512, one KV head, V = K
+#   (attention_k_eq_v) and 4x fewer KV heads than sliding layers;
+# - moe: the 26B-A4B's FFN: a dense MLP plus routed experts (softmax top-k) in every layer;
+# - e_series: E2B/E4B: per-layer embeddings, the last 4 of 8 layers reusing the KV of
+#   layers 2 (sliding) and 3 (global), double-wide MLPs on the KV-sharing layers.
+GEMMA4_VARIANTS: dict[str, dict[str, Any]] = {
+    "dense_hd256": {},
+    "dense_hd512": dict(num_key_value_heads=2, global_head_dim=512, num_global_key_value_heads=1,
+                        attention_k_eq_v=True),
+    "moe": dict(num_key_value_heads=2, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32),
+    "e_series": dict(num_hidden_layers=8, global_head_dim=512, hidden_size_per_layer_input=16,
+                     num_kv_shared_layers=4, use_double_wide_mlp=True,
+                     layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2),
 }
 
 # llama 3.1-style frequency scaling, with an original context small enough that the
@@ -140,6 +187,14 @@ def tiny_config(arch: str, **overrides: Any):
     if arch == "gemma3" and "query_pre_attn_scalar" not in overrides:
         # llama.cpp scales gemma3 attention by 1/sqrt(head_dim) (except 27B); keep HF equal
         kw["query_pre_attn_scalar"] = kw["head_dim"]
+    if arch == "gemma4":  # what a gemma4 GGUF cannot say (llama.cpp's graph hard-codes it)
+        if kw.get("use_bidirectional_attention"):
+            raise ValueError("gemma4: use_bidirectional_attention has no GGUF key (llama.cpp is causal)")
+        if kw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError("gemma4: hidden_activation other than gelu_pytorch_tanh has no GGUF key")
+        swa_rope = (kw.get("rope_parameters") or {}).get("sliding_attention", {})
+        if swa_rope.get("rope_type", "default") != "default":
+            raise ValueError("gemma4: sliding layers' RoPE must be rope_type 'default'")
     if arch == "gemma3" and "layer_types" not in overrides:
         # llama.cpp: set_swa_pattern(6) -> layer il is global iff il % 6 == 5
         n = kw["num_hidden_layers"]
@@ -149,6 +204,7 @@ def tiny_config(arch: str, **overrides: Any):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "gemma4": transformers.Gemma4TextConfig,
     }[arch]
     cfg = cls(**kw)
     cfg._attn_implementation = "eager"
@@ -168,8 +224,12 @@ def random_hf_model(arch: str, seed: int = 0, **overrides: Any):
     Weights are drawn from a ``torch.Generator`` seeded with ``seed``, with
     scales chosen so that attention is far from uniform and logits spread
     over several units: embeddings N(0, 0.25^2); linear weights N(0, 1/fan_in);
-    biases N(0, 0.2^2); RMSNorm weights 1 + N(0, 0.2^2) (Gemma: N(0, 0.2^2),
-    since its norm multiplies by ``1 + w``). Same seed and overrides give the
+    biases N(0, 0.2^2); RMSNorm weights 1 + N(0, 0.2^2) (Gemma 3: N(0, 0.2^2),
+    since its norm multiplies by ``1 + w``). Gemma 4 (attention scale 1, so the
+    q/k norms set the score scale): q/k norm weights ``hd^-1/4 (1 + N(0, 0.2^2))``
+    so scores spread over a few units; expert weights N(0, 1/fan_in); the router
+    projection 4x that (decisive routing); router and per-expert scales and the
+    per-layer output scalars 1 + N(0, 0.2^2). Same seed and overrides give the
     same model.
     """
     import torch
@@ -181,17 +241,29 @@ def random_hf_model(arch: str, seed: int = 0, **overrides: Any):
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "gemma4": transformers.Gemma4ForCausalLM,
     }[arch]
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     tied = bool(cfg.tie_word_embeddings)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        params = list(model.named_parameters())
+        if arch == "gemma4":  # the per-layer output scalars are buffers
+            params += [(n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")]
+        for name, p in sorted(params, key=lambda kv: kv[0]):
             if tied and name == "lm_head.weight":
                 continue
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            if arch == "gemma4" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_((1.0 + 0.2 * noise) * p.shape[0] ** -0.25)
+            elif arch == "gemma4" and name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                p.copy_(1.0 + 0.2 * noise)
+            elif arch == "gemma4" and name.endswith("router.proj.weight"):
+                p.copy_(4.0 * noise / math.sqrt(p.shape[1]))
+            elif p.ndim == 3:  # stacked expert matrices [n_expert, out, in]
+                p.copy_(noise / math.sqrt(p.shape[2]))
+            elif name.endswith("norm.weight"):
                 p.copy_(0.2 * noise if arch == "gemma3" else 1.0 + 0.2 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.2 * noise)
@@ -327,8 +399,9 @@ def make_vocab(kind: str, n_vocab: int, arch: str = "llama") -> Vocab:
     """
     words = _CORPUS.split()
     if kind == "spm":
-        if arch == "gemma3":
-            specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+        if arch in ("gemma3", "gemma4"):
+            turns = ["<|turn>", "<turn|>"] if arch == "gemma4" else ["<start_of_turn>", "<end_of_turn>"]
+            specials = ["<pad>", "<eos>", "<bos>", "<unk>", *turns]
             ids = {"pad": 0, "eos": 1, "bos": 2, "unk": 3}
             add_space_prefix: bool | None = False
         else:
@@ -546,10 +619,12 @@ _FILE_TYPES = {
 
 def _tensor_type(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType,
                  tensor_types: dict[str, str] | None) -> GGMLQuantizationType:
-    """The storage type of one tensor: F32 for 1-D, norms and rope_freqs; otherwise the
+    """The storage type of one tensor: F32 for 1-D, norms, rope_freqs and MoE routers
+    (``ffn_gate_inp``, which the converter and llama-quantize never quantize); otherwise the
     first matching ``tensor_types`` glob or ``qtype``, with llama-quantize's fallback
     when the row length is not a multiple of the block size."""
-    if len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith("rope_freqs"):
+    if (len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith("rope_freqs")
+            or name.endswith(".ffn_gate_inp.weight")):
         return GGMLQuantizationType.F32
     t = qtype
     for pattern, tt in (tensor_types or {}).items():
@@ -622,6 +697,38 @@ def _rope_params(cfg) -> dict[str, Any]:
     return dict(getattr(cfg, "rope_parameters", None) or {})
 
 
+def gemma4_rope_freqs(cfg) -> np.ndarray:
+    """Gemma-4's ``rope_freqs.weight`` (float32 ``[global_head_dim/2]``): the global layers'
+    "proportional" RoPE as ggml NEOX frequency divisors, 1 for the ``partial_rotary_factor``
+    share of pairs that rotate and 1e30 (angle ~0) for the rest (``Gemma4Model.generate_extra_tensors``)."""
+    full = _rope_params(cfg)["full_attention"]
+    if full.get("rope_type") != "proportional":
+        raise ValueError(f"gemma4: global-layer rope_type {full.get('rope_type')!r} is not what the "
+                         "converter handles (proportional)")
+    if float(full.get("factor", 1.0)) != 1.0:
+        raise ValueError("gemma4: a proportional RoPE factor != 1 has no GGUF key")
+    hd = cfg.per_layer_config["full_attention"].head_dim
+    n_rot = int(hd * full["partial_rotary_factor"] / 2)
+    return np.asarray([1.0] * n_rot + [1e30] * (hd // 2 - n_rot), dtype=np.float32)
+
+
+def _gguf_name(arch: str, tmap, hf_name: str) -> str | None:
+    """The GGUF name of HF tensor ``hf_name`` (None if it has none), with the converter's
+    renames for Gemma 4 (``Gemma4Model.filter_tensors`` / ``modify_tensors``): the per-layer
+    scalar and the stacked expert tensors get a ``.weight`` suffix, ``router.scale`` becomes
+    ``ffn_gate_inp.scale`` and ``router.per_expert_scale`` ``ffn_down_exps.scale``."""
+    if arch == "gemma4":
+        parts = hf_name.split(".")
+        bid = next((int(x) for x in parts if x.isdecimal()), None)
+        if hf_name.endswith("router.scale"):
+            return f"blk.{bid}.ffn_gate_inp.scale"
+        if hf_name.endswith("router.per_expert_scale"):
+            return f"blk.{bid}.ffn_down_exps.scale"
+        if hf_name.endswith("layer_scalar") or (".experts." in hf_name and not hf_name.endswith(".weight")):
+            hf_name += ".weight"
+    return tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+
 def gguf_tensors(model) -> list[tuple[str, np.ndarray]]:
     """The GGUF tensors of an HF model: ``[(gguf_name, float32 array)]`` in write order.
 
@@ -637,19 +744,20 @@ def gguf_tensors(model) -> list[tuple[str, np.ndarray]]:
     full = rope.get("full_attention", rope)
     if arch == "llama" and str(full.get("rope_type", "")).lower() == "llama3":
         out.append(("rope_freqs.weight", llama3_rope_factors(full, _head_dim(cfg))))
-    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if arch == "gemma4" and "full_attention" in cfg.layer_types:
+        out.append(("rope_freqs.weight", gemma4_rope_freqs(cfg)))
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = _gguf_name(arch, tmap, hf_name)
         if name is None:
             raise ValueError(f"{arch}: no GGUF name for HF tensor {hf_name!r}")
         data = t.detach().to("cpu").float().numpy().copy()
         if arch == "llama":
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                data = permute_qk(data, n_head)
+                data = permute_qk(data, cfg.num_attention_heads)
             elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                data = permute_qk(data, n_kv)
+                data = permute_qk(data, cfg.num_key_value_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             data = data + np.float32(1.0)
         out.append((name, data))
@@ -658,6 +766,9 @@ def gguf_tensors(model) -> list[tuple[str, np.ndarray]]:
 
 def _write_hparams(w: gguf.GGUFWriter, arch: str, cfg) -> None:
     """The ``{arch}.*`` keys convert_hf_to_gguf writes (TextModel.set_gguf_parameters + arch class)."""
+    if arch == "gemma4":
+        _write_gemma4_hparams(w, cfg)
+        return
     rope = _rope_params(cfg)
     full = rope.get("full_attention", rope)
     w.add_block_count(cfg.num_hidden_layers)
@@ -688,6 +799,52 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         if getattr(cfg, "final_logit_softcapping", None):
             w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
         w.add_sliding_window(int(cfg.sliding_window))
+
+
+def _write_gemma4_hparams(w: gguf.GGUFWriter, cfg) -> None:
+    """The ``gemma4.*`` keys of ``Gemma4Model.set_gguf_parameters`` (over ``Gemma3Model``'s and
+    ``TextModel``'s): key/value lengths of the global layers plus ``_swa`` ones for sliding
+    layers, per-layer arrays where layers differ (KV heads, FFN width of double-wide
+    KV-sharing layers), the sliding-window pattern as a bool per layer, RoPE dims per kind."""
+    n = cfg.num_hidden_layers
+    rope = _rope_params(cfg)
+    swa = [t == "sliding_attention" for t in cfg.layer_types]
+    plc = cfg.per_layer_config
+    w.add_block_count(n)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    n_shared = int(cfg.num_kv_shared_layers or 0)
+    if cfg.use_double_wide_mlp:
+        w.add_feed_forward_length([cfg.intermediate_size * (2 if il >= n - n_shared else 1) for il in range(n)])
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    kv_heads = [plc[il].num_key_value_heads for il in range(n)]
+    w.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else kv_heads[0])
+    w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+    w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if cfg.num_experts is not None:
+        w.add_expert_count(int(cfg.num_experts))
+    if cfg.top_k_experts is not None:
+        w.add_expert_used_count(int(cfg.top_k_experts))
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    w.add_sliding_window(int(cfg.sliding_window))
+    w.add_shared_kv_layers(n_shared)
+    w.add_embedding_length_per_layer_input(int(cfg.hidden_size_per_layer_input or 0))
+    w.add_sliding_window_pattern(swa)
+    hd = {t: plc[t].head_dim for t in set(cfg.layer_types)}
+    hd_full = hd.get("full_attention", hd.get("sliding_attention"))
+    hd_swa = hd.get("sliding_attention", hd_full)
+    w.add_key_length(hd_full)
+    w.add_value_length(hd_full)
+    w.add_key_length_swa(hd_swa)
+    w.add_value_length_swa(hd_swa)
+    if cfg.moe_intermediate_size is not None:
+        w.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+    w.add_rope_dimension_count(hd_full)  # proportional RoPE: rope_freqs.weight leaves the rest unrotated
+    w.add_rope_dimension_count_swa(hd_swa)
 
 
 def write_gguf(model, path: str | Path, qtype: str | GGMLQuantizationType = "F32", *,
@@ -750,7 +907,7 @@ def write_random_model(arch: str, path: str | Path, qtype: str | GGMLQuantizatio
 def load_gguf_into_hf(model, path: str | Path) -> None:
     """Overwrite ``model``'s weights with the dequantized tensors of GGUF ``path``.
 
-    Undoes the converter transforms (Llama q/k permutation, Gemma ``+1``), so
+    Undoes the converter transforms (Llama q/k permutation, Gemma 3 ``+1``), so
     running ``model`` afterwards computes what a correct GGUF forward on the
     quantized file computes (up to float32 rounding). Raises ``KeyError`` if
     the file lacks a tensor the model needs.
@@ -767,7 +924,9 @@ def load_gguf_into_hf(model, path: str | Path) -> None:
     for hf_name in sd:
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        gname = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gname = _gguf_name(arch, tmap, hf_name)
+        if gname is None:  # non-persistent or derived buffers (e.g. RoPE tables)
+            continue
         data = g.dequantize(gname)
         if arch == "llama":
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -800,7 +959,7 @@ def _parse_override(s: str) -> tuple[str, Any]:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """``python -m opencoti.tools.synth_gguf --arch ARCH --out FILE [--qtype T] [--seed N]
-    [--rope-scaling llama3] [--vocab spm|bpe] [--set key=json ...]``."""
+    [--variant V] [--rope-scaling llama3] [--vocab spm|bpe] [--set key=json ...]``."""
     ap = argparse.ArgumentParser(prog="python -m opencoti.tools.synth_gguf",
                                  description="Write a tiny random-weight model as GGUF.")
     ap.add_argument("--arch", required=True, choices=ARCHS)
@@ -808,6 +967,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--qtype", default="F32", help="type of 2-D weights (F32, F16, Q8_0, Q4_0, Q4_K, Q6_K, ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", default="auto", choices=("auto", "spm", "bpe"))
+    ap.add_argument("--variant", choices=tuple(GEMMA4_VARIANTS), default=None,
+                    help="gemma4 only: a family member (GEMMA4_VARIANTS), before --set overrides")
     ap.add_argument("--rope-scaling", choices=("none", "llama3"), default="none",
                     help="llama only: llama 3.1 rope scaling (writes rope_freqs.weight)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
@@ -815,6 +976,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--chat-template", default=None, help="file with a Jinja chat template to embed")
     args = ap.parse_args(list(argv) if argv is not None else None)
     overrides = dict(args.overrides)
+    if args.variant is not None:
+        if args.arch != "gemma4":
+            ap.error("--variant applies to --arch gemma4 only")
+        overrides = {**GEMMA4_VARIANTS[args.variant], **overrides}
     if args.rope_scaling == "llama3":
         if args.arch != "llama":
             ap.error("--rope-scaling llama3 applies to --arch llama only")

@@ -12,6 +12,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "opencoti.engine.arch.qwen2:Qwen2",
     "qwen3": "opencoti.engine.arch.qwen3:Qwen3",
     "gemma3": "opencoti.engine.arch.gemma3:Gemma3",
+    "gemma4": "opencoti.engine.arch.gemma4:Gemma4",
 }
 
 

@@ -84,6 +84,48 @@ class CPUBackend:
         g = self.gelu_tanh(g) if act == "gelu_tanh" else self.silu(g)
         return g * self.mul_mat(x, up)
 
+    def moe_ffn(self, x: np.ndarray, logits: np.ndarray, gate_up_exps: np.ndarray, down_exps: np.ndarray,
+                n_expert_used: int, act: str = "gelu_tanh", norm_w: bool = True,
+                down_scale: np.ndarray | None = None) -> np.ndarray:
+        """Mixture-of-experts FFN with softmax routing over router ``logits``
+        (llama.cpp ``llm_graph_context::build_moe_ffn`` with
+        ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX``, a fused ``ffn_gate_up_exps``
+        tensor and a per-expert output scale ``ffn_down_exps.scale``; HF
+        ``Gemma4TextRouter`` + ``Gemma4TextExperts``).
+
+        x: ``[T, n_embd]`` float32; logits: ``[T, n_expert]`` float32;
+        gate_up_exps: ``[n_expert, 2*n_ff_exp, n_embd]`` (rows ``[0, n_ff_exp)``
+        are the gate, the rest the up projection); down_exps:
+        ``[n_expert, n_embd, n_ff_exp]``; down_scale: ``[n_expert]`` or None.
+
+        Per token t: ``p = softmax(logits[t])``; ``sel`` = the ``n_expert_used``
+        experts with the largest ``p`` (ties: lower expert id first);
+        ``w = p[sel]``, divided by ``sum(w)`` when ``norm_w``; then
+        ``out[t] = sum_k w[k] * down_scale[e] * down_exps[e] @ (act(g) * u)``
+        with ``e = sel[k]`` and ``g, u`` the two halves of ``gate_up_exps[e] @ x[t]``;
+        ``act`` is "gelu_tanh" or "silu". Returns ``[T, n_embd]`` float32.
+        """
+        T = x.shape[0]
+        m = np.max(logits, axis=-1, keepdims=True)
+        p = np.exp(logits - m)
+        p /= np.sum(p, axis=-1, keepdims=True)
+        sel = np.argsort(-p, axis=-1, kind="stable")[:, :n_expert_used]  # [T, k]
+        w = np.take_along_axis(p, sel, axis=-1)
+        if norm_w:
+            w = w / np.sum(w, axis=-1, keepdims=True)
+        out = np.zeros((T, down_exps.shape[1]), dtype=np.float32)
+        for e in np.unique(sel):  # loop over the experts hit, never over tokens
+            rows, slot = np.nonzero(sel == e)  # a token picks an expert at most once: rows are unique
+            h = x[rows] @ gate_up_exps[e].T
+            f = h.shape[1] // 2
+            g = self.gelu_tanh(h[:, :f]) if act == "gelu_tanh" else self.silu(h[:, :f])
+            y = (g * h[:, f:]) @ down_exps[e].T
+            s = w[rows, slot]
+            if down_scale is not None:
+                s = s * down_scale[e]
+            out[rows] += y * s[:, None].astype(np.float32)
+        return out
+
     # -- rope -------------------------------------------------------------------------
     @staticmethod
     def rope(
