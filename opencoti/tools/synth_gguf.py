@@ -116,6 +116,15 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# Qwen2.5-7B-Instruct-1M-style long context: RoPE theta 1e7 and max_position_embeddings 1010000
+# (its dual_chunk_attention_config is not converted by llama.cpp, so it is left out).
+QWEN25_1M = {"max_position_embeddings": 1010000,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0}}
+# YaRN on top (what a config with rope_scaling {type: yarn, factor: 4} converts to); the original
+# context is tiny so that short test prompts reach the interpolated frequencies.
+QWEN25_1M_YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                       "rope_theta": 10000000.0}
+
 
 # ---------------------------------------------------------------------------------------
 # transformers side

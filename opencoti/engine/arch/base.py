@@ -12,6 +12,8 @@ Tensor names are llama.cpp's GGUF names (``gguf-py/gguf/constants.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -165,8 +167,24 @@ class DecoderModel:
         for il in cache.layers:
             base, scale = self.rope_params(il)
             k = cache.k[il][stream, cells].astype(np.float32)
-            k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+            k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, **self.rope_ext_shift)
             cache.k[il][stream, cells] = k.astype(cache.k[il].dtype)
+
+    @property
+    def rope_ext(self) -> dict:
+        """Extra ``rope`` op arguments: ``yarn`` when the model uses YaRN scaling (issue 7b),
+        else nothing (so a backend without YaRN still runs every other model)."""
+        return {"yarn": self.hp.rope_yarn} if self.hp.rope_yarn is not None else {}
+
+    @property
+    def rope_ext_shift(self) -> dict:
+        """``rope_ext`` for re-rotating cached K: a pure rotation, so YaRN's cos/sin
+        magnitude scale (already in the cached K) is cancelled to 1."""
+        y = self.hp.rope_yarn
+        if y is None:
+            return {}
+        m = 1.0 + 0.1 * math.log(1.0 / self.hp.rope_freq_scale) if y.ext_factor != 0.0 else 1.0
+        return {"yarn": dataclasses.replace(y, attn_factor=1.0 / m)}
 
     def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         B, hp = self.backend, self.hp
@@ -188,8 +206,8 @@ class DecoderModel:
         if L.k_norm is not None:
             k = B.rms_norm(k, L.k_norm, hp.f_norm_rms_eps)
         base, scale = self.rope_params(il)
-        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
-        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, **self.rope_ext)
+        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, **self.rope_ext)
 
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]

@@ -85,22 +85,42 @@ class CPUBackend:
         freq_scale: float = 1.0,
         mode: str = "norm",
         freq_factors: np.ndarray | None = None,
+        yarn=None,
     ) -> np.ndarray:
-        """Rotary position embedding (Su et al. 2021), as ggml_rope_ext without YaRN.
+        """Rotary position embedding (Su et al. 2021), as ggml_rope_ext.
 
         x: ``[n_tokens, n_heads, head_dim]`` float32; pos: int ``[n_tokens]``.
         Rotates the first ``n_rot`` dims: ``mode="norm"`` pairs (2i, 2i+1),
         ``mode="neox"`` pairs (i, i + n_rot/2). Angle for pair i:
         ``pos * freq_scale * base**(-2i/n_rot) / freq_factors[i]``.
+
+        ``yarn`` (``opencoti.model.hparams.RopeYarn`` or None): YaRN (Peng et
+        al. 2023) as ggml's ``rope_yarn``: with ``theta_e`` the unscaled angle,
+        ``theta = freq_scale*theta_e*(1 - m_i) + theta_e*m_i`` where ``m_i =
+        ext_factor * (1 - clamp((i - lo)/max(0.001, hi - lo), 0, 1))`` and
+        ``[lo, hi]`` are the correction dims of ``beta_fast`` / ``beta_slow``
+        (``ggml_rope_yarn_corr_dims``); cos and sin are scaled by
+        ``attn_factor * (1 + 0.1 ln(1/freq_scale))`` (only the rotated dims).
         Returns a new array.
         """
         half = n_rot // 2
         inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
         if freq_factors is not None:
             inv = inv / freq_factors[:half].astype(np.float64)
-        theta = (pos.astype(np.float64)[:, None] * freq_scale) * inv[None, :]  # [T, half]
-        cos = np.cos(theta).astype(np.float32)[:, None, :]
-        sin = np.sin(theta).astype(np.float32)[:, None, :]
+        theta_e = pos.astype(np.float64)[:, None] * inv[None, :]  # [T, half]
+        mscale = 1.0
+        if yarn is not None and yarn.ext_factor != 0.0:
+            lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
+            ramp = 1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo), 0.0, 1.0)
+            mix = ramp * yarn.ext_factor
+            theta = theta_e * freq_scale * (1.0 - mix) + theta_e * mix
+            mscale = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+        else:
+            theta = theta_e * freq_scale
+            if yarn is not None:
+                mscale = yarn.attn_factor
+        cos = (np.cos(theta) * mscale).astype(np.float32)[:, None, :]
+        sin = (np.sin(theta) * mscale).astype(np.float32)[:, None, :]
         out = x.copy()
         if mode == "neox":
             x0 = x[..., :half]
@@ -212,6 +232,19 @@ class CPUBackend:
             lse = (np.log(denom) + m)[..., 0]  # [n_kv, g, T]
         o = np.ascontiguousarray(o.transpose(2, 0, 1, 3)).reshape(T, n_head, d_v).astype(np.float32, copy=False)
         return o, np.ascontiguousarray(lse.transpose(2, 0, 1)).reshape(T, n_head).astype(np.float32)
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float
+                   ) -> tuple[float, float]:
+    """YaRN correction range ``[lo, hi]`` in rotary pair indices (ggml
+    ``ggml_rope_yarn_corr_dims``): the dims whose wavelength makes ``beta_fast``
+    resp. ``beta_slow`` turns over ``n_ctx_orig`` positions, floored / ceiled
+    and clamped to ``[0, n_dims - 1]``."""
+
+    def corr_dim(n_rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(0.0, math.floor(corr_dim(beta_fast))), min(n_dims - 1.0, math.ceil(corr_dim(beta_slow)))
 
 
 def merge_lse(o1: np.ndarray, l1: np.ndarray, o2: np.ndarray, l2: np.ndarray) -> np.ndarray:
