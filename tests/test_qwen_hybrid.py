@@ -406,3 +406,37 @@ def test_too_long_pool_share_falls_back_with_warn(hybrid_model, caplog):
         assert fin_ok.n_cached == len(prefix)
     finally:
         e.stop()
+
+
+def test_backend_without_the_ops_fails_at_load_naming_the_feature(build):
+    """A backend lacking the gated delta-net / MoE ops (or YaRN in rope) refuses the model when
+    the network is built, with the feature in the message, instead of failing mid-forward."""
+    from opencoti.engine.backend.cpu import CPUBackend
+    from opencoti.model.gguf_file import GGUFError
+
+    class NoGDN(CPUBackend):
+        name = "no-gdn"
+        gated_delta_net = None
+
+    class NoMoE(CPUBackend):
+        name = "no-moe"
+        moe_ffn = None
+
+    class NoYarn(CPUBackend):
+        name = "no-yarn"
+
+        @staticmethod
+        def rope(x, pos, n_rot, base, freq_scale=1.0, mode="norm", freq_factors=None):
+            return CPUBackend.rope(x, pos, n_rot, base, freq_scale, mode, freq_factors)
+
+    _, path = build("qwen35moe")
+    with pytest.raises(GGUFError, match=r"gated delta-net .* not supported on the no-gdn backend .*gated_delta_net"):
+        load_model(path, Params(), with_tokenizer=False).network(NoGDN())
+    with pytest.raises(GGUFError, match="mixture-of-experts FFN is not supported on the no-moe backend"):
+        load_model(path, Params(), with_tokenizer=False).network(NoMoE())
+    yarn = sg.random_hf_model("qwen2", 1, **dict(sg.QWEN25_1M, rope_parameters=dict(sg.QWEN25_1M_YARN_ROPE)))
+    ypath = path.replace(".gguf", "-yarn.gguf")
+    sg.write_gguf(yarn, ypath)
+    with pytest.raises(GGUFError, match="YaRN RoPE scaling is not supported on the no-yarn backend"):
+        load_model(ypath, Params(), with_tokenizer=False).network(NoYarn())
+    load_model(ypath, Params(), with_tokenizer=False).network(CPUBackend())  # the CPU backend has them all

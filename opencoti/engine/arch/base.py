@@ -13,6 +13,7 @@ Tensor names are llama.cpp's GGUF names (``gguf-py/gguf/constants.py``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -48,6 +49,22 @@ class LayerWeights:
     post_ffw_norm: Optional[object] = None
 
 
+def require_backend_ops(backend, arch: str, feature: str, ops: tuple[str, ...]) -> None:
+    """Fail at load, naming the feature, when ``backend`` lacks an op it needs
+    (issue 7b: e.g. the gated delta-net ops or YaRN on a backend without them)."""
+    missing = [o for o in ops if not callable(getattr(backend, o, None))]
+    if missing:
+        raise GGUFError(f"{arch}: {feature} is not supported on the {getattr(backend, 'name', '?')} backend "
+                        f"(missing op(s): {', '.join(missing)}); run it on the CPU backend (--gpu disable)")
+
+
+def require_rope_yarn(backend, hp: HParams) -> None:
+    """Fail at load when the model uses YaRN and the backend's ``rope`` has no ``yarn`` argument."""
+    if hp.rope_yarn is not None and "yarn" not in inspect.signature(backend.rope).parameters:
+        raise GGUFError(f"{hp.arch}: YaRN RoPE scaling is not supported on the {getattr(backend, 'name', '?')} "
+                        "backend; run it on the CPU backend (--gpu disable)")
+
+
 class DecoderModel:
     """A decoder-only transformer over a backend's op set.
 
@@ -80,6 +97,7 @@ class DecoderModel:
         self.hp = hp
         self.backend = backend
         self.gguf = gguf
+        require_rope_yarn(backend, hp)
 
         def req(name: str):
             if name not in gguf.tensors:

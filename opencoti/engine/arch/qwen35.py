@@ -48,11 +48,15 @@ from typing import Optional
 
 import numpy as np
 
-from opencoti.engine.arch.base import DecoderModel
+from opencoti.engine.arch.base import DecoderModel, require_backend_ops, require_rope_yarn
 from opencoti.engine.batch import UBatch
 from opencoti.engine.kv_cache import KVCacheSet
 from opencoti.model.gguf_file import GGUFError, GGUFFile
 from opencoti.model.hparams import HParams
+
+
+# backend ops a hybrid model needs beyond the dense op set (see backend/cpu.py for their contracts)
+GDN_OPS = ("sigmoid", "softplus", "l2_norm", "ssm_conv", "gated_delta_net")
 
 
 @dataclass
@@ -174,6 +178,10 @@ class Qwen35(DecoderModel):
         self.hp = hp
         self.backend = backend
         self.gguf = gguf
+        require_rope_yarn(backend, hp)
+        require_backend_ops(backend, hp.arch, "the gated delta-net (recurrent state) layers", GDN_OPS)
+        if hp.n_expert:
+            require_backend_ops(backend, hp.arch, "the mixture-of-experts FFN", ("moe_ffn",))
 
         def req(name: str):
             if name not in gguf.tensors:
