@@ -355,10 +355,10 @@ def test_engine_prompt_cache_reuses_only_the_whole_state(hybrid_model):
     e = Engine(hybrid_model, Params(n_ctx=512, n_parallel=1, n_ubatch=16), backend="cpu").start()
     try:
         p = SEQUENCES[1]
-        ids, fin = run(e, p, n_predict=5)
-        # next turn: the history (prompt + generated, as cached) plus new tokens
+        ids, fin = run(e, p, n_predict=5, session_id="chat")
+        # next turn of the session: the history (prompt + generated, as cached) plus new tokens
         turn2 = p + ids + [7, 8, 9]
-        ids2, fin2 = run(e, turn2, n_predict=5)
+        ids2, fin2 = run(e, turn2, n_predict=5, session_id="chat")
         assert fin2.n_cached == len(p) + 4  # the last generated token was never fed
         cold, fin_cold = run(e, turn2, n_predict=5, cache_prompt=False)
         assert fin_cold.n_cached == 0 and cold == ids2
