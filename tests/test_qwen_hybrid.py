@@ -7,7 +7,7 @@ with llama.cpp converter semantics (``conversion/qwen.py``). Claims tested:
 
 1. the file is what the converter writes (names, transforms, F32 rules, keys,
    NextN/MTP blocks) -- ``test_gguf_layout``;
-2. our engine matches transformers: F32 max |dlogit| < 1e-3 (measured ~2e-5)
+2. our engine matches transformers: F32 max |dlogit| < 2e-4 (measured <= 4e-5)
    with the same argmax at every decisive position, on prompts up to 150 tokens
    (several 64-token delta-rule chunks); Q8_0 files against transformers run on
    the dequantized weights, same bound;
@@ -213,7 +213,7 @@ def test_nextn_mtp_tensors_are_loaded(build):
 def test_engine_matches_transformers(build, variant):
     model, path = build(variant)
     for seq in SEQUENCES + [LONG]:
-        _assert_close(_logits(path, seq), sg.hf_logits(model, seq).astype(np.float64), 1e-3, f"{variant} F32")
+        _assert_close(_logits(path, seq), sg.hf_logits(model, seq).astype(np.float64), 2e-4, f"{variant} F32")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -224,7 +224,7 @@ def test_q8_0_matches_transformers_on_dequantized_weights(build, variant):
     seq = SEQUENCES[1]
     hf_deq = sg.hf_logits(deq, seq).astype(np.float64)
     assert np.abs(hf_deq - sg.hf_logits(model, seq)).max() > 1e-2  # quantization is visible at this tolerance
-    _assert_close(_logits(path, seq), hf_deq, 1e-3, f"{variant} Q8_0")
+    _assert_close(_logits(path, seq), hf_deq, 2e-4, f"{variant} Q8_0")
 
 
 # --- 3. the recurrent state --------------------------------------------------------------------
@@ -440,3 +440,13 @@ def test_backend_without_the_ops_fails_at_load_naming_the_feature(build):
     with pytest.raises(GGUFError, match="YaRN RoPE scaling is not supported on the no-yarn backend"):
         load_model(ypath, Params(), with_tokenizer=False).network(NoYarn())
     load_model(ypath, Params(), with_tokenizer=False).network(CPUBackend())  # the CPU backend has them all
+
+
+def test_synth_cli_writes_a_hybrid_model_with_mtp(tmp_path):
+    out = tmp_path / "q35.gguf"
+    assert sg.main(["--arch", "qwen35", "--out", str(out), "--qtype", "Q8_0", "--mtp", "1", "--seed", "4"]) == 0
+    g = GGUFFile(out)
+    assert g.metadata["qwen35.block_count"] == 5 and g.metadata["qwen35.nextn_predict_layers"] == 1
+    assert g.tensors["blk.0.attn_qkv.weight"].ggml_type == QT.Q8_0 and "blk.4.nextn.eh_proj.weight" in g.tensors
+    g.close()
+    assert sg.main(["--arch", "qwen3next", "--out", str(tmp_path / "n.gguf"), "--mtp", "1"]) == 1  # no MTP there
