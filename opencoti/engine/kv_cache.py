@@ -21,6 +21,12 @@ Modelled on llama.cpp's cell cache (``src/llama-kv-cells.h``,
   layers have a larger head dim and fewer KV heads).
 - KV-sharing layers (Gemma-4 E-series: ``hp.kv_reuse``) store nothing; they
   attend over an earlier layer's cells (``layer_cache[il]`` is that layer's cache).
+- Hybrid models (Qwen3.5 / Qwen3-next) keep KV cells for their attention
+  layers only; their gated delta-net layers keep one recurrent state per
+  sequence (``recurrent_state.RecurrentState``, llama.cpp's
+  ``llama_memory_hybrid``). Such a state can only be shared or kept whole, so
+  ``seq_rm`` of an absorbed suffix answers False and ``can_reuse`` holds only
+  for the state's exact length.
 
 The cache owns all bookkeeping; backends only read the index arrays that
 ``prepare`` hands them (paged attention at cell granularity).
@@ -34,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from opencoti.engine.recurrent_state import RecurrentState
 
 KV_TYPES = {"f32": np.float32, "f16": np.float16}
 N_PAD = 256  # llama.cpp pads cache sizes to 256 cells
@@ -396,6 +404,17 @@ class KVCacheSet:
         own = [il for il in range(hp.n_layer) if hp.kv_src(il) == il]
         self.caches: list[KVCache] = []
         self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]
+        # -- issue 7b: recurrent (gated delta-net) layers have no KV cells --
+        rec = list(getattr(hp, "recurrent_layers", None) or [False] * hp.n_layer)
+        own = [il for il in own if not rec[il]]  # attention layers that store K/V
+        if not own:
+            raise ValueError(f"{hp.arch}: a model without attention layers is not supported")
+        self.recurrent: RecurrentState | None = None
+        if any(rec):
+            self.recurrent = RecurrentState(
+                [il for il in range(hp.n_layer) if rec[il]], n_seq_max,
+                (hp.ssm_d_conv - 1, hp.ssm_conv_channels), (hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim),
+                zeros=zeros)
         if hp.is_iswa:
             glob = [il for il in own if not hp.swa_layers[il]]
             swa = [il for il in own if hp.swa_layers[il]]
@@ -420,19 +439,30 @@ class KVCacheSet:
         return self.caches[1] if len(self.caches) > 1 else None
 
     def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.caches)
+        return sum(c.nbytes() for c in self.caches) + (self.recurrent.nbytes() if self.recurrent else 0)
 
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions ``[p0, p1)`` of ``seq_id`` from every cache. False (and
+        nothing changed) when a recurrent state would have to lose absorbed tokens."""
+        if self.recurrent is not None and not self.recurrent.seq_rm(seq_id, p0, p1):
+            return False
         for c in self.caches:
             c.seq_rm(seq_id, p0, p1)
+        return True
 
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> bool:
+        """``seq_cp`` in every cache. On a hybrid model the recurrent state is copied
+        only when the range covers all of it; otherwise ``dst``'s state is left
+        empty and the answer is False (``can_reuse`` then fails for ``dst``)."""
         for c in self.caches:
             c.seq_cp(src, dst, p0, p1)
+        return self.recurrent.seq_cp(src, dst, p0, p1) if self.recurrent is not None else True
 
     def seq_keep(self, seq_id: int) -> None:
         for c in self.caches:
             c.seq_keep(seq_id)
+        if self.recurrent is not None:
+            self.recurrent.seq_keep(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.base.seq_pos_max(seq_id)
@@ -444,6 +474,8 @@ class KVCacheSet:
         position delta (int32 ``[n_cells]``) that the caller must apply to the
         cached K of that cache's layers (``ModelRunner.seq_add`` does).
         """
+        if self.recurrent is not None:
+            raise ValueError("seq_add (context shift) is not possible on a recurrent state")
         out = []
         for c in self.caches:
             shift = c.seq_add(seq_id, p0, p1, delta)
@@ -465,20 +497,32 @@ class KVCacheSet:
                 pmin = c.seq_pos_min(seq_id)
                 if pmin < 0 or pmin > max(0, n_past - c.n_swa + 1):
                     return False
+        if self.recurrent is not None and not self.recurrent.can_reuse(seq_id, n_past):
+            return False  # a recurrent state is reusable only whole
         return True
 
     def clear(self) -> None:
         for c in self.caches:
             c.clear()
+        if self.recurrent is not None:
+            self.recurrent.clear()
 
-    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> list[CachePlan]:
-        """Plan a ubatch in every cache (prunes SWA cells first). Raises
-        ``KVCacheFullError`` without committing anything."""
+    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> list:
+        """Plan a ubatch in every cache (prunes SWA cells first): one ``CachePlan``
+        per KV cache, then (hybrid models) the ``RSPlan`` of the recurrent state.
+        Raises ``KVCacheFullError`` (or ``RecurrentStateError``) without committing anything."""
+        rs = [self.recurrent.prepare(seq_ids, pos)] if self.recurrent is not None else []
         for c in self.caches:
             c.prune_swa(seq_ids, pos)
-        return [c.prepare(seq_ids, pos) for c in self.caches]
+        return [c.prepare(seq_ids, pos) for c in self.caches] + rs
 
-    def apply(self, plans: list[CachePlan], seq_ids: np.ndarray, pos: np.ndarray,
+    def apply(self, plans: list, seq_ids: np.ndarray, pos: np.ndarray,
               share_src: dict | None = None) -> None:
         for c, p in zip(self.caches, plans):
             c.apply(p, seq_ids, pos, share_src)
+        if self.recurrent is not None:
+            self.recurrent.apply(plans[len(self.caches)])
+
+    def rs_plan(self, plans: list):
+        """The recurrent state's plan among ``prepare``'s plans (None without one)."""
+        return plans[len(self.caches)] if self.recurrent is not None else None

@@ -95,6 +95,17 @@ class HParams:
     def kv_src(self, il: int) -> int:
         """The layer whose KV cache layer ``il`` reads (``il`` itself unless it reuses one)."""
         return self.kv_reuse[il] if self.kv_reuse and self.kv_reuse[il] >= 0 else il
+    # -- issue 7b (Qwen3.5 / Qwen3-next / Qwen2.5-1M): YaRN, hybrid recurrent layers, MoE, NextN --
+    rope_yarn: Optional["RopeYarn"] = None  # set when rope.scaling.type is yarn
+    rope_sections: list[int] = field(default_factory=list)  # M-RoPE sections (rope.dimension_sections)
+    recurrent_layers: list[bool] = field(default_factory=list)  # llama.cpp hparams.is_recr(il)
+    ssm_d_conv: int = 0  # short causal conv kernel width (ssm.conv_kernel)
+    ssm_d_inner: int = 0  # value heads * value head dim (ssm.inner_size)
+    ssm_d_state: int = 0  # key head dim (ssm.state_size)
+    ssm_dt_rank: int = 0  # value heads (ssm.time_step_rank)
+    ssm_n_group: int = 0  # key heads (ssm.group_count)
+    n_ff_shexp: int = 0  # shared expert FFN width (expert_shared_feed_forward_length)
+    n_layer_nextn: int = 0  # NextN / MTP blocks stored after the trunk (nextn_predict_layers)
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -112,6 +123,41 @@ class HParams:
     @property
     def attention_scale(self) -> float:
         return self.f_attention_scale or 1.0 / math.sqrt(self.n_embd_head_k)
+
+    # -- issue 7b: hybrid (recurrent) models --
+    @property
+    def is_recurrent(self) -> bool:
+        """True when some layers keep a recurrent state instead of KV (gated delta-net)."""
+        return any(self.recurrent_layers)
+
+    @property
+    def ssm_head_v_dim(self) -> int:
+        """Value head dim of a gated delta-net layer (llama.cpp ``d_inner / num_v_heads``)."""
+        return self.ssm_d_inner // self.ssm_dt_rank if self.ssm_dt_rank else 0
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """Channels of the short conv: q, k (``ssm_n_group * ssm_d_state`` each) and v (``ssm_d_inner``)."""
+        return self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state
+
+
+@dataclass
+class RopeYarn:
+    """YaRN RoPE extension (Peng et al. 2023, "YaRN: Efficient Context Window
+    Extension of Large Language Models"), parameterised as ggml's ``ggml_rope_ext``:
+
+    ``ext_factor`` mixes extrapolated and interpolated angles (1.0 for YaRN),
+    ``attn_factor`` scales cos/sin (times ``1 + 0.1 ln(1/freq_scale)``),
+    ``beta_fast`` / ``beta_slow`` bound the correction ramp (32 / 1), and
+    ``n_ctx_orig`` is the pre-training context (``rope.scaling.original_context_length``).
+    The frequency scale itself is ``HParams.rope_freq_scale`` (1 / factor).
+    """
+
+    ext_factor: float = 1.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
 
 
 def _req(md: dict, key: str, path: str) -> Any:
@@ -167,7 +213,7 @@ def load_hparams(md: dict, path: str = "<gguf>", supported: tuple[str, ...] = ()
         n_head_kv=n_head_kv,
         n_embd_head_k=head_k,
         n_embd_head_v=head_v,
-        n_ff=int(k("feed_forward_length", required=True)),
+        n_ff=int(k("feed_forward_length", 0)),  # absent on MoE-only models (qwen35moe)
         f_norm_rms_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_type=ROPE_NORM,
         rope_freq_base=float(k("rope.freq_base", 10000.0)),
@@ -183,8 +229,23 @@ def load_hparams(md: dict, path: str = "<gguf>", supported: tuple[str, ...] = ()
     if scaling == "linear" and factor > 0:
         hp.rope_freq_scale = 1.0 / factor
     elif scaling == "yarn":
-        raise GGUFError(f"{path}: YaRN RoPE scaling is not supported yet")
+        if factor <= 0:
+            raise GGUFError(f"{path}: YaRN RoPE scaling needs {arch}.rope.scaling.factor > 0")
+        hp.rope_freq_scale = 1.0 / factor
+    elif scaling not in (None, "none", "linear"):
+        raise GGUFError(f"{path}: RoPE scaling type {scaling!r} is not supported (supported: none, linear, yarn)")
     hp.rope_scaling_type = scaling or "none"
     hp.rope_scaling_factor = factor
     hp.n_ctx_orig_yarn = int(k("rope.scaling.original_context_length", hp.n_ctx_train))
+    if scaling == "yarn":
+        # llama.cpp (llama-context.cpp): ext_factor 1 for YaRN, attn_factor 1, betas 32 / 1 unless the file says
+        hp.rope_yarn = RopeYarn(
+            ext_factor=float(k("rope.scaling.yarn_ext_factor", 1.0)),
+            attn_factor=float(k("rope.scaling.yarn_attn_factor", 1.0)),
+            beta_fast=float(k("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(k("rope.scaling.yarn_beta_slow", 1.0)),
+            n_ctx_orig=hp.n_ctx_orig_yarn,
+        )
+        if float(k("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) != 0.0:
+            raise GGUFError(f"{path}: YaRN log multiplier (DeepSeek-style mscale) is not supported")
     return hp

@@ -163,6 +163,15 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# Qwen2.5-7B-Instruct-1M-style long context: RoPE theta 1e7 and max_position_embeddings 1010000
+# (its dual_chunk_attention_config is not converted by llama.cpp, so it is left out).
+QWEN25_1M = {"max_position_embeddings": 1010000,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0}}
+# YaRN on top (what a config with rope_scaling {type: yarn, factor: 4} converts to); the original
+# context is tiny so that short test prompts reach the interpolated frequencies.
+QWEN25_1M_YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                       "rope_theta": 10000000.0}
+
 
 # ---------------------------------------------------------------------------------------
 # transformers side
@@ -180,6 +189,8 @@ def tiny_config(arch: str, **overrides: Any):
     """
     import transformers
 
+    if arch in HYBRID_ARCHS:  # issue 7b
+        return _hybrid_config(arch, **overrides)
     if arch not in _DEFAULTS:
         raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
     kw = dict(_DEFAULTS[arch])
@@ -213,6 +224,8 @@ def tiny_config(arch: str, **overrides: Any):
 
 def _arch_of(model) -> str:
     mt = model.config.model_type
+    if mt in _HYBRID_MODEL_TYPES:  # issue 7b
+        return _HYBRID_MODEL_TYPES[mt]
     if mt not in _MODEL_TYPE_TO_ARCH:
         raise ValueError(f"unsupported transformers model_type {mt!r}")
     return _MODEL_TYPE_TO_ARCH[mt]
@@ -235,6 +248,8 @@ def random_hf_model(arch: str, seed: int = 0, **overrides: Any):
     import torch
     import transformers
 
+    if arch in HYBRID_ARCHS:  # issue 7b
+        return _random_hybrid_model(arch, seed, **overrides)
     cfg = tiny_config(arch, **overrides)
     cls = {
         "llama": transformers.LlamaForCausalLM,
@@ -460,7 +475,7 @@ def make_vocab(kind: str, n_vocab: int, arch: str = "llama") -> Vocab:
 
 
 def _default_vocab_kind(arch: str) -> str:
-    return "bpe" if arch in ("qwen2", "qwen3") else "spm"
+    return "bpe" if arch in ("qwen2", "qwen3") or arch in HYBRID_ARCHS else "spm"
 
 
 # ---------------------------------------------------------------------------------------
@@ -625,6 +640,10 @@ def _tensor_type(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType,
     when the row length is not a multiple of the block size."""
     if (len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith("rope_freqs")
             or name.endswith(".ffn_gate_inp.weight")):
+        return GGMLQuantizationType.F32
+    # convert_hf_to_gguf keeps these in F32 whatever the file type (router, shared-expert gate,
+    # short conv kernels) and anything that is not a ".weight"
+    if not name.endswith(".weight") or any(name.endswith(x) for x in _ALWAYS_F32):
         return GGMLQuantizationType.F32
     t = qtype
     for pattern, tt in (tensor_types or {}).items():
@@ -849,9 +868,13 @@ def _write_gemma4_hparams(w: gguf.GGUFWriter, cfg) -> None:
 
 def write_gguf(model, path: str | Path, qtype: str | GGMLQuantizationType = "F32", *,
                tensor_types: dict[str, str] | None = None, vocab: str | Vocab = "auto",
-               chat_template: str | None = None, name: str | None = None) -> dict[str, GGMLQuantizationType]:
+               chat_template: str | None = None, name: str | None = None,
+               n_mtp: int = 0) -> dict[str, GGMLQuantizationType]:
     """Write HF ``model`` (one of ``ARCHS``) to the GGUF file ``path``.
 
+    ``n_mtp`` (qwen35 / qwen35moe only): append that many random NextN/MTP blocks
+    (``hybrid_mtp_tensors``) after the trunk, as the converter does with a
+    checkpoint's ``mtp.*`` tensors.
     ``qtype``: storage type of 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
     Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...); ``tensor_types`` maps GGUF-name globs
     to types and wins over ``qtype`` (e.g. ``{"blk.*.ffn_down.weight":
@@ -869,14 +892,20 @@ def write_gguf(model, path: str | Path, qtype: str | GGMLQuantizationType = "F32
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[_GGUF_ARCH[arch]])
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name or f"opencoti synthetic {arch}")
-    _write_hparams(w, arch, cfg)
+    if arch in HYBRID_ARCHS:  # issue 7b
+        _write_hybrid_hparams(w, arch, cfg, n_mtp)
+    elif n_mtp:
+        raise ValueError(f"{arch}: NextN/MTP blocks are written for {', '.join(_MTP_ARCHS)} only")
+    else:
+        _write_hparams(w, arch, cfg)
     w.add_file_type(_FILE_TYPES.get(qt.name, LlamaFileType.GUESSED))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab.write(w)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     types: dict[str, GGMLQuantizationType] = {}
-    for tname, data in gguf_tensors(model):
+    tensors = hybrid_gguf_tensors(model, n_mtp) if arch in HYBRID_ARCHS else gguf_tensors(model)
+    for tname, data in tensors:
         t = _tensor_type(tname, data.shape, qt, tensor_types)
         enc = quantize_tensor(data, t)
         if t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -917,6 +946,8 @@ def load_gguf_into_hf(model, path: str | Path) -> None:
 
     arch = _arch_of(model)
     cfg = model.config
+    if arch in HYBRID_ARCHS:  # issue 7b
+        return _load_gguf_into_hybrid(model, path)
     tmap = gguf.get_tensor_name_map(_GGUF_ARCH[arch], cfg.num_hidden_layers)
     g = GGUFFile(path)
     sd = model.state_dict()
@@ -945,6 +976,322 @@ def load_gguf_into_hf(model, path: str | Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# issue 7b: hybrid gated delta-net families (Qwen3.5 dense / MoE, Qwen3-next)
+# ---------------------------------------------------------------------------------------
+# convert_hf_to_gguf.py (conversion/qwen.py): Qwen3NextModel, _LinearAttentionVReorderBase,
+# _Qwen35MRopeMixin, _Qwen35MtpMixin, Qwen3_5TextModel / Qwen3_5MoeTextModel; Qwen2MoeModel
+# for the expert tensors. What the converter does, and what these functions replicate:
+#
+# - ``A_log`` -> ``ssm_a`` = -exp(A_log); ``dt_bias`` -> ``ssm_dt.bias``; the conv kernel
+#   [C, 1, K] is squeezed to ``ssm_conv1d`` [C, K]; every ``*norm.weight`` except the gated
+#   ``linear_attn.norm`` (-> ``ssm_norm``) is stored as ``1 + w`` (Qwen's zero-centred norm);
+# - qwen35 / qwen35moe: ``in_proj_qkv`` -> ``attn_qkv``, ``in_proj_z`` -> ``attn_gate``,
+#   ``in_proj_b`` -> ``ssm_beta``, ``in_proj_a`` -> ``ssm_alpha``; when there are fewer key
+#   than value heads the value heads are reordered from grouped (by key head) to tiled
+#   order in every tensor that carries them (v rows of qkv and conv, z, b, a, A, dt, the
+#   columns of ``ssm_out``); ``rope.dimension_sections`` is always written; ``mtp.*``
+#   tensors become NextN blocks after the trunk (``block_count`` counts them,
+#   ``nextn_predict_layers``);
+# - qwen3next: ``in_proj_qkvz`` (per key head [q, k, v, z]) is split into ``attn_qkv``
+#   ([all q, all k, all v]) and ``attn_gate``; ``in_proj_ba`` -> ``ssm_ba`` unchanged;
+# - experts: ``gate_up_proj`` [E, 2 n_ff, n_embd] -> ``ffn_gate_exps`` + ``ffn_up_exps``,
+#   ``down_proj`` -> ``ffn_down_exps``; router ``mlp.gate`` -> ``ffn_gate_inp`` and
+#   ``shared_expert_gate`` -> ``ffn_gate_inp_shexp`` (both kept F32).
+
+HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+_MTP_ARCHS = ("qwen35", "qwen35moe")
+_GGUF_ARCH.update({"qwen35": MODEL_ARCH.QWEN35, "qwen35moe": MODEL_ARCH.QWEN35MOE, "qwen3next": MODEL_ARCH.QWEN3NEXT})
+_HYBRID_MODEL_TYPES = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+# 4 layers, alternating gated delta-net and full attention (full_attention_interval 2); 2 key
+# heads for 4 value heads so the head broadcast and the converter's V reorder matter;
+# partial rotary (a quarter of head_dim 32), as the real models.
+_HYBRID_COMMON = dict(
+    vocab_size=384, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"] * 2,
+)
+_HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+_HYBRID_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen35": dict(_HYBRID_COMMON, intermediate_size=128, rope_parameters=_QWEN35_ROPE),
+    "qwen35moe": dict(_HYBRID_COMMON, **_HYBRID_MOE, rope_parameters=_QWEN35_ROPE),
+    "qwen3next": dict(_HYBRID_COMMON, **_HYBRID_MOE, intermediate_size=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                       "partial_rotary_factor": 0.25}),
+}
+
+
+def _hybrid_config(arch: str, **overrides: Any):
+    """The tiny transformers text config of a hybrid arch (``_HYBRID_DEFAULTS`` + overrides)."""
+    import copy
+
+    import transformers
+
+    kw = copy.deepcopy(_HYBRID_DEFAULTS[arch])
+    kw.update(copy.deepcopy(overrides))
+    cls = {"qwen35": transformers.Qwen3_5TextConfig, "qwen35moe": transformers.Qwen3_5MoeTextConfig,
+           "qwen3next": transformers.Qwen3NextConfig}[arch]
+    cfg = cls(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _random_init(name: str, shape: tuple[int, ...], noise, gen):
+    """Scales of a random hybrid-model tensor (see ``_random_hybrid_model``)."""
+    import torch
+
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.2 * noise  # plain RMSNorm weight (gated norm)
+    if name.endswith("norm.weight") or name.endswith("norm_embedding.weight"):
+        return 0.2 * noise  # zero-centred: the model multiplies by 1 + w
+    if name.endswith("A_log"):  # decay rates A in [0.05, 2]: state memories from ~1 to ~20 tokens
+        return torch.log(0.05 + 1.95 * torch.rand(shape, generator=gen))
+    if name.endswith("dt_bias"):
+        return 0.5 * noise
+    if "embed_tokens" in name:
+        return 0.25 * noise
+    if len(shape) >= 2:  # linear, conv [C, 1, K] and expert [E, out, in] weights: N(0, 1/fan_in)
+        return noise / math.sqrt(shape[-1])
+    return 0.2 * noise
+
+
+def _random_hybrid_model(arch: str, seed: int, **overrides: Any):
+    """``random_hf_model`` for a hybrid arch: embeddings N(0, 0.25^2); weights N(0,
+    1/fan_in); zero-centred norms N(0, 0.2^2) (the gated norm 1 + N(0, 0.2^2));
+    ``A_log = ln U(0.05, 2)``; ``dt_bias`` N(0, 0.5^2)."""
+    import torch
+    import transformers
+
+    cfg = _hybrid_config(arch, **overrides)
+    cls = {"qwen35": transformers.Qwen3_5ForCausalLM, "qwen35moe": transformers.Qwen3_5MoeForCausalLM,
+           "qwen3next": transformers.Qwen3NextForCausalLM}[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    tied = bool(cfg.tie_word_embeddings)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if tied and name == "lm_head.weight":
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.copy_(_random_init(name, tuple(p.shape), noise, gen))
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def hybrid_mtp_tensors(model, n_mtp: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random NextN/MTP tensors with the checkpoint names (``mtp.fc``,
+    ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.norm``,
+    ``mtp.layers.{j}.*`` shaped like the model's first full-attention block).
+    transformers does not build the MTP head, so the values are drawn here
+    (a ``torch.Generator`` seeded from ``seed``), scaled as ``_random_hybrid_model``."""
+    import torch
+
+    cfg = model.config
+    full = cfg.layer_types.index("full_attention")
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    n = cfg.hidden_size
+    shapes = {"mtp.fc.weight": (n, 2 * n), "mtp.pre_fc_norm_embedding.weight": (n,),
+              "mtp.pre_fc_norm_hidden.weight": (n,), "mtp.norm.weight": (n,)}
+    pre = f"model.layers.{full}."
+    for j in range(n_mtp):
+        for k, v in model.state_dict().items():
+            if k.startswith(pre):
+                shapes[f"mtp.layers.{j}.{k[len(pre):]}"] = tuple(v.shape)
+    out = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        out[name] = _random_init(name, shape, noise, gen).numpy().astype(np.float32)
+    return out
+
+
+def _v_reorder(t: np.ndarray, axis: int, n_k: int, r: int, hd: int) -> np.ndarray:
+    """Value heads along ``axis`` from grouped ``[n_k][r][hd]`` to tiled ``[r][n_k][hd]``
+    (``_LinearAttentionVReorderBase._reorder_v_heads``). The inverse is
+    ``_v_reorder(t, axis, r, n_k, hd)``."""
+    shape = t.shape
+    t = t.reshape(*shape[:axis], n_k, r, hd, *shape[axis + 1:])
+    return np.swapaxes(t, axis, axis + 1).reshape(shape)
+
+
+def _v_reorder_tensor(name: str, t: np.ndarray, cfg, inverse: bool = False) -> np.ndarray:
+    """Apply (or undo) the converter's value-head reorder to HF tensor ``name``
+    (qwen35 / qwen35moe, only when key and value head counts differ)."""
+    n_k, n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if n_k == n_v or "linear_attn." not in name:
+        return t
+    r, dk, dv = n_v // n_k, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    a, b = (r, n_k) if inverse else (n_k, r)
+    qk = 2 * n_k * dk
+    if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+        return np.concatenate([t[:qk], _v_reorder(t[qk:], 0, a, b, dv)], axis=0)
+    if name.endswith("in_proj_z.weight"):
+        return _v_reorder(t, 0, a, b, dv)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return _v_reorder(t, 0, a, b, 1)
+    if name.endswith("out_proj.weight"):
+        return _v_reorder(t, 1, a, b, dv)
+    return t
+
+
+_NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+          "norm": "shared_head_norm"}
+
+
+def _hybrid_gguf_name(arch: str, name: str, n_layer: int, tmap) -> str:
+    """GGUF name of a (converter-renamed) HF tensor name; ``mtp.*`` remapped as
+    ``_Qwen35MtpMixin.filter_tensors`` (layers after the trunk, ``blk.{n}.nextn.*``)."""
+    if name.startswith("mtp."):
+        parts = name.split(".", 3)
+        if parts[1] == "layers":
+            name = f"model.layers.{n_layer + int(parts[2])}.{parts[3]}"
+        else:
+            return f"blk.{n_layer}.nextn.{_NEXTN[parts[1]]}.weight"
+    if name.endswith(".dt_bias"):
+        name = name[: -len("dt_bias")] + "dt_proj.bias"
+    if name.endswith("mlp.experts.gate_up_proj"):
+        name = name[: -len("gate_up_proj")] + "gate_proj.weight"  # (the caller splits gate / up)
+    elif name.endswith("mlp.experts.down_proj"):
+        name += ".weight"
+    gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise ValueError(f"{arch}: no GGUF name for HF tensor {name!r}")
+    return gname
+
+
+def hybrid_gguf_tensors(model, n_mtp: int = 0) -> list[tuple[str, np.ndarray]]:
+    """``gguf_tensors`` for a hybrid model: ``[(gguf_name, float32 array)]`` with the
+    converter transforms (section comment), plus ``n_mtp`` NextN blocks
+    (``hybrid_mtp_tensors``) for qwen35 / qwen35moe."""
+    arch = _arch_of(model)
+    cfg = model.config
+    n_layer = cfg.num_hidden_layers
+    if n_mtp and arch not in _MTP_ARCHS:
+        raise ValueError(f"{arch}: NextN/MTP blocks are written for {', '.join(_MTP_ARCHS)} only")
+    tmap = gguf.get_tensor_name_map(_GGUF_ARCH[arch], n_layer + n_mtp)
+    sd = {k: v.detach().to("cpu").float().numpy().copy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    sd.update(hybrid_mtp_tensors(model, n_mtp) if n_mtp else {})
+    out: list[tuple[str, np.ndarray]] = []
+    for name, data in sd.items():
+        if arch in _MTP_ARCHS:
+            data = _v_reorder_tensor(name, data, cfg)
+        if name.endswith(".A_log"):
+            data = -np.exp(data)
+        elif "conv1d" in name:
+            data = data.reshape(data.shape[0], data.shape[-1])
+        elif name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")) \
+                and not name.endswith("linear_attn.norm.weight"):
+            data = data + np.float32(1.0)
+        gname = _hybrid_gguf_name(arch, name, n_layer, tmap)
+        if name.endswith("in_proj_qkvz.weight"):  # qwen3next: [q, k, v, z] per key head -> qkv, z
+            n_k, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+            rdv = cfg.linear_num_value_heads // n_k * cfg.linear_value_head_dim
+            w = data.T.reshape(data.shape[1], n_k, -1)
+            q, k, v, z = (w[..., a:b].reshape(w.shape[0], -1)
+                          for a, b in ((0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + rdv), (2 * dk + rdv, 2 * dk + 2 * rdv)))
+            bid = gname.split(".")[1]
+            out.append((f"blk.{bid}.attn_qkv.weight", np.ascontiguousarray(np.concatenate([q, k, v], axis=1).T)))
+            out.append((f"blk.{bid}.attn_gate.weight", np.ascontiguousarray(z.T)))
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            n_ff = data.shape[1] // 2
+            out.append((gname, np.ascontiguousarray(data[:, :n_ff])))
+            out.append((gname.replace("ffn_gate_exps", "ffn_up_exps"), np.ascontiguousarray(data[:, n_ff:])))
+        else:
+            out.append((gname, np.ascontiguousarray(data)))
+    return out
+
+
+def _write_hybrid_hparams(w: gguf.GGUFWriter, arch: str, cfg, n_mtp: int) -> None:
+    """The ``{arch}.*`` keys the converter writes for a hybrid model."""
+    rope = _rope_params(cfg)
+    d = cfg.to_dict()
+    w.add_block_count(cfg.num_hidden_layers + n_mtp)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    if d.get("intermediate_size") is not None:
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if d.get("num_experts"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    # the converter writes config.json's full_attention_interval (default 4); transformers keeps
+    # only layer_types, so the interval is recovered from them and must describe them exactly
+    types = list(cfg.layer_types)
+    interval = types.index("full_attention") + 1
+    if types != ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]:
+        raise ValueError(f"{arch}: layer_types {types} do not follow one full_attention_interval")
+    w.add_full_attention_interval(interval)
+    w.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    if arch in _MTP_ARCHS:
+        sec = list(rope.get("mrope_section", [11, 11, 10]))
+        w.add_rope_dimension_sections((sec + [0, 0, 0, 0])[:4])
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
+
+
+def _load_gguf_into_hybrid(model, path: str | Path) -> None:
+    """``load_gguf_into_hf`` for a hybrid model: undoes every converter transform."""
+    import torch
+    from opencoti.model.gguf_file import GGUFFile
+
+    arch = _arch_of(model)
+    cfg = model.config
+    n_layer = cfg.num_hidden_layers
+    tmap = gguf.get_tensor_name_map(_GGUF_ARCH[arch], n_layer)
+    g = GGUFFile(path)
+    sd = model.state_dict()
+    new: dict[str, Any] = {}
+    for name in sd:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        gname = _hybrid_gguf_name(arch, name, n_layer, tmap)
+        if name.endswith("in_proj_qkvz.weight"):
+            bid = gname.split(".")[1]
+            n_k, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+            qkv, z = g.dequantize(f"blk.{bid}.attn_qkv.weight"), g.dequantize(f"blk.{bid}.attn_gate.weight")
+            H = qkv.shape[1]
+            parts = [qkv[:n_k * dk], qkv[n_k * dk:2 * n_k * dk], qkv[2 * n_k * dk:], z]
+            data = np.concatenate([p.T.reshape(H, n_k, -1) for p in parts], axis=-1).reshape(H, -1).T
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            data = np.concatenate([g.dequantize(gname), g.dequantize(gname.replace("ffn_gate_exps", "ffn_up_exps"))],
+                                  axis=1)
+        else:
+            data = g.dequantize(gname)
+        if name.endswith(".A_log"):
+            data = np.log(-data)
+        elif name.endswith(("norm.weight",)) and not name.endswith("linear_attn.norm.weight"):
+            data = data - np.float32(1.0)
+        if arch in _MTP_ARCHS:
+            data = _v_reorder_tensor(name, data, cfg, inverse=True)
+        new[name] = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(sd[name].shape)
+    with torch.no_grad():
+        for k, v in new.items():
+            sd[k].copy_(v)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    g.close()
+
+
+# ---------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------
 def _parse_override(s: str) -> tuple[str, Any]:
@@ -962,7 +1309,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     [--variant V] [--rope-scaling llama3] [--vocab spm|bpe] [--set key=json ...]``."""
     ap = argparse.ArgumentParser(prog="python -m opencoti.tools.synth_gguf",
                                  description="Write a tiny random-weight model as GGUF.")
-    ap.add_argument("--arch", required=True, choices=ARCHS)
+    ap.add_argument("--arch", required=True, choices=ARCHS + HYBRID_ARCHS)
     ap.add_argument("--out", required=True, help="output .gguf path")
     ap.add_argument("--qtype", default="F32", help="type of 2-D weights (F32, F16, Q8_0, Q4_0, Q4_K, Q6_K, ...)")
     ap.add_argument("--seed", type=int, default=0)
@@ -974,6 +1321,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
                     metavar="KEY=VALUE", help="config override, value parsed as JSON (repeatable)")
     ap.add_argument("--chat-template", default=None, help="file with a Jinja chat template to embed")
+    ap.add_argument("--mtp", type=int, default=0, help="qwen35/qwen35moe: NextN/MTP blocks to append")
     args = ap.parse_args(list(argv) if argv is not None else None)
     overrides = dict(args.overrides)
     if args.variant is not None:
@@ -988,8 +1336,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.chat_template:
             tmpl = Path(args.chat_template).read_text(encoding="utf-8")
-        write_random_model(args.arch, args.out, args.qtype, args.seed, vocab=args.vocab,
-                           chat_template=tmpl, **overrides)
+        model = random_hf_model(args.arch, args.seed, **overrides)
+        write_gguf(model, args.out, args.qtype, vocab=args.vocab, chat_template=tmpl, n_mtp=args.mtp)
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

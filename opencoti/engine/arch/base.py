@@ -12,6 +12,9 @@ Tensor names are llama.cpp's GGUF names (``gguf-py/gguf/constants.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +49,22 @@ class LayerWeights:
     post_ffw_norm: Optional[object] = None
 
 
+def require_backend_ops(backend, arch: str, feature: str, ops: tuple[str, ...]) -> None:
+    """Fail at load, naming the feature, when ``backend`` lacks an op it needs
+    (issue 7b: e.g. the gated delta-net ops or YaRN on a backend without them)."""
+    missing = [o for o in ops if not callable(getattr(backend, o, None))]
+    if missing:
+        raise GGUFError(f"{arch}: {feature} is not supported on the {getattr(backend, 'name', '?')} backend "
+                        f"(missing op(s): {', '.join(missing)}); run it on the CPU backend (--gpu disable)")
+
+
+def require_rope_yarn(backend, hp: HParams) -> None:
+    """Fail at load when the model uses YaRN and the backend's ``rope`` has no ``yarn`` argument."""
+    if hp.rope_yarn is not None and "yarn" not in inspect.signature(backend.rope).parameters:
+        raise GGUFError(f"{hp.arch}: YaRN RoPE scaling is not supported on the {getattr(backend, 'name', '?')} "
+                        "backend; run it on the CPU backend (--gpu disable)")
+
+
 class DecoderModel:
     """A decoder-only transformer over a backend's op set.
 
@@ -78,6 +97,7 @@ class DecoderModel:
         self.hp = hp
         self.backend = backend
         self.gguf = gguf
+        require_rope_yarn(backend, hp)
 
         def req(name: str):
             if name not in gguf.tensors:
@@ -161,8 +181,24 @@ class DecoderModel:
         for il in cache.layers:
             base, scale = self.rope_params(il)
             k = cache.k[il][stream, cells].astype(np.float32)
-            k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+            k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, **self.rope_ext_shift)
             cache.k[il][stream, cells] = k.astype(cache.k[il].dtype)
+
+    @property
+    def rope_ext(self) -> dict:
+        """Extra ``rope`` op arguments: ``yarn`` when the model uses YaRN scaling (issue 7b),
+        else nothing (so a backend without YaRN still runs every other model)."""
+        return {"yarn": self.hp.rope_yarn} if self.hp.rope_yarn is not None else {}
+
+    @property
+    def rope_ext_shift(self) -> dict:
+        """``rope_ext`` for re-rotating cached K: a pure rotation, so YaRN's cos/sin
+        magnitude scale (already in the cached K) is cancelled to 1."""
+        y = self.hp.rope_yarn
+        if y is None:
+            return {}
+        m = 1.0 + 0.1 * math.log(1.0 / self.hp.rope_freq_scale) if y.ext_factor != 0.0 else 1.0
+        return {"yarn": dataclasses.replace(y, attn_factor=1.0 / m)}
 
     def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         B, hp = self.backend, self.hp
@@ -181,8 +217,10 @@ class DecoderModel:
         v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)
         base, scale = self.rope_params(il)  # q/k norms (if any) are fused into rope
         eps = hp.f_norm_rms_eps
-        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.q_norm, eps=eps)
-        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.k_norm, eps=eps)
+        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.q_norm, eps=eps,
+                   **self.rope_ext)
+        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.k_norm, eps=eps,
+                   **self.rope_ext)
 
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]
