@@ -289,7 +289,7 @@ def test_moe_ffn_op_matches_a_plain_loop():
     scale = rng.uniform(0.5, 1.5, E).astype(np.float32)
     B = CPUBackend()
     for norm_w, act, ds in ((True, "gelu_tanh", scale), (False, "silu", None)):
-        got = B.moe_ffn(x, logits, gu, down, K, act=act, norm_w=norm_w, down_scale=ds)
+        got = B.moe_ffn_gate_up(x, logits, gu, down, K, act=act, norm_w=norm_w, down_scale=ds)
         want = np.zeros((T, D))
         for t in range(T):
             p = np.exp(logits[t] - logits[t].max())
@@ -371,11 +371,11 @@ def test_moe_needs_the_backend_op(build):
     from opencoti.engine.arch.gemma4 import Gemma4
     from opencoti.engine.backend.cpu import CPUBackend
 
-    class NoMoE:  # a backend whose op set lacks moe_ffn (as the CUDA backend's does today)
+    class NoMoE:  # a backend whose op set lacks moe_ffn_gate_up (as the CUDA backend's does today)
         name = "nomoe"
 
         def __getattr__(self, attr):
-            if attr == "moe_ffn":
+            if attr == "moe_ffn_gate_up":
                 raise AttributeError(attr)
             return getattr(CPUBackend(), attr)
 

@@ -30,7 +30,7 @@ The recipe per layer ``il`` (T tokens, float32 activations ``[T, n_embd]``):
   ``ffn_gate_inp``) add routed experts: router logits
   ``(rms_norm(x) / sqrt(n_embd) * ffn_gate_inp.scale) @ ffn_gate_inp``; softmax,
   top ``expert_used_count``, renormalised, times ``ffn_down_exps.scale[e]``
-  (backend op ``moe_ffn``) over ``rms_norm(x, pre_ffw_norm_2)``; then
+  (backend op ``moe_ffn_gate_up``) over ``rms_norm(x, pre_ffw_norm_2)``; then
   ``f = rms_norm(f, post_ffw_norm_1) + rms_norm(moe, post_ffw_norm_2)``;
   ``x += rms_norm(f, post_ffw_norm)``;
 - per-layer embeddings (``embedding_length_per_layer_input`` > 0):
@@ -49,7 +49,7 @@ one reads layer ``n_layer - n - 2``'s cache and a global one layer
 ``n_layer - n - 1``'s (HF: the last earlier layer of the same kind; the two
 agree on every released model, and a file where they do not is refused).
 
-Refused at load, naming the feature: MoE on a backend without the ``moe_ffn``
+Refused at load, naming the feature: MoE on a backend without the ``moe_ffn_gate_up``
 op, split ``ffn_gate_exps``/``ffn_up_exps``
 expert tensors (the converter writes the fused ``ffn_gate_up_exps``), per-layer
 varying ``attention.head_count``, K and V head dims that differ, a KV-sharing
@@ -232,9 +232,9 @@ class Gemma4(DecoderModel):
             return req(name, shape) if name in gguf.tensors else None
 
         n_embd, n_layer = hp.n_embd, hp.n_layer
-        if any(n.endswith(".ffn_gate_inp.weight") for n in gguf.tensors) and not hasattr(backend, "moe_ffn"):
+        if any(n.endswith(".ffn_gate_inp.weight") for n in gguf.tensors) and not hasattr(backend, "moe_ffn_gate_up"):
             raise NotImplementedError(f"{gguf.path}: {ARCH} MoE (routed experts) is not supported on the "
-                                      f"{backend.name} backend (no moe_ffn op)")
+                                      f"{backend.name} backend (no moe_ffn_gate_up op)")
         self.tok_embd = req("token_embd.weight")
         if self.tok_embd.shape[1] != n_embd:
             raise GGUFError(f"{gguf.path}: token_embd.weight has {self.tok_embd.shape[1]} columns, "
@@ -354,7 +354,7 @@ class Gemma4(DecoderModel):
         eps = hp.f_norm_rms_eps
         r = B.rms_norm(x, None, eps) * np.float32(1.0 / math.sqrt(hp.n_embd)) * L.ffn_gate_inp_s
         logits = B.mul_mat(r, L.ffn_gate_inp)  # [T, n_expert]
-        return B.moe_ffn(B.rms_norm(x, L.pre_ffw_norm_2, eps), logits, L.ffn_gate_up_exps, L.ffn_down_exps,
+        return B.moe_ffn_gate_up(B.rms_norm(x, L.pre_ffw_norm_2, eps), logits, L.ffn_gate_up_exps, L.ffn_down_exps,
                          hp.n_expert_used, act=self.ffn_act, norm_w=True, down_scale=L.ffn_down_exps_s)
 
     def rope_layer(self, il: int):

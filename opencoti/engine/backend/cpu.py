@@ -84,10 +84,10 @@ class CPUBackend:
         g = self.gelu_tanh(g) if act == "gelu_tanh" else self.silu(g)
         return g * self.mul_mat(x, up)
 
-    def moe_ffn(self, x: np.ndarray, logits: np.ndarray, gate_up_exps: np.ndarray, down_exps: np.ndarray,
+    def moe_ffn_gate_up(self, x: np.ndarray, logits: np.ndarray, gate_up_exps: np.ndarray, down_exps: np.ndarray,
                 n_expert_used: int, act: str = "gelu_tanh", norm_w: bool = True,
                 down_scale: np.ndarray | None = None) -> np.ndarray:
-        """Mixture-of-experts FFN with softmax routing over router ``logits``
+        """Mixture-of-experts FFN (Gemma-4 layout) with softmax routing over router ``logits``
         (llama.cpp ``llm_graph_context::build_moe_ffn`` with
         ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX``, a fused ``ffn_gate_up_exps``
         tensor and a per-expert output scale ``ffn_down_exps.scale``; HF
