@@ -96,7 +96,9 @@ def select_backend(gpu: str = "auto", n_gpu_layers: int = -1, main_gpu: int = 0,
     if gpu == "nvidia":
         return get_backend("cuda", main_gpu)
     if gpu in VULKAN_ALIASES:
-        return get_backend("vulkan", main_gpu)
+        b = get_backend("vulkan", main_gpu)
+        _say(f"opencoti: --gpu {gpu}: using Vulkan device {main_gpu} ({b.device_name})", log)
+        return b
     if gpu == "auto":
         try:
             b = get_backend("cuda", main_gpu)

@@ -234,13 +234,13 @@ class Runtime:
 
     def __init__(self, index: int = 0):
         inst = _Instance.get()
-        vk = self.vk = inst.vk
-        ffi = self.ffi = vk.ffi
-        lib = self.lib = vk.lib
         if not inst.devices:
             raise VulkanUnavailable("no Vulkan device found (the loader lists none)")
         if not 0 <= index < len(inst.devices):
             raise VulkanUnavailable(f"--main-gpu {index} out of range: {len(inst.devices)} Vulkan device(s)")
+        vk = self.vk = inst.vk
+        ffi = self.ffi = vk.ffi
+        lib = self.lib = vk.lib
         self.info = inst.devices[index]
         pd = self.physical = self.info.handle
         props = ffi.new("VkPhysicalDeviceProperties*")
