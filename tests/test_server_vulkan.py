@@ -49,9 +49,10 @@ pytestmark = pytest.mark.vulkan
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
+def server(request):
     from opencoti.model.loader import load_model
 
+    model_path = os.environ.get("OPENCOTI_MODEL") or request.getfixturevalue("model_path")
     params = Params(model=model_path, n_ctx=1024, n_parallel=2, port=0, endpoint_metrics=True,
                     gpu="vulkan", main_gpu=DEVICE)
     model = load_model(model_path, params)

@@ -7,7 +7,8 @@ cross-stream ``seq_cp``; the real gemma-3-270m against the CPU backend and the
 shared references.
 
 Runs on any Vulkan device: CI uses Mesa's lavapipe (``--gpu vulkan`` picks it);
-``OPENCOTI_VK_DEVICE`` picks another index. The GPU code paths a CPU driver
+``OPENCOTI_VK_DEVICE`` picks another index, ``OPENCOTI_MODEL`` the model file
+where the default model package is not installed. The GPU code paths a CPU driver
 does not take by default (warp-per-row GEMV, tiled GEMM, split-K attention) are
 forced in dedicated tests so that lavapipe covers them too. Skipped where no
 Vulkan device exists, unless ``OPENCOTI_REQUIRE_VULKAN=1`` (set by ``.ci/run``),
@@ -123,6 +124,29 @@ def upload(vk, raw, qname, cols):
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------
+# runtime
+# ---------------------------------------------------------------------------------------
+def test_allocator_reuses_and_coalesces(vk):
+    """Freed device memory returns to the pool (merged with its neighbours) and is
+    handed out again; allocations are aligned for storage-buffer bindings."""
+    rt = vk.rt
+    base = rt.bytes_in_use()
+    ts = [vk.empty((1000 + 37 * i,)) for i in range(6)]
+    assert all(t.alloc.offset % rt.align == 0 for t in ts)
+    assert rt.bytes_in_use() > base
+    offsets = [(t.alloc.block.id, t.alloc.offset) for t in ts]
+    del ts
+    assert rt.bytes_in_use() == base
+    # the free list is back to its state before (fully coalesced): the same requests land
+    # at the same places, so a decode step reuses last step's memory (and descriptor sets)
+    ts = [vk.empty((1000 + 37 * i,)) for i in range(6)]
+    assert [(t.alloc.block.id, t.alloc.offset) for t in ts] == offsets
+    del ts
+    x = np.arange(300_000, dtype=np.float32)  # > 64 KiB: goes through the staging buffer
+    np.testing.assert_array_equal(vk.asarray(x).get(), x)
 
 
 # ---------------------------------------------------------------------------------------
@@ -428,10 +452,16 @@ N_STEPS = 8  # teacher-forced greedy steps per case (lavapipe: ~0.3 s per positi
 
 
 @pytest.fixture(scope="module")
-def real_model(model_path):
+def real_model_path(request):
+    """``$OPENCOTI_MODEL`` (a device machine without the model package), else the default model."""
+    return os.environ.get("OPENCOTI_MODEL") or request.getfixturevalue("model_path")
+
+
+@pytest.fixture(scope="module")
+def real_model(real_model_path):
     from opencoti.model.loader import load_model
 
-    return load_model(model_path, with_tokenizer=False)
+    return load_model(real_model_path, with_tokenizer=False)
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,11 @@ def _import_vulkan():
     return vulkan
 
 
+def pr_ver(v: int) -> tuple[int, int]:
+    """(major, minor) of a packed Vulkan version."""
+    return (v >> 22) & 0x7F, (v >> 12) & 0x3FF
+
+
 def _check(res: int, what: str) -> None:
     if res != 0:
         raise VulkanError(f"{what} failed: {_RESULTS.get(res, res)}")
@@ -253,7 +258,18 @@ class Runtime:
         mp = ffi.new("VkPhysicalDeviceMemoryProperties*")
         lib.vkGetPhysicalDeviceMemoryProperties(pd, mp)
         self._mem_types = [int(mp.memoryTypes[i].propertyFlags) for i in range(mp.memoryTypeCount)]
-        self.max_alloc = 1 << 31  # Vulkan 1.1 guarantees at least 1 GiB; drivers give >= 2 GiB
+        self.max_alloc = 1 << 30  # Vulkan 1.1's guaranteed minimum, unless the driver says more
+        self.subgroup_size = 0
+        if pr_ver(props.apiVersion) >= (1, 1):
+            m3 = ffi.new("VkPhysicalDeviceMaintenance3Properties*", {
+                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES})
+            sg = ffi.new("VkPhysicalDeviceSubgroupProperties*", {
+                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES, "pNext": m3})
+            p2 = ffi.new("VkPhysicalDeviceProperties2*", {
+                "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, "pNext": sg})
+            lib.vkGetPhysicalDeviceProperties2(pd, p2)
+            self.max_alloc = max(self.max_alloc, int(m3.maxMemoryAllocationSize))
+            self.subgroup_size = int(sg.subgroupSize)
         # queue family with compute
         n = ffi.new("uint32_t*")
         lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, n, ffi.NULL)
@@ -310,6 +326,7 @@ class Runtime:
             "dstAccessMask": vk.VK_ACCESS_HOST_READ_BIT})
         self._region = ffi.new("VkBufferCopy*")
         self._lock = threading.RLock()
+        self._pending: list = []  # (block, offset, size) released by Alloc.__del__, not yet merged
         self._recording = False
         self._n_cmds = 0
         self._reads: list = []
@@ -341,6 +358,7 @@ class Runtime:
         """``nbytes`` (rounded up to ``align``) of device memory. Raises ``VulkanError`` when out of memory."""
         size = max(self.align, -(-int(nbytes) // self.align) * self.align)
         with self._lock:
+            self._drain_frees()
             best = None
             for b in self.blocks:
                 for j, (o, s) in enumerate(b.free):
@@ -363,11 +381,17 @@ class Runtime:
             return Alloc(self, b, o, size)
 
     def _free(self, a: Alloc) -> None:
-        if self.closed:
-            return
-        with self._lock:
-            fl = a.block.free
-            o, s = a.offset, a.size
+        """Queue ``a``'s range for release. Called from ``Alloc.__del__``, which may run
+        at any allocation (cyclic GC), even inside ``alloc``: so only an atomic append
+        here; the free lists change in ``_drain_frees``, at the next ``alloc``."""
+        if not self.closed:
+            self._pending.append((a.block, a.offset, a.size))
+
+    def _drain_frees(self) -> None:
+        pend = self._pending
+        while pend:
+            block, o, s = pend.pop()
+            fl = block.free
             i = bisect.bisect_left(fl, (o, 0))
             if i < len(fl) and fl[i][0] == o + s:  # merge with the next range
                 s += fl[i][1]
@@ -381,6 +405,7 @@ class Runtime:
     def bytes_in_use(self) -> int:
         """Device bytes allocated to live tensors."""
         with self._lock:
+            self._drain_frees()
             return sum(b.size - sum(s for _, s in b.free) for b in self.blocks)
 
     # -- recording ----------------------------------------------------------------------

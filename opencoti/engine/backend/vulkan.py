@@ -38,6 +38,7 @@ head size or shape without a shader; ``ValueError`` for mismatched shapes.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -70,6 +71,7 @@ class VkTensor:
     """
 
     __array_ufunc__ = None  # numpy defers to our operators instead of converting
+    __slots__ = ("be", "alloc", "shape", "dtype", "offset", "host", "size", "nbytes")
 
     def __init__(self, be: "VulkanBackend", alloc, shape, dtype, offset: int = 0, host=None):
         self.be = be
@@ -78,18 +80,12 @@ class VkTensor:
         self.dtype = np.dtype(dtype)
         self.offset = offset
         self.host = host  # optional host copy (small weights: rope factors)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -103,9 +99,9 @@ class VkTensor:
         shape = list(shape)
         if -1 in shape:
             i = shape.index(-1)
-            rest = int(np.prod([s for j, s in enumerate(shape) if j != i], dtype=np.int64))
+            rest = math.prod(s for j, s in enumerate(shape) if j != i)
             shape[i] = self.size // max(rest, 1)
-        if int(np.prod(shape, dtype=np.int64)) != self.size:
+        if math.prod(shape) != self.size:
             raise ValueError(f"cannot reshape {self.shape} to {tuple(shape)}")
         return VkTensor(self.be, self.alloc, shape, self.dtype, self.offset, self.host)
 
@@ -213,7 +209,7 @@ class VulkanBackend:
     # -- tensors --------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32) -> VkTensor:
         """Uninitialised device tensor."""
-        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        n = math.prod(shape) * np.dtype(dtype).itemsize
         return VkTensor(self, self.rt.alloc(max(n, 4)), shape, dtype)
 
     def zeros(self, shape, dtype) -> VkTensor:
@@ -304,7 +300,8 @@ class VulkanBackend:
             raise NotImplementedError(f"Vulkan backend: {name}: {cols} columns is not a multiple of 32")
         raw = np.ascontiguousarray(raw).reshape(rows, -1)
         row_bytes = raw.shape[1]
-        per = max(1, (self.rt.max_range - 4096) // max(row_bytes, 1))
+        limit = min(self.rt.max_range, self.rt.max_alloc, 1 << 30) - 4096  # one binding, one allocation
+        per = max(1, limit // max(row_bytes, 1))
         parts = []
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
