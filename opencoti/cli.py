@@ -92,7 +92,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "verbose": ("LLAMA_ARG_VERBOSE",),
 }
 
-GPU_CHOICES = ("auto", "nvidia", "vulkan", "amd", "apple", "disable")
+GPU_CHOICES = ("auto", "nvidia", "vulkan", "vk", "amd", "intel", "apple", "disable")
 ADMISSION_CHOICES = ("off", "warn", "enforced")
 
 # llama.cpp common/arg.cpp is_truthy / is_falsey / is_autoy

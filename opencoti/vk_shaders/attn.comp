@@ -1,0 +1,170 @@
+#version 450
+// Attention over KV cells (paged at cell granularity), flash-decoding style.
+//
+// Query row r (one token of the ubatch) belongs to view vw = row_view[r]; its
+// candidate cells are cells[view_off[vw] .. view_off[vw + 1]) (flat indices
+// stream * n_cells + cell into K/V [n_cells_total, n_kv, D]) at positions
+// cell_pos[]. A cell is visible when cell_pos <= q_pos and, with n_swa > 0,
+// q_pos - cell_pos < n_swa (llama.cpp's standard SWA). GQA: query head h reads
+// kv head h / G. Scores get softcap * tanh(s / softcap) when softcap > 0.
+// meta holds row_view, view_off, cells and cell_pos (int32) at the *_off offsets.
+//
+// Grid (T, n_kv, n_split * n_gsub): a workgroup takes up to 8 query heads of one
+// kv head (sub-group gs of ceil(G / 8)) and split sp of the view's cells. It walks
+// its cells in tiles of 128: each thread scores one cell against the group's
+// heads (q in shared memory), an online softmax (Milakov & Gimelshein 2018)
+// rescales the running sums, and each thread accumulates its pairs of output
+// dims over the tile. n_split == 1 writes normalised rows out[T, n_head, D];
+// otherwise unnormalised partials out[(r, h, sp), D] and (m, l) pairs at ml_off,
+// merged by attn_merge.comp (log-sum-exp, Dao et al., flash-decoding).
+// KV_F16: K/V are f16 pairs in 32-bit words; else f32. D even, <= 512.
+#include "common.glsl"
+
+layout(local_size_x = 128) in;
+layout(binding = 0) readonly buffer QB { float qs[]; };
+layout(binding = 1) readonly buffer KB { uint K[]; };
+layout(binding = 2) readonly buffer VB { uint V[]; };
+layout(binding = 3) readonly buffer MB { int meta[]; };
+layout(binding = 4) readonly buffer PB { int qpos[]; };
+layout(binding = 5) writeonly buffer OB { float outs[]; };
+layout(push_constant) uniform PC {
+    uint n_head, n_kv, D, G, n_split, n_gsub;
+    float scale; int n_swa; float softcap;
+    uint rv_off, vo_off, cl_off, cp_off, qp_off, ml_off;
+} p;
+
+#define MAXG 8u
+#define DMAX 512u
+#define TC 128u
+#define PPT 2u            // dim pairs per thread: DMAX / 2 / 128
+#define NEG (-3.0e38)     // "no score": finite, so no driver needs IEEE infinities
+
+shared float sq[MAXG * DMAX];
+shared float sp[MAXG * TC];
+shared float sm[MAXG], sl[MAXG], scr[MAXG];
+shared int scell[TC];
+
+vec2 kv_pair(uint w, bool is_k) {  // dims 2j, 2j+1 at word index w (f16) or 2w (f32)
+#ifdef KV_F16
+    return unpackHalf2x16(is_k ? K[w] : V[w]);
+#else
+    return is_k ? vec2(uintBitsToFloat(K[2u * w]), uintBitsToFloat(K[2u * w + 1u]))
+                : vec2(uintBitsToFloat(V[2u * w]), uintBitsToFloat(V[2u * w + 1u]));
+#endif
+}
+
+void main() {
+    uint r = gl_WorkGroupID.x, kh = gl_WorkGroupID.y;
+    uint spl = gl_WorkGroupID.z / p.n_gsub, gs = gl_WorkGroupID.z % p.n_gsub;
+    uint tid = gl_LocalInvocationID.x;
+    uint h0 = kh * p.G + gs * MAXG;
+    uint ng = min(MAXG, p.G - gs * MAXG);
+    uint D = p.D, hp = D >> 1;
+    int qp = qpos[p.qp_off + r];
+    int vw = meta[p.rv_off + r];
+    int b0 = meta[p.vo_off + vw], len = meta[p.vo_off + vw + 1] - b0;
+    int chunk = (len + int(p.n_split) - 1) / int(p.n_split);
+    int c0 = b0 + int(spl) * chunk, c1 = min(b0 + len, c0 + chunk);
+
+    for (uint e = tid; e < ng * D; e += 128u) {
+        uint g = e / D, d = e % D;
+        sq[g * DMAX + d] = qs[(r * p.n_head + h0 + g) * D + d] * p.scale;
+    }
+    if (tid < MAXG) { sm[tid] = NEG; sl[tid] = 0.0; scr[tid] = 0.0; }
+    float acc[MAXG][2 * PPT];
+    for (uint g = 0u; g < MAXG; g++)
+        for (uint k = 0u; k < 2u * PPT; k++) acc[g][k] = 0.0;
+    barrier();
+
+    for (int base = c0; base < c1; base += int(TC)) {
+        // 1. one cell per thread: visibility and scores against every head of the group
+        int i = base + int(tid);
+        int cell = -1;
+        if (i < c1) {
+            int cp = meta[p.cp_off + i];
+            if (cp <= qp && (p.n_swa <= 0 || qp - cp < p.n_swa)) cell = meta[p.cl_off + i];
+        }
+        scell[tid] = cell;
+        float s[MAXG];
+        for (uint g = 0u; g < MAXG; g++) s[g] = 0.0;
+        if (cell >= 0) {
+            uint kb = (uint(cell) * p.n_kv + kh) * hp;
+            for (uint j = 0u; j < hp; j++) {
+                vec2 k2 = kv_pair(kb + j, true);
+                for (uint g = 0u; g < MAXG; g++) {
+                    if (g < ng) s[g] += sq[g * DMAX + 2u * j] * k2.x + sq[g * DMAX + 2u * j + 1u] * k2.y;
+                }
+            }
+        }
+        for (uint g = 0u; g < ng; g++) {
+            float v = s[g];
+            if (p.softcap > 0.0) v = p.softcap * tanh_safe(v / p.softcap);
+            sp[g * TC + tid] = cell >= 0 ? v : NEG;
+        }
+        barrier();
+        // 2. online softmax per head: new max, rescale factor, probabilities
+        if (tid < ng) {
+            uint g = tid;
+            float mx = sm[g];
+            for (uint j = 0u; j < TC; j++) if (scell[j] >= 0) mx = max(mx, sp[g * TC + j]);
+            float corr = sm[g] > NEG ? exp(sm[g] - mx) : 0.0;
+            float sum = 0.0;
+            for (uint j = 0u; j < TC; j++) {
+                float pj = scell[j] >= 0 ? exp(sp[g * TC + j] - mx) : 0.0;
+                sp[g * TC + j] = pj;
+                sum += pj;
+            }
+            sl[g] = sl[g] * corr + sum;
+            sm[g] = mx;
+            scr[g] = corr;
+        }
+        barrier();
+        // 3. accumulate V: each thread owns dim pairs tid + 128 k
+        for (uint g = 0u; g < MAXG; g++) {
+            if (g < ng) {
+                float f = scr[g];
+                for (uint k = 0u; k < 2u * PPT; k++) acc[g][k] *= f;
+            }
+        }
+        for (uint k = 0u; k < PPT; k++) {
+            uint j2 = tid + 128u * k;
+            if (j2 >= hp) break;
+            for (uint j = 0u; j < TC; j++) {
+                int c = scell[j];
+                if (c < 0) continue;
+                vec2 v2 = kv_pair((uint(c) * p.n_kv + kh) * hp + j2, false);
+                for (uint g = 0u; g < MAXG; g++) {
+                    if (g < ng) {
+                        float pr = sp[g * TC + j];
+                        acc[g][2u * k] += pr * v2.x;
+                        acc[g][2u * k + 1u] += pr * v2.y;
+                    }
+                }
+            }
+        }
+        barrier();
+    }
+
+    for (uint g = 0u; g < ng; g++) {
+        uint h = h0 + g;
+        for (uint k = 0u; k < PPT; k++) {
+            uint j2 = tid + 128u * k;
+            if (j2 >= hp) break;
+            if (p.n_split == 1u) {
+                float inv = sl[g] > 0.0 ? 1.0 / sl[g] : 0.0;
+                uint o = (r * p.n_head + h) * D + 2u * j2;
+                outs[o] = acc[g][2u * k] * inv;
+                outs[o + 1u] = acc[g][2u * k + 1u] * inv;
+            } else {
+                uint pi = (r * p.n_head + h) * p.n_split + spl;
+                outs[pi * D + 2u * j2] = acc[g][2u * k];
+                outs[pi * D + 2u * j2 + 1u] = acc[g][2u * k + 1u];
+            }
+        }
+        if (p.n_split > 1u && tid == 0u) {
+            uint pi = (r * p.n_head + h) * p.n_split + spl;
+            outs[p.ml_off + 2u * pi] = sm[g];
+            outs[p.ml_off + 2u * pi + 1u] = sl[g];
+        }
+    }
+}
