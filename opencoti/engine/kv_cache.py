@@ -137,6 +137,9 @@ class KVCache:
         self.type_k, self.type_v = type_k, type_v
         self.pos = np.full((n_stream, n_cells), -1, dtype=np.int32)
         self.seq = np.zeros((n_stream, n_seq_max, n_cells), dtype=bool)  # [stream, seq_id, cell]
+        # member cells per seq_id (None = recompute from ``seq``): a decode step then
+        # costs O(cells of the ubatch's sequences), not O(n_seq * n_cells)
+        self._cells: list[np.ndarray | None] = [None] * n_seq_max
         self.k = {il: zeros((n_stream, n_cells, n_head_kv, d_k), KV_TYPES[type_k]) for il in layers}
         self.v = {il: zeros((n_stream, n_cells, n_head_kv, d_v), KV_TYPES[type_v]) for il in layers}
 
@@ -171,8 +174,12 @@ class KVCache:
             self.pos[st, cells[~self.seq[st][:, cells].any(axis=0)]] = -1
 
     def cells_of(self, seq_id: int) -> np.ndarray:
-        """Cell indices (in ``seq_id``'s stream) that ``seq_id`` is a member of."""
-        return np.nonzero(self.seq[self.stream_of(seq_id), seq_id])[0]
+        """Cell indices (in ``seq_id``'s stream, any order) that ``seq_id`` is a member
+        of (cached; do not modify the returned array)."""
+        c = self._cells[seq_id]
+        if c is None:
+            c = self._cells[seq_id] = np.nonzero(self.seq[self.stream_of(seq_id), seq_id])[0]
+        return c
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id`` from its cells with position in ``[p0, p1)`` (-1 = open end).
@@ -186,6 +193,7 @@ class KVCache:
         st, m = self._range(seq_id, p0, p1)
         cells = np.nonzero(m)[0]
         self.seq[st, seq_id, cells] = False
+        self._cells[seq_id] = None
         self._gc(st, cells)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -199,6 +207,7 @@ class KVCache:
         st_d = self.stream_of(dst)
         if st_s == st_d:
             self.seq[st_s, dst, m] = True
+            self._cells[dst] = None
             return
         src_cells = np.nonzero(m)[0]
         free = np.nonzero(self.pos[st_d] < 0)[0]
@@ -207,6 +216,7 @@ class KVCache:
         dst_cells = free[: len(src_cells)]
         self.pos[st_d, dst_cells] = self.pos[st_s, src_cells]
         self.seq[st_d, dst, dst_cells] = True
+        self._cells[dst] = None
         for il in self.layers:
             self.k[il][st_d, dst_cells] = self.k[il][st_s, src_cells]
             self.v[il][st_d, dst_cells] = self.v[il][st_s, src_cells]
@@ -233,26 +243,27 @@ class KVCache:
         shift[m] = delta
         self.pos[st, m] += delta
         gone = m & (self.pos[st] < 0)
-        self.seq[st, :, gone] = False
+        if gone.any():
+            self.seq[st, :, gone] = False
+            self._cells[seq_id] = None
         self.pos[st, gone] = -1
         shift[gone] = 0
         return shift
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id``'s cells, -1 if it has none."""
-        st = self.stream_of(seq_id)
-        p = self.pos[st][self.seq[st, seq_id]]
+        p = self.pos[self.stream_of(seq_id)][self.cells_of(seq_id)]
         return int(p.min()) if p.size else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of ``seq_id``'s cells, -1 if it has none."""
-        st = self.stream_of(seq_id)
-        p = self.pos[st][self.seq[st, seq_id]]
+        p = self.pos[self.stream_of(seq_id)][self.cells_of(seq_id)]
         return int(p.max()) if p.size else -1
 
     def clear(self) -> None:
         self.pos[:] = -1
         self.seq[:] = False
+        self._cells = [None] * self.n_seq_max
 
     # -- per-ubatch planning ----------------------------------------------------------
     def prune_swa(self, seq_ids: np.ndarray, pos: np.ndarray) -> None:
@@ -270,14 +281,28 @@ class KVCache:
         p_end = p_min - self.n_swa + 1  # prune positions < p_end
         keep = p_end > 0
         seqs, p_end = seqs[keep], p_end[keep]
-        for st in np.unique([self.stream_of(int(s)) for s in seqs]) if len(seqs) else []:
-            on = np.array([self.stream_of(int(s)) == st for s in seqs])
-            ss = seqs[on]
-            old = self.seq[st][ss] & (self.pos[st][None, :] < p_end[on][:, None])  # [n_s, n_cells]
-            r, cells = np.nonzero(old)
-            if len(cells):
-                self.seq[st, ss[r], cells] = False
-                self._gc(st, np.unique(cells))
+        if len(seqs) == 0:
+            return
+        lists = [self.cells_of(s) for s in seqs.tolist()]
+        lens = np.array([len(c) for c in lists])
+        streams = np.array([self.stream_of(s) for s in seqs.tolist()], dtype=np.int64)
+        allc = np.concatenate(lists)
+        old = self.pos[np.repeat(streams, lens), allc] < np.repeat(p_end, lens)  # all sequences at once
+        if not old.any():
+            return
+        n_old = np.add.reduceat(old, np.r_[0, np.cumsum(lens)[:-1]]) if len(allc) else lens * 0
+        starts = np.r_[0, np.cumsum(lens)]
+        touched: dict[int, list[np.ndarray]] = {}
+        for j in np.nonzero(n_old)[0].tolist():
+            s, st = int(seqs[j]), int(streams[j])
+            o = old[starts[j]:starts[j + 1]]
+            cells = lists[j]
+            gone = cells[o]
+            self.seq[st, s, gone] = False
+            self._cells[s] = cells[~o]
+            touched.setdefault(st, []).append(gone)
+        for st, parts in touched.items():
+            self._gc(st, np.unique(np.concatenate(parts)))
 
     def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> CachePlan:
         """Choose free cells for each token of a ubatch; changes nothing.
@@ -304,22 +329,18 @@ class KVCache:
         ``plan.views`` (per-sequence cell lists for attention) and, when
         ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
-        self.seq[plan.stream, :, plan.cell] = False
-        self.seq[plan.stream, seq_ids, plan.cell] = True
-        plan.views = []
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
         seqs, inv = np.unique(seq_ids, return_inverse=True)
         rows_of = np.split(np.argsort(inv, kind="stable"), np.cumsum(np.bincount(inv, minlength=len(seqs)))[:-1])
-        streams = np.array([self.stream_of(int(s)) for s in seqs], dtype=np.int64)
-        for st in np.unique(streams):
-            idx = np.nonzero(streams == st)[0]
-            r, cells = np.nonzero(self.seq[st][seqs[idx]])  # one pass over this stream's rows
-            cpos = self.pos[st, cells]
-            bounds = np.searchsorted(r, np.arange(len(idx) + 1))
-            for j, i in enumerate(idx):
-                a, b = bounds[j], bounds[j + 1]
-                plan.views.append(SeqView(rows_of[i], int(st), cells[a:b], cpos[a:b], int(seqs[i])))
-        plan.views.sort(key=lambda v: v.seq_id)
+        for s, rows in zip(seqs.tolist(), rows_of):  # the cached lists, before membership changes
+            self.cells_of(s)
+        self.seq[plan.stream, :, plan.cell] = False  # free cells: no members (kept for safety)
+        self.seq[plan.stream, seq_ids, plan.cell] = True
+        plan.views = []
+        for s, rows in zip(seqs.tolist(), rows_of):
+            st = self.stream_of(s)
+            cells = self._cells[s] = np.concatenate([self._cells[s], plan.cell[rows]])
+            plan.views.append(SeqView(rows, st, cells, self.pos[st, cells], s))
         plan.groups = self._shared_groups(plan.views, share_src or {})
 
     def _shared_groups(self, views: list[SeqView], share_src: dict) -> list[SharedGroup]:
@@ -340,15 +361,15 @@ class KVCache:
         for (st, src), members in by_src.items():
             if len(members) < 2:
                 continue
-            common = self.seq[st, src].copy()
-            for i in members:
-                common &= self.seq[st, views[i].seq_id]
-            shared = np.nonzero(common)[0]
+            shared = self.cells_of(src)
+            for i in members:  # sorted lists: intersect in O(cells)
+                shared = np.intersect1d(shared, views[i].cells, assume_unique=True)
             if len(shared) == 0:
                 continue
             for i in members:
                 v = views[i]
-                v.private = v.cells[~common[v.cells]]
+                keep = ~np.isin(v.cells, shared, assume_unique=True)
+                v.private = v.cells[keep]
                 v.private_pos = self.pos[st, v.private]
             groups.append(SharedGroup(members, st, shared, self.pos[st, shared]))
         return groups
