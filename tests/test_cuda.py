@@ -113,7 +113,8 @@ def test_dequantize_matches_gguf(gpu, qname):
 @pytest.mark.parametrize("qname", QNAMES)
 @pytest.mark.parametrize("n", [1, 3, 8, 13, 40, 64, 65])
 def test_mul_mat_matches_reference(gpu, qname, n):
-    """Tiled GEMV (n <= 64) and dequantize + cuBLAS (n > 64) against float64 on the dequantized weight."""
+    """GEMV (few rows), f16 cuBLAS GEMM (F16_GEMM_MIN_ROWS..64 rows) and dequantize + SGEMM
+    (more) against float64 on the dequantized weight."""
     rng = np.random.default_rng(2 + n)
     rows, cols = 300, 768
     raw = random_blocks(qname, rows, cols, rng)
@@ -123,7 +124,11 @@ def test_mul_mat_matches_reference(gpu, qname, n):
     want = x.astype(np.float64) @ wf.T
     assert got.shape == (n, rows)
     assert np.isfinite(got).all()
-    assert rel_err(got, want) < 1e-5
+    from opencoti.engine.backend import cuda as cu
+
+    f16 = cu.F16_GEMM_MIN_ROWS and cu.F16_GEMM_MIN_ROWS <= n <= cu.GEMV_MAX_TOKENS
+    # f16 GEMM: x and w rounded to f16 (2^-11 relative each), f32 accumulation
+    assert rel_err(got, want) < (2e-3 if f16 else 1e-5), rel_err(got, want)
 
 
 @pytest.mark.parametrize("qname", ["Q8_0", "Q4_K", "F16"])
@@ -253,7 +258,9 @@ def test_tiny_model_cuda_matches_cpu(tmp_path, gpu, cpu, arch, qtype):
     for ub in (16, 5, 1):
         got = _logits(model, gpu, toks, n_ubatch=ub)
         err = np.max(np.abs(got - want))
-        assert err < 2e-3 * max(1.0, float(np.max(np.abs(want)))), (ub, err)
+        # ubatches of 16 rows take the f16 GEMM (inputs rounded to f16): a looser bound there
+        tol = 1e-2 if ub >= 16 else 2e-3
+        assert err < tol * max(1.0, float(np.max(np.abs(want)))), (ub, err)
         assert (np.argmax(got, 1) == np.argmax(want, 1)).mean() > 0.97
 
 

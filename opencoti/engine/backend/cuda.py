@@ -4,9 +4,11 @@ Weights stay in their GGUF block format in device memory (``QTensor``: the
 tensor's raw bytes, uploaded once). Kernels from ``opencoti/cuda_src`` are
 compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 
-- ``mul_mat`` with up to ``GEMV_MAX_TOKENS`` activation rows: a GEMV that
-  dequantizes the weight's blocks in registers (one warp per output row, as
-  ggml-cuda ``mul_mat_vec``), over tiles of ``GEMV_TILE`` rows; more rows (prefill): the weight is dequantized to
+- ``mul_mat`` with few activation rows: a GEMV that dequantizes the weight's
+  blocks in registers (warps per output row, coalesced units as ggml-cuda
+  ``mul_mat_vec_q``), over tiles of ``GEMV_TILE`` rows; from ``F16_GEMM_MIN_ROWS``
+  rows (batched decode) the weight is dequantized to f16 in a scratch buffer and
+  multiplied by cuBLAS ``gemmEx`` (f32 accumulate); prefill: the weight is dequantized to
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
 - ``attention_cells``: split-K online-softmax attention that reads f16 K/V
   through the cache plan's per-sequence cell lists (``attention.cu``).
@@ -31,13 +33,24 @@ import numpy as np
 from opencoti.engine.backend.cuda_kernels import load_module
 from opencoti.model.gguf_file import GGUFFile
 
-GEMV_MAX_TOKENS = 64  # rows up to this: tiled GEMV (weights read once per 8 rows, from L2 after the first)
+GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
 GEMV_TILE = 8
+# From this many activation rows, mul_mat dequantizes the weight to f16 in a scratch buffer
+# and multiplies with cuBLAS (f16 inputs, f32 accumulate and output: tensor cores) instead of
+# the tiled GEMV, whose activation loads grow with the rows (measured on a 7B: 8 rows 20 ms per
+# step with GEMV tiles). Prefill (more than GEMV_MAX_TOKENS rows) keeps float32 SGEMM unless
+# OPENCOTI_CUDA_F16_PREFILL=1. OPENCOTI_CUDA_F16_GEMM_MIN_ROWS=0 turns the f16 path off.
+F16_GEMM_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_F16_GEMM_MIN_ROWS", "16"))
+F16_PREFILL = os.environ.get("OPENCOTI_CUDA_F16_PREFILL", "0") == "1"
 ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
+_CUDA_R_16F, _CUDA_R_32F = 2, 0  # cudaDataType_t
+_CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
+_CUBLAS_GEMM_DEFAULT = -1
+_OP_N, _OP_T, _PTR_MODE_HOST = 0, 1, 0  # cublasOperation_t, cublasPointerMode_t
 
 
 def _warps_per_row(rows: int, cols: int) -> int:
@@ -93,6 +106,8 @@ class CUDABackend:
         self._staged = False
         self._capturing = False
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
+        self._w16 = None  # f16 scratch of _gemm_f16
+        self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
 
@@ -189,6 +204,8 @@ class CUDABackend:
         rows, cols = w.shape
         if k != cols:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
+        if F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL):
+            return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
         y = cp.empty((n, rows), dtype=cp.float32)
@@ -196,6 +213,38 @@ class CUDABackend:
         wpr = _warps_per_row(rows, cols)
         fn(((n + GEMV_TILE - 1) // GEMV_TILE, (rows * wpr + 7) // 8), (256,),
            (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
+        return y
+
+    def _gemm_f16(self, x, w: QTensor):
+        """``x [n, k] @ w.T`` through cuBLAS ``gemmEx``: the weight dequantized to f16 into a
+        persistent scratch buffer (one per backend, sized to the largest weight seen; graph
+        replays are serialized on one stream, so sharing it is safe), ``x`` rounded to f16,
+        f32 accumulation (CUBLAS_COMPUTE_32F) and f32 output ``[n, rows]``."""
+        cp = self.cp
+        from cupy_backends.cuda.libs import cublas
+
+        rows, cols = w.shape
+        n = x.shape[0]
+        need = rows * cols
+        if self._w16 is None or self._w16.size < need:
+            mem = cp.cuda.Memory(2 * need)  # raw cudaMalloc: allowed under relaxed stream capture
+            self._w16 = cp.ndarray((need,), dtype=cp.float16, memptr=cp.cuda.MemoryPointer(mem, 0))
+        w16 = self._w16[:need].reshape(rows, cols)
+        nch = rows * (cols // 32)
+        self._qfn("dequant_f16", w)(((nch + 255) // 256,), (256,),
+                                    (w.data, np.int64(w.row_bytes), w16, np.int32(rows), np.int32(cols)))
+        x16 = x.astype(cp.float16)
+        y = cp.empty((n, rows), dtype=cp.float32)
+        handle = cp.cuda.device.get_cublas_handle()
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, _PTR_MODE_HOST)
+        try:
+            # column-major: y^T [rows, n] = (w16 as [cols, rows])^T @ (x16 as [cols, n])
+            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, cols,
+                          self._one.ctypes.data, w16.data.ptr, _CUDA_R_16F, cols, x16.data.ptr, _CUDA_R_16F, cols,
+                          self._zero.ctypes.data, y.data.ptr, _CUDA_R_32F, rows, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
         return y
 
     def gated_ffn(self, x, gate, up, act: str):
