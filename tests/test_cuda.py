@@ -139,6 +139,19 @@ def test_mul_mat_matches_reference(gpu, qname, n):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("n", [1, 6, 70])
+def test_mul_mat_dense_weight(gpu, n):
+    """Dense float32 weights (matrices the loader keeps dense): rows of a multiple of 8 take the
+    F32 GEMV up to 64 tokens (one output row: Qwen's shared-expert gate), others cuBLAS."""
+    rng = np.random.default_rng(30 + n)
+    x = rng.standard_normal((n, 96)).astype(np.float32)
+    for rows, cols in ((1, 96), (40, 96), (64, 16), (7, 12)):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        got = cp.asnumpy(gpu.mul_mat(cp.asarray(x[:, :cols]), cp.asarray(w)))
+        want = x[:, :cols].astype(np.float64) @ w.T
+        assert got.shape == (n, rows) and rel_err(got, want) < 1e-5, (rows, cols)
+
+
 @pytest.mark.parametrize("qname", ["Q8_0", "Q4_K", "F16"])
 def test_get_rows(gpu, qname):
     rng = np.random.default_rng(3)

@@ -254,10 +254,17 @@ class CUDABackend:
 
     # -- matmul / rows --------------------------------------------------------------------
     def mul_mat(self, x, w):
-        """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32."""
+        """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32. ``w``: a ``QTensor`` or a dense
+        device array; a dense float32 matrix with rows of a multiple of 8 goes through the
+        F32 GEMV (units of 8 floats) for up to ``GEMV_MAX_TOKENS`` rows, so no cuBLAS call
+        lands in a captured decode graph (e.g. Qwen's shared-expert gate ``[1, n_embd]``,
+        a small per-layer projection); anything else goes to cuBLAS."""
         cp = self.cp
         if not isinstance(w, QTensor):
-            return cp.matmul(x, w.T)
+            if (x.shape[0] > GEMV_MAX_TOKENS or w.ndim != 2 or w.dtype != np.float32 or w.shape[1] % 8
+                    or not w.flags.c_contiguous):
+                return cp.matmul(x, w.T)
+            w = QTensor(w.reshape(-1).view(cp.uint8), 0, tuple(w.shape), 4 * w.shape[1])
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n, k = x.shape
         rows, cols = w.shape
