@@ -1,5 +1,6 @@
-// opencoti CUDA kernels: quantized GEMV / dequantize / get_rows over GGUF
-// blocks, RMSNorm, RoPE, activations, KV writes and attention over KV cells.
+// opencoti CUDA kernels: quantized GEMV (also per routed expert) / dequantize / get_rows over GGUF
+// blocks, MoE routing, RMSNorm, L2 norm, RoPE (YaRN), activations, KV writes. (Attention over KV
+// cells: attention.cu; gated delta-net recurrences: recurrent.cu.)
 // Compiled at first GPU run with NVRTC (opencoti/engine/backend/cuda_kernels.py).
 //
 // Conventions: activations are row-major float32 [rows, n]; weights are the
