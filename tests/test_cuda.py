@@ -9,6 +9,17 @@ parity test's tolerances. Skipped where CuPy or a CUDA device is missing.
 Tolerances: the CUDA path computes in float32 like the CPU backend (GEMV in
 f32 registers, cuBLAS SGEMM for prefill, f16 KV as on the CPU), so only
 summation order differs: ops match to ~1e-5 relative, logits to 2e-3.
+
+Issue 7c (the new architectures' ops): MoE routing + expert FFNs (both layouts,
+the decode-size GEMV-by-ids path and the prefill-size host-grouped path), the
+gated delta-net ops with device states (several sequences per ubatch, long and
+single-token ones), sigmoid / softplus / l2_norm, YaRN RoPE, 3-D expert weights,
+and every new architecture end to end (Gemma-4 dense_hd256 / dense_hd512 / moe /
+e_series, Qwen3.5, Qwen3.5-MoE, Qwen3-next, Qwen2.5-1M with YaRN): prefill
+ubatches over and under the GEMV limit, two sequences in one ubatch, decode steps
+replayed as CUDA graphs, all against the CPU backend on the same Q8_0 file with
+f16 KV on both sides (max |dlogit| < 2e-3 x max(1, max |logit|), same argmax
+wherever the CPU's top-2 margin exceeds twice the observed error).
 """
 
 from __future__ import annotations
@@ -32,8 +43,10 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from opencoti.engine.backend import get_backend  # noqa: E402
 from opencoti.engine.backend.cpu import CPUBackend  # noqa: E402
-from opencoti.engine.backend.cuda import QTYPES, QTensor  # noqa: E402
+from opencoti.engine.backend.cuda import QTYPES, QExperts, QTensor  # noqa: E402
+from opencoti.engine.batch import UBatch  # noqa: E402
 from opencoti.engine.kv_cache import KVCache  # noqa: E402
+from opencoti.engine.recurrent_state import RSPlan, RSView  # noqa: E402
 from opencoti.engine.runner import ModelRunner, iter_logits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -129,6 +142,19 @@ def test_mul_mat_matches_reference(gpu, qname, n):
     f16 = cu.F16_GEMM_MIN_ROWS and cu.F16_GEMM_MIN_ROWS <= n <= cu.GEMV_MAX_TOKENS
     # f16 GEMM: x and w rounded to f16 (2^-11 relative each), f32 accumulation
     assert rel_err(got, want) < (2e-3 if f16 else 1e-5), rel_err(got, want)
+
+
+@pytest.mark.parametrize("n", [1, 6, 70])
+def test_mul_mat_dense_weight(gpu, n):
+    """Dense float32 weights (matrices the loader keeps dense): rows of a multiple of 8 take the
+    F32 GEMV up to 64 tokens (one output row: Qwen's shared-expert gate), others cuBLAS."""
+    rng = np.random.default_rng(30 + n)
+    x = rng.standard_normal((n, 96)).astype(np.float32)
+    for rows, cols in ((1, 96), (40, 96), (64, 16), (7, 12)):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        got = cp.asnumpy(gpu.mul_mat(cp.asarray(x[:, :cols]), cp.asarray(w)))
+        want = x[:, :cols].astype(np.float64) @ w.T
+        assert got.shape == (n, rows) and rel_err(got, want) < 1e-5, (rows, cols)
 
 
 @pytest.mark.parametrize("qname", ["Q8_0", "Q4_K", "F16"])
@@ -314,8 +340,6 @@ def test_real_model_parity(real_runner, refs, name):
 def test_real_model_greedy_decode_matches_reference(real_runner, refs):
     """Free-running greedy decode one token per step (the GEMV + split-K path) gives
     llama.cpp's greedy tokens for the 'capital' and 'count' cases where its margins are clear."""
-    from opencoti.engine.batch import UBatch
-
     for name in ("capital", "count"):
         case = refs[1][name]
         prompt = case["prompt_tokens"]
@@ -336,7 +360,6 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
     """Decode steps replayed as CUDA graphs give the eager path's logits, across a
     cell-bucket change (256 -> 512 cells), for 1- and 3-sequence ubatches and 20-row ones."""
     pytest.importorskip("transformers")
-    from opencoti.engine.batch import UBatch
     from opencoti.model.loader import load_model
     from opencoti.tools import synth_gguf as sg
 
@@ -410,3 +433,297 @@ def test_engine_concurrent_sessions_equal_sequential(gpu, unified):
         assert out == seq
     finally:
         e.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# issue 7c: the ops of the new architectures (each against the CPU backend)
+# ---------------------------------------------------------------------------------------
+def test_sigmoid_softplus_l2_norm(gpu, cpu):
+    rng = np.random.default_rng(20)
+    x = (rng.standard_normal((6, 3, 40)) * 4).astype(np.float32)
+    x[0, 0, :4] = [-200.0, 200.0, 88.0, -88.0]  # overflow-free formulas: finite, saturated
+    for op in ("sigmoid", "softplus"):
+        got = cp.asnumpy(getattr(gpu, op)(cp.asarray(x)))
+        want = getattr(cpu, op)(x)
+        assert np.isfinite(got).all(), op
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, err_msg=op)
+    x[1, 2] = 0.0  # a zero row: divided by eps, stays 0
+    got = cp.asnumpy(gpu.l2_norm(cp.asarray(x), 1e-6))
+    np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=2e-6, atol=1e-7)
+    assert not got[1, 2].any()
+    np.testing.assert_allclose(np.linalg.norm(got[0], axis=-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("ext,attn", [(1.0, 1.0), (1.0, 0.7), (0.0, 0.9)])
+def test_rope_yarn(gpu, cpu, mode, ext, attn):
+    """YaRN (ramp between the correction dims, magnitude scale) on a partial rotation with the
+    fused q/k norm, as CPUBackend.rope; ext_factor 0 keeps only the magnitude scale."""
+    from opencoti.model.hparams import RopeYarn
+
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((9, 3, 128)).astype(np.float32)
+    pos = np.array([0, 1, 2, 100, 511, 512, 4000, 30000, 7], dtype=np.int32)
+    nw = rng.uniform(0.5, 1.5, 128).astype(np.float32)
+    yarn = RopeYarn(ext_factor=ext, attn_factor=attn, beta_fast=32.0, beta_slow=1.0, n_ctx_orig=64)
+    want = cpu.rope(x, pos, 64, 1e6, 0.25, mode, None, norm=nw, eps=1e-6, yarn=yarn)
+    got = cp.asnumpy(gpu.rope(cp.asarray(x), pos, 64, 1e6, 0.25, mode, None, norm=cp.asarray(nw), eps=1e-6,
+                              yarn=yarn))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    plain = cpu.rope(x, pos, 64, 1e6, 0.25, mode, None, norm=nw, eps=1e-6)
+    assert np.abs(plain - want).max() > 0.05  # YaRN changes the result: the comparison is not vacuous
+
+
+def to_qexperts(raw: np.ndarray, qname: str, n_exp: int, cols: int) -> QExperts:
+    """``raw [n_exp * rows, row_bytes]`` (experts stacked) as a device ``QExperts``."""
+    rows = raw.shape[0] // n_exp
+    return QExperts(cp.asarray(np.ascontiguousarray(raw).reshape(-1)), int(GGMLQuantizationType[qname]),
+                    (n_exp, rows, cols), raw.shape[1], rows * raw.shape[1])
+
+
+def _experts(qname: str, n_exp: int, rows: int, cols: int, rng):
+    """Random expert tensor: (device ``QExperts``, float32 reference ``[n_exp, rows, cols]``)."""
+    raw = random_blocks(qname, n_exp * rows, cols, rng)
+    return to_qexperts(raw, qname, n_exp, cols), ref_dequant(qname, raw, cols).reshape(n_exp, rows, cols)
+
+
+def test_qexperts_views(gpu):
+    """Expert e of a QExperts is a QTensor over its rows; [:, a:b] narrows the rows of every expert."""
+    rng = np.random.default_rng(22)
+    q, ref = _experts("Q4_K", 5, 12, 256, rng)
+    assert q.shape == (5, 12, 256)
+    for e in (0, 3, 4):
+        np.testing.assert_array_equal(cp.asnumpy(gpu.dequantize(q[e])), ref[e])
+    sub = q[:, 4:10]
+    assert sub.shape == (5, 6, 256)
+    np.testing.assert_array_equal(cp.asnumpy(gpu.dequantize(sub[2])), ref[2, 4:10])
+    np.testing.assert_array_equal(cp.asnumpy(gpu.dequantize(q[:, 7:][4])), ref[4, 7:])
+    with pytest.raises(IndexError):
+        q[5]
+
+
+# T = 1 and 7 and 64: the GEMV-by-ids path (no host sync); 100: the host-grouped path
+@pytest.mark.parametrize("qname", ["Q8_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("T", [1, 7, 64, 100])
+def test_moe_ffn_gate_up(gpu, cpu, qname, T):
+    """Gemma-4 layout: softmax top-k over given logits (ties -> lower ids), fused gate_up
+    experts, per-expert down scale, with and without renormalised weights."""
+    rng = np.random.default_rng(23 + T)
+    E, k, D, F = 8, 3, 256, 256
+    gu_q, gu = _experts(qname, E, 2 * F, D, rng)
+    dn_q, dn = _experts(qname, E, D, F, rng)
+    x = (rng.standard_normal((T, D)) * 2 / (np.sqrt(D) * gu.std())).astype(np.float32)  # gate values ~N(0, 4)
+    logits = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+    if T >= 7:
+        logits[0] = 0.5  # a full tie: experts 0, 1, 2
+        logits[3, [1, 5, 6, 7]] = 4.0  # a 4-way tie for 3 places: 1, 5, 6
+    scale = rng.uniform(0.5, 1.5, E).astype(np.float32)
+    for norm_w, act, ds in ((True, "gelu_tanh", scale), (False, "silu", None)):
+        want = cpu.moe_ffn_gate_up(x, logits, gu, dn, k, act=act, norm_w=norm_w, down_scale=ds)
+        got = cp.asnumpy(gpu.moe_ffn_gate_up(cp.asarray(x), cp.asarray(logits), gu_q, dn_q, k, act=act,
+                                             norm_w=norm_w, down_scale=None if ds is None else cp.asarray(ds)))
+        assert got.shape == (T, D) and np.isfinite(got).all()
+        err = [rel_err(got[t], want[t]) for t in range(T)]
+        assert max(err) < 2e-5, f"{qname} T={T} norm_w={norm_w}: token {int(np.argmax(err))} rel err {max(err):.2e}"
+
+
+@pytest.mark.parametrize("layout", ["same_type", "mixed_types", "fused_views"])
+@pytest.mark.parametrize("T", [1, 9, 80])
+def test_moe_ffn_qwen_layout(gpu, cpu, layout, T):
+    """Qwen layout: router weight, separate gate / up experts (one fused gated GEMV when both
+    have one type, two GEMVs otherwise, or row views of a fused gate_up tensor), w_scale."""
+    rng = np.random.default_rng(24 + T)
+    E, k, D, F = 16, 4, 128, 64
+    if layout == "fused_views":
+        gu_q, gu = _experts("Q5_1", E, 2 * F, D, rng)
+        gate_q, up_q, gate, up = gu_q[:, :F], gu_q[:, F:], gu[:, :F], gu[:, F:]
+    else:
+        gate_q, gate = _experts("Q8_0", E, F, D, rng)
+        up_q, up = _experts("Q4_0" if layout == "mixed_types" else "Q8_0", E, F, D, rng)
+    dn_q, dn = _experts("Q8_0", E, D, F, rng)
+    raw_r = random_blocks("F32", E, D, rng)
+    router, router_q = ref_dequant("F32", raw_r, D), to_qtensor(raw_r, "F32", D)
+    x = (rng.standard_normal((T, D)) * 2 / (np.sqrt(D) * gate.std())).astype(np.float32)
+    for norm_w, w_scale in ((True, 0.0), (False, 2.5)):
+        want = cpu.moe_ffn(x, router, up, gate, dn, k, norm_w=norm_w, act="silu", w_scale=w_scale)
+        got = cp.asnumpy(gpu.moe_ffn(cp.asarray(x), router_q, up_q, gate_q, dn_q, k, norm_w=norm_w, act="silu",
+                                     w_scale=w_scale))
+        err = [rel_err(got[t], want[t]) for t in range(T)]
+        assert max(err) < 2e-5, f"{layout} T={T} norm_w={norm_w}: token {int(np.argmax(err))} rel err {max(err):.2e}"
+
+
+def _rs_plan(seqs, slot_of: dict) -> RSPlan:
+    """An RSPlan for ubatch rows of sequences ``seqs`` (first-appearance order), slots from ``slot_of``."""
+    seqs = np.asarray(seqs)
+    plan = RSPlan()
+    for s in dict.fromkeys(seqs.tolist()):
+        plan.views.append(RSView(np.nonzero(seqs == s)[0], slot_of[s], s))
+    return plan
+
+
+@pytest.mark.parametrize("K", [4, 2])
+def test_ssm_conv(gpu, cpu, K):
+    """Four sequences interleaved in one ubatch (one of 41 rows, single-token ones): outputs
+    and the in-place conv states equal the CPU's; a slot outside the plan is untouched."""
+    rng = np.random.default_rng(25)
+    seqs = [0, 1, 0, 2, 0, 1] + [0] * 36 + [3]
+    plan = _rs_plan(seqs, {0: 2, 1: 0, 2: 4, 3: 1})
+    T, C = len(seqs), 200
+    x = rng.standard_normal((T, C)).astype(np.float32)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    states = rng.standard_normal((5, K - 1, C)).astype(np.float32)
+    st_cpu, st_gpu = states.copy(), cp.asarray(states)
+    want = cpu.ssm_conv(x, st_cpu, w, plan)
+    got = cp.asnumpy(gpu.ssm_conv(cp.asarray(x), st_gpu, cp.asarray(w), plan))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(st_gpu), st_cpu, rtol=0, atol=0)
+    np.testing.assert_array_equal(cp.asnumpy(st_gpu)[3], states[3])
+    assert not np.array_equal(st_cpu[2], states[2])  # the states did move
+
+
+@pytest.mark.parametrize("dk,dv,H", [(16, 16, 4), (128, 128, 2), (64, 96, 3), (256, 32, 1)])
+def test_gated_delta_net(gpu, cpu, dk, dv, H):
+    """The gated delta rule over a 70-token sequence (the CPU runs it in 64-token chunks,
+    the GPU token by token), single-token sequences (the CPU's batched decode step) and
+    interleaved short ones: outputs and in-place states equal the CPU's."""
+    rng = np.random.default_rng(26)
+    seqs = [2, 0, 2] + [0] * 69 + [1, 2, 3]
+    plan = _rs_plan(seqs, {0: 3, 1: 0, 2: 4, 3: 1})
+    T = len(seqs)
+
+    def unit(shape):
+        a = rng.standard_normal(shape).astype(np.float32)
+        return a / np.linalg.norm(a, axis=-1, keepdims=True)
+
+    q, k = unit((T, H, dk)), unit((T, H, dk))
+    v = rng.standard_normal((T, H, dv)).astype(np.float32)
+    g = -rng.uniform(0.0, 2.0, (T, H)).astype(np.float32)
+    beta = rng.uniform(0.05, 1.0, (T, H)).astype(np.float32)
+    states = (0.3 * rng.standard_normal((5, H, dk, dv))).astype(np.float32)
+    st_cpu, st_gpu = states.copy(), cp.asarray(states)
+    scale = 1.0 / np.sqrt(dk)
+    want = cpu.gated_delta_net(q, k, v, g, beta, st_cpu, plan, scale)
+    got = cp.asnumpy(gpu.gated_delta_net(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(g),
+                                         cp.asarray(beta), st_gpu, plan, scale))
+    assert np.abs(st_cpu - states).max() > 0.1  # the states moved: the state comparison is not vacuous
+    amax = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * amax, err_msg=f"outputs (max |o| {amax:.3g})")
+    np.testing.assert_allclose(cp.asnumpy(st_gpu), st_cpu, rtol=1e-4, atol=2e-5, err_msg="states")
+    np.testing.assert_array_equal(cp.asnumpy(st_gpu)[2], states[2])
+
+
+# ---------------------------------------------------------------------------------------
+# issue 7c: the new architectures end to end, CUDA vs CPU on the same file
+# ---------------------------------------------------------------------------------------
+HYBRID_MTP = {"qwen35": 1, "qwen35moe": 1, "qwen3next": 0}
+NEW_ARCHS = ["gemma4:dense_hd256", "gemma4:dense_hd512", "gemma4:moe", "gemma4:e_series",
+             "qwen35", "qwen35moe", "qwen3next", "qwen2:yarn"]
+
+
+@pytest.fixture(scope="module")
+def new_arch_file(tmp_path_factory):
+    """new_arch_file(name) -> path of a Q8_0 tiny random model of ``NEW_ARCHS`` (cached)."""
+    pytest.importorskip("transformers")
+    from opencoti.tools import synth_gguf as sg
+
+    root = tmp_path_factory.mktemp("arch7c")
+    cache: dict = {}
+
+    def build(name: str) -> str:
+        if name not in cache:
+            path = str(root / f"{name.replace(':', '-')}.gguf")
+            arch, _, variant = name.partition(":")
+            if arch == "gemma4":
+                sg.write_random_model("gemma4", path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
+            elif arch == "qwen2":  # Qwen2.5-1M with YaRN; 256 wide so the head dim (64) has a kernel
+                sg.write_random_model("qwen2", path, "Q8_0", seed=1, **dict(
+                    sg.QWEN25_1M, rope_parameters=dict(sg.QWEN25_1M_YARN_ROPE), hidden_size=256,
+                    intermediate_size=512))
+            else:
+                sg.write_gguf(sg.random_hf_model(arch, seed=3), path, "Q8_0", n_mtp=HYBRID_MTP[arch])
+            cache[name] = path
+        return cache[name]
+
+    return build
+
+
+def _mixed_run(runner, a, b):
+    """One scripted session on ``runner`` (2 sequences); returns the logits of every step,
+    concatenated. Seq 0 prefills ``a[:100]`` in one ubatch (over the GEMV limit: cuBLAS,
+    host-grouped MoE); seq 1 prefills ``b[:30]`` in ubatches of 16 + 14 (GEMV path, graph
+    captures); then seq 0's next token rides with seq 1's next 5 prompt tokens (decode +
+    prefill in one ubatch), 4 steps that decode both sequences in one ubatch, and 6 single-
+    token steps alternating the sequences (same graph key, other rows / slots / cells)."""
+    out = []
+
+    def step(toks, pos, seqs):
+        out.append(runner.decode(UBatch.build(toks, pos, seqs, np.arange(len(toks)))))
+
+    step(a[:100], np.arange(100), [0] * 100)
+    step(b[:16], np.arange(16), [1] * 16)
+    step(b[16:30], np.arange(16, 30), [1] * 14)
+    step([a[100]] + b[30:35], [100] + list(range(30, 35)), [0] + [1] * 5)
+    for i in range(4):
+        step([a[101 + i], b[35 + i]], [101 + i, 35 + i], [0, 1])
+    for i in range(6):
+        s = i % 2
+        p = (105 if s == 0 else 39) + i // 2
+        step([(a if s == 0 else b)[p]], [p], [s])
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("name", NEW_ARCHS)
+def test_new_arch_cuda_matches_cpu(new_arch_file, gpu, cpu, name):
+    """Every new architecture loads on CUDA (its ops exist) and gives the CPU backend's
+    logits for a two-sequence session (``_mixed_run``), CUDA graphs on: max |dlogit| <
+    2e-3 x max(1, max |logit|), and the same argmax wherever the CPU's top-2 margin
+    exceeds twice the observed error."""
+    from opencoti.model.loader import load_model
+
+    path = new_arch_file(name)
+    model = load_model(path, with_tokenizer=False)
+    a = [(i * 37 + 11) % 384 for i in range(110)]
+    b = [(i * i * 7 + 3) % 384 for i in range(45)]
+    want = _mixed_run(ModelRunner(model, cpu, n_ctx=256, n_seq_max=2, n_ubatch=512), a, b)
+    saved = gpu.graphs
+    gpu.graphs = True
+    try:
+        r = ModelRunner(model, gpu, n_ctx=256, n_seq_max=2, n_ubatch=512)
+        got = _mixed_run(r, a, b)
+    finally:
+        gpu.graphs = saved
+    assert len(r.graphs) >= 4, f"{name}: decode steps were not captured as CUDA graphs ({len(r.graphs)})"
+    assert got.shape == want.shape and np.isfinite(got).all(), name
+    err = np.abs(got.astype(np.float64) - want)
+    tol = 2e-3 * max(1.0, float(np.abs(want).max()))
+    row = int(np.unravel_index(err.argmax(), err.shape)[0])
+    assert err.max() < tol, f"{name}: max |dlogit| {err.max():.3g} >= {tol:.3g} at row {row} of {len(want)}"
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    decisive = (top2[:, 1] - top2[:, 0]) > 2 * err.max()
+    assert decisive.mean() >= 0.8, f"{name}: too few decisive rows for an argmax check"
+    bad = np.nonzero((got.argmax(-1) != want.argmax(-1)) & decisive)[0]
+    assert bad.size == 0, f"{name}: greedy token differs at rows {bad.tolist()}"
+
+
+def test_new_arch_weights_on_device(new_arch_file, gpu):
+    """Expert tensors load as QExperts (blocks on the device, per-expert views equal to the
+    file's experts); matrices the block kernels cannot read (the conv taps [C, 4], the
+    shared-expert gate [1, n_embd]) load as float32 arrays."""
+    from opencoti.model.gguf_file import GGUFFile
+
+    g = GGUFFile(new_arch_file("gemma4:moe"))
+    w = gpu.load_weight(g, "blk.0.ffn_gate_up_exps.weight")
+    ref = g.dequantize("blk.0.ffn_gate_up_exps.weight")
+    assert isinstance(w, QExperts) and w.shape == ref.shape == (8, 64, 64)
+    for e in (0, 7):
+        np.testing.assert_array_equal(cp.asnumpy(gpu.dequantize(w[e])), ref[e])
+    g.close()
+    g = GGUFFile(new_arch_file("qwen35moe"))
+    for name, shape in (("blk.0.ssm_conv1d.weight", (128, 4)), ("blk.0.ffn_gate_inp_shexp.weight", (1, 64))):
+        w = gpu.load_weight(g, name)
+        assert isinstance(w, cp.ndarray) and w.dtype == np.float32 and w.shape == shape, name
+        np.testing.assert_array_equal(cp.asnumpy(w), g.dequantize(name))
+    down = gpu.load_weight(g, "blk.0.ffn_down_exps.weight")
+    assert isinstance(down, QExperts) and down.shape == (8, 64, 32)
+    np.testing.assert_array_equal(cp.asnumpy(gpu.dequantize(down[5])), g.dequantize("blk.0.ffn_down_exps.weight")[5])
+    g.close()

@@ -371,7 +371,7 @@ def test_moe_needs_the_backend_op(build):
     from opencoti.engine.arch.gemma4 import Gemma4
     from opencoti.engine.backend.cpu import CPUBackend
 
-    class NoMoE:  # a backend whose op set lacks moe_ffn_gate_up (as the CUDA backend's does today)
+    class NoMoE:  # a backend whose op set lacks moe_ffn_gate_up (as the Vulkan backend's does today)
         name = "nomoe"
 
         def __getattr__(self, attr):

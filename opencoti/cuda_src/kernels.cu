@@ -1,5 +1,6 @@
-// opencoti CUDA kernels: quantized GEMV / dequantize / get_rows over GGUF
-// blocks, RMSNorm, RoPE, activations, KV writes and attention over KV cells.
+// opencoti CUDA kernels: quantized GEMV (also per routed expert) / dequantize / get_rows over GGUF
+// blocks, MoE routing, RMSNorm, L2 norm, RoPE (YaRN), activations, KV writes. (Attention over KV
+// cells: attention.cu; gated delta-net recurrences: recurrent.cu.)
 // Compiled at first GPU run with NVRTC (opencoti/engine/backend/cuda_kernels.py).
 //
 // Conventions: activations are row-major float32 [rows, n]; weights are the
@@ -21,19 +22,20 @@ __device__ __forceinline__ float warp_sum(float v) {
 // units (gemv_units.cuh) so that a warp's loads are coalesced, and dequantize in registers
 // (ggml-cuda mul_mat_vec_q's layout, f32 activations).
 // grid = (ceil(nt / NT), ceil(nrows / rows per block)): blockIdx.x picks a tile of NT
-// token rows and is the fastest grid index, so the tiles that read the same weight
-// rows run back to back and the weight comes from L2 after the first tile.
+// token rows (passed in as ``tile``) and is the fastest grid index, so the tiles that read
+// the same weight rows run back to back and the weight comes from L2 after the first tile.
+// The expert GEMV (gemv_id) calls it with tile 0 and pointers already offset per pair.
 template <class U, int NT>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ x,
-                                          float* __restrict__ y, int nrows, int ncols, int nt, int wpr) {
+                                          float* __restrict__ y, int nrows, int ncols, int nt, int wpr, int tile) {
     constexpr int R = U::R;
     __shared__ float red[8][NT];  // wpr > 1: per-warp partial sums (blockDim <= 256)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = blockIdx.y * ((blockDim.x >> 5) / wpr) + warp / wpr, sub = warp % wpr;
     const bool active = row < nrows;
-    x += (long long)blockIdx.x * NT * ncols;
-    y += (long long)blockIdx.x * NT * nrows;
-    nt = min(NT, nt - (int)blockIdx.x * NT);
+    x += (long long)tile * NT * ncols;
+    y += (long long)tile * NT * nrows;
+    nt = min(NT, nt - tile * NT);
     const u8* wr = W + (long long)(active ? row : 0) * row_bytes;
     float acc[NT];
 #pragma unroll
@@ -82,12 +84,14 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long ro
 }
 
 // Two weights of one type over the same x (FFN gate and up), then out = act(gate) * up.
+// One warp per output row; ``rowblk`` is the block's index along the rows (blockIdx.x for
+// gemv_gated, blockIdx.y for the expert variant gemv_id_gated).
 template <class U>
 __device__ __forceinline__ void gemv_gated_impl(const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long row_bytes,
                                                 const float* __restrict__ x, float* __restrict__ y,
-                                                int nrows, int ncols, int act) {
+                                                int nrows, int ncols, int act, int rowblk) {
     constexpr int R = U::R;
-    int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
+    int row = (int)((rowblk * (long long)blockDim.x + threadIdx.x) >> 5);
     int lane = threadIdx.x & 31;
     if (row >= nrows) return;
     float ag = 0.f, au = 0.f;
@@ -154,14 +158,47 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ W, long lon
     }
 }
 
+// Expert GEMVs (mixture of experts, ggml-cuda mul_mat_vec with ids): pair p of P (token t,
+// slot k: p = t * n_used + k) multiplies expert ids[p]'s matrix, at W + ids[p] * eb bytes
+// (rows of row_bytes each, as a 2-D weight), by input row p / x_div of x
+// ([*, ncols]; x_div = n_used to read each token's row once per slot, 1 for per-pair rows)
+// into y[p] ([P, nrows]). grid = (P, row blocks as gemv1), 256 threads.
+template <class U>
+__device__ __forceinline__ void gemv_id_impl(const u8* __restrict__ W, long long rb, long long eb,
+                                             const int* __restrict__ ids, const float* __restrict__ x, int x_div,
+                                             float* __restrict__ y, int nrows, int ncols, int wpr) {
+    const int p = blockIdx.x;
+    gemv_impl<U, 1>(W + (long long)ids[p] * eb, rb, x + (long long)(p / x_div) * ncols, y + (long long)p * nrows,
+                    nrows, ncols, 1, wpr, 0);
+}
+// Gated expert GEMV: y[p] = act(Wg_e x) * (Wu_e x) with e = ids[p] (gate and up of one type and
+// expert stride eb; e.g. the two halves of a fused gate_up tensor). grid = (P, ceil(nrows / 8)).
+template <class U>
+__device__ __forceinline__ void gemv_id_gated_impl(const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rb,
+                                                   long long eb, const int* __restrict__ ids,
+                                                   const float* __restrict__ x, int x_div, float* __restrict__ y,
+                                                   int nrows, int ncols, int act) {
+    const int p = blockIdx.x;
+    const long long off = (long long)ids[p] * eb;
+    gemv_gated_impl<U>(Wg + off, Wu + off, rb, x + (long long)(p / x_div) * ncols, y + (long long)p * nrows,
+                       nrows, ncols, act, blockIdx.y);
+}
+
 #define DEF_UKERNELS(ID, U, U8)                                                                                   \
     extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
-                                          int wpr) { gemv_impl<U, 1>(W, rb, x, y, nr, nc, nt, wpr); }         \
+                                          int wpr) { gemv_impl<U, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
     extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
-                                          int wpr) { gemv_impl<U8, 8>(W, rb, x, y, nr, nc, nt, wpr); }         \
+                                          int wpr) { gemv_impl<U8, 8>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
     extern "C" __global__ void gemv_gated_##ID(const u8* Wg, const u8* Wu, long long rb, const float* x, float* y, \
                                                int nr, int nc, int act) {                                     \
-        gemv_gated_impl<U>(Wg, Wu, rb, x, y, nr, nc, act); }
+        gemv_gated_impl<U>(Wg, Wu, rb, x, y, nr, nc, act, blockIdx.x); }                                       \
+    extern "C" __global__ void gemv_id_##ID(const u8* W, long long rb, long long eb, const int* ids, const float* x, \
+                                            int x_div, float* y, int nr, int nc, int wpr) {                  \
+        gemv_id_impl<U>(W, rb, eb, ids, x, x_div, y, nr, nc, wpr); }                                          \
+    extern "C" __global__ void gemv_id_gated_##ID(const u8* Wg, const u8* Wu, long long rb, long long eb,      \
+                                                  const int* ids, const float* x, int x_div, float* y, int nr, \
+                                                  int nc, int act) {                                          \
+        gemv_id_gated_impl<U>(Wg, Wu, rb, eb, ids, x, x_div, y, nr, nc, act); }
 #define DEF_QKERNELS(ID, Q)                                                                                   \
     extern "C" __global__ void dequant_f32_##ID(const u8* W, long long rb, float* out, int nr, int nc) {     \
         dequant_impl<Q, false>(W, rb, out, nr, nc); }                                                         \
@@ -219,12 +256,18 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
     for (int i = threadIdx.x; i < n; i += blockDim.x) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
 }
 
-// RoPE (ggml_rope_ext without YaRN) on x [T, H, D]: grid = T*H rows. mode 0 = norm
-// (pairs 2i, 2i+1), 2 = neox (pairs i, i + n_rot/2). Angles in double precision.
-// Optional fused per-head RMSNorm before rotation (norm_w != null), as q/k norms.
+// RoPE (ggml_rope_ext) on x [T, H, D]: grid = T*H rows. mode 0 = norm (pairs 2i, 2i+1),
+// 2 = neox (pairs i, i + n_rot/2). Angles in double precision. Optional fused per-head
+// RMSNorm before rotation (norm_w != null), as q/k norms.
+// YaRN (ggml rope_yarn): with theta_e = pos * base^(-2i/n_rot) / ff[i], ext_factor != 0 blends
+// theta = theta_e * freq_scale * (1 - m) + theta_e * m, m = ext_factor * ramp(i) with
+// ramp(i) = 1 - clamp((i - corr_lo) / max(0.001, corr_hi - corr_lo), 0, 1); otherwise
+// theta = theta_e * freq_scale. cos and sin are multiplied by mscale (1 without YaRN; the
+// caller folds attn_factor and YaRN's 1 + 0.1 ln(1/freq_scale) into it).
 extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos, float* __restrict__ y,
                                 int H, int D, int n_rot, float base, float freq_scale, int mode,
-                                const float* __restrict__ ff, const float* __restrict__ norm_w, float eps) {
+                                const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
+                                float ext_factor, float corr_lo, float corr_hi, float mscale) {
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
     long long row = blockIdx.x;
@@ -241,15 +284,21 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
     for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = xr[i] * r * (norm_w ? norm_w[i] : 1.f);
     __syncthreads();
     int half = n_rot / 2;
-    double p = (double)pos[t] * (double)freq_scale;
+    double p = (double)pos[t];
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         if (i >= n_rot) { yr[i] = buf[i]; continue; }
         int k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
         double inv = pow((double)base, -2.0 * k / n_rot);
         if (ff) inv /= (double)ff[k];
+        double th_e = p * inv, th = th_e * (double)freq_scale;
+        if (ext_factor != 0.f) {
+            double ramp = ((double)k - (double)corr_lo) / fmax(0.001, (double)corr_hi - (double)corr_lo);
+            double mix = (1.0 - fmin(1.0, fmax(0.0, ramp))) * (double)ext_factor;
+            th = th * (1.0 - mix) + th_e * mix;
+        }
         double sn, cs;
-        sincos(p * inv, &sn, &cs);
-        float c = (float)cs, s = (float)sn;
+        sincos(th, &sn, &cs);
+        float c = (float)(cs * (double)mscale), s = (float)(sn * (double)mscale);
         int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
         float x0 = buf[i0], x1 = buf[i1];
         yr[i] = (i == i0) ? x0 * c - x1 * s : x0 * s + x1 * c;
@@ -283,4 +332,96 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
     long long c = cell[t];
     for (int i = threadIdx.x; i < kw; i += blockDim.x) K[c * kw + i] = f2h(k[(long long)t * kw + i]);
     for (int i = threadIdx.x; i < vw; i += blockDim.x) V[c * vw + i] = f2h(v[(long long)t * vw + i]);
+}
+
+// Logistic 1 / (1 + e^-x) as 0.5 (1 + tanh(x / 2)) (overflow-free; CPUBackend.sigmoid).
+extern "C" __global__ void sigmoid(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = 0.5f * (1.f + tanhf(0.5f * x[i]));
+}
+// ln(1 + e^x) = max(x, 0) + log1p(e^-|x|) (overflow-free; CPUBackend.softplus).
+extern "C" __global__ void softplus(const float* __restrict__ x, float* __restrict__ y, long long n) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) { float v = x[i]; y[i] = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v))); }
+}
+// y = x / max(||x||_2, eps) per row of n (ggml_l2_norm); one block per row.
+extern "C" __global__ void l2_norm(const float* __restrict__ x, float* __restrict__ y, int n, float eps) {
+    __shared__ float sh[32];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+    s = block_sum(s, sh);
+    float d = fmaxf(sqrtf(s), eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / d;
+}
+
+// ---------------------------------------------------------------------------------------
+// Mixture-of-experts routing (llama.cpp build_moe_ffn, softmax gating): per token t (one warp,
+// grid = T), p = softmax(logits[t, :E]); the n_used largest p in order (ties: lower expert id),
+// sel[t, k] = expert, w[t, k] = p (divided by their sum when norm_w, times w_scale when != 0).
+// Dynamic shared memory: E floats per block.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, int n_used, int norm_w, float w_scale,
+                                     int* __restrict__ sel, float* __restrict__ w) {
+    extern __shared__ float p[];
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const float* l = logits + (long long)t * E;
+    float m = -3.402823466e38f;
+    for (int e = lane; e < E; e += WARP) m = fmaxf(m, l[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float s = 0.f;
+    for (int e = lane; e < E; e += WARP) { float v = expf(l[e] - m); p[e] = v; s += v; }
+    s = warp_sum(s);
+    for (int e = lane; e < E; e += WARP) p[e] = p[e] / s;
+    __syncwarp();
+    float wsum = 0.f;
+    for (int k = 0; k < n_used; k++) {
+        float bv = -1.f;
+        int bi = E;
+        for (int e = lane; e < E; e += WARP) {
+            float v = p[e];  // taken experts hold -1 (every probability is >= 0)
+            if (v > bv) { bv = v; bi = e; }  // ascending e per lane: the first max has the lowest id
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (bi >= E) bi = 0;  // NaN logits: keep the index in range (the weights are NaN anyway)
+        if (lane == 0) {
+            sel[(long long)t * n_used + k] = bi;
+            w[(long long)t * n_used + k] = bv;
+            p[bi] = -1.f;
+        }
+        wsum += bv;
+        __syncwarp();
+    }
+    if (lane == 0 && (norm_w || w_scale != 0.f)) {
+        for (int k = 0; k < n_used; k++) {
+            float v = w[(long long)t * n_used + k];
+            if (norm_w) v = v / wsum;
+            if (w_scale != 0.f) v = v * w_scale;
+            w[(long long)t * n_used + k] = v;
+        }
+    }
+}
+
+// out[t, i] = sum_k w[t, k] * ds[sel[t, k]] * y[t * n_used + k, i] (ds null: 1), slots in order.
+// grid = T, threads over the n columns.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
+                                       const int* __restrict__ sel, const float* __restrict__ ds,
+                                       float* __restrict__ out, int n_used, int n) {
+    const long long t = blockIdx.x;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < n_used; k++) {
+            long long pk = t * n_used + k;
+            float s = w[pk];
+            if (ds) s = s * ds[sel[pk]];
+            acc += y[pk * n + i] * s;
+        }
+        out[t * n + i] = acc;
+    }
 }

@@ -12,7 +12,19 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
 - ``attention_cells``: split-K online-softmax attention that reads f16 K/V
   through the cache plan's per-sequence cell lists (``attention.cu``).
-- ``rms_norm``, ``rope`` (norm/neox, freq factors), activations, ``kv_write``.
+- ``rms_norm``, ``rope`` (norm/neox, freq factors, YaRN), activations, ``kv_write``.
+- mixture of experts (``moe_ffn``, ``moe_ffn_gate_up``): 3-D expert tensors stay in
+  their block format (``QExperts``); routing (softmax, top-k) runs on the device. Up to
+  ``GEMV_MAX_TOKENS`` rows every (token, slot) pair runs an expert GEMV that reads its
+  expert through the routed ids (no host sync: graph-safe); more rows (prefill) copy
+  the routing to the host, group the rows per expert and run each expert's GEMM.
+- the gated delta-net ops of the hybrid models (``ssm_conv``, ``gated_delta_net``,
+  ``recurrent.cu``) with the per-sequence states on the device, updated in place;
+  ``sigmoid``, ``softplus``, ``l2_norm``.
+
+CUDA graphs (``run_graph``): every op above is graph-safe for the ubatches that are
+captured (at most ``GEMV_MAX_TOKENS`` rows): nothing reads device data on the host,
+and the recurrent plans' index arrays are staged like the KV plans'.
 
 Activations are float32 CuPy arrays ``[n_tokens, n]``; only logits (the rows
 that need them) come back to the host (``to_host``). Per step, the ubatch's
@@ -26,10 +38,12 @@ kernel, ``ValueError`` for a KV tier other than f16.
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
+from opencoti.engine.backend.cpu import yarn_corr_dims
 from opencoti.engine.backend.cuda_kernels import load_module
 from opencoti.model.gguf_file import GGUFFile
 
@@ -51,6 +65,9 @@ _CUDA_R_16F, _CUDA_R_32F = 2, 0  # cudaDataType_t
 _CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
 _CUBLAS_GEMM_DEFAULT = -1
 _OP_N, _OP_T, _PTR_MODE_HOST = 0, 1, 0  # cublasOperation_t, cublasPointerMode_t
+SSM_MAX_CONV = 8  # ssm_conv kernel taps (recurrent.cu SSM_MAXK)
+GDN_MAX_DK = 256  # gated_delta_net key head dim (recurrent.cu: 32 * largest MAXR)
+GDN_COLS = 32  # value columns per gated_delta_net block (GDN_NW * GDN_CW)
 
 
 def _warps_per_row(rows: int, cols: int) -> int:
@@ -82,6 +99,51 @@ class QTensor:
         return int(self.data.nbytes)
 
 
+class QExperts:
+    """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the GPU in its block format.
+
+    ``data``: uint8 CuPy array of the whole tensor's bytes (expert e at ``e *
+    expert_bytes``, its row r at ``+ r * row_bytes``); ``row0``/``shape[1]``: the rows
+    this object covers inside each expert (a row slice such as ``gate_up[:, :n_ff]``
+    shares ``data``). ``x[e]`` is expert e as a 2-D ``QTensor`` view (no copy), so the
+    GEMV / dequantize kernels work per expert; ``x[:, a:b]`` narrows the rows.
+    """
+
+    def __init__(self, data, ggml_type: int, shape: tuple[int, int, int], row_bytes: int, expert_bytes: int,
+                 row0: int = 0):
+        self.data = data
+        self.ggml_type = int(ggml_type)
+        self.shape = tuple(int(v) for v in shape)
+        self.row_bytes = int(row_bytes)
+        self.expert_bytes = int(expert_bytes)
+        self.row0 = int(row0)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def base(self):
+        """Bytes from row ``row0`` of expert 0 on (the expert GEMV adds ``e * expert_bytes``)."""
+        return self.data[self.row0 * self.row_bytes:]
+
+    def __getitem__(self, key):
+        n_exp, rows, cols = self.shape
+        if isinstance(key, (int, np.integer)):
+            e = int(key)
+            if not 0 <= e < n_exp:
+                raise IndexError(f"expert {e} out of range [0, {n_exp})")
+            a = e * self.expert_bytes + self.row0 * self.row_bytes
+            return QTensor(self.data[a:a + rows * self.row_bytes], self.ggml_type, (rows, cols), self.row_bytes)
+        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
+                and key[1].step in (None, 1)):
+            a, b, _ = key[1].indices(rows)
+            b = max(a, b)
+            return QExperts(self.data, self.ggml_type, (n_exp, b - a, cols), self.row_bytes, self.expert_bytes,
+                            self.row0 + a)
+        raise TypeError(f"QExperts supports [expert] and [:, row_slice], not {key!r}")
+
+
 class CUDABackend:
     """CuPy implementation of the op interface (DESIGN.md "Backends: one op set").
 
@@ -98,7 +160,8 @@ class CUDABackend:
         self.xp = cp
         self.device = cp.cuda.Device(device)
         self.device.use()
-        self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu")}
+        self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu"),
+                      "r": load_module("recurrent.cu")}
         self._fns: dict = {}
         self._ub = None
         self._dev: dict = {}
@@ -168,19 +231,30 @@ class CUDABackend:
 
     # -- weights ------------------------------------------------------------------------
     def load_weight(self, gguf: GGUFFile, name: str):
-        """A matrix as a ``QTensor`` (raw GGUF blocks on the device); a vector (norm
-        weights, biases, rope factors) as a float32 CuPy array."""
+        """A matrix as a ``QTensor`` (raw GGUF blocks on the device); a 3-D expert tensor
+        ``[n_expert, rows, cols]`` as a ``QExperts``; a vector (norm weights, biases, rope
+        factors) as a float32 CuPy array, and so is a matrix the block kernels cannot
+        read (one row, or a row length that is not a multiple of 32: e.g. the
+        ``ssm_conv1d`` taps ``[channels, 4]``, the shared-expert gate ``[1, n_embd]``)."""
         info = gguf.tensors[name]
         if len(info.ne) == 1:
             return self.cp.asarray(gguf.dequantize(name, np.float32))
-        if len(info.ne) != 2:
+        if len(info.ne) not in (2, 3):
             raise NotImplementedError(f"CUDA backend: {name} has {len(info.ne)} dims")
-        raw = gguf.raw(name)
-        rows, cols = info.ne[1], info.ne[0]
+        cols = info.ne[0]
+        if len(info.ne) == 2 and (info.ne[1] == 1 or cols % 32):
+            return self.cp.asarray(gguf.dequantize(name, np.float32))
         if int(info.ggml_type) not in QTYPES:
             raise NotImplementedError(f"CUDA backend: {name} has unsupported type {info.ggml_type.name}")
+        if cols % 32:
+            raise NotImplementedError(f"CUDA backend: {name}: expert rows of {cols} (not a multiple of 32)")
+        raw = gguf.raw(name)  # [rows (all experts), row_bytes]
         data = self.cp.asarray(np.ascontiguousarray(raw).reshape(-1))
-        return QTensor(data, int(info.ggml_type), (rows, cols), raw.shape[1] if rows else 0)
+        row_bytes = raw.shape[1] if raw.shape[0] else 0
+        if len(info.ne) == 3:
+            n_exp, rows = info.ne[2], info.ne[1]
+            return QExperts(data, int(info.ggml_type), (n_exp, rows, cols), row_bytes, rows * row_bytes)
+        return QTensor(data, int(info.ggml_type), (info.ne[1], cols), row_bytes)
 
     def dequantize(self, w: QTensor, dtype=np.float32):
         """Whole weight as a dense ``[rows, cols]`` device array (float32 or float16)."""
@@ -195,16 +269,24 @@ class CUDABackend:
 
     # -- matmul / rows --------------------------------------------------------------------
     def mul_mat(self, x, w):
-        """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32."""
+        """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32. ``w``: a ``QTensor`` or a dense
+        device array; a dense float32 matrix with rows of a multiple of 8 goes through the
+        F32 GEMV (units of 8 floats) for up to ``GEMV_MAX_TOKENS`` rows, so no cuBLAS call
+        lands in a captured decode graph (e.g. Qwen's shared-expert gate ``[1, n_embd]``,
+        a small per-layer projection); anything else goes to cuBLAS."""
         cp = self.cp
         if not isinstance(w, QTensor):
-            return cp.matmul(x, w.T)
+            if (x.shape[0] > GEMV_MAX_TOKENS or w.ndim != 2 or w.dtype != np.float32 or w.shape[1] % 8
+                    or not w.flags.c_contiguous):
+                return cp.matmul(x, w.T)
+            w = QTensor(w.reshape(-1).view(cp.uint8), 0, tuple(w.shape), 4 * w.shape[1])
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n, k = x.shape
         rows, cols = w.shape
         if k != cols:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
-        if F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL):
+        if (F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL)
+                and cols % 32 == 0):
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
@@ -326,21 +408,251 @@ class CUDABackend:
         """x * sigmoid(x)."""
         return self._unary("silu", x)
 
+    def sigmoid(self, x):
+        """Logistic ``1 / (1 + e^-x)`` elementwise (as ``CPUBackend.sigmoid``); float32, same shape."""
+        return self._unary("sigmoid", x)
+
+    def softplus(self, x):
+        """``ln(1 + e^x)`` elementwise, overflow-free (as ``CPUBackend.softplus``); float32, same shape."""
+        return self._unary("softplus", x)
+
+    def l2_norm(self, x, eps: float):
+        """``x / max(||x||_2, eps)`` over the last axis (ggml_l2_norm); float32, same shape."""
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n = x.shape[-1]
+        y = cp.empty_like(x)
+        if x.size:
+            self._fn("k", "l2_norm")((x.size // n,), (min(256, (n + 31) // 32 * 32),),
+                                     (x, y, np.int32(n), np.float32(eps)))
+        return y
+
     def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
-             freq_factors=None, norm=None, eps: float = 0.0):
-        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``), with the optional per-head
-        RMSNorm fused into the same kernel; returns a new array."""
+             freq_factors=None, norm=None, eps: float = 0.0, yarn=None):
+        """RoPE on ``x [T, H, D]`` float32 (see ``CPUBackend.rope``), with the optional per-head
+        RMSNorm fused into the same kernel and YaRN (``yarn``: ``hparams.RopeYarn`` or None;
+        ggml ``rope_yarn``: ramp over ``yarn_corr_dims``, cos/sin scaled by ``attn_factor *
+        (1 + 0.1 ln(1/freq_scale))``). Returns a new array."""
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         T, H, D = x.shape
+        ext, lo, hi, msc = 0.0, 0.0, 0.0, 1.0
+        if yarn is not None:
+            msc = yarn.attn_factor
+            if yarn.ext_factor != 0.0:
+                lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
+                ext = yarn.ext_factor
+                msc = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
         y = cp.empty_like(x)
-        self._fn("k", "rope")((T * H,), (min(256, (D + 31) // 32 * 32),),
-                              (x, self._idx(pos), y, np.int32(H), np.int32(D), np.int32(n_rot),
-                               np.float32(base), np.float32(freq_scale), np.int32(2 if mode == "neox" else 0),
-                               freq_factors if freq_factors is not None else _NULL,
-                               norm if norm is not None else _NULL, np.float32(eps)),
-                              shared_mem=4 * D)
+        if x.size:
+            self._fn("k", "rope")((T * H,), (min(256, (D + 31) // 32 * 32),),
+                                  (x, self._idx(pos), y, np.int32(H), np.int32(D), np.int32(n_rot),
+                                   np.float32(base), np.float32(freq_scale), np.int32(2 if mode == "neox" else 0),
+                                   freq_factors if freq_factors is not None else _NULL,
+                                   norm if norm is not None else _NULL, np.float32(eps), np.float32(ext),
+                                   np.float32(lo), np.float32(hi), np.float32(msc)),
+                                  shared_mem=4 * D)
         return y
+
+    # -- mixture of experts ----------------------------------------------------------------
+    def moe_ffn(self, x, gate_inp, up_exps, gate_exps, down_exps, n_expert_used: int, norm_w: bool = True,
+                act: str = "silu", w_scale: float = 0.0):
+        """Routed experts, Qwen layout (``CPUBackend.moe_ffn``): ``x [T, n_embd]`` float32;
+        ``gate_inp [n_expert, n_embd]`` (router); ``up_exps``/``gate_exps`` ``QExperts
+        [n_expert, n_ff_exp, n_embd]``; ``down_exps`` ``[n_expert, n_embd, n_ff_exp]``.
+        Softmax over ``x @ gate_inp.T``, top ``n_expert_used`` (ties: lower id), weights
+        renormalised when ``norm_w``, times ``w_scale`` when non-zero. Returns ``[T, n_embd]``."""
+        logits = self.mul_mat(x, gate_inp)
+        return self._moe(x, logits, gate_exps, up_exps, down_exps, n_expert_used, act, norm_w, w_scale, None)
+
+    def moe_ffn_gate_up(self, x, logits, gate_up_exps, down_exps, n_expert_used: int, act: str = "gelu_tanh",
+                        norm_w: bool = True, down_scale=None):
+        """Routed experts, Gemma-4 layout (``CPUBackend.moe_ffn_gate_up``): router ``logits
+        [T, n_expert]``; fused ``gate_up_exps [n_expert, 2 n_ff_exp, n_embd]`` (gate rows
+        first); ``down_exps [n_expert, n_embd, n_ff_exp]``; ``down_scale [n_expert]``
+        float32 or None. Returns ``[T, n_embd]`` float32."""
+        f = gate_up_exps.shape[1] // 2
+        return self._moe(x, logits, gate_up_exps[:, :f], gate_up_exps[:, f:], down_exps, n_expert_used, act,
+                         norm_w, 0.0, down_scale)
+
+    def _moe(self, x, logits, gate, up, down, k: int, act: str, norm_w: bool, w_scale: float, down_scale):
+        """Route on the device (``moe_route``: ``sel``/``w [T, k]``), run the selected experts
+        (``_moe_pairs`` for up to ``GEMV_MAX_TOKENS`` rows, else ``_moe_grouped``) into
+        per-pair outputs ``[T*k, n_embd]``, and sum them weighted (``moe_combine``)."""
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+        T, n_embd = x.shape
+        n_exp, n_ff, _ = gate.shape
+        if (tuple(up.shape) != tuple(gate.shape) or tuple(gate.shape[::2]) != (n_exp, n_embd)
+                or tuple(down.shape) != (n_exp, n_embd, n_ff) or logits.shape != (T, n_exp)):
+            raise ValueError(f"moe: shapes do not fit: x {x.shape}, logits {logits.shape}, gate {gate.shape}, "
+                             f"up {up.shape}, down {down.shape}")
+        if not 0 < k <= n_exp:
+            raise ValueError(f"moe: {k} experts per token of {n_exp}")
+        out = cp.empty((T, n_embd), dtype=cp.float32)
+        if T == 0:
+            return out
+        sel = cp.empty((T, k), dtype=cp.int32)
+        w = cp.empty((T, k), dtype=cp.float32)
+        self._fn("k", "moe_route")((T,), (32,), (logits, np.int32(n_exp), np.int32(k), np.int32(bool(norm_w)),
+                                               np.float32(w_scale), sel, w), shared_mem=4 * n_exp)
+        experts = (gate, up, down)
+        if T <= GEMV_MAX_TOKENS and all(isinstance(e, QExperts) for e in experts):
+            y = self._moe_pairs(x, sel, gate, up, down, act)
+        else:
+            y = self._moe_grouped(x, sel, gate, up, down, act)
+        self._fn("k", "moe_combine")((T,), (min(256, (n_embd + 31) // 32 * 32),),
+                                     (y, w, sel, down_scale if down_scale is not None else _NULL, out,
+                                      np.int32(k), np.int32(n_embd)))
+        return out
+
+    def _gemv_id(self, w: QExperts, ids, x, x_div: int):
+        """Pair p of ``ids [P]``: ``w[ids[p]] @ x[p // x_div]`` -> ``[P, rows]`` float32."""
+        cp = self.cp
+        P = int(ids.size)
+        _, rows, cols = w.shape
+        y = cp.empty((P, rows), dtype=cp.float32)
+        wpr = _warps_per_row(rows * P, cols)
+        self._qfn("gemv_id", w)((P, (rows * wpr + 7) // 8), (256,),
+                                (w.base, np.int64(w.row_bytes), np.int64(w.expert_bytes), ids, x, np.int32(x_div),
+                                 y, np.int32(rows), np.int32(cols), np.int32(wpr)))
+        return y
+
+    def _moe_pairs(self, x, sel, gate: QExperts, up: QExperts, down: QExperts, act: str):
+        """Decode-size MoE without host sync: for every (token, slot) pair p = t*k + slot,
+        ``h[p] = act(gate_e x_t) * (up_e x_t)`` with e = ``sel[t, slot]`` (one fused
+        gated GEMV when gate and up share type and layout, else two GEMVs), then
+        ``y[p] = down_e h[p]``. Returns ``[T*k, n_embd]`` float32."""
+        cp = self.cp
+        T, k = sel.shape
+        ids = sel.reshape(-1)
+        P = T * k
+        n_ff, n_embd = gate.shape[1], gate.shape[2]
+        a = 1 if act == "gelu_tanh" else 0
+        if (gate.ggml_type == up.ggml_type and gate.row_bytes == up.row_bytes
+                and gate.expert_bytes == up.expert_bytes):
+            h = cp.empty((P, n_ff), dtype=cp.float32)
+            self._qfn("gemv_id_gated", gate)((P, (n_ff * 32 + 255) // 256), (256,),
+                                             (gate.base, up.base, np.int64(gate.row_bytes),
+                                              np.int64(gate.expert_bytes), ids, x, np.int32(k), h,
+                                              np.int32(n_ff), np.int32(n_embd), np.int32(a)))
+        else:
+            g = self._gemv_id(gate, ids, x, k)
+            u = self._gemv_id(up, ids, x, k)
+            h = cp.empty_like(g)
+            self._fn("k", "gated_act")(((h.size + 255) // 256,), (256,), (g, u, h, np.int64(h.size), np.int32(a)))
+        return self._gemv_id(down, ids, h, 1)
+
+    def _moe_grouped(self, x, sel, gate, up, down, act: str):
+        """Prefill-size MoE: the routing comes to the host (one sync), the pairs are sorted
+        by expert, and each expert hit runs ``gated_ffn`` + ``mul_mat`` on its rows (GEMV
+        or dequantize + cuBLAS). Not graph-safe: ``run_graph`` never captures a ubatch
+        this size. Returns ``[T*k, n_embd]`` float32 in pair order."""
+        cp = self.cp
+        if self._capturing:
+            raise RuntimeError("moe: the grouped (host-routed) path cannot run inside a CUDA graph capture")
+        T, k = sel.shape
+        P = T * k
+        n_exp, n_ff, n_embd = gate.shape
+        sel_h = cp.asnumpy(sel).reshape(-1)
+        order = np.argsort(sel_h, kind="stable")
+        counts = np.bincount(sel_h, minlength=n_exp)
+        order_d = cp.asarray(order.astype(np.int32))
+        xs = x[order_d // k]
+        ys = cp.empty((P, n_embd), dtype=cp.float32)
+        o = 0
+        for e in np.nonzero(counts)[0]:
+            c = int(counts[e])
+            h = self.gated_ffn(xs[o:o + c], gate[int(e)], up[int(e)], act)
+            ys[o:o + c] = self.mul_mat(h, down[int(e)])
+            o += c
+        y = cp.empty_like(ys)
+        y[order_d] = ys
+        return y
+
+    # -- recurrent layers (gated delta-net) -------------------------------------------------
+    @staticmethod
+    def _rs_host(plan) -> list:
+        """Host arrays of a recurrent-state plan (``recurrent_state.RSPlan``): ``view_off
+        [n_views + 1]``, the views' ``rows`` concatenated, ``slots [n_views]``."""
+        off = np.zeros(len(plan.views) + 1, dtype=np.int64)
+        off[1:] = np.cumsum([len(v.rows) for v in plan.views])
+        rows = (np.concatenate([np.asarray(v.rows, dtype=np.int64) for v in plan.views]) if plan.views
+                else np.zeros(0, np.int64))
+        return [off, rows, np.asarray([v.slot for v in plan.views], dtype=np.int64)]
+
+    def _rs_meta(self, plan):
+        """Device index arrays of a recurrent-state plan (uploaded once per ubatch; staged
+        by ``run_graph``)."""
+        hit = self._meta.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        host = self._rs_host(plan)
+        dev = self.cp.asarray(np.concatenate(host).astype(np.int32))
+        o = np.cumsum([0] + [len(h) for h in host])
+        m = {"view_off": dev[o[0]:o[1]], "rows": dev[o[1]:o[2]], "slots": dev[o[2]:o[3]]}
+        self._meta[id(plan)] = (plan, m)
+        return m
+
+    def _state(self, a, what: str):
+        if not isinstance(a, self.cp.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous:
+            raise ValueError(f"{what}: the recurrent state must be a C-contiguous float32 device array")
+        return a
+
+    def ssm_conv(self, x, conv_states, w, plan):
+        """Short causal depthwise convolution with a per-sequence carry (``CPUBackend.ssm_conv``).
+
+        x: ``[T, C]`` float32; conv_states: the layer's device store float32 ``[n_seq_max,
+        K-1, C]``, updated in place; w: ``[C, K]`` (K <= ``SSM_MAX_CONV``); plan:
+        ``recurrent_state.RSPlan``. One thread per (sequence, channel) walks that
+        sequence's rows in order. Returns y ``[T, C]`` float32 (no activation)."""
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        w = cp.ascontiguousarray(w, dtype=cp.float32)
+        self._state(conv_states, "ssm_conv")
+        T, C = x.shape
+        K = w.shape[1]
+        if w.shape[0] != C or not 1 <= K <= SSM_MAX_CONV or conv_states.shape[1:] != (K - 1, C):
+            raise ValueError(f"ssm_conv: x {x.shape}, w {w.shape}, state {conv_states.shape} do not fit "
+                             f"(at most {SSM_MAX_CONV} taps)")
+        y = cp.empty_like(x)
+        if T and plan.views:
+            m = self._rs_meta(plan)
+            self._fn("r", "ssm_conv")((len(plan.views), (C + 127) // 128), (128,),
+                                      (x, conv_states, w, m["view_off"], m["rows"], m["slots"], y,
+                                       np.int32(C), np.int32(K)))
+        return y
+
+    def gated_delta_net(self, q, k, v, g, beta, ssm_states, plan, scale: float):
+        """Gated delta rule over each sequence of the ubatch (``CPUBackend.gated_delta_net``).
+
+        q, k: ``[T, H, d_k]`` float32 (L2-normalised; d_k <= ``GDN_MAX_DK``); v: ``[T, H,
+        d_v]``; g (log decay), beta: ``[T, H]``; ssm_states: the layer's device store
+        float32 ``[n_seq_max, H, d_k, d_v]``, updated in place; plan: ``RSPlan``.
+        Sequential over each sequence's tokens (grid: sequence x head x 32 value columns,
+        the state in registers), so a long prefill runs one token after another per
+        block; the CPU's chunked form gives the same result. Returns ``[T, H, d_v]``."""
+        cp = self.cp
+        q, k, v, g, beta = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (q, k, v, g, beta))
+        self._state(ssm_states, "gated_delta_net")
+        T, H, dk = q.shape
+        dv = v.shape[-1]
+        if (k.shape != q.shape or v.shape[:2] != (T, H) or g.shape != (T, H) or beta.shape != (T, H)
+                or ssm_states.shape[1:] != (H, dk, dv)):
+            raise ValueError(f"gated_delta_net: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+                             f"beta {beta.shape}, state {ssm_states.shape} do not fit")
+        if dk > GDN_MAX_DK:
+            raise NotImplementedError(f"gated_delta_net: key head dim {dk} > {GDN_MAX_DK}")
+        r = next(r for r in (1, 2, 4, 8) if 32 * r >= dk)
+        out = cp.empty((T, H, dv), dtype=cp.float32)
+        if T and plan.views:
+            m = self._rs_meta(plan)
+            self._fn("r", f"gated_delta_net_r{r}")(
+                (len(plan.views), H, (dv + GDN_COLS - 1) // GDN_COLS), (128,),
+                (q, k, v, g, beta, ssm_states, m["view_off"], m["rows"], m["slots"], out, np.int32(H),
+                 np.int32(dk), np.int32(dv), np.float32(scale)))
+        return out
 
     # -- KV cache -------------------------------------------------------------------------
     def _plan_meta(self, plan, n_cells: int):
@@ -394,28 +706,40 @@ class CUDABackend:
 
         Decode steps launch ~200 small kernels; from Python each costs ~9 us, inside a
         graph ~1 us (DESIGN.md). Everything a step changes (token ids, positions,
-        cell lists) is copied into buffers fixed per graph key before replay, in one
-        host->device copy; kernels read them through pointers. The key is (n_tokens,
-        n_out, per cache: views, cell-list bucket): cell lists are padded to a power of
-        two >= 256, and attention's split count follows the bucket, so one graph serves
-        every step until a sequence outgrows its bucket. ``caches``: the KV caches in
-        ``ub.plans`` order (their per-stream cell counts). ``graphs``: the caller's
-        graph store (one per runner: a graph holds that network's weights and KV
-        storage addresses, so it must never serve another runner). Returns host logits.
-        Falls back to eager execution for ubatches over ``GEMV_MAX_TOKENS`` rows
-        (cuBLAS prefill is not captured).
+        cell lists, the recurrent plan's rows and state slots) is copied into buffers
+        fixed per graph key before replay, in one host->device copy; kernels read them
+        through pointers. The key is (n_tokens, n_out, per KV cache: views, cell-list
+        bucket, per recurrent plan: views): cell lists are padded to a power of two >=
+        256, and attention's split count follows the bucket, so one graph serves every
+        step until a sequence outgrows its bucket. ``caches``: the KV caches, whose
+        plans lead ``ub.plans`` (a hybrid model's ``RSPlan`` follows them).
+        ``graphs``: the caller's graph store (one per runner: a graph holds that
+        network's weights, KV and recurrent-state addresses, so it must never serve
+        another runner). Returns host logits.
+
+        A new key runs the forward once eagerly on the capture stream (warm-up: compiles
+        CuPy kernels, fills the graph's pool), captures it, and returns the warm-up's
+        logits: the step is applied exactly once, which matters for the in-place
+        recurrent-state updates. Falls back to eager execution for ubatches over
+        ``GEMV_MAX_TOKENS`` rows (cuBLAS prefill and the host-routed MoE path are not
+        captured); every op is graph-safe below that size.
         """
         cp = self.cp
         T = ub.n_tokens
         if T > GEMV_MAX_TOKENS:
             return forward()
+        n_kv = len(caches)
+        kv_plans, rs_plans = ub.plans[:n_kv], ub.plans[n_kv:]
         ncells = [c.k[c.layers[0]].shape[1] for c in caches]
-        tot = [sum(len(v.cells) for v in p.views) for p in ub.plans]
+        tot = [sum(len(v.cells) for v in p.views) for p in kv_plans]
         caps = [max(256, 1 << (t - 1).bit_length()) for t in tot]
-        key = (T, len(ub.out_rows), tuple((len(p.views), cap) for p, cap in zip(ub.plans, caps)))
+        key = (T, len(ub.out_rows), tuple((len(p.views), cap) for p, cap in zip(kv_plans, caps)),
+               tuple(len(p.views) for p in rs_plans))
         host = [ub.tokens, ub.pos, ub.out_rows]
-        for p, n, cap in zip(ub.plans, ncells, caps):
+        for p, n, cap in zip(kv_plans, ncells, caps):
             host += self._plan_host(p, n, cap)
+        for p in rs_plans:
+            host += self._rs_host(p)
         flat = np.concatenate(host).astype(np.int32)
         g = graphs.get(key)
         if g is None:
@@ -423,16 +747,20 @@ class CUDABackend:
         else:
             buf = g["buf"]
         buf.set(flat)
-        # views of the staged buffer stand in for begin_ubatch / _plan_meta uploads
+        # views of the staged buffer stand in for begin_ubatch / _plan_meta / _rs_meta uploads
         o = np.cumsum([0] + [len(h) for h in host])
         self._ub = ub
         self._dev = {id(ub.tokens): buf[o[0]:o[1]], id(ub.pos): buf[o[1]:o[2]], id(ub.out_rows): buf[o[2]:o[3]]}
         self._meta = {}
-        for i, (p, cap) in enumerate(zip(ub.plans, caps)):
+        for i, (p, cap) in enumerate(zip(kv_plans, caps)):
             j = 3 + 5 * i
             self._meta[id(p)] = (p, {"write": buf[o[j]:o[j + 1]], "row_view": buf[o[j + 1]:o[j + 2]],
                                      "view_off": buf[o[j + 2]:o[j + 3]], "cells": buf[o[j + 3]:o[j + 4]],
                                      "cell_pos": buf[o[j + 4]:o[j + 5]], "max_len": cap})
+        for i, p in enumerate(rs_plans):
+            j = 3 + 5 * n_kv + 3 * i
+            self._meta[id(p)] = (p, {"view_off": buf[o[j]:o[j + 1]], "rows": buf[o[j + 1]:o[j + 2]],
+                                     "slots": buf[o[j + 2]:o[j + 3]]})
         self._staged = True
         try:
             if g is None:
@@ -442,17 +770,18 @@ class CUDABackend:
                 # memory is never handed to anything else while the graph lives
                 pool = cp.cuda.MemoryPool()
                 with cp.cuda.using_allocator(pool.malloc), stream:
-                    forward()  # warm-up on the capture stream: compiles CuPy kernels, fills its pool
+                    warm = forward()  # this step's result; compiles CuPy kernels, fills the pool
                     stream.synchronize()
                     self._capturing = True
                     try:
                         stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
                     except (AttributeError, TypeError):
                         stream.begin_capture()
-                    out = forward()
+                    out = forward()  # recorded, not executed
                     graph = stream.end_capture()
                 self._capturing = False
-                g = graphs[key] = {"buf": buf, "graph": graph, "out": out, "pool": pool, "stream": stream}
+                graphs[key] = {"buf": buf, "graph": graph, "out": out, "pool": pool, "stream": stream}
+                return self._pinned_host(warm)
             g["graph"].launch(stream=cp.cuda.get_current_stream())
             return self._pinned_host(g["out"])
         finally:
