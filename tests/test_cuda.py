@@ -358,7 +358,7 @@ def test_real_model_greedy_decode_matches_reference(real_runner, refs):
 
 def test_graph_decode_matches_eager(tmp_path, gpu):
     """Decode steps replayed as CUDA graphs give the eager path's logits, across a
-    cell-bucket change (256 -> 512 cells), for 1- and 3-sequence ubatches and 20-row ones."""
+    cell-bucket change (256 -> 512 cells), for 1- and 3-sequence ubatches and 12-row ones."""
     pytest.importorskip("transformers")
     from opencoti.model.loader import load_model
     from opencoti.tools import synth_gguf as sg
@@ -378,9 +378,9 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
                 res.append(r.decode(UBatch.build([7 + i], [250 + i], [0], [0])))
             for i in range(3):
                 res.append(r.decode(UBatch.build([5, 6, 7], [262 + i, i, i], [0, 1, 2], [0, 1, 2])))
-            for i in range(2):  # 20 rows: tiled GEMV inside a graph
-                res.append(r.decode(UBatch.build(list(range(9, 29)), np.arange(265 + 20 * i, 285 + 20 * i),
-                                                 [0] * 20, np.arange(20))))
+            for i in range(2):  # 12 rows: tiled GEMV inside a graph
+                res.append(r.decode(UBatch.build(list(range(9, 21)), np.arange(265 + 12 * i, 277 + 12 * i),
+                                                 [0] * 12, np.arange(12))))
             outs[graphs] = np.concatenate(res)
         finally:
             gpu.graphs = saved
@@ -446,7 +446,7 @@ def test_sigmoid_softplus_l2_norm(gpu, cpu):
         got = cp.asnumpy(getattr(gpu, op)(cp.asarray(x)))
         want = getattr(cpu, op)(x)
         assert np.isfinite(got).all(), op
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, err_msg=op)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=op)  # --use_fast_math exp
     x[1, 2] = 0.0  # a zero row: divided by eps, stays 0
     got = cp.asnumpy(gpu.l2_norm(cp.asarray(x), 1e-6))
     np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=2e-6, atol=1e-7)

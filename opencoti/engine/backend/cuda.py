@@ -170,6 +170,7 @@ class CUDABackend:
         self._capturing = False
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self._w16 = None  # f16 scratch of _gemm_f16
+        self._f16_ok = True  # False while a prefill-size MoE runs its expert GEMMs
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
@@ -286,7 +287,7 @@ class CUDABackend:
         if k != cols:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
         if (F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL)
-                and cols % 32 == 0):
+                and cols % 32 == 0 and self._f16_ok and not self._capturing):
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
@@ -562,11 +563,15 @@ class CUDABackend:
         xs = x[order_d // k]
         ys = cp.empty((P, n_embd), dtype=cp.float32)
         o = 0
-        for e in np.nonzero(counts)[0]:
-            c = int(counts[e])
-            h = self.gated_ffn(xs[o:o + c], gate[int(e)], up[int(e)], act)
-            ys[o:o + c] = self.mul_mat(h, down[int(e)])
-            o += c
+        self._f16_ok = F16_PREFILL  # a prefill: the expert GEMMs follow the prefill precision policy
+        try:
+            for e in np.nonzero(counts)[0]:
+                c = int(counts[e])
+                h = self.gated_ffn(xs[o:o + c], gate[int(e)], up[int(e)], act)
+                ys[o:o + c] = self.mul_mat(h, down[int(e)])
+                o += c
+        finally:
+            self._f16_ok = True
         y = cp.empty_like(ys)
         y[order_d] = ys
         return y
@@ -720,14 +725,15 @@ class CUDABackend:
         A new key runs the forward once eagerly on the capture stream (warm-up: compiles
         CuPy kernels, fills the graph's pool), captures it, and returns the warm-up's
         logits: the step is applied exactly once, which matters for the in-place
-        recurrent-state updates. Falls back to eager execution for ubatches over
-        ``GEMV_MAX_TOKENS`` rows (cuBLAS prefill and the host-routed MoE path are not
-        captured); every op is graph-safe below that size.
+        recurrent-state updates. Falls back to eager execution for ubatches of
+        ``F16_GEMM_MIN_ROWS`` rows or more (their matmuls are cuBLAS, which CuPy refuses
+        inside a stream capture) and over ``GEMV_MAX_TOKENS`` rows (prefill, the host-routed
+        MoE path); every op is graph-safe below that size.
         """
         cp = self.cp
         T = ub.n_tokens
-        if T > GEMV_MAX_TOKENS:
-            return forward()
+        if T > GEMV_MAX_TOKENS or (F16_GEMM_MIN_ROWS and T >= F16_GEMM_MIN_ROWS):
+            return forward()  # cuBLAS (f16 GEMM, prefill) cannot be captured through CuPy
         n_kv = len(caches)
         kv_plans, rs_plans = ub.plans[:n_kv], ub.plans[n_kv:]
         ncells = [c.k[c.layers[0]].shape[1] for c in caches]
