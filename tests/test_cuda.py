@@ -446,7 +446,7 @@ def test_sigmoid_softplus_l2_norm(gpu, cpu):
         got = cp.asnumpy(getattr(gpu, op)(cp.asarray(x)))
         want = getattr(cpu, op)(x)
         assert np.isfinite(got).all(), op
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=op)  # --use_fast_math exp
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=op)  # --use_fast_math __expf/__logf
     x[1, 2] = 0.0  # a zero row: divided by eps, stays 0
     got = cp.asnumpy(gpu.l2_norm(cp.asarray(x), 1e-6))
     np.testing.assert_allclose(got, cpu.l2_norm(x, 1e-6), rtol=2e-6, atol=1e-7)
@@ -682,6 +682,12 @@ def test_new_arch_cuda_matches_cpu(new_arch_file, gpu, cpu, name):
 
     path = new_arch_file(name)
     model = load_model(path, with_tokenizer=False)
+    if name == "qwen3next":  # refused on CUDA until its parity bug is found (0.94 max |dlogit| measured)
+        from opencoti.model.gguf_file import GGUFError
+
+        with pytest.raises(GGUFError, match="qwen3next: not supported on the CUDA backend"):
+            ModelRunner(model, gpu, n_ctx=256, n_seq_max=2, n_ubatch=512)
+        return
     a = [(i * 37 + 11) % 384 for i in range(110)]
     b = [(i * i * 7 + 3) % 384 for i in range(45)]
     want = _mixed_run(ModelRunner(model, cpu, n_ctx=256, n_seq_max=2, n_ubatch=512), a, b)
