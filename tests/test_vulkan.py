@@ -83,11 +83,12 @@ def cpu():
 @pytest.fixture
 def gpu_paths(vk):
     """Force the code paths a GPU takes (32 lanes per GEMV row, tiled GEMM past 8
-    tokens, split-K attention) on whatever device runs the tests; restored after."""
-    saved = (vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups)
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups = 32, 8, 512
+    tokens, split-K attention, here from 16 cells per split) on whatever device runs
+    the tests; restored after."""
+    saved = (vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells)
+    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = 32, 8, 512, 16
     yield vk
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups = saved
+    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = saved
 
 
 def random_blocks(qname: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -414,16 +415,53 @@ def test_tiny_model_gpu_paths_match_cpu(tmp_path, gpu_paths, cpu):
     long sequence) give CPU logits end to end."""
     vk = gpu_paths
     model = _tiny(tmp_path, "gemma3", "Q4_K")
-    toks = [(i * 53 + 7) % 300 for i in range(600)]
-    r_c = ModelRunner(model, cpu, n_ctx=1024, n_ubatch=512)
-    r_v = ModelRunner(model, vk, n_ctx=1024, n_ubatch=512)
+    toks = [(i * 53 + 7) % 300 for i in range(150)]
+    r_c = ModelRunner(model, cpu, n_ctx=256, n_ubatch=512)
+    r_v = ModelRunner(model, vk, n_ctx=256, n_ubatch=512)
     n = len(toks)
     for r in (r_c, r_v):
-        r.lg = [r.decode(UBatch.build(toks, np.arange(n), [0] * n, [0, 299, n - 1]))]
+        r.lg = [r.decode(UBatch.build(toks, np.arange(n), [0] * n, [0, 99, n - 1]))]
         for i in range(3):
             r.lg.append(r.decode(UBatch.build([5 + i], [n + i], [0], [0])))
     want, got = np.concatenate(r_c.lg), np.concatenate(r_v.lg)
     assert np.max(np.abs(got - want)) < 2e-3 * max(1.0, float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("paths", ["device", "gpu"])
+def test_graph_replay_matches_eager(tmp_path, request, vk, paths):
+    """Decode steps replayed from recorded command buffers give the eager path's logits,
+    across a cell-bucket change (buckets from 32 cells here: 32 -> 64 at step 6) and
+    for 1- and 3-sequence ubatches; a replay records no dispatch (only its inputs are
+    written). "gpu": with the GPU paths forced (split-K attention sized by the bucket
+    in a graph, by the live length eagerly)."""
+    if paths == "gpu":
+        request.getfixturevalue("gpu_paths")
+    model = _tiny(tmp_path, "gemma3", "Q8_0")
+    outs, replay_dispatches = {}, []
+    saved = vk.graphs, vk.graph_min_cells
+    vk.graph_min_cells = 32
+    try:
+        for graphs in (False, True):
+            vk.graphs = graphs
+            r = ModelRunner(model, vk, n_ctx=256, n_seq_max=3, n_ubatch=512)
+            res = [r.decode(UBatch.build(list(range(3, 29)), np.arange(26), [0] * 26, [25]))]
+            for i in range(10):  # seq 0 crosses 32 cells at step 6
+                d0 = vk.rt.n_dispatches
+                res.append(r.decode(UBatch.build([7 + i], [26 + i], [0], [0])))
+                if graphs and i not in (0, 6):  # steps 0 and 6 record a graph (new bucket)
+                    replay_dispatches.append(vk.rt.n_dispatches - d0)
+            for i in range(3):
+                res.append(r.decode(UBatch.build([5, 6, 7], [36 + i, i, i], [0, 1, 2], [0, 1, 2])))
+            outs[graphs] = np.concatenate(res)
+            if graphs:
+                assert len([g for g in r.graphs.values() if g]) == 3
+    finally:
+        vk.graphs, vk.graph_min_cells = saved
+    assert replay_dispatches and set(replay_dispatches) == {0}
+    if paths == "device":  # no split-K: the same arithmetic in the same order
+        np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    else:  # graphs split attention by the cell bucket, eager by the live length: f32 sums in another order
+        np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
 def test_tiny_model_context_shift_and_split_streams(tmp_path, vk, cpu):

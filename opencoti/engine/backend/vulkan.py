@@ -28,6 +28,13 @@ KV storage (``zeros``) is a ``VkTensor`` too; indexing it with
 ``[stream, cells]`` reads those cells back to the host and assigning writes them
 (the rare K-shift and cross-stream ``seq_cp`` paths).
 
+Decode steps (ubatches of up to ``GEMV_MAX_TOKENS`` rows) are recorded once per
+shape into a reusable command buffer and replayed (``run_graph``, as the CUDA
+backend's graphs): per step only the inputs are written (token ids, positions,
+cell lists padded to a power-of-two bucket >= 256, rope tables) and the buffer
+is submitted, so the Python cost of recording ~370 dispatches is paid once per
+shape. ``OPENCOTI_VK_GRAPHS=0`` turns this off.
+
 Shared-prefix groups (``plan.groups``) are not used: each sequence attends over
 its complete cell list (``view.cells``), which is exact.
 
@@ -38,7 +45,9 @@ head size or shape without a shader; ``ValueError`` for mismatched shapes.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import struct
 
 import numpy as np
@@ -58,6 +67,39 @@ _U_SCALE, _U_GELU, _U_SILU = 0, 1, 2
 
 def _u32(*v) -> bytes:
     return struct.pack(f"<{len(v)}I", *v)
+
+
+class _NotCapturable(RuntimeError):
+    """A forward pass that a graph cannot hold (or a replay that left its tape)."""
+
+
+def _taped(fn):
+    """An op of the interface as graphs see it: while a graph is recorded, its result
+    goes on the graph's tape; on replay the op records nothing and returns the result
+    it returned then (the replayed command buffer computes the values). Ops called
+    from inside a taped op run normally (only the outermost call is taped)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def op(self, *args, **kw):
+        mode = self._mode
+        if mode is None or mode == "done" or self._depth:
+            return fn(self, *args, **kw)
+        g = self._graph
+        if mode == "replay":
+            i = g.tape_pos
+            if i >= len(g.tape) or g.tape[i][0] != name:
+                raise _NotCapturable(f"replay diverged at op {i} ({name})")
+            g.tape_pos = i + 1
+            return g.tape[i][1]
+        self._depth += 1
+        try:
+            out = fn(self, *args, **kw)
+        finally:
+            self._depth -= 1
+        g.tape.append((name, out))
+        return out
+    return op
 
 
 class VkTensor:
@@ -186,15 +228,16 @@ class VulkanBackend:
     """
 
     name = "vulkan"
-    graphs = False  # no command-buffer replay yet: ModelRunner runs the forward directly
 
     def __init__(self, device: int = 0):
         self.rt = Runtime(device)
         self.device_info = self.rt.info
         self.device_name = describe(self.rt.info)
         self.is_cpu_device = self.rt.info.is_cpu
-        # attention split-K: enough workgroups to fill a GPU; a CPU device gains nothing from it
+        # attention split-K: enough workgroups to fill a GPU, each split >= attn_split_cells
+        # cells; a CPU device gains nothing from it
         self.attn_target_groups = 1 if self.is_cpu_device else 512
+        self.attn_split_cells = 256
         # GEMV layout (mul_mat_vec.comp): a warp per weight row on GPUs; on CPU drivers
         # 4 rows per invocation (lavapipe runs that ~40x faster). CPU drivers also take
         # every token count through the GEMV (8 tokens per workgroup): ~5x faster
@@ -205,6 +248,13 @@ class VulkanBackend:
         self._ub_dev: dict = {}
         self._meta: dict = {}
         self._rope: dict = {}
+        # graphs (run_graph): mode None (eager), "capture", "replay", "done" (after the logits)
+        self.graphs = os.environ.get("OPENCOTI_VK_GRAPHS", "1") != "0"
+        self.graph_min_cells = 256  # smallest cell-list bucket of a graph
+        self._mode = None
+        self._graph = None
+        self._gcaps = None
+        self._depth = 0
 
     # -- tensors --------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32) -> VkTensor:
@@ -226,10 +276,20 @@ class VulkanBackend:
         return t
 
     def to_host(self, x) -> np.ndarray:
-        """Device tensor -> NumPy (submits the recorded work and waits)."""
-        if isinstance(x, VkTensor):
-            return x.get()
-        return np.asarray(x)
+        """Device tensor -> NumPy (submits the recorded work and waits). Inside
+        ``run_graph`` this is where the graph is submitted."""
+        if not isinstance(x, VkTensor):
+            return np.asarray(x)
+        if self._mode in ("capture", "replay"):
+            g = self._graph
+            if self._mode == "capture":
+                g.out = x
+                self.rt.end_capture()
+            elif x is not g.out:
+                raise _NotCapturable("replay reads another tensor than the recorded output")
+            self._mode = "done"
+            return self.rt.run_graph(g, x.alloc, x.offset, x.nbytes).view(x.dtype).reshape(x.shape)
+        return x.get()
 
     def synchronize(self) -> None:
         """Submit recorded work and wait for it."""
@@ -263,18 +323,104 @@ class VulkanBackend:
         end = min(t.alloc.size, -(-(t.offset + hi) // 4) * 4)
         return (t.alloc, base, max(4, end - base)), (start - base) // 4
 
+    def _input(self, host: np.ndarray, slot: tuple) -> VkTensor:
+        """Upload per-step input ``host``; while a graph is recorded, into a buffer the
+        graph keeps (an input *slot* described by ``slot``, rewritten on replay)."""
+        if self._mode != "capture":
+            return self.asarray(host)
+        t = self.empty(host.shape, host.dtype)
+        self.rt.upload_prologue(t.alloc, 0, host)
+        self._graph.slots.append((slot, t))
+        return t
+
+    def _refresh_slots(self, ub) -> None:
+        """Write a replayed graph's inputs for ``ub``: its ids / positions / output rows,
+        each cache plan's index arrays (cells padded to the graph's bucket), the rope tables."""
+        for slot, t in self._graph.slots:
+            kind = slot[0]
+            if kind == "ub":
+                host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
+            elif kind == "meta":
+                host = self._meta_host(ub.plans[slot[1]], slot[2], slot[3])[0]
+            else:
+                host = self._rope_host(ub.pos, *slot[1:])
+            if host.nbytes != t.nbytes:
+                raise _NotCapturable("a graph input changed size")
+            self.rt.upload_prologue(t.alloc, 0, host)
+
+    def run_graph(self, ub, caches, forward, graphs: dict):
+        """Run ``forward()`` (the network on ``ub``) as a replayed command buffer.
+
+        The key is (rows, output rows, per cache: views and cell-list bucket, and the
+        device-path switches); cell lists are padded to a power of two >= 256
+        (``graph_min_cells``) and
+        attention's split count follows the bucket, so one graph serves every step until
+        a sequence outgrows its bucket. The first step of a key records the graph (and
+        runs it); later ones rewrite its inputs and resubmit it, with the ops returning
+        their recorded results (``_taped``). ``graphs``: the caller's store (a graph
+        holds that runner's KV addresses). Ubatches over ``GEMV_MAX_TOKENS`` rows, or
+        with no output rows, run eagerly. Returns host logits.
+        """
+        T = ub.n_tokens
+        if not self.graphs or T > GEMV_MAX_TOKENS or len(ub.out_rows) == 0 or self._mode is not None:
+            return forward()
+        tot = [sum(len(v.cells) for v in p.views) for p in ub.plans]
+        caps = [max(self.graph_min_cells, 1 << max(0, t - 1).bit_length()) for t in tot]
+        key = (T, len(ub.out_rows), tuple((len(p.views), c) for p, c in zip(ub.plans, caps)),
+               self.gemv_lanes, self.gemv_max_tokens, self.attn_target_groups)
+        g = graphs.get(key)
+        if g is False:
+            return forward()
+        self._gcaps = caps
+        try:
+            if g is None:
+                self._graph = self.rt.begin_capture()
+                self._mode = "capture"
+                ok = False
+                try:
+                    out = forward()
+                    ok = self._mode == "done"  # the logits were read: the graph ran
+                except _NotCapturable:
+                    pass
+                finally:
+                    if self.rt._target is not None:  # not finished: drop it (any error propagates)
+                        self.rt.abort_capture()
+                if ok:
+                    graphs[key] = self._graph
+                    return out
+                graphs[key] = False
+            else:
+                self._graph, self._mode = g, "replay"
+                g.tape_pos = 0
+                try:
+                    out = forward()
+                    if g.tape_pos == len(g.tape) and self._mode == "done":
+                        return out
+                except _NotCapturable:
+                    pass
+                graphs[key] = False
+                self.rt.flush()  # staged inputs land in the graph's own buffers
+        finally:
+            self._mode = self._graph = self._gcaps = None
+            self._depth = 0
+        return forward()  # not capturable: eager
+
     def begin_ubatch(self, ub) -> None:
         """Upload the ubatch's token ids, positions and output rows (one write) and
-        forget the previous ubatch's plan metadata and rope tables."""
+        forget the previous ubatch's plan metadata and rope tables. On a graph replay:
+        write every input the graph reads (see ``_refresh_slots``)."""
+        if self._mode == "replay":
+            self._ub = ub
+            self._refresh_slots(ub)
+            return
         host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
-        dev = self.asarray(host)
-        n, m = len(ub.tokens), len(ub.out_rows)
+        dev = self._input(host, ("ub",))
+        n = len(ub.tokens)
         self._ub = ub
         self._ub_dev = {id(ub.tokens): (ub.tokens, dev, 0), id(ub.pos): (ub.pos, dev, n),
                         id(ub.out_rows): (ub.out_rows, dev, 2 * n)}
         self._meta = {}
         self._rope = {}
-        del m
 
     # -- weights --------------------------------------------------------------------------
     def load_weight(self, gguf: GGUFFile, name: str):
@@ -322,6 +468,7 @@ class VulkanBackend:
         raise TypeError(f"mul_mat: unsupported weight {type(w).__name__}")
 
     # -- matmul / rows --------------------------------------------------------------------
+    @_taped
     def mul_mat(self, x, w):
         """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32 (ggml_mul_mat with w as src0).
 
@@ -360,12 +507,14 @@ class VulkanBackend:
                                      writes=(2,))
         return y
 
+    @_taped
     def gated_ffn(self, x, gate, up, act: str):
         """``act(x @ gate.T) * (x @ up.T)`` -> ``[n, n_ff]`` float32; act "gelu_tanh" or "silu"."""
         g = self.mul_mat(x, gate)
         u = self.mul_mat(x, up)
         return self._binary(g, u, _OP_GELU_MUL if act == "gelu_tanh" else _OP_SILU_MUL)
 
+    @_taped
     def get_rows(self, table, ids):
         """Rows ``ids`` of ``table`` (a ``QTensor``, dequantized on the fly, or a float32
         ``VkTensor``) -> ``[n, cols]`` float32."""
@@ -424,6 +573,7 @@ class VulkanBackend:
                          writes=(1,))
 
     # -- elementwise / norms --------------------------------------------------------------
+    @_taped
     def rms_norm(self, x, w, eps: float):
         """RMSNorm over the last axis, times ``w`` if given (same shape as ``x``)."""
         x = self._f32(x)
@@ -464,36 +614,38 @@ class VulkanBackend:
                          self.rt.groups_1d(-(-n // 256)), writes=(2,))
         return y
 
+    @_taped
     def add(self, a, b):
         """``a + b`` (``b`` same size, or a vector broadcast over ``a``'s rows)."""
         if np.isscalar(b):
             raise TypeError("add: scalar operands are not supported")
         return self._binary(a, b, _OP_ADD)
 
+    @_taped
     def mul(self, a, b):
         """``a * b`` elementwise (``b`` same size or broadcast over rows)."""
         return self._binary(a, b, _OP_MUL)
 
+    @_taped
     def scale(self, x, s: float):
         """``x * s``."""
         return self._unary(x, _U_SCALE, s)
 
+    @_taped
     def gelu_tanh(self, x):
         """GELU, tanh approximation (ggml_gelu)."""
         return self._unary(x, _U_GELU)
 
+    @_taped
     def silu(self, x):
         """x * sigmoid(x)."""
         return self._unary(x, _U_SILU)
 
     # -- rope -----------------------------------------------------------------------------
-    def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors):
-        """Device (cos, sin) table ``[T, n_rot/2, 2]`` float32 for positions ``pos``,
-        computed as ``CPUBackend.rope`` does (float64 angles); cached per ubatch."""
-        key = (id(pos), n_rot, float(base), float(freq_scale), id(freq_factors))
-        hit = self._rope.get(key)
-        if hit is not None and hit[0] is pos and hit[1] is freq_factors:
-            return hit[2]
+    @staticmethod
+    def _rope_host(pos, n_rot: int, base: float, freq_scale: float, freq_factors) -> np.ndarray:
+        """(cos, sin) table ``[T, n_rot/2, 2]`` float32 for positions ``pos``, computed as
+        ``CPUBackend.rope`` does (float64 angles)."""
         p = pos.get() if isinstance(pos, VkTensor) else np.asarray(pos)
         half = n_rot // 2
         inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
@@ -502,11 +654,22 @@ class VulkanBackend:
                 else np.asarray(freq_factors)
             inv = inv / np.asarray(ff[:half], dtype=np.float64)
         theta = (p.astype(np.float64).reshape(-1)[:, None] * freq_scale) * inv[None, :]
-        tab = np.stack([np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)], axis=-1)
-        t = self.asarray(tab)
+        return np.stack([np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)], axis=-1)
+
+    def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors):
+        """Device (cos, sin) table of ``_rope_host``, uploaded once per ubatch and rope setting."""
+        key = (id(pos), n_rot, float(base), float(freq_scale), id(freq_factors))
+        hit = self._rope.get(key)
+        if hit is not None and hit[0] is pos and hit[1] is freq_factors:
+            return hit[2]
+        if self._mode == "capture" and (self._ub is None or pos is not self._ub.pos):
+            raise _NotCapturable("rope at positions other than the ubatch's")
+        args = (n_rot, float(base), float(freq_scale), freq_factors)
+        t = self._input(self._rope_host(pos, *args), ("rope",) + args)
         self._rope[key] = (pos, freq_factors, t)
         return t
 
+    @_taped
     def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
              freq_factors=None):
         """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``); returns a new tensor."""
@@ -525,12 +688,12 @@ class VulkanBackend:
         return y
 
     # -- KV cache + attention ---------------------------------------------------------------
-    def _plan_meta(self, plan, n_cells: int):
-        """Device index arrays of a cache plan, uploaded once per ubatch: write cells,
-        row -> view, view offsets, flat cell lists and their positions (int32, one buffer)."""
-        hit = self._meta.get(id(plan))
-        if hit is not None and hit[0] is plan:
-            return hit[1]
+    @staticmethod
+    def _meta_host(plan, n_cells: int, cap: int | None = None):
+        """A cache plan's index arrays as one int32 array: write cells (flat
+        ``stream * n_cells + cell``), row -> view, view offsets, the views' flat cell
+        lists and their positions; cell lists padded to ``cap`` entries when given.
+        Returns (array, offsets of the five parts, longest view)."""
         T = len(plan.cell)
         row_view = np.zeros(T, dtype=np.int64)
         off = [0]
@@ -540,14 +703,38 @@ class VulkanBackend:
             cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
             cpos.append(np.asarray(v.cell_pos, dtype=np.int64))
             off.append(off[-1] + len(v.cells))
+        if cap is not None:
+            if off[-1] > cap:
+                raise _NotCapturable("cell lists outgrew the graph's bucket")
+            cells.append(np.zeros(cap - off[-1], np.int64))
+            cpos.append(np.zeros(cap - off[-1], np.int64))
         write = np.asarray(plan.stream, dtype=np.int64) * n_cells + np.asarray(plan.cell, dtype=np.int64)
         parts = [write, row_view, np.asarray(off, dtype=np.int64),
                  np.concatenate(cells) if cells else np.zeros(0, np.int64),
                  np.concatenate(cpos) if cpos else np.zeros(0, np.int64)]
         o = np.cumsum([0] + [len(p) for p in parts]).tolist()
-        buf = self.asarray(np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32))
+        host = np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32)
+        return host, o, max((len(v.cells) for v in plan.views), default=0)
+
+    def _plan_meta(self, plan, n_cells: int):
+        """Device index arrays of a cache plan (``_meta_host``), uploaded once per ubatch.
+        While a graph is recorded: padded to the graph's cell bucket, whose size also
+        stands in for the longest view (attention's split count)."""
+        hit = self._meta.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        if self._mode == "capture":
+            idx = next((i for i, p in enumerate(self._ub.plans) if p is plan), None) if self._ub else None
+            if idx is None:
+                raise _NotCapturable("a cache plan outside the ubatch")
+            cap = self._gcaps[idx]
+            host, o, _ = self._meta_host(plan, n_cells, cap)
+            buf, max_len = self._input(host, ("meta", idx, n_cells, cap)), cap
+        else:
+            host, o, max_len = self._meta_host(plan, n_cells)
+            buf = self.asarray(host)
         m = {"buf": buf, "write": o[0], "row_view": o[1], "view_off": o[2], "cells": o[3], "cell_pos": o[4],
-             "max_len": max((len(v.cells) for v in plan.views), default=0)}
+             "max_len": max_len}
         self._meta[id(plan)] = (plan, m)  # the plan stays referenced, so its id is not reused meanwhile
         return m
 
@@ -560,6 +747,7 @@ class VulkanBackend:
                                       f"storage-buffer range ({self.rt.max_range / 2**20:.0f} MiB): lower -c")
         return kind
 
+    @_taped
     def kv_write(self, cache, il: int, plan, k, v) -> None:
         """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells (f16 or f32 storage)."""
         K, V = cache.k[il], cache.v[il]
@@ -581,6 +769,7 @@ class VulkanBackend:
                          _u32(T, kw, vw, meta["write"] + mo), self.rt.groups_1d(-(-(T * words) // 256)),
                          writes=(2, 3))
 
+    @_taped
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
                         softcap: float = 0.0):
         """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
@@ -610,7 +799,8 @@ class VulkanBackend:
         base = T * n_kv * n_gsub
         n_split = 1
         if base < self.attn_target_groups:
-            n_split = int(max(1, min(meta["max_len"] // 256, -(-self.attn_target_groups // base), 64)))
+            n_split = int(max(1, min(meta["max_len"] // self.attn_split_cells, -(-self.attn_target_groups // base),
+                                     64)))
         kb, vb = self._bind(k_store)[0], self._bind(v_store)[0]
         pc = lambda ml_off: (_u32(H, n_kv, D, G, n_split, n_gsub) + struct.pack("<fif", scale, int(n_swa), softcap)  # noqa: E731
                              + _u32(meta["row_view"] + mo, meta["view_off"] + mo, meta["cells"] + mo,
