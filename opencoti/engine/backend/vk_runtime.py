@@ -26,6 +26,12 @@ A storage-buffer binding may span at most ``max_range`` bytes
 (``maxStorageBufferRange``: 128 MiB on lavapipe, 4 GiB on NVIDIA); callers bind
 windows of larger buffers (see ``VulkanBackend.mul_mat``).
 
+Graphs (``CommandGraph``): dispatches can instead be recorded into a reusable
+command buffer (``begin_capture`` / ``end_capture``) that owns its descriptor
+sets and every allocation made meanwhile; ``run_graph`` submits the main buffer
+(the step's input uploads, ``upload_prologue``), the graph and a copy of its
+output to the host in one submission.
+
 Pipelines: one per shipped SPIR-V module (``opencoti.vk_shaders``), created on
 first use; all storage-buffer bindings in set 0 and 128 bytes of push constants.
 Descriptor sets are cached by their exact bindings (block, offset, range), so a

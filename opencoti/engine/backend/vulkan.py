@@ -57,6 +57,7 @@ from opencoti.model.gguf_file import GGUFFile
 from opencoti.vk_shaders import KV_NAMES, QTYPE_NAMES
 
 GEMV_MAX_TOKENS = 8
+MAX_GRAPHS = 64  # recorded decode graphs kept per runner (oldest dropped first)
 ATTN_MAX_HEAD_DIM = 512
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -387,6 +388,9 @@ class VulkanBackend:
                         self.rt.abort_capture()
                 if ok:
                     graphs[key] = self._graph
+                    live = [k for k, v in graphs.items() if v]
+                    for k in live[:max(0, len(live) - MAX_GRAPHS)]:  # oldest first: frees its memory
+                        del graphs[k]
                     return out
                 graphs[key] = False
             else:
