@@ -464,6 +464,27 @@ def test_graph_replay_matches_eager(tmp_path, request, vk, paths):
         np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
+def test_graph_that_cannot_be_recorded_runs_eagerly(tmp_path, vk, monkeypatch):
+    """A decode step whose graph cannot be recorded (here: its descriptor pool is too
+    small) runs eagerly with the same logits, and its shape is not tried again."""
+    from opencoti.engine.backend import vk_runtime
+
+    model = _tiny(tmp_path, "llama", "Q8_0")
+    toks = [(i * 29 + 3) % 300 for i in range(12)]
+    outs = {}
+    for name, sets in (("eager", None), ("small_pool", 4)):
+        if sets:
+            monkeypatch.setattr(vk_runtime, "GRAPH_SETS", sets)
+        monkeypatch.setattr(vk, "graphs", sets is not None)
+        r = ModelRunner(model, vk, n_ctx=64, n_ubatch=64)
+        res = [r.decode(UBatch.build(toks, np.arange(12), [0] * 12, [11]))]
+        res += [r.decode(UBatch.build([5 + i], [12 + i], [0], [0])) for i in range(3)]
+        outs[name] = np.concatenate(res)
+        if sets:
+            assert list(r.graphs.values()) == [False]
+    np.testing.assert_array_equal(outs["small_pool"], outs["eager"])
+
+
 def test_tiny_model_context_shift_and_split_streams(tmp_path, vk, cpu):
     """K shift (``seq_add`` re-rotates cached K through the backend's rope) and a
     non-unified cache with ``seq_cp`` across streams give the CPU's logits."""

@@ -81,6 +81,10 @@ class VulkanError(RuntimeError):
     """A Vulkan call failed (the message names the call and the VkResult)."""
 
 
+class GraphTooLarge(VulkanError):
+    """A graph being recorded needs more descriptor sets than its pool holds."""
+
+
 def _import_vulkan():
     """The ``vulkan`` module, or ``VulkanUnavailable`` saying what to install."""
     try:
@@ -253,7 +257,8 @@ class CommandGraph:
         cb = ffi.new("VkCommandBuffer[1]")
         _check(lib.vkAllocateCommandBuffers(rt.device, ca, cb), "vkAllocateCommandBuffers")
         self.cmd = cb[0]
-        self.pool = rt._make_desc_pool(GRAPH_SETS)
+        self.max_sets = GRAPH_SETS
+        self.pool = rt._make_desc_pool(self.max_sets)
         self.sets: dict = {}
         self.retained: list = []
         self.reads: list = []
@@ -597,6 +602,8 @@ class Runtime:
         ds = cache.get(key)
         if ds is not None:
             return ds
+        if g is not None and len(cache) >= g.max_sets:  # drivers need not enforce maxSets themselves
+            raise GraphTooLarge(f"a graph needs more than {g.max_sets} descriptor sets")
         vk, ffi, lib = self.vk, self.ffi, self.lib
         n = len(binds)
         dsl, _ = self._layout(n)
@@ -606,6 +613,8 @@ class Runtime:
             "descriptorSetCount": 1, "pSetLayouts": dsl})
         ds = ffi.new("VkDescriptorSet[1]")
         res = lib.vkAllocateDescriptorSets(self.device, info, ds)
+        if g is not None and res in _POOL_FULL:
+            raise GraphTooLarge(f"a graph needs more than {g.max_sets} descriptor sets")
         if g is None and (res in _POOL_FULL or len(self._sets) >= MAX_SETS):
             # sets of pending commands must stay valid: finish them, then start the pool over
             self.flush()

@@ -52,7 +52,7 @@ import struct
 
 import numpy as np
 
-from opencoti.engine.backend.vk_runtime import Runtime, describe
+from opencoti.engine.backend.vk_runtime import GraphTooLarge, Runtime, describe
 from opencoti.model.gguf_file import GGUFFile
 from opencoti.vk_shaders import KV_NAMES, QTYPE_NAMES
 
@@ -381,7 +381,7 @@ class VulkanBackend:
                 try:
                     out = forward()
                     ok = self._mode == "done"  # the logits were read: the graph ran
-                except _NotCapturable:
+                except (_NotCapturable, GraphTooLarge):
                     pass
                 finally:
                     if self.rt._target is not None:  # not finished: drop it (any error propagates)
