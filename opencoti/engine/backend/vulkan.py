@@ -10,7 +10,8 @@ live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
   storage-buffer binding). ``mul_mat`` with up to ``GEMV_MAX_TOKENS`` activation
   rows is a GEMV that dequantizes in registers (``mul_mat_vec.comp``, as
   ggml-vulkan ``mul_mat_vec``); more rows use a tiled GEMM whose loader
-  dequantizes weight tiles into shared memory (``mul_mm.comp``). Types: F32,
+  dequantizes weight tiles into shared memory (``mul_mm.comp``), except on CPU
+  drivers, where the GEMV (8 rows per workgroup) is faster at any count. Types: F32,
   F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 - ``attention_cells``: split-K online-softmax attention reading the KV storage
   (f16 or f32) through the cache plan's per-sequence cell lists (``attn.comp``);
