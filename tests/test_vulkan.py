@@ -17,8 +17,10 @@ which turns a missing device into a failure.
 Tolerances: the shaders compute in float32 like the CPU backend and store f16
 KV rounded exactly as NumPy does, so only summation order differs: dequantized
 rows match exactly, GEMV / GEMM to 1e-5 relative (measured ~4e-7), attention
-to 2e-4, and the real model's log-probabilities to ``VK_CPU_TOL`` = 0.01 nats
-over the whole vocabulary (measured 0.004 on lavapipe).
+to 2e-4, and the real model's log-probabilities to 0.01 nats on each row's 50
+likeliest tokens and 0.03 over the whole vocabulary (measured on lavapipe:
+0.0033 and 0.0087, the latter at a token of log-prob -44); against exact float32
+math, the CPU parity test's 0.02 (measured 0.0019).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ from opencoti.engine.runner import ModelRunner, iter_logits  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
-VK_CPU_TOL = 0.01  # nats, any token of the vocabulary, real model, Vulkan vs CPU backend
+# real model, Vulkan vs CPU backend, nats: the 50 likeliest tokens of each row / any token
+VK_CPU_TOL_TOP = 0.01  # measured 0.0033 on lavapipe
+VK_CPU_TOL_ALL = 0.03  # measured 0.0087, at a token of log-prob -44 (extreme logits round more)
 EXACT_TOL = 0.02  # the CPU parity test's tolerance against exact float32 math
 
 # byte offsets of the f16 scale fields inside one block (ggml-common.h)
@@ -536,16 +540,19 @@ def refs(shared_dir):
 
 @pytest.mark.parametrize("name", REAL_CASES)
 def test_real_model_parity(runners, refs, name):
-    """Teacher-forced prompt + 8 greedy steps: Vulkan log-probs within VK_CPU_TOL of
-    the CPU backend's over the whole vocabulary, the same greedy tokens, and within
-    the CPU parity test's 0.02 nats of exact float32 math."""
+    """Teacher-forced prompt + 8 greedy steps: Vulkan log-probs within VK_CPU_TOL_TOP of
+    the CPU backend's on each row's 50 likeliest tokens and VK_CPU_TOL_ALL on all, the
+    same greedy tokens, and within the CPU parity test's 0.02 nats of exact float32 math."""
     exact, lcpp = refs[0][name], refs[1][name]
     prompt = exact["prompt_tokens"]
     steps = [s["id"] for s in exact["steps"][:N_STEPS]]
     r_vk, r_cpu = runners
     lp = logprobs(r_vk, prompt + steps)
     lp_cpu = logprobs(r_cpu, prompt + steps)
-    assert np.max(np.abs(lp - lp_cpu)) < VK_CPU_TOL, np.max(np.abs(lp - lp_cpu))
+    top = np.argsort(-lp_cpu, axis=1)[:, :50]
+    d_top = np.abs(np.take_along_axis(lp, top, 1) - np.take_along_axis(lp_cpu, top, 1))
+    assert d_top.max() < VK_CPU_TOL_TOP, d_top.max()
+    assert np.max(np.abs(lp - lp_cpu)) < VK_CPU_TOL_ALL, np.max(np.abs(lp - lp_cpu))
     np.testing.assert_array_equal(lp.argmax(axis=1), lp_cpu.argmax(axis=1))
     n = len(prompt)
     got = np.array([lp[j, prompt[j + 1]] for j in range(n - 1)])
