@@ -1,6 +1,6 @@
 """llama-bench-style table on a GPU backend (default CUDA), plus aggregate decode.
 
-    python bench/bench_cuda.py [-m model.gguf] [--backend cuda] [-r 3] [--seqs 1,8,32]
+    python bench/bench_cuda.py [-m model.gguf] [--backend cuda] [-r 3] [--seqs 1,8,32,64]
 
 Rows: pp512, pp4096 (prefill in ubatches of 512, logits for the last token
 only), tg128, tg128 at depth 8192, and aggregate decode with N concurrent
@@ -29,6 +29,8 @@ from opencoti.model.loader import load_model  # noqa: E402
 
 LLAMA_CPP_H200 = {"pp512": 49823, "pp4096": 39022, "tg128": 939, "tg128 @ d8192": 844,
                   "decode x1": 825, "decode x8": 3987, "decode x32": 7561, "decode x64": 9391}
+# Qwen2.5-7B Q4_K_M (synthetic, same shapes and types) on the same H200 (BENCHMARKS.md)
+LLAMA_CPP_H200_7B = {"pp512": 9467, "tg128": 251, "decode x1": 244, "decode x8": 971, "decode x32": 3398}
 
 
 def _prefill(runner, n, seq=0, pos0=0, seed=0):
@@ -53,7 +55,7 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("-r", "--repetitions", type=int, default=3)
-    ap.add_argument("--seqs", default="1,8,32", help="concurrent sequences for aggregate decode")
+    ap.add_argument("--seqs", default="1,8,32,64", help="concurrent sequences for aggregate decode")
     ap.add_argument("--pp", default="512,4096")
     ap.add_argument("--depths", default="0,8192")
     a = ap.parse_args()
@@ -79,7 +81,7 @@ def main() -> None:
                 runner.decode(UBatch.build([1000 + i], [d + i], [0], [0]))
             return 128 / (time.perf_counter() - t)
         rows.append(("tg128" + (f" @ d{d}" if d else ""), _timed(tg, a.repetitions)))
-    del runner
+    runner = None  # free the KV before the aggregate runs
 
     for ns in [int(x) for x in a.seqs.split(",") if x]:
         r = ModelRunner(model, a.backend, n_ctx=ns * 640 + 256, n_seq_max=ns, kv_unified=True, n_ubatch=512)
@@ -94,7 +96,7 @@ def main() -> None:
                                       list(range(ns))))
             return ns * 128 / (time.perf_counter() - t)
         rows.append((f"decode x{ns}", _timed(agg, max(1, a.repetitions - 1))))
-        del r
+        r = None
 
     from opencoti.engine.backend import get_backend
 
@@ -106,7 +108,7 @@ def main() -> None:
     for name, vals in rows:
         mean = statistics.mean(vals)
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        ref = LLAMA_CPP_H200.get(name)
+        ref = (LLAMA_CPP_H200_7B if "7B" in model.name else LLAMA_CPP_H200).get(name)
         print(f"| {name} | {mean:,.1f} ± {sd:,.1f} | {ref:,} | {mean / ref:.2f} |" if ref else
               f"| {name} | {mean:,.1f} ± {sd:,.1f} | | |")
 

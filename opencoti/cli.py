@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence
 import click
 
 from opencoti.engine.api import SamplingParams
+from opencoti.model.kv_override import KVOverrideError, parse_kv_overrides
 from opencoti.params import Params
 from opencoti.version import full_version
 
@@ -77,6 +78,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "flash_attn": ("LLAMA_ARG_FLASH_ATTN",),
     "gpu": ("LLAMA_ARG_GPU",),
     "main_gpu": ("LLAMA_ARG_MAIN_GPU",),
+    "override_kv": ("LLAMA_ARG_OVERRIDE_KV",),
     "server": ("LLAMA_ARG_SERVER",),
     "slots": ("LLAMA_ARG_ENDPOINT_SLOTS",),
     "metrics": ("LLAMA_ARG_ENDPOINT_METRICS",),
@@ -220,6 +222,10 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               show_default=True, envvar=_env("gpu"), help="GPU backend (llamafile's flag).")
 @click.option("-mg", "--main-gpu", type=click.IntRange(min=0), default=0, show_default=True,
               envvar=_env("main_gpu"), help="Index of the GPU to use.")
+@click.option("--override-kv", "override_kv", multiple=True, metavar="KEY=TYPE:VALUE,...",
+              envvar=_env("override_kv"),
+              help="Override GGUF metadata by key (repeatable, or comma-separated); TYPE is int, float, "
+                   "bool or str, e.g. --override-kv gemma4.context_length=int:1048576.")
 @click.option("--server", is_flag=True, default=False, envvar=_env("server"),
               help="Run the HTTP server (llama.cpp's API and the OpenAI API).")
 @click.option("--slots/--no-slots", default=True, show_default=True, envvar=_env("slots"),
@@ -247,6 +253,10 @@ def _params_from_options(kw: dict) -> Params:
         raise click.BadParameter("must be >= 1, or -1 for auto", param_hint="'-np' / '--parallel'")
     if kw["chat_template"] is not None and kw["chat_template_file"] is not None:
         raise click.UsageError("give either --chat-template or --chat-template-file, not both")
+    try:
+        kv_overrides = parse_kv_overrides(kw["override_kv"] or ())
+    except KVOverrideError as e:
+        raise click.BadParameter(str(e), param_hint="'--override-kv'") from None
     n_parallel, kv_unified = kw["parallel"], kw["kv_unified"]
     if n_parallel == -1:  # llama.cpp server: auto -> 4 slots sharing one unified KV cache
         n_parallel, kv_unified = 4, True
@@ -283,6 +293,7 @@ def _params_from_options(kw: dict) -> Params:
         main_gpu=kw["main_gpu"],
         gpu=kw["gpu"].lower(),
         flash_attn=kw["flash_attn"],
+        kv_overrides=kv_overrides,
         sampling=sampling,
         server=kw["server"],
         endpoint_slots=kw["slots"],

@@ -36,6 +36,9 @@ class Params:
     main_gpu: int = 0
     gpu: str = "auto"  # --gpu {auto,nvidia,vulkan,amd,apple,disable}
     flash_attn: str = "auto"  # -fa {on,off,auto}
+    # --override-kv KEY=TYPE:VALUE (repeatable): GGUF metadata replaced at load
+    # (opencoti.model.kv_override.KVOverride, applied by the model loader)
+    kv_overrides: list = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # server
     server: bool = False

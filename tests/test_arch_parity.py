@@ -46,6 +46,12 @@ VARIANTS = {
     "llama_bias_mqa": ("llama", {"attention_bias": True, "num_key_value_heads": 1, "num_hidden_layers": 3}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    # Qwen2.5-1M-style long context (issue 7): theta 1e7 and a ~1M training context; llama.cpp
+    # has no dual-chunk attention, so DCA settings never reach the GGUF
+    "qwen2_1m": ("qwen2", dict(sg.QWEN25_1M)),
+    # the same with YaRN, as llama.cpp converts a config carrying rope_scaling yarn (factor 4);
+    # a small original context so a 40-token prompt crosses the correction range
+    "qwen2_1m_yarn": ("qwen2", dict(sg.QWEN25_1M, rope_parameters=dict(sg.QWEN25_1M_YARN_ROPE))),
     "gemma3": ("gemma3", {}),
     # as Gemma 3 4B+: linear RoPE scaling on the global layers only; plus a final logit softcap
     "gemma3_linear_softcap": ("gemma3", {
@@ -187,8 +193,15 @@ def test_gguf_layout(build, variant):
         assert md["llama.vocab_size"] == cfg.vocab_size and md["llama.rope.dimension_count"] == hd
         assert md["llama.rope.freq_base"] == 10000.0
         assert not any(k.startswith("llama.rope.scaling") for k in md)
-    if arch in ("qwen2", "qwen3"):
+    if variant in ("qwen2", "qwen3"):
         assert md[p + "rope.freq_base"] == 1e6
+    if variant.startswith("qwen2_1m"):
+        assert md["qwen2.rope.freq_base"] == 1e7 and md["qwen2.context_length"] == 1010000
+    if variant == "qwen2_1m":
+        assert not any(k.startswith("qwen2.rope.scaling") for k in md)
+    if variant == "qwen2_1m_yarn":
+        assert md["qwen2.rope.scaling.type"] == "yarn" and md["qwen2.rope.scaling.factor"] == 4.0
+        assert md["qwen2.rope.scaling.original_context_length"] == 32
     if variant == "gemma3":
         assert "gemma3.final_logit_softcapping" not in md and "gemma3.rope.scaling.type" not in md
     if arch == "gemma3":
@@ -384,3 +397,25 @@ def test_kquant_rows_fall_back_like_llama_quantize(tmp_path):
     assert types["blk.0.attn_q.weight"] == QT.Q5_0
     assert types["output.weight"] == QT.Q8_0
     assert types["blk.0.attn_norm.weight"] == QT.F32
+
+
+def test_yarn_context_shift_is_a_pure_rotation(build):
+    """Re-rotating cached K by d (``shift_k``) equals RoPE at p + d on a YaRN model: the
+    angle blend is linear in the position and the cos/sin magnitude is not applied twice."""
+    from opencoti.engine.backend.cpu import CPUBackend
+
+    _, path = build("qwen2_1m_yarn")
+    model = load_model(path, Params(), with_tokenizer=False)
+    net = model.network(CPUBackend())
+    hp = model.hparams
+    assert hp.rope_yarn is not None and hp.rope_freq_scale == 0.25 and hp.rope_yarn.n_ctx_orig == 32
+    x = np.random.default_rng(0).standard_normal((6, 2, hp.n_rot)).astype(np.float32)
+    p, d = np.arange(6) * 7, np.full(6, 11)
+    B = CPUBackend()
+    base, scale = net.rope_params(0)
+    once = B.rope(x, p + d, hp.n_rot, base, scale, "neox", None, **net.rope_ext)
+    twice = B.rope(B.rope(x, p, hp.n_rot, base, scale, "neox", None, **net.rope_ext), d, hp.n_rot, base, scale,
+                   "neox", None, **net.rope_ext_shift)
+    np.testing.assert_allclose(twice, once, atol=2e-5)
+    plain = B.rope(x, p + d, hp.n_rot, base, scale, "neox", None)
+    assert np.abs(plain - once).max() > 0.1  # YaRN changes the rotation (and its magnitude)

@@ -12,6 +12,7 @@ import click
 import pytest
 
 from opencoti.cli import ENV_NAMES, build_params
+from opencoti.model.kv_override import KVOverride
 from opencoti.model import default_model
 from opencoti.version import __version__, full_version
 
@@ -173,6 +174,7 @@ ENV_CASES = [
     ("LLAMA_ARG_FLASH_ATTN", "off", "flash_attn", "off"),
     ("LLAMA_ARG_GPU", "vulkan", "gpu", "vulkan"),
     ("LLAMA_ARG_MAIN_GPU", "2", "main_gpu", 2),
+    ("LLAMA_ARG_OVERRIDE_KV", "a.b=int:1", "kv_overrides", [KVOverride("a.b", "int", 1)]),
     ("LLAMA_ARG_SERVER", "1", "server", True),
     ("LLAMA_API_KEY", "secret", "api_key", "secret"),
     ("LLAMA_ARG_API_KEY", "secret2", "api_key", "secret2"),

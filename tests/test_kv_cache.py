@@ -39,7 +39,7 @@ def test_seq_cp_is_membership_in_one_stream():
     c.seq_cp(0, 1, 0, 4)  # share the first 4 positions
     assert c.n_used() == 6  # no new cells
     assert c.seq_pos_max(1) == 3
-    shared = c.seq[0][:, 0] & c.seq[0][:, 1]
+    shared = c.seq[0][0] & c.seq[0][1]
     assert int(shared.sum()) == 4
     # removing the source keeps the shared cells alive for seq 1
     c.seq_rm(0)
@@ -53,7 +53,7 @@ def test_seq_cp_across_streams_copies_data():
     _put(c, 0, range(3), fill=[10, 11, 12])
     c.seq_cp(0, 2)
     assert c.n_used(0) == 3 and c.n_used(2) == 3
-    cells = np.nonzero(c.seq[2][:, 2])[0]
+    cells = np.nonzero(c.seq[2][2])[0]
     got = sorted(c.k[0][2, cells, 0, 0].tolist())
     assert got == [10.0, 11.0, 12.0]
 

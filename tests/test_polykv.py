@@ -92,7 +92,7 @@ def test_sessions_share_one_pool(model, unified):
             # zero-copy: P cells for the prefix + each session's own suffix, not n * P
             suffix = sum(len(p) - P + 8 - 1 for p in prompts)
             assert kv.n_used() == P + suffix
-            members = kv.seq[0][:, :n].sum(axis=1)
+            members = kv.seq[0][:n].sum(axis=0)
             assert int(np.count_nonzero(members == n)) == P
         else:
             assert all(kv.n_used(st) >= P for st in range(n))  # copied per stream

@@ -29,16 +29,29 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def _rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool, factors: np.ndarray | None,
-          freq_scale: float = 1.0) -> np.ndarray:
+          freq_scale: float = 1.0, yarn_orig_ctx: int = 0) -> np.ndarray:
     """x: [T, H, D]. Normal mode rotates pairs (2i, 2i+1); NEOX rotates (i, i + D/2).
     theta = pos * freq_scale * base^(-2i/D) / factors[i] (ggml_rope_ext with freq_factors;
-    freq_scale = 1/factor for linear scaling)."""
+    freq_scale = 1/factor for linear scaling). ``yarn_orig_ctx`` > 0: YaRN as the paper
+    (Peng et al. 2023) and transformers' ``_compute_yarn_parameters`` write it: frequencies
+    below the beta_slow=1 dim keep theta, above beta_fast=32 take theta*freq_scale, a linear
+    ramp between; cos/sin scaled by 0.1*ln(1/freq_scale) + 1."""
     d = x.shape[-1]
-    inv = freq_scale * base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    mscale = 1.0
+    if yarn_orig_ctx:
+        def corr(rot):
+            return d * np.log(yarn_orig_ctx / (rot * 2 * np.pi)) / (2 * np.log(base))
+        lo, hi = max(np.floor(corr(32.0)), 0), min(np.ceil(corr(1.0)), d - 1)
+        extrap = 1 - np.clip((np.arange(d // 2) - lo) / max(hi - lo, 0.001), 0, 1)
+        inv = inv * freq_scale * (1 - extrap) + inv * extrap
+        mscale = 0.1 * np.log(1 / freq_scale) + 1
+    else:
+        inv = inv * freq_scale
     if factors is not None:
         inv = inv / factors.astype(np.float64)
     ang = pos[:, None].astype(np.float64) * inv[None, :]  # [T, D/2]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    cos, sin = np.cos(ang)[:, None, :] * mscale, np.sin(ang)[:, None, :] * mscale
     if neox:
         a, b = x[..., : d // 2], x[..., d // 2:]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
@@ -74,8 +87,9 @@ def ref_forward(path: str, tokens: list[int]) -> np.ndarray:
     neox = arch in ("qwen2", "qwen3", "gemma3")
     factors = w("rope_freqs.weight")
     n_swa = key("attention.sliding_window", 0)
-    linear = key("rope.scaling.type") == "linear"
-    freq_scale = 1.0 / key("rope.scaling.factor") if linear else 1.0
+    scaled = key("rope.scaling.type") in ("linear", "yarn")
+    freq_scale = 1.0 / key("rope.scaling.factor") if scaled else 1.0
+    yarn_ctx = key("rope.scaling.original_context_length", 0) if key("rope.scaling.type") == "yarn" else 0
     T = len(tokens)
     pos = np.arange(T)
     x = w("token_embd.weight")[np.asarray(tokens)]
@@ -96,7 +110,8 @@ def ref_forward(path: str, tokens: list[int]) -> np.ndarray:
         is_swa = arch == "gemma3" and n_swa > 0 and il % 6 < 5
         # llama.cpp hard-codes gemma3's local layers to base 10000, no scaling
         lbase, lscale = (10000.0, 1.0) if is_swa else (base, freq_scale)
-        q, k = _rope(q, pos, lbase, neox, factors, lscale), _rope(k, pos, lbase, neox, factors, lscale)
+        lyarn = 0 if is_swa else yarn_ctx
+        q, k = _rope(q, pos, lbase, neox, factors, lscale, lyarn), _rope(k, pos, lbase, neox, factors, lscale, lyarn)
         allowed = ki <= qi
         if is_swa:
             allowed &= (qi - ki) < n_swa

@@ -7,10 +7,13 @@
 // q_pos - cell_pos < n_swa (llama.cpp's standard SWA). GQA: query head
 // h reads kv head h / G.
 //
-// attn_partial: grid (T, n_kv, n_split), 4 warps. Split s of a view covers an
-// equal slice of its cells; each warp walks cells strided by 4 with an online
-// softmax (Milakov & Gimelshein 2018) for the G query heads of the kv head, the
-// lane holding D/32 dims. Warps merge in shared memory; with n_split == 1 the
+// attn_partial: grid (T, n_kv * ceil(G / MAXG), n_split), 4 warps; a block serves up
+// to MAXG query heads of one kv head (any G: larger groups take several blocks).
+// The block's (scaled) queries sit in shared memory. Each warp takes tiles of 32
+// cells: a lane per cell computes the scores (K row read with 16-byte loads),
+// the tile's softmax update is one warp max + sum, then the lanes switch to
+// dims and accumulate p * V cell by cell (each V row read coalesced). Split s of a view covers an
+// equal slice of its cells; the online softmax is Milakov & Gimelshein 2018. Warps merge in shared memory; with n_split == 1 the
 // normalized output is written directly, else (max, sum, acc) partials that
 // attn_merge combines by log-sum-exp (Dao et al., flash-decoding).
 #include "quants.cuh"
@@ -24,15 +27,38 @@ __device__ __forceinline__ float wsum(float v) {
     return v;
 }
 
+// E consecutive f16 values -> float (16-byte loads when E is a multiple of 8, 8-byte for 4)
+template <int E>
+__device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f) {
+    if constexpr (E % 8 == 0) {
+#pragma unroll
+        for (int c = 0; c < E / 8; c++) {
+            uint4 w = ((const uint4*)p)[c];
+            u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) { f[8 * c + 2 * j] = h2f((u16)(ws[j] & 0xFFFF)); f[8 * c + 2 * j + 1] = h2f((u16)(ws[j] >> 16)); }
+        }
+    } else if constexpr (E == 4) {
+        uint2 w = *(const uint2*)p;
+        f[0] = h2f((u16)(w.x & 0xFFFF)); f[1] = h2f((u16)(w.x >> 16)); f[2] = h2f((u16)(w.y & 0xFFFF)); f[3] = h2f((u16)(w.y >> 16));
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++) f[e] = h2f(p[e]);
+    }
+}
+
 template <int D, int MAXG>
 __device__ __forceinline__ void attn_partial_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
     const u16* __restrict__ K, const u16* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
-    constexpr int E = D / 32;  // dims per lane
-    const int r = blockIdx.x, kh = blockIdx.y, sp = blockIdx.z;
+    constexpr int E = D / 32;  // V dims per lane
+    const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
+    const int n_hg = (G + MAXG - 1) / MAXG;  // blocks per kv head when G > MAXG
+    const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * MAXG;
+    const int Gb = min(MAXG, G - g0);        // query heads of this block: kh * G + g0 + [0, Gb)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qp = q_pos[r];
     const int vw = row_view[r];
@@ -40,38 +66,88 @@ __device__ __forceinline__ void attn_partial_impl(
     const int chunk = (len + n_split - 1) / n_split;
     const int c0 = b0 + sp * chunk, c1 = min(b0 + len, c0 + chunk);
 
-    float qv[MAXG][E], acc[MAXG][E], m[MAXG], l[MAXG];
+    __shared__ __align__(16) float s_q[MAXG][D];
+    for (int i = threadIdx.x; i < MAXG * D; i += blockDim.x) {
+        int g = i / D, d = i % D;
+        s_q[g][d] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + d] * scale : 0.f;
+    }
+    __syncthreads();
+
+    float acc[MAXG][E], m[MAXG], l[MAXG];
 #pragma unroll
     for (int g = 0; g < MAXG; g++) {
         m[g] = NEG_INF; l[g] = 0.f;
 #pragma unroll
-        for (int e = 0; e < E; e++) {
-            acc[g][e] = 0.f;
-            qv[g][e] = g < G ? q[((long long)r * n_head + kh * G + g) * D + lane * E + e] * scale : 0.f;
-        }
+        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
     }
-    for (int i = c0 + warp; i < c1; i += NWARP) {
-        int cp = cell_pos[i];
-        if (cp > qp || (n_swa > 0 && qp - cp >= n_swa)) continue;
-        long long base = ((long long)cells[i] * n_kv + kh) * D + lane * E;
-        float kf[E], vf[E];
+    // tiles of 32 cells per warp: QK with a lane per cell, softmax across the warp, then
+    // PV with the lanes over dims (each cell's V row read coalesced by the whole warp)
+    for (int t0 = c0 + 32 * warp; t0 < c1; t0 += 32 * NWARP) {
+        int i = t0 + lane;
+        int cell = 0;
+        bool ok = false;
+        if (i < c1) {
+            int cp = cell_pos[i];
+            ok = cp <= qp && !(n_swa > 0 && qp - cp >= n_swa);
+            cell = cells[i];
+        }
+        unsigned mask = __ballot_sync(0xffffffffu, ok);
+        if (!mask) continue;
+        float s[MAXG];
 #pragma unroll
-        for (int e = 0; e < E; e++) { kf[e] = h2f(K[base + e]); vf[e] = h2f(V[base + e]); }
+        for (int g = 0; g < MAXG; g++) s[g] = 0.f;
+        if (ok) {
+            const uint4* kr = (const uint4*)(K + ((long long)cell * n_kv + kh) * D);
+#pragma unroll 4
+            for (int c = 0; c < D / 8; c++) {
+                uint4 w = kr[c];
+                u32 ws[4] = {w.x, w.y, w.z, w.w};
+                float kf[8];
+#pragma unroll
+                for (int j = 0; j < 4; j++) { kf[2 * j] = h2f((u16)(ws[j] & 0xFFFF)); kf[2 * j + 1] = h2f((u16)(ws[j] >> 16)); }
+#pragma unroll
+                for (int g = 0; g < MAXG; g++) {
+                    if (g < Gb) {
+                        const float4* qq = (const float4*)&s_q[g][8 * c];
+                        float4 a = qq[0], b = qq[1];
+                        s[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3]
+                              + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] + b.w * kf[7];
+                    }
+                }
+            }
+        }
+        float p[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) {
-            if (g < G) {
-                float s = 0.f;
+            if (g < Gb) {
+                float sg = s[g];
+                if (softcap > 0.f) sg = softcap * tanhf(sg / softcap);
+                float tm = ok ? sg : NEG_INF;
 #pragma unroll
-                for (int e = 0; e < E; e++) s += qv[g][e] * kf[e];
-                s = wsum(s);
-                if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-                float mn = fmaxf(m[g], s);
+                for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
+                float mn = fmaxf(m[g], tm);
                 float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mn);
-                float p = __expf(s - mn);
-                l[g] = l[g] * corr + p;
+                p[g] = ok ? __expf(sg - mn) : 0.f;
+                l[g] = l[g] * corr + wsum(p[g]);
 #pragma unroll
-                for (int e = 0; e < E; e++) acc[g][e] = acc[g][e] * corr + p * vf[e];
+                for (int e = 0; e < E; e++) acc[g][e] *= corr;
                 m[g] = mn;
+            }
+        }
+        while (mask) {
+            int j = __ffs(mask) - 1;
+            mask &= mask - 1;
+            int cj = __shfl_sync(0xffffffffu, cell, j);
+            const u16* vr = V + ((long long)cj * n_kv + kh) * D + lane * E;
+            float vf[E];
+            load_halves<E>(vr, vf);
+#pragma unroll
+            for (int g = 0; g < MAXG; g++) {
+                if (g < Gb) {
+                    float pj = __shfl_sync(0xffffffffu, p[g], j);
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[g][e] += pj * vf[e];
+                }
             }
         }
     }
@@ -80,14 +156,14 @@ __device__ __forceinline__ void attn_partial_impl(
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
 #pragma unroll
     for (int g = 0; g < MAXG; g++) {
-        if (g < G) {
+        if (g < Gb) {
 #pragma unroll
             for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
             if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
         int g = idx / D, d = idx % D;
         float M = NEG_INF;
         for (int w = 0; w < NWARP; w++) M = fmaxf(M, s_m[w][g]);
@@ -100,7 +176,7 @@ __device__ __forceinline__ void attn_partial_impl(
                 A += s_acc[w][g][d] * f;
             }
         }
-        int h = kh * G + g;
+        int h = kh * G + g0 + g;
         if (n_split == 1) {
             out[((long long)r * n_head + h) * D + d] = L > 0.f ? A / L : 0.f;
         } else {
@@ -122,6 +198,7 @@ DEF_ATTN(32, 1) DEF_ATTN(32, 2) DEF_ATTN(32, 4) DEF_ATTN(32, 8)
 DEF_ATTN(64, 1) DEF_ATTN(64, 2) DEF_ATTN(64, 4) DEF_ATTN(64, 8)
 DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
 DEF_ATTN(256, 1) DEF_ATTN(256, 2) DEF_ATTN(256, 4) DEF_ATTN(256, 8)
+DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
 
 // out[r, h, :] = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}; grid (T, n_head), D threads.
 extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,

@@ -6,6 +6,7 @@
 // GGUF tensor bytes, row r at W + r * row_bytes; KV storage is f16
 // [n_stream * n_cells, n_head_kv, D] addressed by flat cell index.
 #include "quants.cuh"
+#include "gemv_units.cuh"
 
 #define WARP 32
 __device__ __forceinline__ float warp_sum(float v) {
@@ -15,67 +16,93 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------
-// y[t, r] = sum_k W[r, k] * x[t, k] for t < nt (nt <= NT): one warp per output row,
-// lanes stride over 32-element chunks, dequantizing in registers (ggml mul_mat_vec).
-template <class Q, int NT>
+// y[t, r] = sum_k W[r, k] * x[t, k] for the nt token rows: wpr warps per output row (1, 2,
+// 4 or 8: long rows get several, summed through shared memory); the lanes walk the row's
+// units (gemv_units.cuh) so that a warp's loads are coalesced, and dequantize in registers
+// (ggml-cuda mul_mat_vec_q's layout, f32 activations).
+// grid = (ceil(nt / NT), ceil(nrows / rows per block)): blockIdx.x picks a tile of NT
+// token rows and is the fastest grid index, so the tiles that read the same weight
+// rows run back to back and the weight comes from L2 after the first tile.
+template <class U, int NT>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ x,
-                                          float* __restrict__ y, int nrows, int ncols, int nt) {
-    int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
-    int lane = threadIdx.x & 31;
-    if (row >= nrows) return;
-    const u8* wr = W + (long long)row * row_bytes;
+                                          float* __restrict__ y, int nrows, int ncols, int nt, int wpr) {
+    constexpr int R = U::R;
+    __shared__ float red[8][NT];  // wpr > 1: per-warp partial sums (blockDim <= 256)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = blockIdx.y * ((blockDim.x >> 5) / wpr) + warp / wpr, sub = warp % wpr;
+    const bool active = row < nrows;
+    x += (long long)blockIdx.x * NT * ncols;
+    y += (long long)blockIdx.x * NT * nrows;
+    nt = min(NT, nt - (int)blockIdx.x * NT);
+    const u8* wr = W + (long long)(active ? row : 0) * row_bytes;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    int nch = ncols >> 5;
-    for (int c = lane; c < nch; c += WARP) {
-        float v[32];
-        Q::chunk(wr, c, v);
+    const int nunits = active ? ncols / (4 * R) : 0;
+    for (int u = sub * WARP + lane; u < nunits; u += WARP * wpr) {
+        float v[R][4];
+        int p[R];
+        U::unit(wr, u, v, p);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t < nt) {
-                const float4* xp = (const float4*)(x + (long long)t * ncols + 32 * c);
+                const float* xt = x + (long long)t * ncols;
                 float s = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    float4 q = __ldg(xp + i);
-                    s += v[4 * i] * q.x + v[4 * i + 1] * q.y + v[4 * i + 2] * q.z + v[4 * i + 3] * q.w;
+                for (int r = 0; r < R; r++) {
+                    float4 q = __ldg((const float4*)(xt + p[r]));
+                    s += v[r][0] * q.x + v[r][1] * q.y + v[r][2] * q.z + v[r][3] * q.w;
                 }
                 acc[t] += s;
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        if (t < nt) {
-            float s = warp_sum(acc[t]);
-            if (lane == 0) y[(long long)t * nrows + row] = s;
+    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+    if (wpr > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
         }
+        __syncthreads();
+        if (sub == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float s = 0.f;
+                for (int w = 0; w < wpr; w++) s += red[warp + w][t];
+                acc[t] = s;
+            }
+        }
+    }
+    if (active && sub == 0 && lane == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < nt) y[(long long)t * nrows + row] = acc[t];
     }
 }
 
 // Two weights of one type over the same x (FFN gate and up), then out = act(gate) * up.
-template <class Q>
+template <class U>
 __device__ __forceinline__ void gemv_gated_impl(const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long row_bytes,
                                                 const float* __restrict__ x, float* __restrict__ y,
                                                 int nrows, int ncols, int act) {
+    constexpr int R = U::R;
     int row = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5);
     int lane = threadIdx.x & 31;
     if (row >= nrows) return;
     float ag = 0.f, au = 0.f;
-    int nch = ncols >> 5;
-    for (int c = lane; c < nch; c += WARP) {
-        float v[32];
-        const float4* xp = (const float4*)(x + 32 * c);
-        float4 xv[8];
+    const int nunits = ncols / (4 * R);
+    for (int u = lane; u < nunits; u += WARP) {
+        float v[R][4], w[R][4];
+        int p[R];
+        U::unit(Wg + (long long)row * row_bytes, u, v, p);
+        U::unit(Wu + (long long)row * row_bytes, u, w, p);
 #pragma unroll
-        for (int i = 0; i < 8; i++) xv[i] = __ldg(xp + i);
-        Q::chunk(Wg + (long long)row * row_bytes, c, v);
-#pragma unroll
-        for (int i = 0; i < 8; i++) ag += v[4 * i] * xv[i].x + v[4 * i + 1] * xv[i].y + v[4 * i + 2] * xv[i].z + v[4 * i + 3] * xv[i].w;
-        Q::chunk(Wu + (long long)row * row_bytes, c, v);
-#pragma unroll
-        for (int i = 0; i < 8; i++) au += v[4 * i] * xv[i].x + v[4 * i + 1] * xv[i].y + v[4 * i + 2] * xv[i].z + v[4 * i + 3] * xv[i].w;
+        for (int r = 0; r < R; r++) {
+            float4 q = __ldg((const float4*)(x + p[r]));
+            ag += v[r][0] * q.x + v[r][1] * q.y + v[r][2] * q.z + v[r][3] * q.w;
+            au += w[r][0] * q.x + w[r][1] * q.y + w[r][2] * q.z + w[r][3] * q.w;
+        }
     }
     ag = warp_sum(ag);
     au = warp_sum(au);
@@ -127,14 +154,15 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ W, long lon
     }
 }
 
-#define DEF_QKERNELS(ID, Q)                                                                                   \
-    extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt) { \
-        gemv_impl<Q, 1>(W, rb, x, y, nr, nc, nt); }                                                           \
-    extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt) { \
-        gemv_impl<Q, 8>(W, rb, x, y, nr, nc, nt); }                                                           \
+#define DEF_UKERNELS(ID, U, U8)                                                                                   \
+    extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
+                                          int wpr) { gemv_impl<U, 1>(W, rb, x, y, nr, nc, nt, wpr); }         \
+    extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
+                                          int wpr) { gemv_impl<U8, 8>(W, rb, x, y, nr, nc, nt, wpr); }         \
     extern "C" __global__ void gemv_gated_##ID(const u8* Wg, const u8* Wu, long long rb, const float* x, float* y, \
                                                int nr, int nc, int act) {                                     \
-        gemv_gated_impl<Q>(Wg, Wu, rb, x, y, nr, nc, act); }                                                 \
+        gemv_gated_impl<U>(Wg, Wu, rb, x, y, nr, nc, act); }
+#define DEF_QKERNELS(ID, Q)                                                                                   \
     extern "C" __global__ void dequant_f32_##ID(const u8* W, long long rb, float* out, int nr, int nc) {     \
         dequant_impl<Q, false>(W, rb, out, nr, nc); }                                                         \
     extern "C" __global__ void dequant_f16_##ID(const u8* W, long long rb, u16* out, int nr, int nc) {       \
@@ -142,6 +170,7 @@ __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ W, long lon
     extern "C" __global__ void get_rows_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { \
         get_rows_impl<Q>(W, rb, ids, out, nc); }
 
+FOR_EACH_UTYPE(DEF_UKERNELS)
 FOR_EACH_QTYPE(DEF_QKERNELS)
 
 // ---------------------------------------------------------------------------------------

@@ -113,6 +113,10 @@ class Engine:
         self.n_ubatch = max(1, min(params.n_ubatch, params.n_batch))
         self.max_pools = max(0, params.polykv_max_pools)
         self.pools = PoolRegistry(self.n_slots, self.max_pools) if self.max_pools else None
+        if params.ctx_shift and hp.is_recurrent:  # issue 7b: fail at load, naming the feature
+            raise ValueError(f"--context-shift is not supported by architecture {hp.arch!r}: its gated delta-net "
+                             "layers keep a recurrent state per sequence, which cannot drop old tokens "
+                             "(start without --context-shift)")
         if self.pools is not None and params.ctx_shift:
             log.warning("--context-shift with PolyKV pools: pooled sessions never shift (it would "
                         "corrupt every reader of the prefix); they stop with truncated=true")
@@ -519,6 +523,13 @@ class Engine:
         share = min(common_prefix(src_tokens, req.prompt_tokens), len(req.prompt_tokens) - 1)
         if share <= n_past:
             return n_past, 0
+        rs = kv.recurrent  # issue 7b: a recurrent state is shared only as an exact full copy
+        if rs is not None and int(rs.n_pos[src_seq]) != share:
+            log.warning("pool share not possible on this hybrid model: the %s's recurrent state covers %d tokens, "
+                        "the shared prefix is %d (a recurrent state can only be shared whole); reprocessing the "
+                        "prompt without the pool", "pool" if req.pool_id is not None else "source slot",
+                        int(rs.n_pos[src_seq]), share)
+            return n_past, 0
         kv.seq_rm(slot.seq_id)
         kv.seq_cp(src_seq, slot.seq_id, 0, share)
         if not kv.can_reuse(slot.seq_id, share):
@@ -545,7 +556,7 @@ class Engine:
         return out
 
     def pool_cells(self, pool: Pool) -> int:
-        return int(np.count_nonzero(self.runner.kv.base.seq[self.runner.kv.base.stream_of(pool.seq_id), :, pool.seq_id]))
+        return len(self.runner.kv.base.cells_of(pool.seq_id))
 
     def pool_gauges(self) -> dict:
         """PolyKV gauges (engine thread): pools, pinned pools' prefix tokens, sessions attached."""
@@ -584,6 +595,10 @@ class Engine:
                 par = reg.pools[pool.parent]
                 kv.seq_cp(par.seq_id, pool.seq_id, 0, pool.branch_pos)
                 if not kv.can_reuse(pool.seq_id, pool.branch_pos):
+                    if kv.recurrent is not None:
+                        log.warning("pool fork at %d of a %d-token parent on a hybrid model: a recurrent state "
+                                    "can only be shared whole; building the fork from position 0",
+                                    pool.branch_pos, len(par.tokens))
                     kv.seq_rm(pool.seq_id)
                     pool.n_past = 0
             if pool.n_past >= len(pool.tokens):

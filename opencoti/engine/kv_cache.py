@@ -4,19 +4,29 @@ Modelled on llama.cpp's cell cache (``src/llama-kv-cells.h``,
 ``src/llama-kv-cache.cpp``, ``src/llama-kv-cache-iswa.cpp``):
 
 - A *stream* holds ``n_cells`` cells. Cell ``i`` has a position ``pos[i]``
-  (-1 = empty) and a membership set ``seq[i, :]`` (bool per seq_id). A cell is
-  empty exactly when no sequence is a member.
+  (-1 = empty) and a membership set ``seq[:, i]`` (bool per seq_id; stored
+  seq-major, ``seq[stream, seq_id, cell]``, so one sequence's cells are one
+  contiguous row). A cell is empty exactly when no sequence is a member.
 - A query token of sequence ``s`` at position ``p`` attends every cell of its
-  stream with ``seq[c, s]`` and ``pos[c] <= p`` (and ``p - pos[c] < n_swa`` on
+  stream with ``seq[s, c]`` and ``pos[c] <= p`` (and ``p - pos[c] < n_swa`` on
   a sliding-window layer).
 - Sharing is membership: ``seq_cp(src, dst)`` adds ``dst`` to ``src``'s cells;
   nothing is copied. ``seq_rm`` / ``seq_keep`` / ``seq_add`` as in llama.cpp.
 - ``--kv-unified``: one stream of ``n_ctx`` cells for every sequence.
   Otherwise one stream per sequence, ``n_ctx / n_seq`` cells each, and
   ``seq_cp`` across streams copies the cells' data physically.
-- iSWA models (Gemma-3) get two caches (``KVCacheISWA``): one for global
-  layers and one for sliding-window layers, whose cells are pruned once they
-  fall out of every member's window.
+- iSWA models (Gemma-3/4) get two caches: one for global layers and one for
+  sliding-window layers, whose cells are pruned once they fall out of every
+  member's window. Each cache has its own K/V head shape (Gemma-4's global
+  layers have a larger head dim and fewer KV heads).
+- KV-sharing layers (Gemma-4 E-series: ``hp.kv_reuse``) store nothing; they
+  attend over an earlier layer's cells (``layer_cache[il]`` is that layer's cache).
+- Hybrid models (Qwen3.5 / Qwen3-next) keep KV cells for their attention
+  layers only; their gated delta-net layers keep one recurrent state per
+  sequence (``recurrent_state.RecurrentState``, llama.cpp's
+  ``llama_memory_hybrid``). Such a state can only be shared or kept whole, so
+  ``seq_rm`` of an absorbed suffix answers False and ``can_reuse`` holds only
+  for the state's exact length.
 
 The cache owns all bookkeeping; backends only read the index arrays that
 ``prepare`` hands them (paged attention at cell granularity).
@@ -30,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from opencoti.engine.recurrent_state import RecurrentState
 
 KV_TYPES = {"f32": np.float32, "f16": np.float16}
 N_PAD = 256  # llama.cpp pads cache sizes to 256 cells
@@ -124,7 +136,10 @@ class KVCache:
         self.n_swa = n_swa
         self.type_k, self.type_v = type_k, type_v
         self.pos = np.full((n_stream, n_cells), -1, dtype=np.int32)
-        self.seq = np.zeros((n_stream, n_cells, n_seq_max), dtype=bool)
+        self.seq = np.zeros((n_stream, n_seq_max, n_cells), dtype=bool)  # [stream, seq_id, cell]
+        # member cells per seq_id (None = recompute from ``seq``): a decode step then
+        # costs O(cells of the ubatch's sequences), not O(n_seq * n_cells)
+        self._cells: list[np.ndarray | None] = [None] * n_seq_max
         self.k = {il: zeros((n_stream, n_cells, n_head_kv, d_k), KV_TYPES[type_k]) for il in layers}
         self.v = {il: zeros((n_stream, n_cells, n_head_kv, d_v), KV_TYPES[type_v]) for il in layers}
 
@@ -148,12 +163,23 @@ class KVCache:
         p0 = 0 if p0 < 0 else p0
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
         pos = self.pos[st]
-        m = self.seq[st, :, seq_id] & (pos >= p0) & (pos < p1)
+        m = self.seq[st, seq_id] & (pos >= p0) & (pos < p1)
         return st, m
 
-    def _gc(self, st: int) -> None:
-        empty = ~self.seq[st].any(axis=1)
-        self.pos[st, empty] = -1
+    def _gc(self, st: int, cells: np.ndarray | None = None) -> None:
+        """Mark cells without members empty (all cells, or only ``cells``)."""
+        if cells is None:
+            self.pos[st, ~self.seq[st].any(axis=0)] = -1
+        elif len(cells):
+            self.pos[st, cells[~self.seq[st][:, cells].any(axis=0)]] = -1
+
+    def cells_of(self, seq_id: int) -> np.ndarray:
+        """Cell indices (in ``seq_id``'s stream, any order) that ``seq_id`` is a member
+        of (cached; do not modify the returned array)."""
+        c = self._cells[seq_id]
+        if c is None:
+            c = self._cells[seq_id] = np.nonzero(self.seq[self.stream_of(seq_id), seq_id])[0]
+        return c
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id`` from its cells with position in ``[p0, p1)`` (-1 = open end).
@@ -165,8 +191,10 @@ class KVCache:
                 self.seq_rm(s, p0, p1)
             return
         st, m = self._range(seq_id, p0, p1)
-        self.seq[st, m, seq_id] = False
-        self._gc(st)
+        cells = np.nonzero(m)[0]
+        self.seq[st, seq_id, cells] = False
+        self._cells[seq_id] = None
+        self._gc(st, cells)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` a member of ``src``'s cells in ``[p0, p1)``.
@@ -178,7 +206,8 @@ class KVCache:
         st_s, m = self._range(src, p0, p1)
         st_d = self.stream_of(dst)
         if st_s == st_d:
-            self.seq[st_s, m, dst] = True
+            self.seq[st_s, dst, m] = True
+            self._cells[dst] = None
             return
         src_cells = np.nonzero(m)[0]
         free = np.nonzero(self.pos[st_d] < 0)[0]
@@ -186,7 +215,8 @@ class KVCache:
             raise KVCacheFullError(f"seq_cp: stream {st_d} has {len(free)} free cells, need {len(src_cells)}")
         dst_cells = free[: len(src_cells)]
         self.pos[st_d, dst_cells] = self.pos[st_s, src_cells]
-        self.seq[st_d, dst_cells, dst] = True
+        self.seq[st_d, dst, dst_cells] = True
+        self._cells[dst] = None
         for il in self.layers:
             self.k[il][st_d, dst_cells] = self.k[il][st_s, src_cells]
             self.v[il][st_d, dst_cells] = self.v[il][st_s, src_cells]
@@ -207,32 +237,33 @@ class KVCache:
         shared cell would move it for every member); a shared cell raises ``ValueError``.
         """
         st, m = self._range(seq_id, p0, p1)
-        if np.any(self.seq[st, m].sum(axis=1) > 1):
+        if np.any(self.seq[st][:, m].sum(axis=0) > 1):
             raise ValueError("seq_add on cells shared with another sequence")
         shift = np.zeros(self.n_cells, dtype=np.int32)
         shift[m] = delta
         self.pos[st, m] += delta
         gone = m & (self.pos[st] < 0)
-        self.seq[st, gone, :] = False
+        if gone.any():
+            self.seq[st, :, gone] = False
+            self._cells[seq_id] = None
         self.pos[st, gone] = -1
         shift[gone] = 0
         return shift
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id``'s cells, -1 if it has none."""
-        st = self.stream_of(seq_id)
-        p = self.pos[st][self.seq[st, :, seq_id]]
+        p = self.pos[self.stream_of(seq_id)][self.cells_of(seq_id)]
         return int(p.min()) if p.size else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of ``seq_id``'s cells, -1 if it has none."""
-        st = self.stream_of(seq_id)
-        p = self.pos[st][self.seq[st, :, seq_id]]
+        p = self.pos[self.stream_of(seq_id)][self.cells_of(seq_id)]
         return int(p.max()) if p.size else -1
 
     def clear(self) -> None:
         self.pos[:] = -1
         self.seq[:] = False
+        self._cells = [None] * self.n_seq_max
 
     # -- per-ubatch planning ----------------------------------------------------------
     def prune_swa(self, seq_ids: np.ndarray, pos: np.ndarray) -> None:
@@ -242,16 +273,36 @@ class KVCache:
         a cell at position q with ``p_min - q >= n_swa`` can never be seen again
         by s (positions only grow), so s leaves it. No-op for global caches.
         """
-        if self.n_swa <= 0:
+        if self.n_swa <= 0 or len(seq_ids) == 0:
             return
-        for s in np.unique(seq_ids):
-            p_end = int(pos[seq_ids == s].min()) - self.n_swa + 1  # prune positions < p_end
-            if p_end <= 0:
-                continue
-            st, m = self._range(int(s), 0, p_end)
-            if m.any():
-                self.seq[st, m, int(s)] = False
-                self._gc(st)
+        seqs, inv = np.unique(np.asarray(seq_ids, dtype=np.int64), return_inverse=True)
+        p_min = np.full(len(seqs), np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(p_min, inv, np.asarray(pos, dtype=np.int64))
+        p_end = p_min - self.n_swa + 1  # prune positions < p_end
+        keep = p_end > 0
+        seqs, p_end = seqs[keep], p_end[keep]
+        if len(seqs) == 0:
+            return
+        lists = [self.cells_of(s) for s in seqs.tolist()]
+        lens = np.array([len(c) for c in lists])
+        streams = np.array([self.stream_of(s) for s in seqs.tolist()], dtype=np.int64)
+        allc = np.concatenate(lists)
+        old = self.pos[np.repeat(streams, lens), allc] < np.repeat(p_end, lens)  # all sequences at once
+        if not old.any():
+            return
+        n_old = np.add.reduceat(old, np.r_[0, np.cumsum(lens)[:-1]]) if len(allc) else lens * 0
+        starts = np.r_[0, np.cumsum(lens)]
+        touched: dict[int, list[np.ndarray]] = {}
+        for j in np.nonzero(n_old)[0].tolist():
+            s, st = int(seqs[j]), int(streams[j])
+            o = old[starts[j]:starts[j + 1]]
+            cells = lists[j]
+            gone = cells[o]
+            self.seq[st, s, gone] = False
+            self._cells[s] = cells[~o]
+            touched.setdefault(st, []).append(gone)
+        for st, parts in touched.items():
+            self._gc(st, np.unique(np.concatenate(parts)))
 
     def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> CachePlan:
         """Choose free cells for each token of a ubatch; changes nothing.
@@ -278,14 +329,18 @@ class KVCache:
         ``plan.views`` (per-sequence cell lists for attention) and, when
         ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
-        self.seq[plan.stream, plan.cell, :] = False
-        self.seq[plan.stream, plan.cell, seq_ids] = True
+        seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        seqs, inv = np.unique(seq_ids, return_inverse=True)
+        rows_of = np.split(np.argsort(inv, kind="stable"), np.cumsum(np.bincount(inv, minlength=len(seqs)))[:-1])
+        for s, rows in zip(seqs.tolist(), rows_of):  # the cached lists, before membership changes
+            self.cells_of(s)
+        self.seq[plan.stream, :, plan.cell] = False  # free cells: no members (kept for safety)
+        self.seq[plan.stream, seq_ids, plan.cell] = True
         plan.views = []
-        for s in np.unique(seq_ids):
-            s = int(s)
+        for s, rows in zip(seqs.tolist(), rows_of):
             st = self.stream_of(s)
-            cells = np.nonzero(self.seq[st, :, s])[0]
-            plan.views.append(SeqView(np.nonzero(seq_ids == s)[0], st, cells, self.pos[st, cells], s))
+            cells = self._cells[s] = np.concatenate([self._cells[s], plan.cell[rows]])
+            plan.views.append(SeqView(rows, st, cells, self.pos[st, cells], s))
         plan.groups = self._shared_groups(plan.views, share_src or {})
 
     def _shared_groups(self, views: list[SeqView], share_src: dict) -> list[SharedGroup]:
@@ -306,15 +361,15 @@ class KVCache:
         for (st, src), members in by_src.items():
             if len(members) < 2:
                 continue
-            common = self.seq[st, :, src].copy()
-            for i in members:
-                common &= self.seq[st, :, views[i].seq_id]
-            shared = np.nonzero(common)[0]
+            shared = self.cells_of(src)
+            for i in members:  # sorted lists: intersect in O(cells)
+                shared = np.intersect1d(shared, views[i].cells, assume_unique=True)
             if len(shared) == 0:
                 continue
             for i in members:
                 v = views[i]
-                v.private = v.cells[~common[v.cells]]
+                keep = ~np.isin(v.cells, shared, assume_unique=True)
+                v.private = v.cells[keep]
                 v.private_pos = self.pos[st, v.private]
             groups.append(SharedGroup(members, st, shared, self.pos[st, shared]))
         return groups
@@ -324,6 +379,17 @@ class KVCache:
         (converted to the tier's dtype once, here)."""
         self.k[il][plan.stream, plan.cell] = k
         self.v[il][plan.stream, plan.cell] = v
+
+
+def _kv_shape(hp, layers: list[int]) -> dict:
+    """``n_head_kv`` / ``d_k`` / ``d_v`` shared by ``layers`` (one cache holds one shape;
+    Gemma-4's global and sliding layers differ, but each kind is uniform). ``ValueError``
+    if they differ."""
+    shapes = {(hp.n_head_kv_l(il), hp.n_embd_head_k_l(il), hp.n_embd_head_v_l(il)) for il in layers}
+    if len(shapes) > 1:
+        raise ValueError(f"layers {layers} of one KV cache have different K/V shapes {sorted(shapes)}")
+    n_kv, d_k, d_v = shapes.pop() if shapes else (hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)
+    return dict(n_head_kv=n_kv, d_k=d_k, d_v=d_v)
 
 
 class KVCacheSet:
@@ -354,22 +420,36 @@ class KVCacheSet:
         self.n_seq_max = n_seq_max
         self.n_ctx = n_ctx
         self.n_ctx_seq = n_cells  # hard per-sequence limit
-        shape = dict(
-            n_stream=n_stream, n_seq_max=n_seq_max, n_head_kv=hp.n_head_kv,
-            d_k=hp.n_embd_head_k, d_v=hp.n_embd_head_v, type_k=type_k, type_v=type_v, zeros=zeros,
-        )
+        common = dict(n_stream=n_stream, n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, zeros=zeros)
+        # layers that store K/V; a layer that reuses another's KV (hp.kv_src) gets no storage
+        own = [il for il in range(hp.n_layer) if hp.kv_src(il) == il]
         self.caches: list[KVCache] = []
         self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]
+        # -- issue 7b: recurrent (gated delta-net) layers have no KV cells --
+        rec = list(getattr(hp, "recurrent_layers", None) or [False] * hp.n_layer)
+        own = [il for il in own if not rec[il]]  # attention layers that store K/V
+        if not own:
+            raise ValueError(f"{hp.arch}: a model without attention layers is not supported")
+        self.recurrent: RecurrentState | None = None
+        if any(rec):
+            self.recurrent = RecurrentState(
+                [il for il in range(hp.n_layer) if rec[il]], n_seq_max,
+                (hp.ssm_d_conv - 1, hp.ssm_conv_channels), (hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim),
+                zeros=zeros)
         if hp.is_iswa:
-            glob = [il for il in range(hp.n_layer) if not hp.swa_layers[il]]
-            swa = [il for il in range(hp.n_layer) if hp.swa_layers[il]]
+            glob = [il for il in own if not hp.swa_layers[il]]
+            swa = [il for il in own if hp.swa_layers[il]]
             n_swa_cells = min(n_cells, pad_to(hp.n_swa * (n_seq_max if unified else 1) + n_ubatch, N_PAD))
-            self.caches = [KVCache(glob, n_cells, **shape), KVCache(swa, n_swa_cells, n_swa=hp.n_swa, **shape)]
+            self.caches = [KVCache(glob, n_cells, **_kv_shape(hp, glob), **common),
+                           KVCache(swa, n_swa_cells, n_swa=hp.n_swa, **_kv_shape(hp, swa), **common)]
         else:
-            self.caches = [KVCache(list(range(hp.n_layer)), n_cells, n_swa=hp.n_swa, **shape)]
+            self.caches = [KVCache(own, n_cells, n_swa=hp.n_swa, **_kv_shape(hp, own), **common)]
         for c in self.caches:
             for il in c.layers:
                 self.layer_cache[il] = c
+        for il in range(hp.n_layer):
+            if self.layer_cache[il] is None:  # KV-sharing layer: the cache of the layer it reads
+                self.layer_cache[il] = self.layer_cache[hp.kv_src(il)]
 
     @property
     def base(self) -> KVCache:
@@ -380,19 +460,30 @@ class KVCacheSet:
         return self.caches[1] if len(self.caches) > 1 else None
 
     def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.caches)
+        return sum(c.nbytes() for c in self.caches) + (self.recurrent.nbytes() if self.recurrent else 0)
 
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions ``[p0, p1)`` of ``seq_id`` from every cache. False (and
+        nothing changed) when a recurrent state would have to lose absorbed tokens."""
+        if self.recurrent is not None and not self.recurrent.seq_rm(seq_id, p0, p1):
+            return False
         for c in self.caches:
             c.seq_rm(seq_id, p0, p1)
+        return True
 
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> bool:
+        """``seq_cp`` in every cache. On a hybrid model the recurrent state is copied
+        only when the range covers all of it; otherwise ``dst``'s state is left
+        empty and the answer is False (``can_reuse`` then fails for ``dst``)."""
         for c in self.caches:
             c.seq_cp(src, dst, p0, p1)
+        return self.recurrent.seq_cp(src, dst, p0, p1) if self.recurrent is not None else True
 
     def seq_keep(self, seq_id: int) -> None:
         for c in self.caches:
             c.seq_keep(seq_id)
+        if self.recurrent is not None:
+            self.recurrent.seq_keep(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.base.seq_pos_max(seq_id)
@@ -404,6 +495,8 @@ class KVCacheSet:
         position delta (int32 ``[n_cells]``) that the caller must apply to the
         cached K of that cache's layers (``ModelRunner.seq_add`` does).
         """
+        if self.recurrent is not None:
+            raise ValueError("seq_add (context shift) is not possible on a recurrent state")
         out = []
         for c in self.caches:
             shift = c.seq_add(seq_id, p0, p1, delta)
@@ -425,20 +518,32 @@ class KVCacheSet:
                 pmin = c.seq_pos_min(seq_id)
                 if pmin < 0 or pmin > max(0, n_past - c.n_swa + 1):
                     return False
+        if self.recurrent is not None and not self.recurrent.can_reuse(seq_id, n_past):
+            return False  # a recurrent state is reusable only whole
         return True
 
     def clear(self) -> None:
         for c in self.caches:
             c.clear()
+        if self.recurrent is not None:
+            self.recurrent.clear()
 
-    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> list[CachePlan]:
-        """Plan a ubatch in every cache (prunes SWA cells first). Raises
-        ``KVCacheFullError`` without committing anything."""
+    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> list:
+        """Plan a ubatch in every cache (prunes SWA cells first): one ``CachePlan``
+        per KV cache, then (hybrid models) the ``RSPlan`` of the recurrent state.
+        Raises ``KVCacheFullError`` (or ``RecurrentStateError``) without committing anything."""
+        rs = [self.recurrent.prepare(seq_ids, pos)] if self.recurrent is not None else []
         for c in self.caches:
             c.prune_swa(seq_ids, pos)
-        return [c.prepare(seq_ids, pos) for c in self.caches]
+        return [c.prepare(seq_ids, pos) for c in self.caches] + rs
 
-    def apply(self, plans: list[CachePlan], seq_ids: np.ndarray, pos: np.ndarray,
+    def apply(self, plans: list, seq_ids: np.ndarray, pos: np.ndarray,
               share_src: dict | None = None) -> None:
         for c, p in zip(self.caches, plans):
             c.apply(p, seq_ids, pos, share_src)
+        if self.recurrent is not None:
+            self.recurrent.apply(plans[len(self.caches)])
+
+    def rs_plan(self, plans: list):
+        """The recurrent state's plan among ``prepare``'s plans (None without one)."""
+        return plans[len(self.caches)] if self.recurrent is not None else None

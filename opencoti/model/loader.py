@@ -13,6 +13,7 @@ from typing import Optional
 from opencoti.engine.arch import ARCHITECTURES, arch_class
 from opencoti.model.gguf_file import GGUFError, GGUFFile
 from opencoti.model.hparams import HParams
+from opencoti.model.kv_override import apply_kv_overrides
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Model:
 def load_model(path: Optional[str], params=None, with_tokenizer: bool = True) -> Model:
     """Open ``path`` (None -> the embedded default model) and read its header.
 
+    ``params.kv_overrides`` (``--override-kv``) replace metadata values first
+    (``Model.metadata`` is the overridden copy; the file is not modified).
     Raises ``GGUFError`` for a corrupt/truncated file or an unsupported
     architecture (the message names the problem), ``FileNotFoundError`` if the
     file does not exist.
@@ -57,7 +60,12 @@ def load_model(path: Optional[str], params=None, with_tokenizer: bool = True) ->
         raise FileNotFoundError(f"model file not found: {path}")
     gguf = GGUFFile(path)
     md = gguf.metadata
-    arch = gguf.architecture
+    overrides = getattr(params, "kv_overrides", None)
+    if overrides:  # --override-kv: before hparams, tokenizer and template are read
+        md = apply_kv_overrides(md, overrides, path)
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: missing general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{path}: unknown model architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})"

@@ -1,8 +1,9 @@
 """Random-weight tiny models written to GGUF, for architecture parity tests.
 
 A tiny Hugging Face ``transformers`` model (random init, float32, CPU) is
-built for one of ``llama``, ``qwen2``, ``qwen3`` or ``gemma3`` (text-only
-``Gemma3ForCausalLM``) and written to GGUF with ``gguf.GGUFWriter`` using the
+built for one of ``llama``, ``qwen2``, ``qwen3``, ``gemma3`` (text-only
+``Gemma3ForCausalLM``) or ``gemma4`` (text-only ``Gemma4ForCausalLM``; its
+family members are ``GEMMA4_VARIANTS``) and written to GGUF with ``gguf.GGUFWriter`` using the
 tensor names, tensor transforms and metadata keys that llama.cpp's
 ``convert_hf_to_gguf.py`` writes for that architecture (``conversion/base.py``
 ``TextModel.set_gguf_parameters``, ``conversion/llama.py``,
@@ -25,8 +26,24 @@ tensor names, tensor transforms and metadata keys that llama.cpp's
   RoPE base (10000) and the attention scale (``1/sqrt(head_dim)`` below 27B),
   so the tiny configs use exactly those values. The embedding scale
   ``sqrt(n_embd)`` is applied in the forward pass, never stored.
+- ``gemma4`` (``conversion/gemma.py`` ``Gemma4Model``): norm weights as they
+  are (Gemma-4's RMSNorm multiplies by ``w``); ``attention.key_length`` is the
+  global layers' head dim and ``attention.key_length_swa`` the sliding
+  layers'; ``attention.head_count_kv`` / ``feed_forward_length`` become
+  per-layer arrays when layers differ; ``attention.sliding_window_pattern``
+  is a bool per layer; ``attention.shared_kv_layers``,
+  ``embedding_length_per_layer_input``, ``rope.dimension_count[_swa]``,
+  ``expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``;
+  the global layers' "proportional" RoPE is the tensor ``rope_freqs.weight``
+  (1 for rotated pairs, 1e30 for the rest); ``layer_scalar`` ->
+  ``blk.N.layer_output_scale.weight``, ``router.scale`` ->
+  ``blk.N.ffn_gate_inp.scale``, ``router.per_expert_scale`` ->
+  ``blk.N.ffn_down_exps.scale``, ``experts.gate_up_proj`` ->
+  ``blk.N.ffn_gate_up_exps.weight`` (fused, gate rows first). KV-sharing
+  layers have no ``attn_k``/``attn_v``/``attn_k_norm``; global layers with
+  ``attention_k_eq_v`` no ``attn_v``.
 - tied embeddings: no ``output.weight`` tensor.
-- 1-D tensors and ``*_norm.weight`` are always F32; 2-D weights take the
+- 1-D tensors, ``*_norm.weight`` and MoE routers (``ffn_gate_inp.weight``) are always F32; 2-D weights take the
   requested type (converter ``prepare_tensors``); rows that a K-quant cannot
   hold (length not a multiple of 256) fall back like llama-quantize does
   (``llama-quant.cpp``: Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, then F16).
@@ -66,16 +83,18 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, LlamaFileType, MODEL_ARCH
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gemma4")
 
 _GGUF_ARCH = {
     "llama": MODEL_ARCH.LLAMA,
     "qwen2": MODEL_ARCH.QWEN2,
     "qwen3": MODEL_ARCH.QWEN3,
     "gemma3": MODEL_ARCH.GEMMA3,
+    "gemma4": MODEL_ARCH.GEMMA4,
 }
 # HF config.model_type -> our arch name
-_MODEL_TYPE_TO_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_MODEL_TYPE_TO_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                       "gemma4_text": "gemma4"}
 
 # The tiny default shapes. qwen3 and gemma3 use head_dim != hidden/heads, as the real
 # models do, so that attention.key_length matters.
@@ -103,6 +122,34 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                    }),
+    # Gemma-4 dense with one head dim (256) on every layer; see GEMMA4_VARIANTS for the others.
+    # Real head dims (256 / 512) on a 64-wide model: the tensors stay tiny, the shapes are real.
+    "gemma4": dict(_COMMON, num_hidden_layers=6, num_key_value_heads=1, head_dim=256, global_head_dim=256,
+                   sliding_window=8, tie_word_embeddings=True, final_logit_softcapping=30.0,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                   hidden_size_per_layer_input=0, vocab_size_per_layer_input=384,
+                   rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                          "rope_theta": 1000000.0},
+                   }),
+}
+
+# Gemma-4 family members as config overrides of _DEFAULTS["gemma4"]:
+# - dense_hd512: the 31B's attention: global layers with head dim 512, one KV head, V = K
+#   (attention_k_eq_v) and 4x fewer KV heads than sliding layers;
+# - moe: the 26B-A4B's FFN: a dense MLP plus routed experts (softmax top-k) in every layer;
+# - e_series: E2B/E4B: per-layer embeddings, the last 4 of 8 layers reusing the KV of
+#   layers 2 (sliding) and 3 (global), double-wide MLPs on the KV-sharing layers.
+GEMMA4_VARIANTS: dict[str, dict[str, Any]] = {
+    "dense_hd256": {},
+    "dense_hd512": dict(num_key_value_heads=2, global_head_dim=512, num_global_key_value_heads=1,
+                        attention_k_eq_v=True),
+    "moe": dict(num_key_value_heads=2, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32),
+    "e_series": dict(num_hidden_layers=8, global_head_dim=512, hidden_size_per_layer_input=16,
+                     num_kv_shared_layers=4, use_double_wide_mlp=True,
+                     layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2),
 }
 
 # llama 3.1-style frequency scaling, with an original context small enough that the
@@ -115,6 +162,15 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+# Qwen2.5-7B-Instruct-1M-style long context: RoPE theta 1e7 and max_position_embeddings 1010000
+# (its dual_chunk_attention_config is not converted by llama.cpp, so it is left out).
+QWEN25_1M = {"max_position_embeddings": 1010000,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0}}
+# YaRN on top (what a config with rope_scaling {type: yarn, factor: 4} converts to); the original
+# context is tiny so that short test prompts reach the interpolated frequencies.
+QWEN25_1M_YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                       "rope_theta": 10000000.0}
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,6 +189,8 @@ def tiny_config(arch: str, **overrides: Any):
     """
     import transformers
 
+    if arch in HYBRID_ARCHS:  # issue 7b
+        return _hybrid_config(arch, **overrides)
     if arch not in _DEFAULTS:
         raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
     kw = dict(_DEFAULTS[arch])
@@ -140,6 +198,14 @@ def tiny_config(arch: str, **overrides: Any):
     if arch == "gemma3" and "query_pre_attn_scalar" not in overrides:
         # llama.cpp scales gemma3 attention by 1/sqrt(head_dim) (except 27B); keep HF equal
         kw["query_pre_attn_scalar"] = kw["head_dim"]
+    if arch == "gemma4":  # what a gemma4 GGUF cannot say (llama.cpp's graph hard-codes it)
+        if kw.get("use_bidirectional_attention"):
+            raise ValueError("gemma4: use_bidirectional_attention has no GGUF key (llama.cpp is causal)")
+        if kw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError("gemma4: hidden_activation other than gelu_pytorch_tanh has no GGUF key")
+        swa_rope = (kw.get("rope_parameters") or {}).get("sliding_attention", {})
+        if swa_rope.get("rope_type", "default") != "default":
+            raise ValueError("gemma4: sliding layers' RoPE must be rope_type 'default'")
     if arch == "gemma3" and "layer_types" not in overrides:
         # llama.cpp: set_swa_pattern(6) -> layer il is global iff il % 6 == 5
         n = kw["num_hidden_layers"]
@@ -149,6 +215,7 @@ def tiny_config(arch: str, **overrides: Any):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "gemma4": transformers.Gemma4TextConfig,
     }[arch]
     cfg = cls(**kw)
     cfg._attn_implementation = "eager"
@@ -157,6 +224,8 @@ def tiny_config(arch: str, **overrides: Any):
 
 def _arch_of(model) -> str:
     mt = model.config.model_type
+    if mt in _HYBRID_MODEL_TYPES:  # issue 7b
+        return _HYBRID_MODEL_TYPES[mt]
     if mt not in _MODEL_TYPE_TO_ARCH:
         raise ValueError(f"unsupported transformers model_type {mt!r}")
     return _MODEL_TYPE_TO_ARCH[mt]
@@ -168,30 +237,48 @@ def random_hf_model(arch: str, seed: int = 0, **overrides: Any):
     Weights are drawn from a ``torch.Generator`` seeded with ``seed``, with
     scales chosen so that attention is far from uniform and logits spread
     over several units: embeddings N(0, 0.25^2); linear weights N(0, 1/fan_in);
-    biases N(0, 0.2^2); RMSNorm weights 1 + N(0, 0.2^2) (Gemma: N(0, 0.2^2),
-    since its norm multiplies by ``1 + w``). Same seed and overrides give the
+    biases N(0, 0.2^2); RMSNorm weights 1 + N(0, 0.2^2) (Gemma 3: N(0, 0.2^2),
+    since its norm multiplies by ``1 + w``). Gemma 4 (attention scale 1, so the
+    q/k norms set the score scale): q/k norm weights ``hd^-1/4 (1 + N(0, 0.2^2))``
+    so scores spread over a few units; expert weights N(0, 1/fan_in); the router
+    projection 4x that (decisive routing); router and per-expert scales and the
+    per-layer output scalars 1 + N(0, 0.2^2). Same seed and overrides give the
     same model.
     """
     import torch
     import transformers
 
+    if arch in HYBRID_ARCHS:  # issue 7b
+        return _random_hybrid_model(arch, seed, **overrides)
     cfg = tiny_config(arch, **overrides)
     cls = {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "gemma4": transformers.Gemma4ForCausalLM,
     }[arch]
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     tied = bool(cfg.tie_word_embeddings)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        params = list(model.named_parameters())
+        if arch == "gemma4":  # the per-layer output scalars are buffers
+            params += [(n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")]
+        for name, p in sorted(params, key=lambda kv: kv[0]):
             if tied and name == "lm_head.weight":
                 continue
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            if arch == "gemma4" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_((1.0 + 0.2 * noise) * p.shape[0] ** -0.25)
+            elif arch == "gemma4" and name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                p.copy_(1.0 + 0.2 * noise)
+            elif arch == "gemma4" and name.endswith("router.proj.weight"):
+                p.copy_(4.0 * noise / math.sqrt(p.shape[1]))
+            elif p.ndim == 3:  # stacked expert matrices [n_expert, out, in]
+                p.copy_(noise / math.sqrt(p.shape[2]))
+            elif name.endswith("norm.weight"):
                 p.copy_(0.2 * noise if arch == "gemma3" else 1.0 + 0.2 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.2 * noise)
@@ -327,8 +414,9 @@ def make_vocab(kind: str, n_vocab: int, arch: str = "llama") -> Vocab:
     """
     words = _CORPUS.split()
     if kind == "spm":
-        if arch == "gemma3":
-            specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+        if arch in ("gemma3", "gemma4"):
+            turns = ["<|turn>", "<turn|>"] if arch == "gemma4" else ["<start_of_turn>", "<end_of_turn>"]
+            specials = ["<pad>", "<eos>", "<bos>", "<unk>", *turns]
             ids = {"pad": 0, "eos": 1, "bos": 2, "unk": 3}
             add_space_prefix: bool | None = False
         else:
@@ -387,7 +475,7 @@ def make_vocab(kind: str, n_vocab: int, arch: str = "llama") -> Vocab:
 
 
 def _default_vocab_kind(arch: str) -> str:
-    return "bpe" if arch in ("qwen2", "qwen3") else "spm"
+    return "bpe" if arch in ("qwen2", "qwen3") or arch in HYBRID_ARCHS else "spm"
 
 
 # ---------------------------------------------------------------------------------------
@@ -546,10 +634,16 @@ _FILE_TYPES = {
 
 def _tensor_type(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType,
                  tensor_types: dict[str, str] | None) -> GGMLQuantizationType:
-    """The storage type of one tensor: F32 for 1-D, norms and rope_freqs; otherwise the
+    """The storage type of one tensor: F32 for 1-D, norms, rope_freqs and MoE routers
+    (``ffn_gate_inp``, which the converter and llama-quantize never quantize); otherwise the
     first matching ``tensor_types`` glob or ``qtype``, with llama-quantize's fallback
     when the row length is not a multiple of the block size."""
-    if len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith("rope_freqs"):
+    if (len(shape) <= 1 or name.endswith("_norm.weight") or name.startswith("rope_freqs")
+            or name.endswith(".ffn_gate_inp.weight")):
+        return GGMLQuantizationType.F32
+    # convert_hf_to_gguf keeps these in F32 whatever the file type (router, shared-expert gate,
+    # short conv kernels) and anything that is not a ".weight"
+    if not name.endswith(".weight") or any(name.endswith(x) for x in _ALWAYS_F32):
         return GGMLQuantizationType.F32
     t = qtype
     for pattern, tt in (tensor_types or {}).items():
@@ -622,6 +716,38 @@ def _rope_params(cfg) -> dict[str, Any]:
     return dict(getattr(cfg, "rope_parameters", None) or {})
 
 
+def gemma4_rope_freqs(cfg) -> np.ndarray:
+    """Gemma-4's ``rope_freqs.weight`` (float32 ``[global_head_dim/2]``): the global layers'
+    "proportional" RoPE as ggml NEOX frequency divisors, 1 for the ``partial_rotary_factor``
+    share of pairs that rotate and 1e30 (angle ~0) for the rest (``Gemma4Model.generate_extra_tensors``)."""
+    full = _rope_params(cfg)["full_attention"]
+    if full.get("rope_type") != "proportional":
+        raise ValueError(f"gemma4: global-layer rope_type {full.get('rope_type')!r} is not what the "
+                         "converter handles (proportional)")
+    if float(full.get("factor", 1.0)) != 1.0:
+        raise ValueError("gemma4: a proportional RoPE factor != 1 has no GGUF key")
+    hd = cfg.per_layer_config["full_attention"].head_dim
+    n_rot = int(hd * full["partial_rotary_factor"] / 2)
+    return np.asarray([1.0] * n_rot + [1e30] * (hd // 2 - n_rot), dtype=np.float32)
+
+
+def _gguf_name(arch: str, tmap, hf_name: str) -> str | None:
+    """The GGUF name of HF tensor ``hf_name`` (None if it has none), with the converter's
+    renames for Gemma 4 (``Gemma4Model.filter_tensors`` / ``modify_tensors``): the per-layer
+    scalar and the stacked expert tensors get a ``.weight`` suffix, ``router.scale`` becomes
+    ``ffn_gate_inp.scale`` and ``router.per_expert_scale`` ``ffn_down_exps.scale``."""
+    if arch == "gemma4":
+        parts = hf_name.split(".")
+        bid = next((int(x) for x in parts if x.isdecimal()), None)
+        if hf_name.endswith("router.scale"):
+            return f"blk.{bid}.ffn_gate_inp.scale"
+        if hf_name.endswith("router.per_expert_scale"):
+            return f"blk.{bid}.ffn_down_exps.scale"
+        if hf_name.endswith("layer_scalar") or (".experts." in hf_name and not hf_name.endswith(".weight")):
+            hf_name += ".weight"
+    return tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+
 def gguf_tensors(model) -> list[tuple[str, np.ndarray]]:
     """The GGUF tensors of an HF model: ``[(gguf_name, float32 array)]`` in write order.
 
@@ -637,19 +763,20 @@ def gguf_tensors(model) -> list[tuple[str, np.ndarray]]:
     full = rope.get("full_attention", rope)
     if arch == "llama" and str(full.get("rope_type", "")).lower() == "llama3":
         out.append(("rope_freqs.weight", llama3_rope_factors(full, _head_dim(cfg))))
-    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if arch == "gemma4" and "full_attention" in cfg.layer_types:
+        out.append(("rope_freqs.weight", gemma4_rope_freqs(cfg)))
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = _gguf_name(arch, tmap, hf_name)
         if name is None:
             raise ValueError(f"{arch}: no GGUF name for HF tensor {hf_name!r}")
         data = t.detach().to("cpu").float().numpy().copy()
         if arch == "llama":
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                data = permute_qk(data, n_head)
+                data = permute_qk(data, cfg.num_attention_heads)
             elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                data = permute_qk(data, n_kv)
+                data = permute_qk(data, cfg.num_key_value_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             data = data + np.float32(1.0)
         out.append((name, data))
@@ -658,6 +785,9 @@ def gguf_tensors(model) -> list[tuple[str, np.ndarray]]:
 
 def _write_hparams(w: gguf.GGUFWriter, arch: str, cfg) -> None:
     """The ``{arch}.*`` keys convert_hf_to_gguf writes (TextModel.set_gguf_parameters + arch class)."""
+    if arch == "gemma4":
+        _write_gemma4_hparams(w, cfg)
+        return
     rope = _rope_params(cfg)
     full = rope.get("full_attention", rope)
     w.add_block_count(cfg.num_hidden_layers)
@@ -690,11 +820,61 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, cfg) -> None:
         w.add_sliding_window(int(cfg.sliding_window))
 
 
+def _write_gemma4_hparams(w: gguf.GGUFWriter, cfg) -> None:
+    """The ``gemma4.*`` keys of ``Gemma4Model.set_gguf_parameters`` (over ``Gemma3Model``'s and
+    ``TextModel``'s): key/value lengths of the global layers plus ``_swa`` ones for sliding
+    layers, per-layer arrays where layers differ (KV heads, FFN width of double-wide
+    KV-sharing layers), the sliding-window pattern as a bool per layer, RoPE dims per kind."""
+    n = cfg.num_hidden_layers
+    rope = _rope_params(cfg)
+    swa = [t == "sliding_attention" for t in cfg.layer_types]
+    plc = cfg.per_layer_config
+    w.add_block_count(n)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    n_shared = int(cfg.num_kv_shared_layers or 0)
+    if cfg.use_double_wide_mlp:
+        w.add_feed_forward_length([cfg.intermediate_size * (2 if il >= n - n_shared else 1) for il in range(n)])
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    kv_heads = [plc[il].num_key_value_heads for il in range(n)]
+    w.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else kv_heads[0])
+    w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+    w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if cfg.num_experts is not None:
+        w.add_expert_count(int(cfg.num_experts))
+    if cfg.top_k_experts is not None:
+        w.add_expert_used_count(int(cfg.top_k_experts))
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    w.add_sliding_window(int(cfg.sliding_window))
+    w.add_shared_kv_layers(n_shared)
+    w.add_embedding_length_per_layer_input(int(cfg.hidden_size_per_layer_input or 0))
+    w.add_sliding_window_pattern(swa)
+    hd = {t: plc[t].head_dim for t in set(cfg.layer_types)}
+    hd_full = hd.get("full_attention", hd.get("sliding_attention"))
+    hd_swa = hd.get("sliding_attention", hd_full)
+    w.add_key_length(hd_full)
+    w.add_value_length(hd_full)
+    w.add_key_length_swa(hd_swa)
+    w.add_value_length_swa(hd_swa)
+    if cfg.moe_intermediate_size is not None:
+        w.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+    w.add_rope_dimension_count(hd_full)  # proportional RoPE: rope_freqs.weight leaves the rest unrotated
+    w.add_rope_dimension_count_swa(hd_swa)
+
+
 def write_gguf(model, path: str | Path, qtype: str | GGMLQuantizationType = "F32", *,
                tensor_types: dict[str, str] | None = None, vocab: str | Vocab = "auto",
-               chat_template: str | None = None, name: str | None = None) -> dict[str, GGMLQuantizationType]:
+               chat_template: str | None = None, name: str | None = None,
+               n_mtp: int = 0) -> dict[str, GGMLQuantizationType]:
     """Write HF ``model`` (one of ``ARCHS``) to the GGUF file ``path``.
 
+    ``n_mtp`` (qwen35 / qwen35moe only): append that many random NextN/MTP blocks
+    (``hybrid_mtp_tensors``) after the trunk, as the converter does with a
+    checkpoint's ``mtp.*`` tensors.
     ``qtype``: storage type of 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
     Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...); ``tensor_types`` maps GGUF-name globs
     to types and wins over ``qtype`` (e.g. ``{"blk.*.ffn_down.weight":
@@ -712,14 +892,20 @@ def write_gguf(model, path: str | Path, qtype: str | GGMLQuantizationType = "F32
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[_GGUF_ARCH[arch]])
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name or f"opencoti synthetic {arch}")
-    _write_hparams(w, arch, cfg)
+    if arch in HYBRID_ARCHS:  # issue 7b
+        _write_hybrid_hparams(w, arch, cfg, n_mtp)
+    elif n_mtp:
+        raise ValueError(f"{arch}: NextN/MTP blocks are written for {', '.join(_MTP_ARCHS)} only")
+    else:
+        _write_hparams(w, arch, cfg)
     w.add_file_type(_FILE_TYPES.get(qt.name, LlamaFileType.GUESSED))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab.write(w)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     types: dict[str, GGMLQuantizationType] = {}
-    for tname, data in gguf_tensors(model):
+    tensors = hybrid_gguf_tensors(model, n_mtp) if arch in HYBRID_ARCHS else gguf_tensors(model)
+    for tname, data in tensors:
         t = _tensor_type(tname, data.shape, qt, tensor_types)
         enc = quantize_tensor(data, t)
         if t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -750,7 +936,7 @@ def write_random_model(arch: str, path: str | Path, qtype: str | GGMLQuantizatio
 def load_gguf_into_hf(model, path: str | Path) -> None:
     """Overwrite ``model``'s weights with the dequantized tensors of GGUF ``path``.
 
-    Undoes the converter transforms (Llama q/k permutation, Gemma ``+1``), so
+    Undoes the converter transforms (Llama q/k permutation, Gemma 3 ``+1``), so
     running ``model`` afterwards computes what a correct GGUF forward on the
     quantized file computes (up to float32 rounding). Raises ``KeyError`` if
     the file lacks a tensor the model needs.
@@ -760,6 +946,8 @@ def load_gguf_into_hf(model, path: str | Path) -> None:
 
     arch = _arch_of(model)
     cfg = model.config
+    if arch in HYBRID_ARCHS:  # issue 7b
+        return _load_gguf_into_hybrid(model, path)
     tmap = gguf.get_tensor_name_map(_GGUF_ARCH[arch], cfg.num_hidden_layers)
     g = GGUFFile(path)
     sd = model.state_dict()
@@ -767,7 +955,9 @@ def load_gguf_into_hf(model, path: str | Path) -> None:
     for hf_name in sd:
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        gname = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gname = _gguf_name(arch, tmap, hf_name)
+        if gname is None:  # non-persistent or derived buffers (e.g. RoPE tables)
+            continue
         data = g.dequantize(gname)
         if arch == "llama":
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -777,6 +967,322 @@ def load_gguf_into_hf(model, path: str | Path) -> None:
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             data = data - np.float32(1.0)
         new[hf_name] = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(sd[hf_name].shape)
+    with torch.no_grad():
+        for k, v in new.items():
+            sd[k].copy_(v)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    g.close()
+
+
+# ---------------------------------------------------------------------------------------
+# issue 7b: hybrid gated delta-net families (Qwen3.5 dense / MoE, Qwen3-next)
+# ---------------------------------------------------------------------------------------
+# convert_hf_to_gguf.py (conversion/qwen.py): Qwen3NextModel, _LinearAttentionVReorderBase,
+# _Qwen35MRopeMixin, _Qwen35MtpMixin, Qwen3_5TextModel / Qwen3_5MoeTextModel; Qwen2MoeModel
+# for the expert tensors. What the converter does, and what these functions replicate:
+#
+# - ``A_log`` -> ``ssm_a`` = -exp(A_log); ``dt_bias`` -> ``ssm_dt.bias``; the conv kernel
+#   [C, 1, K] is squeezed to ``ssm_conv1d`` [C, K]; every ``*norm.weight`` except the gated
+#   ``linear_attn.norm`` (-> ``ssm_norm``) is stored as ``1 + w`` (Qwen's zero-centred norm);
+# - qwen35 / qwen35moe: ``in_proj_qkv`` -> ``attn_qkv``, ``in_proj_z`` -> ``attn_gate``,
+#   ``in_proj_b`` -> ``ssm_beta``, ``in_proj_a`` -> ``ssm_alpha``; when there are fewer key
+#   than value heads the value heads are reordered from grouped (by key head) to tiled
+#   order in every tensor that carries them (v rows of qkv and conv, z, b, a, A, dt, the
+#   columns of ``ssm_out``); ``rope.dimension_sections`` is always written; ``mtp.*``
+#   tensors become NextN blocks after the trunk (``block_count`` counts them,
+#   ``nextn_predict_layers``);
+# - qwen3next: ``in_proj_qkvz`` (per key head [q, k, v, z]) is split into ``attn_qkv``
+#   ([all q, all k, all v]) and ``attn_gate``; ``in_proj_ba`` -> ``ssm_ba`` unchanged;
+# - experts: ``gate_up_proj`` [E, 2 n_ff, n_embd] -> ``ffn_gate_exps`` + ``ffn_up_exps``,
+#   ``down_proj`` -> ``ffn_down_exps``; router ``mlp.gate`` -> ``ffn_gate_inp`` and
+#   ``shared_expert_gate`` -> ``ffn_gate_inp_shexp`` (both kept F32).
+
+HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+_MTP_ARCHS = ("qwen35", "qwen35moe")
+_GGUF_ARCH.update({"qwen35": MODEL_ARCH.QWEN35, "qwen35moe": MODEL_ARCH.QWEN35MOE, "qwen3next": MODEL_ARCH.QWEN3NEXT})
+_HYBRID_MODEL_TYPES = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+# 4 layers, alternating gated delta-net and full attention (full_attention_interval 2); 2 key
+# heads for 4 value heads so the head broadcast and the converter's V reorder matter;
+# partial rotary (a quarter of head_dim 32), as the real models.
+_HYBRID_COMMON = dict(
+    vocab_size=384, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"] * 2,
+)
+_HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+_HYBRID_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen35": dict(_HYBRID_COMMON, intermediate_size=128, rope_parameters=_QWEN35_ROPE),
+    "qwen35moe": dict(_HYBRID_COMMON, **_HYBRID_MOE, rope_parameters=_QWEN35_ROPE),
+    "qwen3next": dict(_HYBRID_COMMON, **_HYBRID_MOE, intermediate_size=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                       "partial_rotary_factor": 0.25}),
+}
+
+
+def _hybrid_config(arch: str, **overrides: Any):
+    """The tiny transformers text config of a hybrid arch (``_HYBRID_DEFAULTS`` + overrides)."""
+    import copy
+
+    import transformers
+
+    kw = copy.deepcopy(_HYBRID_DEFAULTS[arch])
+    kw.update(copy.deepcopy(overrides))
+    cls = {"qwen35": transformers.Qwen3_5TextConfig, "qwen35moe": transformers.Qwen3_5MoeTextConfig,
+           "qwen3next": transformers.Qwen3NextConfig}[arch]
+    cfg = cls(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _random_init(name: str, shape: tuple[int, ...], noise, gen):
+    """Scales of a random hybrid-model tensor (see ``_random_hybrid_model``)."""
+    import torch
+
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.2 * noise  # plain RMSNorm weight (gated norm)
+    if name.endswith("norm.weight") or name.endswith("norm_embedding.weight"):
+        return 0.2 * noise  # zero-centred: the model multiplies by 1 + w
+    if name.endswith("A_log"):  # decay rates A in [0.05, 2]: state memories from ~1 to ~20 tokens
+        return torch.log(0.05 + 1.95 * torch.rand(shape, generator=gen))
+    if name.endswith("dt_bias"):
+        return 0.5 * noise
+    if "embed_tokens" in name:
+        return 0.25 * noise
+    if len(shape) >= 2:  # linear, conv [C, 1, K] and expert [E, out, in] weights: N(0, 1/fan_in)
+        return noise / math.sqrt(shape[-1])
+    return 0.2 * noise
+
+
+def _random_hybrid_model(arch: str, seed: int, **overrides: Any):
+    """``random_hf_model`` for a hybrid arch: embeddings N(0, 0.25^2); weights N(0,
+    1/fan_in); zero-centred norms N(0, 0.2^2) (the gated norm 1 + N(0, 0.2^2));
+    ``A_log = ln U(0.05, 2)``; ``dt_bias`` N(0, 0.5^2)."""
+    import torch
+    import transformers
+
+    cfg = _hybrid_config(arch, **overrides)
+    cls = {"qwen35": transformers.Qwen3_5ForCausalLM, "qwen35moe": transformers.Qwen3_5MoeForCausalLM,
+           "qwen3next": transformers.Qwen3NextForCausalLM}[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    tied = bool(cfg.tie_word_embeddings)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if tied and name == "lm_head.weight":
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.copy_(_random_init(name, tuple(p.shape), noise, gen))
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def hybrid_mtp_tensors(model, n_mtp: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random NextN/MTP tensors with the checkpoint names (``mtp.fc``,
+    ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.norm``,
+    ``mtp.layers.{j}.*`` shaped like the model's first full-attention block).
+    transformers does not build the MTP head, so the values are drawn here
+    (a ``torch.Generator`` seeded from ``seed``), scaled as ``_random_hybrid_model``."""
+    import torch
+
+    cfg = model.config
+    full = cfg.layer_types.index("full_attention")
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    n = cfg.hidden_size
+    shapes = {"mtp.fc.weight": (n, 2 * n), "mtp.pre_fc_norm_embedding.weight": (n,),
+              "mtp.pre_fc_norm_hidden.weight": (n,), "mtp.norm.weight": (n,)}
+    pre = f"model.layers.{full}."
+    for j in range(n_mtp):
+        for k, v in model.state_dict().items():
+            if k.startswith(pre):
+                shapes[f"mtp.layers.{j}.{k[len(pre):]}"] = tuple(v.shape)
+    out = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        out[name] = _random_init(name, shape, noise, gen).numpy().astype(np.float32)
+    return out
+
+
+def _v_reorder(t: np.ndarray, axis: int, n_k: int, r: int, hd: int) -> np.ndarray:
+    """Value heads along ``axis`` from grouped ``[n_k][r][hd]`` to tiled ``[r][n_k][hd]``
+    (``_LinearAttentionVReorderBase._reorder_v_heads``). The inverse is
+    ``_v_reorder(t, axis, r, n_k, hd)``."""
+    shape = t.shape
+    t = t.reshape(*shape[:axis], n_k, r, hd, *shape[axis + 1:])
+    return np.swapaxes(t, axis, axis + 1).reshape(shape)
+
+
+def _v_reorder_tensor(name: str, t: np.ndarray, cfg, inverse: bool = False) -> np.ndarray:
+    """Apply (or undo) the converter's value-head reorder to HF tensor ``name``
+    (qwen35 / qwen35moe, only when key and value head counts differ)."""
+    n_k, n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if n_k == n_v or "linear_attn." not in name:
+        return t
+    r, dk, dv = n_v // n_k, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    a, b = (r, n_k) if inverse else (n_k, r)
+    qk = 2 * n_k * dk
+    if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+        return np.concatenate([t[:qk], _v_reorder(t[qk:], 0, a, b, dv)], axis=0)
+    if name.endswith("in_proj_z.weight"):
+        return _v_reorder(t, 0, a, b, dv)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return _v_reorder(t, 0, a, b, 1)
+    if name.endswith("out_proj.weight"):
+        return _v_reorder(t, 1, a, b, dv)
+    return t
+
+
+_NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+          "norm": "shared_head_norm"}
+
+
+def _hybrid_gguf_name(arch: str, name: str, n_layer: int, tmap) -> str:
+    """GGUF name of a (converter-renamed) HF tensor name; ``mtp.*`` remapped as
+    ``_Qwen35MtpMixin.filter_tensors`` (layers after the trunk, ``blk.{n}.nextn.*``)."""
+    if name.startswith("mtp."):
+        parts = name.split(".", 3)
+        if parts[1] == "layers":
+            name = f"model.layers.{n_layer + int(parts[2])}.{parts[3]}"
+        else:
+            return f"blk.{n_layer}.nextn.{_NEXTN[parts[1]]}.weight"
+    if name.endswith(".dt_bias"):
+        name = name[: -len("dt_bias")] + "dt_proj.bias"
+    if name.endswith("mlp.experts.gate_up_proj"):
+        name = name[: -len("gate_up_proj")] + "gate_proj.weight"  # (the caller splits gate / up)
+    elif name.endswith("mlp.experts.down_proj"):
+        name += ".weight"
+    gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+    if gname is None:
+        raise ValueError(f"{arch}: no GGUF name for HF tensor {name!r}")
+    return gname
+
+
+def hybrid_gguf_tensors(model, n_mtp: int = 0) -> list[tuple[str, np.ndarray]]:
+    """``gguf_tensors`` for a hybrid model: ``[(gguf_name, float32 array)]`` with the
+    converter transforms (section comment), plus ``n_mtp`` NextN blocks
+    (``hybrid_mtp_tensors``) for qwen35 / qwen35moe."""
+    arch = _arch_of(model)
+    cfg = model.config
+    n_layer = cfg.num_hidden_layers
+    if n_mtp and arch not in _MTP_ARCHS:
+        raise ValueError(f"{arch}: NextN/MTP blocks are written for {', '.join(_MTP_ARCHS)} only")
+    tmap = gguf.get_tensor_name_map(_GGUF_ARCH[arch], n_layer + n_mtp)
+    sd = {k: v.detach().to("cpu").float().numpy().copy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    sd.update(hybrid_mtp_tensors(model, n_mtp) if n_mtp else {})
+    out: list[tuple[str, np.ndarray]] = []
+    for name, data in sd.items():
+        if arch in _MTP_ARCHS:
+            data = _v_reorder_tensor(name, data, cfg)
+        if name.endswith(".A_log"):
+            data = -np.exp(data)
+        elif "conv1d" in name:
+            data = data.reshape(data.shape[0], data.shape[-1])
+        elif name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")) \
+                and not name.endswith("linear_attn.norm.weight"):
+            data = data + np.float32(1.0)
+        gname = _hybrid_gguf_name(arch, name, n_layer, tmap)
+        if name.endswith("in_proj_qkvz.weight"):  # qwen3next: [q, k, v, z] per key head -> qkv, z
+            n_k, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+            rdv = cfg.linear_num_value_heads // n_k * cfg.linear_value_head_dim
+            w = data.T.reshape(data.shape[1], n_k, -1)
+            q, k, v, z = (w[..., a:b].reshape(w.shape[0], -1)
+                          for a, b in ((0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + rdv), (2 * dk + rdv, 2 * dk + 2 * rdv)))
+            bid = gname.split(".")[1]
+            out.append((f"blk.{bid}.attn_qkv.weight", np.ascontiguousarray(np.concatenate([q, k, v], axis=1).T)))
+            out.append((f"blk.{bid}.attn_gate.weight", np.ascontiguousarray(z.T)))
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            n_ff = data.shape[1] // 2
+            out.append((gname, np.ascontiguousarray(data[:, :n_ff])))
+            out.append((gname.replace("ffn_gate_exps", "ffn_up_exps"), np.ascontiguousarray(data[:, n_ff:])))
+        else:
+            out.append((gname, np.ascontiguousarray(data)))
+    return out
+
+
+def _write_hybrid_hparams(w: gguf.GGUFWriter, arch: str, cfg, n_mtp: int) -> None:
+    """The ``{arch}.*`` keys the converter writes for a hybrid model."""
+    rope = _rope_params(cfg)
+    d = cfg.to_dict()
+    w.add_block_count(cfg.num_hidden_layers + n_mtp)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    if d.get("intermediate_size") is not None:
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if d.get("num_experts"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    # the converter writes config.json's full_attention_interval (default 4); transformers keeps
+    # only layer_types, so the interval is recovered from them and must describe them exactly
+    types = list(cfg.layer_types)
+    interval = types.index("full_attention") + 1
+    if types != ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]:
+        raise ValueError(f"{arch}: layer_types {types} do not follow one full_attention_interval")
+    w.add_full_attention_interval(interval)
+    w.add_rope_dimension_count(int(cfg.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    if arch in _MTP_ARCHS:
+        sec = list(rope.get("mrope_section", [11, 11, 10]))
+        w.add_rope_dimension_sections((sec + [0, 0, 0, 0])[:4])
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
+
+
+def _load_gguf_into_hybrid(model, path: str | Path) -> None:
+    """``load_gguf_into_hf`` for a hybrid model: undoes every converter transform."""
+    import torch
+    from opencoti.model.gguf_file import GGUFFile
+
+    arch = _arch_of(model)
+    cfg = model.config
+    n_layer = cfg.num_hidden_layers
+    tmap = gguf.get_tensor_name_map(_GGUF_ARCH[arch], n_layer)
+    g = GGUFFile(path)
+    sd = model.state_dict()
+    new: dict[str, Any] = {}
+    for name in sd:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        gname = _hybrid_gguf_name(arch, name, n_layer, tmap)
+        if name.endswith("in_proj_qkvz.weight"):
+            bid = gname.split(".")[1]
+            n_k, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+            qkv, z = g.dequantize(f"blk.{bid}.attn_qkv.weight"), g.dequantize(f"blk.{bid}.attn_gate.weight")
+            H = qkv.shape[1]
+            parts = [qkv[:n_k * dk], qkv[n_k * dk:2 * n_k * dk], qkv[2 * n_k * dk:], z]
+            data = np.concatenate([p.T.reshape(H, n_k, -1) for p in parts], axis=-1).reshape(H, -1).T
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            data = np.concatenate([g.dequantize(gname), g.dequantize(gname.replace("ffn_gate_exps", "ffn_up_exps"))],
+                                  axis=1)
+        else:
+            data = g.dequantize(gname)
+        if name.endswith(".A_log"):
+            data = np.log(-data)
+        elif name.endswith(("norm.weight",)) and not name.endswith("linear_attn.norm.weight"):
+            data = data - np.float32(1.0)
+        if arch in _MTP_ARCHS:
+            data = _v_reorder_tensor(name, data, cfg, inverse=True)
+        new[name] = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(sd[name].shape)
     with torch.no_grad():
         for k, v in new.items():
             sd[k].copy_(v)
@@ -800,21 +1306,28 @@ def _parse_override(s: str) -> tuple[str, Any]:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """``python -m opencoti.tools.synth_gguf --arch ARCH --out FILE [--qtype T] [--seed N]
-    [--rope-scaling llama3] [--vocab spm|bpe] [--set key=json ...]``."""
+    [--variant V] [--rope-scaling llama3] [--vocab spm|bpe] [--set key=json ...]``."""
     ap = argparse.ArgumentParser(prog="python -m opencoti.tools.synth_gguf",
                                  description="Write a tiny random-weight model as GGUF.")
-    ap.add_argument("--arch", required=True, choices=ARCHS)
+    ap.add_argument("--arch", required=True, choices=ARCHS + HYBRID_ARCHS)
     ap.add_argument("--out", required=True, help="output .gguf path")
     ap.add_argument("--qtype", default="F32", help="type of 2-D weights (F32, F16, Q8_0, Q4_0, Q4_K, Q6_K, ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", default="auto", choices=("auto", "spm", "bpe"))
+    ap.add_argument("--variant", choices=tuple(GEMMA4_VARIANTS), default=None,
+                    help="gemma4 only: a family member (GEMMA4_VARIANTS), before --set overrides")
     ap.add_argument("--rope-scaling", choices=("none", "llama3"), default="none",
                     help="llama only: llama 3.1 rope scaling (writes rope_freqs.weight)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
                     metavar="KEY=VALUE", help="config override, value parsed as JSON (repeatable)")
     ap.add_argument("--chat-template", default=None, help="file with a Jinja chat template to embed")
+    ap.add_argument("--mtp", type=int, default=0, help="qwen35/qwen35moe: NextN/MTP blocks to append")
     args = ap.parse_args(list(argv) if argv is not None else None)
     overrides = dict(args.overrides)
+    if args.variant is not None:
+        if args.arch != "gemma4":
+            ap.error("--variant applies to --arch gemma4 only")
+        overrides = {**GEMMA4_VARIANTS[args.variant], **overrides}
     if args.rope_scaling == "llama3":
         if args.arch != "llama":
             ap.error("--rope-scaling llama3 applies to --arch llama only")
@@ -823,8 +1336,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.chat_template:
             tmpl = Path(args.chat_template).read_text(encoding="utf-8")
-        write_random_model(args.arch, args.out, args.qtype, args.seed, vocab=args.vocab,
-                           chat_template=tmpl, **overrides)
+        model = random_hf_model(args.arch, args.seed, **overrides)
+        write_gguf(model, args.out, args.qtype, vocab=args.vocab, chat_template=tmpl, n_mtp=args.mtp)
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

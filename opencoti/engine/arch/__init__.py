@@ -12,6 +12,11 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "opencoti.engine.arch.qwen2:Qwen2",
     "qwen3": "opencoti.engine.arch.qwen3:Qwen3",
     "gemma3": "opencoti.engine.arch.gemma3:Gemma3",
+    "gemma4": "opencoti.engine.arch.gemma4:Gemma4",
+    # issue 7b: hybrid gated delta-net families
+    "qwen35": "opencoti.engine.arch.qwen35:Qwen35",
+    "qwen35moe": "opencoti.engine.arch.qwen35moe:Qwen35MoE",
+    "qwen3next": "opencoti.engine.arch.qwen3next:Qwen3Next",
 }
 
 

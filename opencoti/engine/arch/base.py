@@ -12,6 +12,9 @@ Tensor names are llama.cpp's GGUF names (``gguf-py/gguf/constants.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +49,22 @@ class LayerWeights:
     post_ffw_norm: Optional[object] = None
 
 
+def require_backend_ops(backend, arch: str, feature: str, ops: tuple[str, ...]) -> None:
+    """Fail at load, naming the feature, when ``backend`` lacks an op it needs
+    (issue 7b: e.g. the gated delta-net ops or YaRN on a backend without them)."""
+    missing = [o for o in ops if not callable(getattr(backend, o, None))]
+    if missing:
+        raise GGUFError(f"{arch}: {feature} is not supported on the {getattr(backend, 'name', '?')} backend "
+                        f"(missing op(s): {', '.join(missing)}); run it on the CPU backend (--gpu disable)")
+
+
+def require_rope_yarn(backend, hp: HParams) -> None:
+    """Fail at load when the model uses YaRN and the backend's ``rope`` has no ``yarn`` argument."""
+    if hp.rope_yarn is not None and "yarn" not in inspect.signature(backend.rope).parameters:
+        raise GGUFError(f"{hp.arch}: YaRN RoPE scaling is not supported on the {getattr(backend, 'name', '?')} "
+                        "backend; run it on the CPU backend (--gpu disable)")
+
+
 class DecoderModel:
     """A decoder-only transformer over a backend's op set.
 
@@ -78,6 +97,7 @@ class DecoderModel:
         self.hp = hp
         self.backend = backend
         self.gguf = gguf
+        require_rope_yarn(backend, hp)
 
         def req(name: str):
             if name not in gguf.tensors:
@@ -130,17 +150,13 @@ class DecoderModel:
         x = B.get_rows(self.tok_embd, ub.tokens)
         if self.scale_embeddings:
             x = x * np.float32(np.sqrt(hp.n_embd))
+        h = B.rms_norm(x, self.layers[0].attn_norm, eps)
         for il, L in enumerate(self.layers):
-            h = B.rms_norm(x, L.attn_norm, eps)
             h = self.attention(il, L, h, ub, kv)
-            if L.post_attention_norm is not None:
-                h = B.rms_norm(h, L.post_attention_norm, eps)
-            x = x + h
-            h = B.rms_norm(x, L.ffn_norm, eps)
+            x, h = B.add_rms_norm(x, h, L.post_attention_norm, L.ffn_norm, eps)
             h = self.ffn(L, h)
-            if L.post_ffw_norm is not None:
-                h = B.rms_norm(h, L.post_ffw_norm, eps)
-            x = x + h
+            nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else None
+            x, h = B.add_rms_norm(x, h, L.post_ffw_norm, nxt, eps)
         if len(ub.out_rows) == 0:  # a prefill chunk that is not a prompt's end: no logits wanted
             return np.zeros((0, hp.n_vocab), dtype=np.float32)
         x = B.get_rows(x, ub.out_rows)
@@ -165,8 +181,24 @@ class DecoderModel:
         for il in cache.layers:
             base, scale = self.rope_params(il)
             k = cache.k[il][stream, cells].astype(np.float32)
-            k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+            k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, **self.rope_ext_shift)
             cache.k[il][stream, cells] = k.astype(cache.k[il].dtype)
+
+    @property
+    def rope_ext(self) -> dict:
+        """Extra ``rope`` op arguments: ``yarn`` when the model uses YaRN scaling (issue 7b),
+        else nothing (so a backend without YaRN still runs every other model)."""
+        return {"yarn": self.hp.rope_yarn} if self.hp.rope_yarn is not None else {}
+
+    @property
+    def rope_ext_shift(self) -> dict:
+        """``rope_ext`` for re-rotating cached K: a pure rotation, so YaRN's cos/sin
+        magnitude scale (already in the cached K) is cancelled to 1."""
+        y = self.hp.rope_yarn
+        if y is None:
+            return {}
+        m = 1.0 + 0.1 * math.log(1.0 / self.hp.rope_freq_scale) if y.ext_factor != 0.0 else 1.0
+        return {"yarn": dataclasses.replace(y, attn_factor=1.0 / m)}
 
     def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         B, hp = self.backend, self.hp
@@ -183,13 +215,12 @@ class DecoderModel:
         q = q.reshape(T, hp.n_head, hp.n_embd_head_k)
         k = k.reshape(T, hp.n_head_kv, hp.n_embd_head_k)
         v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)
-        if L.q_norm is not None:
-            q = B.rms_norm(q, L.q_norm, hp.f_norm_rms_eps)
-        if L.k_norm is not None:
-            k = B.rms_norm(k, L.k_norm, hp.f_norm_rms_eps)
-        base, scale = self.rope_params(il)
-        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
-        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs)
+        base, scale = self.rope_params(il)  # q/k norms (if any) are fused into rope
+        eps = hp.f_norm_rms_eps
+        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.q_norm, eps=eps,
+                   **self.rope_ext)
+        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.k_norm, eps=eps,
+                   **self.rope_ext)
 
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]

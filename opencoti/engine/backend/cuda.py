@@ -4,9 +4,11 @@ Weights stay in their GGUF block format in device memory (``QTensor``: the
 tensor's raw bytes, uploaded once). Kernels from ``opencoti/cuda_src`` are
 compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 
-- ``mul_mat`` with up to ``GEMV_MAX_TOKENS`` activation rows: a GEMV that
-  dequantizes the weight's blocks in registers (one warp per output row, as
-  ggml-cuda ``mul_mat_vec``); more rows (prefill): the weight is dequantized to
+- ``mul_mat`` with few activation rows: a GEMV that dequantizes the weight's
+  blocks in registers (warps per output row, coalesced units as ggml-cuda
+  ``mul_mat_vec_q``), over tiles of ``GEMV_TILE`` rows; from ``F16_GEMM_MIN_ROWS``
+  rows (batched decode) the weight is dequantized to f16 in a scratch buffer and
+  multiplied by cuBLAS ``gemmEx`` (f32 accumulate); prefill: the weight is dequantized to
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
 - ``attention_cells``: split-K online-softmax attention that reads f16 K/V
   through the cache plan's per-sequence cell lists (``attention.cu``).
@@ -31,12 +33,34 @@ import numpy as np
 from opencoti.engine.backend.cuda_kernels import load_module
 from opencoti.model.gguf_file import GGUFFile
 
-GEMV_MAX_TOKENS = 8
-ATTN_HEAD_DIMS = (32, 64, 128, 256)
-ATTN_GROUPS = (1, 2, 4, 8)
+GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
+GEMV_TILE = 8
+# From this many activation rows, mul_mat dequantizes the weight to f16 in a scratch buffer
+# and multiplies with cuBLAS (f16 inputs, f32 accumulate and output: tensor cores) instead of
+# the tiled GEMV, whose activation loads grow with the rows (measured on a 7B: 8 rows 20 ms per
+# step with GEMV tiles). Prefill (more than GEMV_MAX_TOKENS rows) keeps float32 SGEMM unless
+# OPENCOTI_CUDA_F16_PREFILL=1. OPENCOTI_CUDA_F16_GEMM_MIN_ROWS=0 turns the f16 path off.
+F16_GEMM_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_F16_GEMM_MIN_ROWS", "16"))
+F16_PREFILL = os.environ.get("OPENCOTI_CUDA_F16_PREFILL", "0") == "1"
+ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
+ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
+_CUDA_R_16F, _CUDA_R_32F = 2, 0  # cudaDataType_t
+_CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
+_CUBLAS_GEMM_DEFAULT = -1
+_OP_N, _OP_T, _PTR_MODE_HOST = 0, 1, 0  # cublasOperation_t, cublasPointerMode_t
+
+
+def _warps_per_row(rows: int, cols: int) -> int:
+    """Warps per output row of the GEMV: more for long rows of few-row weights (a 7B
+    model's ffn_down: 3,584 rows of 18,944), so that enough loads are in flight to
+    stream the weight at memory bandwidth; each warp keeps >= 4 units per lane."""
+    wpr = 1
+    while wpr < 8 and rows * wpr < 16384 and cols // 8 // (64 * wpr) >= 4:
+        wpr *= 2
+    return wpr
 
 
 class QTensor:
@@ -82,6 +106,8 @@ class CUDABackend:
         self._staged = False
         self._capturing = False
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
+        self._w16 = None  # f16 scratch of _gemm_f16
+        self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
 
@@ -104,9 +130,20 @@ class CUDABackend:
     def to_host(self, x) -> np.ndarray:
         """Device array -> NumPy (synchronizes). While a graph is captured or run
         through ``run_graph`` the device array itself (the graph's output) is returned."""
-        if self._staged:
+        if self._staged or isinstance(x, np.ndarray):
             return x
-        return self.cp.asnumpy(x)
+        return self._pinned_host(self.cp.ascontiguousarray(x))
+
+    def _pinned_host(self, x) -> np.ndarray:
+        """Device -> host copy into page-locked memory from CuPy's pinned pool (a DMA at
+        full link speed, no staging copy); the returned array owns that memory."""
+        import cupyx
+
+        if isinstance(x, np.ndarray):  # a forward that produced no logits returns a host array
+            return x
+        out = cupyx.empty_pinned(x.shape, dtype=x.dtype)
+        x.get(out=out)
+        return out
 
     def begin_ubatch(self, ub) -> None:
         """Upload the ubatch's token ids, positions and output rows (one copy)."""
@@ -167,12 +204,47 @@ class CUDABackend:
         rows, cols = w.shape
         if k != cols:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
+        if F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL):
+            return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
         y = cp.empty((n, rows), dtype=cp.float32)
         fn = self._qfn("gemv1" if n == 1 else "gemv8", w)
-        fn(((rows * 32 + 255) // 256,), (256,),
-           (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n)))
+        wpr = _warps_per_row(rows, cols)
+        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (rows * wpr + 7) // 8), (256,),
+           (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
+        return y
+
+    def _gemm_f16(self, x, w: QTensor):
+        """``x [n, k] @ w.T`` through cuBLAS ``gemmEx``: the weight dequantized to f16 into a
+        persistent scratch buffer (one per backend, sized to the largest weight seen; graph
+        replays are serialized on one stream, so sharing it is safe), ``x`` rounded to f16,
+        f32 accumulation (CUBLAS_COMPUTE_32F) and f32 output ``[n, rows]``."""
+        cp = self.cp
+        from cupy_backends.cuda.libs import cublas
+
+        rows, cols = w.shape
+        n = x.shape[0]
+        need = rows * cols
+        if self._w16 is None or self._w16.size < need:
+            mem = cp.cuda.Memory(2 * need)  # raw cudaMalloc: allowed under relaxed stream capture
+            self._w16 = cp.ndarray((need,), dtype=cp.float16, memptr=cp.cuda.MemoryPointer(mem, 0))
+        w16 = self._w16[:need].reshape(rows, cols)
+        nch = rows * (cols // 32)
+        self._qfn("dequant_f16", w)(((nch + 255) // 256,), (256,),
+                                    (w.data, np.int64(w.row_bytes), w16, np.int32(rows), np.int32(cols)))
+        x16 = x.astype(cp.float16)
+        y = cp.empty((n, rows), dtype=cp.float32)
+        handle = cp.cuda.device.get_cublas_handle()
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, _PTR_MODE_HOST)
+        try:
+            # column-major: y^T [rows, n] = (w16 as [cols, rows])^T @ (x16 as [cols, n])
+            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, cols,
+                          self._one.ctypes.data, w16.data.ptr, _CUDA_R_16F, cols, x16.data.ptr, _CUDA_R_16F, cols,
+                          self._zero.ctypes.data, y.data.ptr, _CUDA_R_32F, rows, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
         return y
 
     def gated_ffn(self, x, gate, up, act: str):
@@ -223,6 +295,22 @@ class CUDABackend:
                                   (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)))
         return y
 
+    def add_rms_norm(self, x, h, w_post, w_next, eps: float):
+        """``x + rms_norm(h, w_post)`` and ``rms_norm(that, w_next)`` in one kernel (see
+        ``CPUBackend.add_rms_norm``). Returns ``(x_out, h_out or None)``."""
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        h = cp.ascontiguousarray(h, dtype=cp.float32)
+        n = x.shape[-1]
+        rows = x.size // n
+        xo = cp.empty_like(x)
+        ho = cp.empty_like(x) if w_next is not None else None
+        self._fn("k", "post_norm_add_norm")((rows,), (min(256, (n + 31) // 32 * 32),),
+                                            (x, h, w_post if w_post is not None else _NULL,
+                                             w_next if w_next is not None else _NULL, xo,
+                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps)))
+        return xo, ho
+
     def _unary(self, name: str, x):
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -239,8 +327,9 @@ class CUDABackend:
         return self._unary("silu", x)
 
     def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
-             freq_factors=None):
-        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``); returns a new array."""
+             freq_factors=None, norm=None, eps: float = 0.0):
+        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``), with the optional per-head
+        RMSNorm fused into the same kernel; returns a new array."""
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         T, H, D = x.shape
@@ -248,7 +337,8 @@ class CUDABackend:
         self._fn("k", "rope")((T * H,), (min(256, (D + 31) // 32 * 32),),
                               (x, self._idx(pos), y, np.int32(H), np.int32(D), np.int32(n_rot),
                                np.float32(base), np.float32(freq_scale), np.int32(2 if mode == "neox" else 0),
-                               freq_factors if freq_factors is not None else _NULL, _NULL, np.float32(0)),
+                               freq_factors if freq_factors is not None else _NULL,
+                               norm if norm is not None else _NULL, np.float32(eps)),
                               shared_mem=4 * D)
         return y
 
@@ -364,7 +454,7 @@ class CUDABackend:
                 self._capturing = False
                 g = graphs[key] = {"buf": buf, "graph": graph, "out": out, "pool": pool, "stream": stream}
             g["graph"].launch(stream=cp.cuda.get_current_stream())
-            return cp.asnumpy(g["out"])
+            return self._pinned_host(g["out"])
         finally:
             self._staged = False
             self._capturing = False
@@ -396,13 +486,15 @@ class CUDABackend:
         if dv != D or k_store.shape[3] != D:
             raise NotImplementedError("CUDA attention needs d_k == d_v")
         G = H // n_kv
-        g = next((x for x in ATTN_GROUPS if x >= G), None)
-        if D not in ATTN_HEAD_DIMS or g is None:
-            raise NotImplementedError(f"CUDA attention: head_dim {D} / GQA group {G} not supported "
-                                      f"(head_dim {ATTN_HEAD_DIMS}, group <= {ATTN_GROUPS[-1]})")
+        if D not in ATTN_HEAD_DIMS or H % n_kv:
+            raise NotImplementedError(f"CUDA attention: head_dim {D} with {H} heads / {n_kv} kv heads not "
+                                      f"supported (head_dim {ATTN_HEAD_DIMS}, n_head a multiple of n_head_kv)")
+        groups = [x for x in ATTN_GROUPS if D < 512 or x <= 4]
+        g = next((x for x in groups if x >= G), groups[-1])
+        n_hg = (G + g - 1) // g
         meta = self._plan_meta(plan, k_store.shape[1])
         out = cp.empty((T, H * D), dtype=cp.float32)
-        base = T * n_kv
+        base = T * n_kv * n_hg
         n_split = 1
         if base < 2 * self.n_sm:
             n_split = int(max(1, min(meta["max_len"] // 128, (2 * self.n_sm + base - 1) // base, 64)))
@@ -412,7 +504,7 @@ class CUDABackend:
         else:
             part_acc = part_ml = out
         self._fn("a", f"attn_partial_d{D}_g{g}")(
-            (T, n_kv, n_split), (128,),
+            (T, n_kv * n_hg, n_split), (128,),
             (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
              k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
              np.float32(softcap), np.int32(n_split), out, part_acc, part_ml))

@@ -594,6 +594,12 @@ class VulkanBackend:
         self.rt.dispatch("rms_norm", [xb, self._bind(wt)[0], yb], push, self.rt.groups_1d(rows), writes=(2,))
         return y
 
+    def add_rms_norm(self, x, h, w_post, w_next, eps: float):
+        """``x + rms_norm(h, w_post)`` and ``rms_norm(that, w_next)`` (see
+        ``CPUBackend.add_rms_norm``) from the norm and add shaders. Returns ``(x_out, h_out or None)``."""
+        x = self.add(x, self.rms_norm(h, w_post, eps) if w_post is not None else h)
+        return x, (self.rms_norm(x, w_next, eps) if w_next is not None else None)
+
     def _unary(self, x, op: int, s: float = 0.0):
         x = self._f32(x)
         y = self.empty(x.shape)
@@ -676,8 +682,14 @@ class VulkanBackend:
 
     @_taped
     def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
-             freq_factors=None):
-        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``); returns a new tensor."""
+             freq_factors=None, norm=None, eps: float = 0.0, yarn=None):
+        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``; ``norm``: per-head RMSNorm
+        first, as two dispatches); returns a new tensor. YaRN raises
+        ``NotImplementedError``."""
+        if yarn is not None:
+            raise NotImplementedError("Vulkan backend: YaRN RoPE is not implemented")
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)
         x = self._f32(x)
         T, H, D = x.shape
         if n_rot % 2 or n_rot > D or D % 2:
