@@ -209,6 +209,30 @@ def test_weight_parts_and_row_windows(vk, monkeypatch):
         assert rel_err(got, x.astype(np.float64) @ wf.T.astype(np.float64)) < 1e-5
 
 
+@pytest.mark.parametrize("qname", ["F32", "F16", "BF16"])
+def test_float_weights_with_odd_columns(vk, qname):
+    """Float weights whose rows are not a multiple of 32 long (Gemma-4's per-layer
+    projection) are stored zero-padded; mul_mat and get_rows give the plain result."""
+    rng = np.random.default_rng(12)
+    rows, cols = 40, 48
+    raw = random_blocks(qname, rows, cols, rng)
+    w = upload(vk, raw, qname, cols)
+    assert w.kpad == 64
+    wf = ref_dequant(qname, raw, cols)
+    ids = np.array([39, 0, 7])
+    np.testing.assert_array_equal(vk.to_host(vk.get_rows(w, ids)), wf[ids])
+    saved = (vk.gemv_lanes, vk.gemv_max_tokens)
+    try:
+        for lanes, max_gemv in ((1, 1 << 30), (32, 8)):
+            vk.gemv_lanes, vk.gemv_max_tokens = lanes, max_gemv
+            for n in (1, 11):
+                x = rng.standard_normal((n, cols)).astype(np.float32)
+                got = vk.to_host(vk.mul_mat(vk.asarray(x), w))
+                assert rel_err(got, x.astype(np.float64) @ wf.T.astype(np.float64)) < 1e-5
+    finally:
+        vk.gemv_lanes, vk.gemv_max_tokens = saved
+
+
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 def test_gated_ffn(vk, cpu, act):
     rng = np.random.default_rng(4)
@@ -250,15 +274,42 @@ def test_rms_norm_activations_and_arithmetic(vk, cpu):
 
 
 @pytest.mark.parametrize("mode", ["norm", "neox"])
-@pytest.mark.parametrize("n_rot,factors", [(128, False), (64, True)])
-def test_rope(vk, cpu, mode, n_rot, factors):
+@pytest.mark.parametrize("n_rot,factors,fused", [(128, False, False), (64, True, False), (32, False, True)])
+def test_rope(vk, cpu, mode, n_rot, factors, fused):
+    """RoPE (partial rotation, freq factors) and, "fused", with the per-head norm first
+    and YaRN (ext_factor 1 and 0) as the CPU backend's ``rope``."""
+    from opencoti.model.hparams import RopeYarn
+
     rng = np.random.default_rng(6)
     x = rng.standard_normal((9, 3, 128)).astype(np.float32)
     pos = np.array([0, 1, 2, 100, 511, 512, 4000, 30000, 7], dtype=np.int32)
     ff = rng.uniform(1, 8, n_rot // 2).astype(np.float32) if factors else None
-    want = cpu.rope(x, pos, n_rot, 1e6, 0.5, mode, ff)
-    got = vk.to_host(vk.rope(vk.asarray(x), pos, n_rot, 1e6, 0.5, mode, ff))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    kws = [{}]
+    if fused:
+        norm = rng.standard_normal(128).astype(np.float32)
+        kws = [dict(norm=norm, eps=1e-6, yarn=RopeYarn(1.0, 1.0, 32.0, 1.0, 64)),
+               dict(norm=norm, eps=1e-6, yarn=RopeYarn(0.0, 0.7, 32.0, 1.0, 64))]
+    for kw in kws:
+        want = cpu.rope(x, pos, n_rot, 1e6, 0.5, mode, ff, **kw)
+        dkw = dict(kw, norm=vk.asarray(kw["norm"])) if kw else kw
+        got = vk.to_host(vk.rope(vk.asarray(x), pos, n_rot, 1e6, 0.5, mode, ff, **dkw))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_and_mid_axis_select(vk, cpu):
+    rng = np.random.default_rng(11)
+    x, h = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    w1, w2 = rng.standard_normal((2, 64)).astype(np.float32)
+    for wp, wn in ((w1, w2), (None, w2), (w1, None)):
+        want = cpu.add_rms_norm(x, h, wp, wn, 1e-6)
+        got = vk.add_rms_norm(vk.asarray(x), vk.asarray(h), None if wp is None else vk.asarray(wp),
+                              None if wn is None else vk.asarray(wn), 1e-6)
+        np.testing.assert_allclose(vk.to_host(got[0]), want[0], rtol=1e-6, atol=1e-6)
+        assert (got[1] is None) == (want[1] is None)
+        if want[1] is not None:
+            np.testing.assert_allclose(vk.to_host(got[1]), want[1], rtol=1e-5, atol=1e-5)
+    t = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    np.testing.assert_array_equal(vk.to_host(vk.asarray(t)[:, 2]), t[:, 2])
 
 
 # ---------------------------------------------------------------------------------------
@@ -429,6 +480,51 @@ def test_tiny_model_gpu_paths_match_cpu(tmp_path, gpu_paths, cpu):
             r.lg.append(r.decode(UBatch.build([5 + i], [n + i], [0], [0])))
     want, got = np.concatenate(r_c.lg), np.concatenate(r_v.lg)
     assert np.max(np.abs(got - want)) < 2e-3 * max(1.0, float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("variant", ["dense_hd256", "dense_hd512", "e_series"])
+def test_tiny_gemma4_vulkan_matches_cpu(tmp_path, vk, cpu, variant):
+    """Gemma-4 (head sizes 256 / 512, V = K, KV-sharing layers, per-layer inputs,
+    proportional RoPE, logit softcap) on Vulkan equals the CPU backend, prefill and decode."""
+    pytest.importorskip("transformers")
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / f"gemma4-{variant}.gguf"
+    sg.write_random_model("gemma4", path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
+    model = load_model(str(path), with_tokenizer=False)
+    toks = [(i * 37 + 11) % 300 for i in range(24)]
+    want = _logits(model, cpu, toks, n_ubatch=16)
+    for ub in (16, 1):
+        got = _logits(model, vk, toks, n_ubatch=ub)
+        assert np.max(np.abs(got - want)) < 2e-3 * max(1.0, float(np.max(np.abs(want)))), (ub, np.abs(got - want).max())
+
+
+def test_yarn_model_and_refusals(tmp_path, vk, cpu):
+    """A YaRN model (Qwen2.5-1M style) runs on Vulkan with the CPU's logits; models whose
+    ops the backend lacks (MoE routing, gated delta-net) are refused at load, naming them."""
+    pytest.importorskip("transformers")
+    from opencoti.model.gguf_file import GGUFError
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    m = sg.random_hf_model("qwen2", 1, **dict(sg.QWEN25_1M, rope_parameters=dict(sg.QWEN25_1M_YARN_ROPE)))
+    path = str(tmp_path / "yarn.gguf")
+    sg.write_gguf(m, path)
+    model = load_model(path, with_tokenizer=False)
+    assert model.hparams.rope_yarn is not None
+    toks = [(i * 37 + 11) % 300 for i in range(40)]
+    want = _logits(model, cpu, toks, n_ubatch=16)
+    got = _logits(model, vk, toks, n_ubatch=16)
+    assert np.max(np.abs(got - want)) < 2e-3 * max(1.0, float(np.max(np.abs(want))))
+    moe = tmp_path / "gemma4-moe.gguf"
+    sg.write_random_model("gemma4", moe, "F32", seed=1, **sg.GEMMA4_VARIANTS["moe"])
+    with pytest.raises((GGUFError, NotImplementedError), match="MoE .* not supported on the vulkan backend"):
+        load_model(str(moe), with_tokenizer=False).network(vk)
+    hyb = str(tmp_path / "qwen35.gguf")
+    sg.write_gguf(sg.random_hf_model("qwen35", seed=3), hyb, "F32")
+    with pytest.raises(GGUFError, match="gated delta-net .* not supported on the vulkan backend"):
+        load_model(hyb, with_tokenizer=False).network(vk)
 
 
 @pytest.mark.parametrize("paths", ["device", "gpu"])

@@ -16,10 +16,14 @@ live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
 - ``attention_cells``: split-K online-softmax attention reading the KV storage
   (f16 or f32) through the cache plan's per-sequence cell lists (``attn.comp``);
   causal and sliding-window masks, softcap, GQA, head size up to 512.
-- ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases)
-  rotates with a (cos, sin) table the host computes in float64 per ubatch, as
-  the CPU backend does; ``rms_norm``, ``gelu_tanh``, ``silu``, gated FFN, add /
-  mul / scale, ``kv_write`` (rounding to f16 as NumPy does).
+- ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases,
+  YaRN, the fused per-head q/k norm) rotates with a (cos, sin) table the host
+  computes in float64 per ubatch, as the CPU backend does; ``rms_norm``,
+  ``add_rms_norm``, ``gelu_tanh``, ``silu``, gated FFN, add / mul / scale,
+  ``kv_write`` (rounding to f16 as NumPy does).
+- Architectures: llama, qwen2 (incl. YaRN), qwen3, gemma3, gemma4 dense and
+  E-series. Models that need ops this backend lacks (routed-expert MoE, the
+  gated delta-net of Qwen3.5 / Qwen3-next) are refused at load, naming them.
 
 Activations are ``VkTensor`` (float32, row-major ``[n_tokens, n]``) and stay on
 the device; the arithmetic the architectures write (``x + h``, ``x * c``,
@@ -53,6 +57,7 @@ import struct
 
 import numpy as np
 
+from opencoti.engine.backend.cpu import yarn_corr_dims
 from opencoti.engine.backend.vk_runtime import GraphTooLarge, Runtime, describe
 from opencoti.model.gguf_file import GGUFFile
 from opencoti.vk_shaders import KV_NAMES, QTYPE_NAMES
@@ -111,7 +116,8 @@ class VkTensor:
     Arithmetic (``+``, ``*`` with a tensor, a broadcast vector or a scalar) records
     device ops on the owning backend. ``get()`` / ``np.asarray`` / ``astype`` copy to
     the host (and wait for the device). ``t[stream, cells]`` on 4-D KV storage
-    reads those cells to the host; ``t[stream, cells] = a`` writes them.
+    reads those cells to the host; ``t[stream, cells] = a`` writes them. ``t[:, i]``
+    of a 3-D tensor ``[A, B, C]`` is the device tensor ``[A, C]`` (``select_mid``).
     """
 
     __array_ufunc__ = None  # numpy defers to our operators instead of converting
@@ -189,7 +195,10 @@ class VkTensor:
     def _flat_cells(self) -> "VkTensor":
         return self.reshape((self.shape[0] * self.shape[1],) + self.shape[2:])
 
-    def __getitem__(self, key) -> np.ndarray:
+    def __getitem__(self, key):
+        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and self.ndim == 3
+                and isinstance(key[1], (int, np.integer))):
+            return self.be.select_mid(self, int(key[1]))  # t[:, i] of [A, B, C]: a device tensor [A, C]
         rows = self._cells(key)
         return self.be.gather_rows(self._flat_cells(), rows).get()
 
@@ -209,13 +218,16 @@ class QTensor:
     enough for one storage-buffer binding (row r of a part at byte
     ``(r - row0) * row_bytes``); ``ggml_type``: ggml type id; ``shape``: NumPy
     shape ``(rows, cols)`` = ``reversed(ne)`` (``[out, in]`` for a matrix).
+    F32 / F16 / BF16 rows whose length is not a multiple of 32 are stored
+    zero-padded to ``kpad`` columns (the shaders work in 32-element chunks).
     """
 
-    def __init__(self, parts, ggml_type: int, shape: tuple[int, int], row_bytes: int):
+    def __init__(self, parts, ggml_type: int, shape: tuple[int, int], row_bytes: int, kpad: int | None = None):
         self.parts = parts
         self.ggml_type = int(ggml_type)
         self.shape = (int(shape[0]), int(shape[1]))
         self.row_bytes = int(row_bytes)
+        self.kpad = int(kpad or shape[1])  # columns as stored: float rows padded to a multiple of 32
 
     @property
     def nbytes(self) -> int:
@@ -447,8 +459,15 @@ class VulkanBackend:
 
     def upload_weight(self, raw: np.ndarray, ggml_type: int, rows: int, cols: int, name: str = "weight") -> QTensor:
         """``raw``: uint8 ``[rows, row_bytes]`` GGUF blocks of ``ggml_type`` -> ``QTensor``."""
+        kpad = cols
         if cols % 32:
-            raise NotImplementedError(f"Vulkan backend: {name}: {cols} columns is not a multiple of 32")
+            if ggml_type not in (0, 1, 30):  # block types always hold whole 32-element chunks
+                raise NotImplementedError(f"Vulkan backend: {name}: {cols} columns is not a multiple of 32")
+            kpad = -(-cols // 32) * 32
+            item = 4 if ggml_type == 0 else 2
+            a = np.zeros((rows, kpad * item), np.uint8)
+            a[:, :cols * item] = np.asarray(raw).reshape(rows, cols * item)
+            raw = a
         raw = np.ascontiguousarray(raw).reshape(rows, -1)
         row_bytes = raw.shape[1]
         limit = min(self.rt.max_range, self.rt.max_alloc, 1 << 30) - 4096  # one binding, one allocation
@@ -459,7 +478,7 @@ class VulkanBackend:
             a = self.rt.alloc((r1 - r0) * row_bytes + 4)
             self.rt.upload(a, 0, raw[r0:r1])
             parts.append((r0, r1 - r0, a))
-        return QTensor(parts, ggml_type, (rows, cols), row_bytes)
+        return QTensor(parts, ggml_type, (rows, cols), row_bytes, kpad)
 
     def _as_q(self, w) -> QTensor:
         if isinstance(w, QTensor):
@@ -467,7 +486,7 @@ class VulkanBackend:
         if isinstance(w, np.ndarray):
             w = self.asarray(w, np.float32)
         if isinstance(w, VkTensor) and w.ndim == 2 and w.dtype == np.float32:
-            if w.shape[1] % 32 or w.nbytes > self.rt.max_range - 4096 or w.offset:
+            if w.shape[1] % 32 or w.nbytes > self.rt.max_range - 4096 or w.offset:  # re-stored as parts
                 return self.upload_weight(w.get().view(np.uint8), 0, w.shape[0], w.shape[1])
             return QTensor([(0, w.shape[0], w.alloc)], 0, w.shape, w.shape[1] * 4)
         raise TypeError(f"mul_mat: unsupported weight {type(w).__name__}")
@@ -489,6 +508,10 @@ class VulkanBackend:
         y = self.empty((n, rows))
         if n == 0:
             return y
+        if w.kpad != cols:  # a padded float weight: x gets the same zero columns
+            xp = self.zeros((n, w.kpad), np.float32)
+            self._copy_rows(x, xp, cols, n, None, None, cols, w.kpad)
+            x, k, cols = xp, w.kpad, w.kpad
         gemv = n <= self.gemv_max_tokens
         shader = ("mul_mat_vec_" if gemv else "mul_mm_") + QTYPE_NAMES[w.ggml_type]
         lim = self.rt.max_range - 2 * self.rt.align
@@ -532,16 +555,21 @@ class VulkanBackend:
                 raise IndexError(f"get_rows: id out of range [0, {w.shape[0]})")
         idx, io = self._idx(ids)
         n = len(ids)
-        rows, cols = w.shape
+        rows, cols_out = w.shape
+        cols = w.kpad
         y = self.empty((n, cols))
         if n == 0:
-            return y
+            return self.empty((n, cols_out))
         ib, io2 = self._bind(idx)
         shader = "get_rows_" + QTYPE_NAMES[w.ggml_type]
         for r0, nr, a in w.parts:
             wb = (a, 0, min(a.size, -(-(nr * w.row_bytes) // 4) * 4 + 4))
             push = _u32(cols, w.row_bytes, n, r0, nr, io + io2, 0)
             self.rt.dispatch(shader, [wb, ib, self._bind(y)[0]], push, self.rt.groups_1d(n), writes=(2,))
+        if cols != cols_out:  # drop a padded float table's zero columns
+            out = self.empty((n, cols_out))
+            self._copy_rows(y, out, cols_out, n, None, None, cols, cols_out)
+            return out
         return y
 
     def gather_rows(self, src: VkTensor, rows) -> VkTensor:
@@ -554,6 +582,16 @@ class VulkanBackend:
             self._copy_rows(src, out, row_words, n, (idx, io), None)
         return out
 
+    @_taped
+    def select_mid(self, x: VkTensor, i: int) -> VkTensor:
+        """``x[:, i]`` of ``x [A, B, C]`` -> a new ``[A, C]`` tensor (rows ``a * B + i`` of ``x``
+        viewed as ``[A * B, C]``)."""
+        A, B, C = x.shape
+        if not 0 <= i < B:
+            raise IndexError(f"index {i} out of range for axis 1 of size {B}")
+        rows = self.asarray(np.arange(A, dtype=np.int32) * B + i)
+        return self.gather_rows(x.reshape(A * B, C), rows)
+
     def scatter_rows(self, dst: VkTensor, rows, values: np.ndarray) -> None:
         """Write host ``values`` ``[n, ...]`` into rows ``rows`` of ``dst`` viewed as ``[R, row]``."""
         n = len(rows)
@@ -564,16 +602,18 @@ class VulkanBackend:
         row_words = dst.nbytes // dst.shape[0] // 4
         self._copy_rows(src, dst, row_words, n, None, (idx, io))
 
-    def _copy_rows(self, src, dst, row_words, n, src_idx, dst_idx) -> None:
-        sb, so = self._bind(src)
-        db, do = self._bind(dst)
-        ref = (src_idx or dst_idx)[0]
-        ib, ibo = self._bind(ref)
-        s_off = src_idx[1] + ibo if src_idx else 0
-        d_off = dst_idx[1] + ibo if dst_idx else 0
+    def _copy_rows(self, src, dst, row_words, n, src_idx, dst_idx, src_stride=None, dst_stride=None) -> None:
+        """copy_rows.comp: ``n`` rows of ``row_words`` words, gathered through ``src_idx``
+        and / or scattered through ``dst_idx`` ((int32 tensor, offset) or None: row i)."""
         if src_idx and dst_idx and src_idx[0] is not dst_idx[0]:
             raise ValueError("gather and scatter indices must share one buffer")
-        push = _u32(row_words, n, 1 if src_idx else 0, s_off, 1 if dst_idx else 0, d_off, so, do)
+        sb, so = self._bind(src)
+        db, do = self._bind(dst)
+        ref = src_idx or dst_idx
+        ib, ibo = self._bind(ref[0]) if ref else (sb, 0)  # no index list: any buffer fills the binding
+        push = _u32(row_words, n, 1 if src_idx else 0, src_idx[1] + ibo if src_idx else 0,
+                    1 if dst_idx else 0, dst_idx[1] + ibo if dst_idx else 0, so, do,
+                    src_stride or row_words, dst_stride or row_words)
         self.rt.dispatch("copy_rows", [sb, db, ib], push, self.rt.groups_1d(-(-(n * row_words) // 256)),
                          writes=(1,))
 
@@ -594,6 +634,7 @@ class VulkanBackend:
         self.rt.dispatch("rms_norm", [xb, self._bind(wt)[0], yb], push, self.rt.groups_1d(rows), writes=(2,))
         return y
 
+    @_taped
     def add_rms_norm(self, x, h, w_post, w_next, eps: float):
         """``x + rms_norm(h, w_post)`` and ``rms_norm(that, w_next)`` (see
         ``CPUBackend.add_rms_norm``) from the norm and add shaders. Returns ``(x_out, h_out or None)``."""
@@ -654,9 +695,10 @@ class VulkanBackend:
 
     # -- rope -----------------------------------------------------------------------------
     @staticmethod
-    def _rope_host(pos, n_rot: int, base: float, freq_scale: float, freq_factors) -> np.ndarray:
+    def _rope_host(pos, n_rot: int, base: float, freq_scale: float, freq_factors, yarn=None) -> np.ndarray:
         """(cos, sin) table ``[T, n_rot/2, 2]`` float32 for positions ``pos``, computed as
-        ``CPUBackend.rope`` does (float64 angles)."""
+        ``CPUBackend.rope`` does (float64 angles; YaRN's angle mix and magnitude scale
+        included, ggml ``rope_yarn``)."""
         p = pos.get() if isinstance(pos, VkTensor) else np.asarray(pos)
         half = n_rot // 2
         inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
@@ -664,30 +706,39 @@ class VulkanBackend:
             ff = freq_factors.host if isinstance(freq_factors, VkTensor) and freq_factors.host is not None \
                 else np.asarray(freq_factors)
             inv = inv / np.asarray(ff[:half], dtype=np.float64)
-        theta = (p.astype(np.float64).reshape(-1)[:, None] * freq_scale) * inv[None, :]
-        return np.stack([np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)], axis=-1)
+        theta_e = p.astype(np.float64).reshape(-1)[:, None] * inv[None, :]
+        mscale = 1.0
+        if yarn is not None and yarn.ext_factor != 0.0:
+            lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
+            mix = (1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo), 0.0, 1.0)) \
+                * yarn.ext_factor
+            theta = theta_e * freq_scale * (1.0 - mix) + theta_e * mix
+            mscale = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+        else:
+            theta = theta_e * freq_scale
+            if yarn is not None:
+                mscale = yarn.attn_factor
+        return np.stack([(np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)],
+                        axis=-1)
 
-    def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors):
+    def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors, yarn=None):
         """Device (cos, sin) table of ``_rope_host``, uploaded once per ubatch and rope setting."""
-        key = (id(pos), n_rot, float(base), float(freq_scale), id(freq_factors))
+        key = (id(pos), n_rot, float(base), float(freq_scale), id(freq_factors), id(yarn))
         hit = self._rope.get(key)
-        if hit is not None and hit[0] is pos and hit[1] is freq_factors:
-            return hit[2]
+        if hit is not None and hit[0] is pos and hit[1] is freq_factors and hit[2] is yarn:
+            return hit[3]
         if self._mode == "capture" and (self._ub is None or pos is not self._ub.pos):
             raise _NotCapturable("rope at positions other than the ubatch's")
-        args = (n_rot, float(base), float(freq_scale), freq_factors)
+        args = (n_rot, float(base), float(freq_scale), freq_factors, yarn)
         t = self._input(self._rope_host(pos, *args), ("rope",) + args)
-        self._rope[key] = (pos, freq_factors, t)
+        self._rope[key] = (pos, freq_factors, yarn, t)
         return t
 
     @_taped
     def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
              freq_factors=None, norm=None, eps: float = 0.0, yarn=None):
-        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``; ``norm``: per-head RMSNorm
-        first, as two dispatches); returns a new tensor. YaRN raises
-        ``NotImplementedError``."""
-        if yarn is not None:
-            raise NotImplementedError("Vulkan backend: YaRN RoPE is not implemented")
+        """RoPE on ``x [T, H, D]`` as ``CPUBackend.rope`` (freq factors, YaRN; ``norm``:
+        per-head RMSNorm first, the q/k norms); returns a new tensor."""
         if norm is not None:
             x = self.rms_norm(x, norm, eps)
         x = self._f32(x)
@@ -695,7 +746,7 @@ class VulkanBackend:
         if n_rot % 2 or n_rot > D or D % 2:
             raise NotImplementedError(f"rope: n_rot {n_rot} with head size {D}")
         y = self.empty(x.shape)
-        cs = self._rope_table(pos, n_rot, base, freq_scale, freq_factors)
+        cs = self._rope_table(pos, n_rot, base, freq_scale, freq_factors, yarn)
         xb, xo = self._bind(x)
         if xo:
             raise ValueError("rope: unaligned tensor")
