@@ -12,7 +12,8 @@ unified KV), like llama-batched-bench. Each test: one warm-up, then ``-r`` runs,
 mean ± stddev. ``--cuda`` runs the same tests on the CUDA backend in the same
 process for a side-by-side column; the last column is llama.cpp on the H200
 (../shared/BENCHMARKS.md, same model file). Also printed: the Vulkan device,
-dispatches and submits per decode step.
+dispatches recorded and submits per decode step. ``OPENCOTI_VK_GRAPHS=0`` runs
+decode eagerly (every step recorded anew) for comparison.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run_tests(model, backend, a) -> dict:
         rows[f"pp{n}"] = _timed(pp, a.repetitions)
     runner = ModelRunner(model, backend, n_ctx=max(depths + [0]) + a.tg + 256, n_ubatch=512)
     for d in depths:
-        def tg(d=d):
+        def tg(d=d, runner=runner):
             runner.kv.clear()
             if d:
                 _prefill(runner, d)
@@ -126,16 +127,19 @@ def main() -> None:
     if a.cuda:
         res["cuda"] = run_tests(model, get_backend("cuda", a.main_gpu), a)
 
-    # dispatches and submits of one decode step (after warm-up)
+    # dispatches recorded and submits of a first and a second decode step (graphs record once)
     r = ModelRunner(model, vk, n_ctx=512, n_ubatch=512)
     _prefill(r, 64)
-    d0, s0 = vk.rt.n_dispatches, vk.rt.n_submits
-    r.decode(UBatch.build([1000], [64], [0], [0]))
-    per_step = (vk.rt.n_dispatches - d0, vk.rt.n_submits - s0)
+    per_step = []
+    for i in range(2):
+        d0, s0 = vk.rt.n_dispatches, vk.rt.n_submits
+        r.decode(UBatch.build([1000 + i], [64 + i], [0], [0]))
+        per_step.append((vk.rt.n_dispatches - d0, vk.rt.n_submits - s0))
 
     print(f"\nopencoti bench: Vulkan device {a.main_gpu}: {vk.device_name}; model {model.name}, "
           f"{os.path.getsize(model.path) / 2**20:.1f} MiB; weights uploaded in {load_s:.2f} s; "
-          f"one decode step = {per_step[0]} dispatches, {per_step[1]} submit(s)\n")
+          f"decode step: {per_step[0][0]} dispatches recorded the first time, {per_step[1][0]} the next "
+          f"(graphs {'on' if vk.graphs else 'off'}), {per_step[1][1]} submit(s) per step\n")
     cols = ["vulkan"] + (["cuda"] if a.cuda else [])
     print("| test | " + " | ".join(f"opencoti {c} t/s" for c in cols) + " | llama.cpp CUDA t/s (H200) |")
     print("| --- | " + " | ".join("---:" for _ in cols) + " | ---: |")

@@ -17,8 +17,10 @@ which turns a missing device into a failure.
 Tolerances: the shaders compute in float32 like the CPU backend and store f16
 KV rounded exactly as NumPy does, so only summation order differs: dequantized
 rows match exactly, GEMV / GEMM to 1e-5 relative (measured ~4e-7), attention
-to 2e-4, and the real model's log-probabilities to ``VK_CPU_TOL`` = 0.01 nats
-over the whole vocabulary (measured 0.004 on lavapipe).
+to 2e-4, and the real model's log-probabilities to 0.01 nats on each row's 50
+likeliest tokens and 0.03 over the whole vocabulary (measured on lavapipe:
+0.0033 and 0.0087, the latter at a token of log-prob -44); against exact float32
+math, the CPU parity test's 0.02 (measured 0.0019).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ from opencoti.engine.runner import ModelRunner, iter_logits  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
-VK_CPU_TOL = 0.01  # nats, any token of the vocabulary, real model, Vulkan vs CPU backend
+# real model, Vulkan vs CPU backend, nats: the 50 likeliest tokens of each row / any token
+VK_CPU_TOL_TOP = 0.01  # measured 0.0033 on lavapipe
+VK_CPU_TOL_ALL = 0.03  # measured 0.0087, at a token of log-prob -44 (extreme logits round more)
 EXACT_TOL = 0.02  # the CPU parity test's tolerance against exact float32 math
 
 # byte offsets of the f16 scale fields inside one block (ggml-common.h)
@@ -83,11 +87,12 @@ def cpu():
 @pytest.fixture
 def gpu_paths(vk):
     """Force the code paths a GPU takes (32 lanes per GEMV row, tiled GEMM past 8
-    tokens, split-K attention) on whatever device runs the tests; restored after."""
-    saved = (vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups)
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups = 32, 8, 512
+    tokens, split-K attention, here from 16 cells per split) on whatever device runs
+    the tests; restored after."""
+    saved = (vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells)
+    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = 32, 8, 512, 16
     yield vk
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups = saved
+    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = saved
 
 
 def random_blocks(qname: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -204,6 +209,30 @@ def test_weight_parts_and_row_windows(vk, monkeypatch):
         assert rel_err(got, x.astype(np.float64) @ wf.T.astype(np.float64)) < 1e-5
 
 
+@pytest.mark.parametrize("qname", ["F32", "F16", "BF16"])
+def test_float_weights_with_odd_columns(vk, qname):
+    """Float weights whose rows are not a multiple of 32 long (Gemma-4's per-layer
+    projection) are stored zero-padded; mul_mat and get_rows give the plain result."""
+    rng = np.random.default_rng(12)
+    rows, cols = 40, 48
+    raw = random_blocks(qname, rows, cols, rng)
+    w = upload(vk, raw, qname, cols)
+    assert w.kpad == 64
+    wf = ref_dequant(qname, raw, cols)
+    ids = np.array([39, 0, 7])
+    np.testing.assert_array_equal(vk.to_host(vk.get_rows(w, ids)), wf[ids])
+    saved = (vk.gemv_lanes, vk.gemv_max_tokens)
+    try:
+        for lanes, max_gemv in ((1, 1 << 30), (32, 8)):
+            vk.gemv_lanes, vk.gemv_max_tokens = lanes, max_gemv
+            for n in (1, 11):
+                x = rng.standard_normal((n, cols)).astype(np.float32)
+                got = vk.to_host(vk.mul_mat(vk.asarray(x), w))
+                assert rel_err(got, x.astype(np.float64) @ wf.T.astype(np.float64)) < 1e-5
+    finally:
+        vk.gemv_lanes, vk.gemv_max_tokens = saved
+
+
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 def test_gated_ffn(vk, cpu, act):
     rng = np.random.default_rng(4)
@@ -245,15 +274,42 @@ def test_rms_norm_activations_and_arithmetic(vk, cpu):
 
 
 @pytest.mark.parametrize("mode", ["norm", "neox"])
-@pytest.mark.parametrize("n_rot,factors", [(128, False), (64, True)])
-def test_rope(vk, cpu, mode, n_rot, factors):
+@pytest.mark.parametrize("n_rot,factors,fused", [(128, False, False), (64, True, False), (32, False, True)])
+def test_rope(vk, cpu, mode, n_rot, factors, fused):
+    """RoPE (partial rotation, freq factors) and, "fused", with the per-head norm first
+    and YaRN (ext_factor 1 and 0) as the CPU backend's ``rope``."""
+    from opencoti.model.hparams import RopeYarn
+
     rng = np.random.default_rng(6)
     x = rng.standard_normal((9, 3, 128)).astype(np.float32)
     pos = np.array([0, 1, 2, 100, 511, 512, 4000, 30000, 7], dtype=np.int32)
     ff = rng.uniform(1, 8, n_rot // 2).astype(np.float32) if factors else None
-    want = cpu.rope(x, pos, n_rot, 1e6, 0.5, mode, ff)
-    got = vk.to_host(vk.rope(vk.asarray(x), pos, n_rot, 1e6, 0.5, mode, ff))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    kws = [{}]
+    if fused:
+        norm = rng.standard_normal(128).astype(np.float32)
+        kws = [dict(norm=norm, eps=1e-6, yarn=RopeYarn(1.0, 1.0, 32.0, 1.0, 64)),
+               dict(norm=norm, eps=1e-6, yarn=RopeYarn(0.0, 0.7, 32.0, 1.0, 64))]
+    for kw in kws:
+        want = cpu.rope(x, pos, n_rot, 1e6, 0.5, mode, ff, **kw)
+        dkw = dict(kw, norm=vk.asarray(kw["norm"])) if kw else kw
+        got = vk.to_host(vk.rope(vk.asarray(x), pos, n_rot, 1e6, 0.5, mode, ff, **dkw))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_and_mid_axis_select(vk, cpu):
+    rng = np.random.default_rng(11)
+    x, h = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    w1, w2 = rng.standard_normal((2, 64)).astype(np.float32)
+    for wp, wn in ((w1, w2), (None, w2), (w1, None)):
+        want = cpu.add_rms_norm(x, h, wp, wn, 1e-6)
+        got = vk.add_rms_norm(vk.asarray(x), vk.asarray(h), None if wp is None else vk.asarray(wp),
+                              None if wn is None else vk.asarray(wn), 1e-6)
+        np.testing.assert_allclose(vk.to_host(got[0]), want[0], rtol=1e-6, atol=1e-6)
+        assert (got[1] is None) == (want[1] is None)
+        if want[1] is not None:
+            np.testing.assert_allclose(vk.to_host(got[1]), want[1], rtol=1e-5, atol=1e-5)
+    t = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    np.testing.assert_array_equal(vk.to_host(vk.asarray(t)[:, 2]), t[:, 2])
 
 
 # ---------------------------------------------------------------------------------------
@@ -414,16 +470,119 @@ def test_tiny_model_gpu_paths_match_cpu(tmp_path, gpu_paths, cpu):
     long sequence) give CPU logits end to end."""
     vk = gpu_paths
     model = _tiny(tmp_path, "gemma3", "Q4_K")
-    toks = [(i * 53 + 7) % 300 for i in range(600)]
-    r_c = ModelRunner(model, cpu, n_ctx=1024, n_ubatch=512)
-    r_v = ModelRunner(model, vk, n_ctx=1024, n_ubatch=512)
+    toks = [(i * 53 + 7) % 300 for i in range(150)]
+    r_c = ModelRunner(model, cpu, n_ctx=256, n_ubatch=512)
+    r_v = ModelRunner(model, vk, n_ctx=256, n_ubatch=512)
     n = len(toks)
     for r in (r_c, r_v):
-        r.lg = [r.decode(UBatch.build(toks, np.arange(n), [0] * n, [0, 299, n - 1]))]
+        r.lg = [r.decode(UBatch.build(toks, np.arange(n), [0] * n, [0, 99, n - 1]))]
         for i in range(3):
             r.lg.append(r.decode(UBatch.build([5 + i], [n + i], [0], [0])))
     want, got = np.concatenate(r_c.lg), np.concatenate(r_v.lg)
     assert np.max(np.abs(got - want)) < 2e-3 * max(1.0, float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("variant", ["dense_hd256", "dense_hd512", "e_series"])
+def test_tiny_gemma4_vulkan_matches_cpu(tmp_path, vk, cpu, variant):
+    """Gemma-4 (head sizes 256 / 512, V = K, KV-sharing layers, per-layer inputs,
+    proportional RoPE, logit softcap) on Vulkan equals the CPU backend, prefill and decode."""
+    pytest.importorskip("transformers")
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / f"gemma4-{variant}.gguf"
+    sg.write_random_model("gemma4", path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
+    model = load_model(str(path), with_tokenizer=False)
+    toks = [(i * 37 + 11) % 300 for i in range(24)]
+    want = _logits(model, cpu, toks, n_ubatch=16)
+    for ub in (16, 1):
+        got = _logits(model, vk, toks, n_ubatch=ub)
+        assert np.max(np.abs(got - want)) < 2e-3 * max(1.0, float(np.max(np.abs(want)))), (ub, np.abs(got - want).max())
+
+
+def test_yarn_model_and_refusals(tmp_path, vk, cpu):
+    """A YaRN model (Qwen2.5-1M style) runs on Vulkan with the CPU's logits; models whose
+    ops the backend lacks (MoE routing, gated delta-net) are refused at load, naming them."""
+    pytest.importorskip("transformers")
+    from opencoti.model.gguf_file import GGUFError
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    m = sg.random_hf_model("qwen2", 1, **dict(sg.QWEN25_1M, rope_parameters=dict(sg.QWEN25_1M_YARN_ROPE)))
+    path = str(tmp_path / "yarn.gguf")
+    sg.write_gguf(m, path)
+    model = load_model(path, with_tokenizer=False)
+    assert model.hparams.rope_yarn is not None
+    toks = [(i * 37 + 11) % 300 for i in range(40)]
+    want = _logits(model, cpu, toks, n_ubatch=16)
+    got = _logits(model, vk, toks, n_ubatch=16)
+    assert np.max(np.abs(got - want)) < 2e-3 * max(1.0, float(np.max(np.abs(want))))
+    moe = tmp_path / "gemma4-moe.gguf"
+    sg.write_random_model("gemma4", moe, "F32", seed=1, **sg.GEMMA4_VARIANTS["moe"])
+    with pytest.raises((GGUFError, NotImplementedError), match="MoE .* not supported on the vulkan backend"):
+        load_model(str(moe), with_tokenizer=False).network(vk)
+    hyb = str(tmp_path / "qwen35.gguf")
+    sg.write_gguf(sg.random_hf_model("qwen35", seed=3), hyb, "F32")
+    with pytest.raises(GGUFError, match="gated delta-net .* not supported on the vulkan backend"):
+        load_model(hyb, with_tokenizer=False).network(vk)
+
+
+@pytest.mark.parametrize("paths", ["device", "gpu"])
+def test_graph_replay_matches_eager(tmp_path, request, vk, paths):
+    """Decode steps replayed from recorded command buffers give the eager path's logits,
+    across a cell-bucket change (buckets from 32 cells here: 32 -> 64 at step 6) and
+    for 1- and 3-sequence ubatches; a replay records no dispatch (only its inputs are
+    written). "gpu": with the GPU paths forced (split-K attention sized by the bucket
+    in a graph, by the live length eagerly)."""
+    if paths == "gpu":
+        request.getfixturevalue("gpu_paths")
+    model = _tiny(tmp_path, "gemma3", "Q8_0")
+    outs, replay_dispatches = {}, []
+    saved = vk.graphs, vk.graph_min_cells
+    vk.graph_min_cells = 32
+    try:
+        for graphs in (False, True):
+            vk.graphs = graphs
+            r = ModelRunner(model, vk, n_ctx=256, n_seq_max=3, n_ubatch=512)
+            res = [r.decode(UBatch.build(list(range(3, 29)), np.arange(26), [0] * 26, [25]))]
+            for i in range(10):  # seq 0 crosses 32 cells at step 6
+                d0 = vk.rt.n_dispatches
+                res.append(r.decode(UBatch.build([7 + i], [26 + i], [0], [0])))
+                if graphs and i not in (0, 6):  # steps 0 and 6 record a graph (new bucket)
+                    replay_dispatches.append(vk.rt.n_dispatches - d0)
+            for i in range(3):
+                res.append(r.decode(UBatch.build([5, 6, 7], [36 + i, i, i], [0, 1, 2], [0, 1, 2])))
+            outs[graphs] = np.concatenate(res)
+            if graphs:
+                assert len([g for g in r.graphs.values() if g]) == 3
+    finally:
+        vk.graphs, vk.graph_min_cells = saved
+    assert replay_dispatches and set(replay_dispatches) == {0}
+    if paths == "device":  # no split-K: the same arithmetic in the same order
+        np.testing.assert_allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    else:  # graphs split attention by the cell bucket, eager by the live length: f32 sums in another order
+        np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
+
+
+def test_graph_that_cannot_be_recorded_runs_eagerly(tmp_path, vk, monkeypatch):
+    """A decode step whose graph cannot be recorded (here: its descriptor pool is too
+    small) runs eagerly with the same logits, and its shape is not tried again."""
+    from opencoti.engine.backend import vk_runtime
+
+    model = _tiny(tmp_path, "llama", "Q8_0")
+    toks = [(i * 29 + 3) % 300 for i in range(12)]
+    outs = {}
+    for name, sets in (("eager", None), ("small_pool", 4)):
+        if sets:
+            monkeypatch.setattr(vk_runtime, "GRAPH_SETS", sets)
+        monkeypatch.setattr(vk, "graphs", sets is not None)
+        r = ModelRunner(model, vk, n_ctx=64, n_ubatch=64)
+        res = [r.decode(UBatch.build(toks, np.arange(12), [0] * 12, [11]))]
+        res += [r.decode(UBatch.build([5 + i], [12 + i], [0], [0])) for i in range(3)]
+        outs[name] = np.concatenate(res)
+        if sets:
+            assert list(r.graphs.values()) == [False]
+    np.testing.assert_array_equal(outs["small_pool"], outs["eager"])
 
 
 def test_tiny_model_context_shift_and_split_streams(tmp_path, vk, cpu):
@@ -477,16 +636,19 @@ def refs(shared_dir):
 
 @pytest.mark.parametrize("name", REAL_CASES)
 def test_real_model_parity(runners, refs, name):
-    """Teacher-forced prompt + 8 greedy steps: Vulkan log-probs within VK_CPU_TOL of
-    the CPU backend's over the whole vocabulary, the same greedy tokens, and within
-    the CPU parity test's 0.02 nats of exact float32 math."""
+    """Teacher-forced prompt + 8 greedy steps: Vulkan log-probs within VK_CPU_TOL_TOP of
+    the CPU backend's on each row's 50 likeliest tokens and VK_CPU_TOL_ALL on all, the
+    same greedy tokens, and within the CPU parity test's 0.02 nats of exact float32 math."""
     exact, lcpp = refs[0][name], refs[1][name]
     prompt = exact["prompt_tokens"]
     steps = [s["id"] for s in exact["steps"][:N_STEPS]]
     r_vk, r_cpu = runners
     lp = logprobs(r_vk, prompt + steps)
     lp_cpu = logprobs(r_cpu, prompt + steps)
-    assert np.max(np.abs(lp - lp_cpu)) < VK_CPU_TOL, np.max(np.abs(lp - lp_cpu))
+    top = np.argsort(-lp_cpu, axis=1)[:, :50]
+    d_top = np.abs(np.take_along_axis(lp, top, 1) - np.take_along_axis(lp_cpu, top, 1))
+    assert d_top.max() < VK_CPU_TOL_TOP, d_top.max()
+    assert np.max(np.abs(lp - lp_cpu)) < VK_CPU_TOL_ALL, np.max(np.abs(lp - lp_cpu))
     np.testing.assert_array_equal(lp.argmax(axis=1), lp_cpu.argmax(axis=1))
     n = len(prompt)
     got = np.array([lp[j, prompt[j + 1]] for j in range(n - 1)])

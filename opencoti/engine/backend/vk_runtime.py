@@ -26,6 +26,12 @@ A storage-buffer binding may span at most ``max_range`` bytes
 (``maxStorageBufferRange``: 128 MiB on lavapipe, 4 GiB on NVIDIA); callers bind
 windows of larger buffers (see ``VulkanBackend.mul_mat``).
 
+Graphs (``CommandGraph``): dispatches can instead be recorded into a reusable
+command buffer (``begin_capture`` / ``end_capture``) that owns its descriptor
+sets and every allocation made meanwhile; ``run_graph`` submits the main buffer
+(the step's input uploads, ``upload_prologue``), the graph and a copy of its
+output to the host in one submission.
+
 Pipelines: one per shipped SPIR-V module (``opencoti.vk_shaders``), created on
 first use; all storage-buffer bindings in set 0 and 128 bytes of push constants.
 Descriptor sets are cached by their exact bindings (block, offset, range), so a
@@ -53,6 +59,7 @@ READBACK_BYTES = 64 << 20
 UPDATE_MAX = 65536  # vkCmdUpdateBuffer limit
 PUSH_BYTES = 128
 MAX_SETS = 4096
+GRAPH_SETS = 2048  # descriptor sets one recorded graph may use
 API_1_1 = (1 << 22) | (1 << 12)
 
 # VkResult codes (vulkan_core.h)
@@ -72,6 +79,10 @@ class VulkanUnavailable(BackendUnavailable):
 
 class VulkanError(RuntimeError):
     """A Vulkan call failed (the message names the call and the VkResult)."""
+
+
+class GraphTooLarge(VulkanError):
+    """A graph being recorded needs more descriptor sets than its pool holds."""
 
 
 def _import_vulkan():
@@ -230,6 +241,54 @@ class Alloc:
             pass
 
 
+class CommandGraph:
+    """A recorded command buffer that is submitted again and again (a decode step's
+    forward pass, as a CUDA graph): its own descriptor pool and sets, and every
+    allocation made while it was recorded (``retained``), so the memory its commands
+    address stays its own for as long as it lives. ``tape`` and ``slots`` belong to
+    the backend (the ops' results in call order; the inputs refreshed per step)."""
+
+    def __init__(self, rt: "Runtime"):
+        vk, ffi, lib = rt.vk, rt.ffi, rt.lib
+        self.rt = rt
+        ca = ffi.new("VkCommandBufferAllocateInfo*", {"sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+                                                      "commandPool": rt.cmd_pool, "commandBufferCount": 1,
+                                                      "level": vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY})
+        cb = ffi.new("VkCommandBuffer[1]")
+        _check(lib.vkAllocateCommandBuffers(rt.device, ca, cb), "vkAllocateCommandBuffers")
+        self.cmd = cb[0]
+        self.max_sets = GRAPH_SETS
+        self.pool = rt._make_desc_pool(self.max_sets)
+        self.sets: dict = {}
+        self.retained: list = []
+        self.reads: list = []
+        self.writes: list = []
+        self.tape: list = []
+        self.tape_pos = 0
+        self.slots: list = []
+        self.out = None
+        self.released = False
+
+    def release(self) -> None:
+        """Free the command buffer, the descriptor pool and the retained memory."""
+        if self.released:
+            return
+        self.released = True
+        rt = self.rt
+        if not rt.closed:
+            rt.lib.vkFreeCommandBuffers(rt.device, rt.cmd_pool, 1, rt.ffi.new("VkCommandBuffer[1]", [self.cmd]))
+            rt.lib.vkDestroyDescriptorPool(rt.device, self.pool, rt.ffi.NULL)
+        self.retained = []
+        self.tape = []
+        self.slots = []
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown
+            pass
+
+
 class Runtime:
     """One Vulkan device: memory, pipelines and the command buffer being recorded.
 
@@ -305,6 +364,13 @@ class Runtime:
         _check(lib.vkAllocateCommandBuffers(self.device, ca, cb), "vkAllocateCommandBuffers")
         self._cmd_arr = cb
         self.cmd = cb[0]
+        ea = ffi.new("VkCommandBuffer[1]")
+        _check(lib.vkAllocateCommandBuffers(self.device, ca, ea), "vkAllocateCommandBuffers")
+        self._epi = ea[0]
+        self._submit_cmds = ffi.new("VkCommandBuffer[3]")
+        self._graph_begin = ffi.new("VkCommandBufferBeginInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
+        self._target: CommandGraph | None = None
         fi = ffi.new("VkFenceCreateInfo*", {"sType": vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO})
         fence = ffi.new("VkFence[1]")
         _check(lib.vkCreateFence(self.device, fi, ffi.NULL, fence), "vkCreateFence")
@@ -378,7 +444,10 @@ class Runtime:
                 del b.free[j]
             else:
                 b.free[j] = (o + size, s - size)
-            return Alloc(self, b, o, size)
+            a = Alloc(self, b, o, size)
+            if self._target is not None:
+                self._target.retained.append(a)
+            return a
 
     def _free(self, a: Alloc) -> None:
         """Queue ``a``'s range for release. Called from ``Alloc.__del__``, which may run
@@ -410,6 +479,8 @@ class Runtime:
 
     # -- recording ----------------------------------------------------------------------
     def _cmdbuf(self):
+        if self._target is not None:
+            return self._target.cmd
         if not self._recording:
             _check(self.lib.vkBeginCommandBuffer(self.cmd, self._begin_info), "vkBeginCommandBuffer")
             self._recording = True
@@ -418,9 +489,11 @@ class Runtime:
     def _hazard(self, reads: list, writes: list) -> None:
         """Insert a barrier when this command conflicts with one since the last barrier.
         reads / writes: (block id, lo, hi) byte ranges."""
+        g = self._target
+        h_reads, h_writes = (g.reads, g.writes) if g is not None else (self._reads, self._writes)
         conflict = False
         for (b, lo, hi) in reads + writes:
-            for (b2, lo2, hi2) in self._writes:
+            for (b2, lo2, hi2) in h_writes:
                 if b == b2 and lo < hi2 and lo2 < hi:
                     conflict = True
                     break
@@ -428,7 +501,7 @@ class Runtime:
                 break
         if not conflict:
             for (b, lo, hi) in writes:
-                for (b2, lo2, hi2) in self._reads:
+                for (b2, lo2, hi2) in h_reads:
                     if b == b2 and lo < hi2 and lo2 < hi:
                         conflict = True
                         break
@@ -437,10 +510,10 @@ class Runtime:
         if conflict:
             self.lib.vkCmdPipelineBarrier(self._cmdbuf(), self._stages, self._stages, 0, 1, self._barrier,
                                           0, self.ffi.NULL, 0, self.ffi.NULL)
-            self._reads = []
-            self._writes = []
-        self._reads += reads
-        self._writes += writes
+            h_reads.clear()
+            h_writes.clear()
+        h_reads += reads
+        h_writes += writes
 
     def _layout(self, n: int):
         """(descriptor set layout, pipeline layout) for ``n`` storage-buffer bindings."""
@@ -506,32 +579,43 @@ class Runtime:
         hit = self._pipelines[key] = (pipe[0], layout)
         return hit
 
-    def _new_desc_pool(self) -> None:
+    def _make_desc_pool(self, n_sets: int):
         vk, ffi = self.vk, self.ffi
         size = ffi.new("VkDescriptorPoolSize*", {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                                 "descriptorCount": MAX_SETS * 8})
+                                                 "descriptorCount": n_sets * 8})
         info = ffi.new("VkDescriptorPoolCreateInfo*", {"sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
-                                                       "maxSets": MAX_SETS, "poolSizeCount": 1,
+                                                       "maxSets": n_sets, "poolSizeCount": 1,
                                                        "pPoolSizes": size})
         pool = ffi.new("VkDescriptorPool*")
         _check(self.lib.vkCreateDescriptorPool(self.device, info, ffi.NULL, pool), "vkCreateDescriptorPool")
-        self._desc_pool = pool[0]
+        return pool[0]
+
+    def _new_desc_pool(self) -> None:
+        self._desc_pool = self._make_desc_pool(MAX_SETS)
 
     def _descriptor_set(self, binds: list):
-        """A descriptor set (as a 1-element array) for ``binds`` [(Alloc, offset, range)], cached."""
+        """A descriptor set (as a 1-element array) for ``binds`` [(Alloc, offset, range)],
+        cached; while a graph is recorded, from the graph's own pool."""
+        g = self._target
+        cache = g.sets if g is not None else self._sets
         key = tuple((a.block.id, a.offset + o, r) for a, o, r in binds)
-        ds = self._sets.get(key)
+        ds = cache.get(key)
         if ds is not None:
             return ds
+        if g is not None and len(cache) >= g.max_sets:  # drivers need not enforce maxSets themselves
+            raise GraphTooLarge(f"a graph needs more than {g.max_sets} descriptor sets")
         vk, ffi, lib = self.vk, self.ffi, self.lib
         n = len(binds)
         dsl, _ = self._layout(n)
         info = ffi.new("VkDescriptorSetAllocateInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, "descriptorPool": self._desc_pool,
+            "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+            "descriptorPool": g.pool if g is not None else self._desc_pool,
             "descriptorSetCount": 1, "pSetLayouts": dsl})
         ds = ffi.new("VkDescriptorSet[1]")
         res = lib.vkAllocateDescriptorSets(self.device, info, ds)
-        if res in _POOL_FULL or len(self._sets) >= MAX_SETS:
+        if g is not None and res in _POOL_FULL:
+            raise GraphTooLarge(f"a graph needs more than {g.max_sets} descriptor sets")
+        if g is None and (res in _POOL_FULL or len(self._sets) >= MAX_SETS):
             # sets of pending commands must stay valid: finish them, then start the pool over
             self.flush()
             _check(lib.vkResetDescriptorPool(self.device, self._desc_pool, 0), "vkResetDescriptorPool")
@@ -551,7 +635,7 @@ class Runtime:
             wr[i].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
             wr[i].pBufferInfo = bi + i
         lib.vkUpdateDescriptorSets(self.device, n, wr, 0, ffi.NULL)
-        self._sets[key] = ds
+        cache[key] = ds
         return ds
 
     def dispatch(self, name: str, binds: list, push: bytes, groups: tuple[int, int, int],
@@ -631,6 +715,80 @@ class Runtime:
             self._n_cmds += 1
             done += k
 
+    def upload_prologue(self, a: Alloc, offset: int, data) -> None:
+        """Record an upload into the main command buffer even while a graph is recorded:
+        a graph's per-step inputs, written before the graph runs (it begins with a barrier)."""
+        g, self._target = self._target, None
+        try:
+            self.upload(a, offset, data)
+        finally:
+            self._target = g
+
+    # -- graphs (recorded command buffers, replayed per decode step) ----------------------
+    def begin_capture(self) -> CommandGraph:
+        """Start recording dispatches into a new ``CommandGraph`` (flushes pending work)."""
+        self.flush()
+        g = CommandGraph(self)
+        _check(self.lib.vkBeginCommandBuffer(g.cmd, self._graph_begin), "vkBeginCommandBuffer")
+        self.lib.vkCmdPipelineBarrier(g.cmd, self._stages, self._stages, 0, 1, self._barrier,
+                                      0, self.ffi.NULL, 0, self.ffi.NULL)
+        self._target = g
+        return g
+
+    def end_capture(self) -> CommandGraph:
+        g, self._target = self._target, None
+        _check(self.lib.vkEndCommandBuffer(g.cmd), "vkEndCommandBuffer")
+        return g
+
+    def abort_capture(self) -> None:
+        """Drop the graph being recorded (its per-step input uploads still run first)."""
+        g, self._target = self._target, None
+        if g is not None:
+            self.lib.vkEndCommandBuffer(g.cmd)
+            self.flush()
+            g.release()
+
+    def run_graph(self, g: CommandGraph, a: Alloc, offset: int, nbytes: int) -> np.ndarray:
+        """Submit the main command buffer (the step's input uploads), graph ``g`` and a
+        copy of ``nbytes`` at ``offset`` of ``a`` back to the host, in one submission;
+        wait; return those bytes (uint8)."""
+        if nbytes > READBACK_BYTES:
+            raise VulkanError(f"graph output of {nbytes} bytes exceeds the readback buffer")
+        lib, ffi = self.lib, self.ffi
+        with self._lock:
+            cmds, n = self._submit_cmds, 0
+            if self._recording:
+                _check(lib.vkEndCommandBuffer(self.cmd), "vkEndCommandBuffer")
+                self._recording = False
+                cmds[n] = self.cmd
+                n += 1
+            cmds[n] = g.cmd
+            n += 1
+            epi = self._epi
+            _check(lib.vkBeginCommandBuffer(epi, self._begin_info), "vkBeginCommandBuffer")
+            lib.vkCmdPipelineBarrier(epi, self._stages, self._stages, 0, 1, self._barrier, 0, ffi.NULL, 0, ffi.NULL)
+            r = self._region
+            r.srcOffset, r.dstOffset, r.size = a.offset + offset, 0, -(-nbytes // 4) * 4
+            lib.vkCmdCopyBuffer(epi, a.block.buffer, self.readback.buffer, 1, r)
+            lib.vkCmdPipelineBarrier(epi, self.vk.VK_PIPELINE_STAGE_TRANSFER_BIT, self.vk.VK_PIPELINE_STAGE_HOST_BIT,
+                                     0, 1, self._host_barrier, 0, ffi.NULL, 0, ffi.NULL)
+            _check(lib.vkEndCommandBuffer(epi), "vkEndCommandBuffer")
+            cmds[n] = epi
+            n += 1
+            sub = ffi.new("VkSubmitInfo*", {"sType": self.vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                                            "commandBufferCount": n, "pCommandBuffers": cmds})
+            _check(lib.vkQueueSubmit(self.queue, 1, sub, self._fence[0]), "vkQueueSubmit")
+            _check(lib.vkWaitForFences(self.device, 1, self._fence, 1, 0xFFFFFFFFFFFFFFFF), "vkWaitForFences")
+            _check(lib.vkResetFences(self.device, 1, self._fence), "vkResetFences")
+            _check(lib.vkResetCommandBuffer(self.cmd, 0), "vkResetCommandBuffer")
+            _check(lib.vkResetCommandBuffer(epi, 0), "vkResetCommandBuffer")
+            self._staging_head = 0
+            self._reads.clear()
+            self._writes.clear()
+            self._n_cmds = 0
+            self.n_submits += 1
+            return self.readback.mapped[:nbytes].copy()
+
     def fill(self, a: Alloc, offset: int, nbytes: int, value: int = 0) -> None:
         """Record filling ``nbytes`` (a multiple of 4) at ``offset`` with the 32-bit ``value``."""
         lo = a.offset + offset
@@ -640,6 +798,8 @@ class Runtime:
 
     def download(self, a: Alloc, offset: int, nbytes: int) -> np.ndarray:
         """``nbytes`` at ``offset`` of ``a`` as a new uint8 array (flushes: waits for all recorded work)."""
+        if self._target is not None:
+            raise VulkanError("device memory cannot be read while a graph is being recorded")
         out = np.empty(nbytes, dtype=np.uint8)
         done = 0
         while done < nbytes:
@@ -682,8 +842,8 @@ class Runtime:
             _check(lib.vkResetFences(self.device, 1, self._fence), "vkResetFences")
             _check(lib.vkResetCommandBuffer(self.cmd, 0), "vkResetCommandBuffer")
             self._staging_head = 0
-            self._reads = []
-            self._writes = []
+            self._reads.clear()
+            self._writes.clear()
             self._n_cmds = 0
             self.n_submits += 1
 

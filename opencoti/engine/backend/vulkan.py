@@ -10,15 +10,20 @@ live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
   storage-buffer binding). ``mul_mat`` with up to ``GEMV_MAX_TOKENS`` activation
   rows is a GEMV that dequantizes in registers (``mul_mat_vec.comp``, as
   ggml-vulkan ``mul_mat_vec``); more rows use a tiled GEMM whose loader
-  dequantizes weight tiles into shared memory (``mul_mm.comp``). Types: F32,
+  dequantizes weight tiles into shared memory (``mul_mm.comp``), except on CPU
+  drivers, where the GEMV (8 rows per workgroup) is faster at any count. Types: F32,
   F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 - ``attention_cells``: split-K online-softmax attention reading the KV storage
   (f16 or f32) through the cache plan's per-sequence cell lists (``attn.comp``);
   causal and sliding-window masks, softcap, GQA, head size up to 512.
-- ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases)
-  rotates with a (cos, sin) table the host computes in float64 per ubatch, as
-  the CPU backend does; ``rms_norm``, ``gelu_tanh``, ``silu``, gated FFN, add /
-  mul / scale, ``kv_write`` (rounding to f16 as NumPy does).
+- ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases,
+  YaRN, the fused per-head q/k norm) rotates with a (cos, sin) table the host
+  computes in float64 per ubatch, as the CPU backend does; ``rms_norm``,
+  ``add_rms_norm``, ``gelu_tanh``, ``silu``, gated FFN, add / mul / scale,
+  ``kv_write`` (rounding to f16 as NumPy does).
+- Architectures: llama, qwen2 (incl. YaRN), qwen3, gemma3, gemma4 dense and
+  E-series. Models that need ops this backend lacks (routed-expert MoE, the
+  gated delta-net of Qwen3.5 / Qwen3-next) are refused at load, naming them.
 
 Activations are ``VkTensor`` (float32, row-major ``[n_tokens, n]``) and stay on
 the device; the arithmetic the architectures write (``x + h``, ``x * c``,
@@ -27,6 +32,13 @@ one command buffer and submitted when the logits are read (``to_host``).
 KV storage (``zeros``) is a ``VkTensor`` too; indexing it with
 ``[stream, cells]`` reads those cells back to the host and assigning writes them
 (the rare K-shift and cross-stream ``seq_cp`` paths).
+
+Decode steps (ubatches of up to ``GEMV_MAX_TOKENS`` rows) are recorded once per
+shape into a reusable command buffer and replayed (``run_graph``, as the CUDA
+backend's graphs): per step only the inputs are written (token ids, positions,
+cell lists padded to a power-of-two bucket >= 256, rope tables) and the buffer
+is submitted, so the Python cost of recording ~370 dispatches is paid once per
+shape. ``OPENCOTI_VK_GRAPHS=0`` turns this off.
 
 Shared-prefix groups (``plan.groups``) are not used: each sequence attends over
 its complete cell list (``view.cells``), which is exact.
@@ -38,16 +50,20 @@ head size or shape without a shader; ``ValueError`` for mismatched shapes.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import struct
 
 import numpy as np
 
-from opencoti.engine.backend.vk_runtime import Runtime, describe
+from opencoti.engine.backend.cpu import yarn_corr_dims
+from opencoti.engine.backend.vk_runtime import GraphTooLarge, Runtime, describe
 from opencoti.model.gguf_file import GGUFFile
 from opencoti.vk_shaders import KV_NAMES, QTYPE_NAMES
 
 GEMV_MAX_TOKENS = 8
+MAX_GRAPHS = 64  # recorded decode graphs kept per runner (oldest dropped first)
 ATTN_MAX_HEAD_DIM = 512
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -60,6 +76,39 @@ def _u32(*v) -> bytes:
     return struct.pack(f"<{len(v)}I", *v)
 
 
+class _NotCapturable(RuntimeError):
+    """A forward pass that a graph cannot hold (or a replay that left its tape)."""
+
+
+def _taped(fn):
+    """An op of the interface as graphs see it: while a graph is recorded, its result
+    goes on the graph's tape; on replay the op records nothing and returns the result
+    it returned then (the replayed command buffer computes the values). Ops called
+    from inside a taped op run normally (only the outermost call is taped)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def op(self, *args, **kw):
+        mode = self._mode
+        if mode is None or mode == "done" or self._depth:
+            return fn(self, *args, **kw)
+        g = self._graph
+        if mode == "replay":
+            i = g.tape_pos
+            if i >= len(g.tape) or g.tape[i][0] != name:
+                raise _NotCapturable(f"replay diverged at op {i} ({name})")
+            g.tape_pos = i + 1
+            return g.tape[i][1]
+        self._depth += 1
+        try:
+            out = fn(self, *args, **kw)
+        finally:
+            self._depth -= 1
+        g.tape.append((name, out))
+        return out
+    return op
+
+
 class VkTensor:
     """A device array: ``shape``, ``dtype`` and ``nbytes`` bytes at ``offset`` of a
     runtime allocation (``alloc``), row-major. Reshapes share the allocation.
@@ -67,7 +116,8 @@ class VkTensor:
     Arithmetic (``+``, ``*`` with a tensor, a broadcast vector or a scalar) records
     device ops on the owning backend. ``get()`` / ``np.asarray`` / ``astype`` copy to
     the host (and wait for the device). ``t[stream, cells]`` on 4-D KV storage
-    reads those cells to the host; ``t[stream, cells] = a`` writes them.
+    reads those cells to the host; ``t[stream, cells] = a`` writes them. ``t[:, i]``
+    of a 3-D tensor ``[A, B, C]`` is the device tensor ``[A, C]`` (``select_mid``).
     """
 
     __array_ufunc__ = None  # numpy defers to our operators instead of converting
@@ -145,7 +195,10 @@ class VkTensor:
     def _flat_cells(self) -> "VkTensor":
         return self.reshape((self.shape[0] * self.shape[1],) + self.shape[2:])
 
-    def __getitem__(self, key) -> np.ndarray:
+    def __getitem__(self, key):
+        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and self.ndim == 3
+                and isinstance(key[1], (int, np.integer))):
+            return self.be.select_mid(self, int(key[1]))  # t[:, i] of [A, B, C]: a device tensor [A, C]
         rows = self._cells(key)
         return self.be.gather_rows(self._flat_cells(), rows).get()
 
@@ -165,13 +218,16 @@ class QTensor:
     enough for one storage-buffer binding (row r of a part at byte
     ``(r - row0) * row_bytes``); ``ggml_type``: ggml type id; ``shape``: NumPy
     shape ``(rows, cols)`` = ``reversed(ne)`` (``[out, in]`` for a matrix).
+    F32 / F16 / BF16 rows whose length is not a multiple of 32 are stored
+    zero-padded to ``kpad`` columns (the shaders work in 32-element chunks).
     """
 
-    def __init__(self, parts, ggml_type: int, shape: tuple[int, int], row_bytes: int):
+    def __init__(self, parts, ggml_type: int, shape: tuple[int, int], row_bytes: int, kpad: int | None = None):
         self.parts = parts
         self.ggml_type = int(ggml_type)
         self.shape = (int(shape[0]), int(shape[1]))
         self.row_bytes = int(row_bytes)
+        self.kpad = int(kpad or shape[1])  # columns as stored: float rows padded to a multiple of 32
 
     @property
     def nbytes(self) -> int:
@@ -186,15 +242,16 @@ class VulkanBackend:
     """
 
     name = "vulkan"
-    graphs = False  # no command-buffer replay yet: ModelRunner runs the forward directly
 
     def __init__(self, device: int = 0):
         self.rt = Runtime(device)
         self.device_info = self.rt.info
         self.device_name = describe(self.rt.info)
         self.is_cpu_device = self.rt.info.is_cpu
-        # attention split-K: enough workgroups to fill a GPU; a CPU device gains nothing from it
+        # attention split-K: enough workgroups to fill a GPU, each split >= attn_split_cells
+        # cells; a CPU device gains nothing from it
         self.attn_target_groups = 1 if self.is_cpu_device else 512
+        self.attn_split_cells = 256
         # GEMV layout (mul_mat_vec.comp): a warp per weight row on GPUs; on CPU drivers
         # 4 rows per invocation (lavapipe runs that ~40x faster). CPU drivers also take
         # every token count through the GEMV (8 tokens per workgroup): ~5x faster
@@ -205,6 +262,13 @@ class VulkanBackend:
         self._ub_dev: dict = {}
         self._meta: dict = {}
         self._rope: dict = {}
+        # graphs (run_graph): mode None (eager), "capture", "replay", "done" (after the logits)
+        self.graphs = os.environ.get("OPENCOTI_VK_GRAPHS", "1") != "0"
+        self.graph_min_cells = 256  # smallest cell-list bucket of a graph
+        self._mode = None
+        self._graph = None
+        self._gcaps = None
+        self._depth = 0
 
     # -- tensors --------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32) -> VkTensor:
@@ -226,10 +290,20 @@ class VulkanBackend:
         return t
 
     def to_host(self, x) -> np.ndarray:
-        """Device tensor -> NumPy (submits the recorded work and waits)."""
-        if isinstance(x, VkTensor):
-            return x.get()
-        return np.asarray(x)
+        """Device tensor -> NumPy (submits the recorded work and waits). Inside
+        ``run_graph`` this is where the graph is submitted."""
+        if not isinstance(x, VkTensor):
+            return np.asarray(x)
+        if self._mode in ("capture", "replay"):
+            g = self._graph
+            if self._mode == "capture":
+                g.out = x
+                self.rt.end_capture()
+            elif x is not g.out:
+                raise _NotCapturable("replay reads another tensor than the recorded output")
+            self._mode = "done"
+            return self.rt.run_graph(g, x.alloc, x.offset, x.nbytes).view(x.dtype).reshape(x.shape)
+        return x.get()
 
     def synchronize(self) -> None:
         """Submit recorded work and wait for it."""
@@ -263,18 +337,107 @@ class VulkanBackend:
         end = min(t.alloc.size, -(-(t.offset + hi) // 4) * 4)
         return (t.alloc, base, max(4, end - base)), (start - base) // 4
 
+    def _input(self, host: np.ndarray, slot: tuple) -> VkTensor:
+        """Upload per-step input ``host``; while a graph is recorded, into a buffer the
+        graph keeps (an input *slot* described by ``slot``, rewritten on replay)."""
+        if self._mode != "capture":
+            return self.asarray(host)
+        t = self.empty(host.shape, host.dtype)
+        self.rt.upload_prologue(t.alloc, 0, host)
+        self._graph.slots.append((slot, t))
+        return t
+
+    def _refresh_slots(self, ub) -> None:
+        """Write a replayed graph's inputs for ``ub``: its ids / positions / output rows,
+        each cache plan's index arrays (cells padded to the graph's bucket), the rope tables."""
+        for slot, t in self._graph.slots:
+            kind = slot[0]
+            if kind == "ub":
+                host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
+            elif kind == "meta":
+                host = self._meta_host(ub.plans[slot[1]], slot[2], slot[3])[0]
+            else:
+                host = self._rope_host(ub.pos, *slot[1:])
+            if host.nbytes != t.nbytes:
+                raise _NotCapturable("a graph input changed size")
+            self.rt.upload_prologue(t.alloc, 0, host)
+
+    def run_graph(self, ub, caches, forward, graphs: dict):
+        """Run ``forward()`` (the network on ``ub``) as a replayed command buffer.
+
+        The key is (rows, output rows, per cache: views and cell-list bucket, and the
+        device-path switches); cell lists are padded to a power of two >= 256
+        (``graph_min_cells``) and
+        attention's split count follows the bucket, so one graph serves every step until
+        a sequence outgrows its bucket. The first step of a key records the graph (and
+        runs it); later ones rewrite its inputs and resubmit it, with the ops returning
+        their recorded results (``_taped``). ``graphs``: the caller's store (a graph
+        holds that runner's KV addresses). Ubatches over ``GEMV_MAX_TOKENS`` rows, or
+        with no output rows, run eagerly. Returns host logits.
+        """
+        T = ub.n_tokens
+        if not self.graphs or T > GEMV_MAX_TOKENS or len(ub.out_rows) == 0 or self._mode is not None:
+            return forward()
+        tot = [sum(len(v.cells) for v in p.views) for p in ub.plans]
+        caps = [max(self.graph_min_cells, 1 << max(0, t - 1).bit_length()) for t in tot]
+        key = (T, len(ub.out_rows), tuple((len(p.views), c) for p, c in zip(ub.plans, caps)),
+               self.gemv_lanes, self.gemv_max_tokens, self.attn_target_groups)
+        g = graphs.get(key)
+        if g is False:
+            return forward()
+        self._gcaps = caps
+        try:
+            if g is None:
+                self._graph = self.rt.begin_capture()
+                self._mode = "capture"
+                ok = False
+                try:
+                    out = forward()
+                    ok = self._mode == "done"  # the logits were read: the graph ran
+                except (_NotCapturable, GraphTooLarge):
+                    pass
+                finally:
+                    if self.rt._target is not None:  # not finished: drop it (any error propagates)
+                        self.rt.abort_capture()
+                if ok:
+                    graphs[key] = self._graph
+                    live = [k for k, v in graphs.items() if v]
+                    for k in live[:max(0, len(live) - MAX_GRAPHS)]:  # oldest first: frees its memory
+                        del graphs[k]
+                    return out
+                graphs[key] = False
+            else:
+                self._graph, self._mode = g, "replay"
+                g.tape_pos = 0
+                try:
+                    out = forward()
+                    if g.tape_pos == len(g.tape) and self._mode == "done":
+                        return out
+                except _NotCapturable:
+                    pass
+                graphs[key] = False
+                self.rt.flush()  # staged inputs land in the graph's own buffers
+        finally:
+            self._mode = self._graph = self._gcaps = None
+            self._depth = 0
+        return forward()  # not capturable: eager
+
     def begin_ubatch(self, ub) -> None:
         """Upload the ubatch's token ids, positions and output rows (one write) and
-        forget the previous ubatch's plan metadata and rope tables."""
+        forget the previous ubatch's plan metadata and rope tables. On a graph replay:
+        write every input the graph reads (see ``_refresh_slots``)."""
+        if self._mode == "replay":
+            self._ub = ub
+            self._refresh_slots(ub)
+            return
         host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
-        dev = self.asarray(host)
-        n, m = len(ub.tokens), len(ub.out_rows)
+        dev = self._input(host, ("ub",))
+        n = len(ub.tokens)
         self._ub = ub
         self._ub_dev = {id(ub.tokens): (ub.tokens, dev, 0), id(ub.pos): (ub.pos, dev, n),
                         id(ub.out_rows): (ub.out_rows, dev, 2 * n)}
         self._meta = {}
         self._rope = {}
-        del m
 
     # -- weights --------------------------------------------------------------------------
     def load_weight(self, gguf: GGUFFile, name: str):
@@ -296,8 +459,15 @@ class VulkanBackend:
 
     def upload_weight(self, raw: np.ndarray, ggml_type: int, rows: int, cols: int, name: str = "weight") -> QTensor:
         """``raw``: uint8 ``[rows, row_bytes]`` GGUF blocks of ``ggml_type`` -> ``QTensor``."""
+        kpad = cols
         if cols % 32:
-            raise NotImplementedError(f"Vulkan backend: {name}: {cols} columns is not a multiple of 32")
+            if ggml_type not in (0, 1, 30):  # block types always hold whole 32-element chunks
+                raise NotImplementedError(f"Vulkan backend: {name}: {cols} columns is not a multiple of 32")
+            kpad = -(-cols // 32) * 32
+            item = 4 if ggml_type == 0 else 2
+            a = np.zeros((rows, kpad * item), np.uint8)
+            a[:, :cols * item] = np.asarray(raw).reshape(rows, cols * item)
+            raw = a
         raw = np.ascontiguousarray(raw).reshape(rows, -1)
         row_bytes = raw.shape[1]
         limit = min(self.rt.max_range, self.rt.max_alloc, 1 << 30) - 4096  # one binding, one allocation
@@ -308,7 +478,7 @@ class VulkanBackend:
             a = self.rt.alloc((r1 - r0) * row_bytes + 4)
             self.rt.upload(a, 0, raw[r0:r1])
             parts.append((r0, r1 - r0, a))
-        return QTensor(parts, ggml_type, (rows, cols), row_bytes)
+        return QTensor(parts, ggml_type, (rows, cols), row_bytes, kpad)
 
     def _as_q(self, w) -> QTensor:
         if isinstance(w, QTensor):
@@ -316,12 +486,13 @@ class VulkanBackend:
         if isinstance(w, np.ndarray):
             w = self.asarray(w, np.float32)
         if isinstance(w, VkTensor) and w.ndim == 2 and w.dtype == np.float32:
-            if w.shape[1] % 32 or w.nbytes > self.rt.max_range - 4096 or w.offset:
+            if w.shape[1] % 32 or w.nbytes > self.rt.max_range - 4096 or w.offset:  # re-stored as parts
                 return self.upload_weight(w.get().view(np.uint8), 0, w.shape[0], w.shape[1])
             return QTensor([(0, w.shape[0], w.alloc)], 0, w.shape, w.shape[1] * 4)
         raise TypeError(f"mul_mat: unsupported weight {type(w).__name__}")
 
     # -- matmul / rows --------------------------------------------------------------------
+    @_taped
     def mul_mat(self, x, w):
         """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32 (ggml_mul_mat with w as src0).
 
@@ -337,6 +508,10 @@ class VulkanBackend:
         y = self.empty((n, rows))
         if n == 0:
             return y
+        if w.kpad != cols:  # a padded float weight: x gets the same zero columns
+            xp = self.zeros((n, w.kpad), np.float32)
+            self._copy_rows(x, xp, cols, n, None, None, cols, w.kpad)
+            x, k, cols = xp, w.kpad, w.kpad
         gemv = n <= self.gemv_max_tokens
         shader = ("mul_mat_vec_" if gemv else "mul_mm_") + QTYPE_NAMES[w.ggml_type]
         lim = self.rt.max_range - 2 * self.rt.align
@@ -360,12 +535,14 @@ class VulkanBackend:
                                      writes=(2,))
         return y
 
+    @_taped
     def gated_ffn(self, x, gate, up, act: str):
         """``act(x @ gate.T) * (x @ up.T)`` -> ``[n, n_ff]`` float32; act "gelu_tanh" or "silu"."""
         g = self.mul_mat(x, gate)
         u = self.mul_mat(x, up)
         return self._binary(g, u, _OP_GELU_MUL if act == "gelu_tanh" else _OP_SILU_MUL)
 
+    @_taped
     def get_rows(self, table, ids):
         """Rows ``ids`` of ``table`` (a ``QTensor``, dequantized on the fly, or a float32
         ``VkTensor``) -> ``[n, cols]`` float32."""
@@ -378,16 +555,21 @@ class VulkanBackend:
                 raise IndexError(f"get_rows: id out of range [0, {w.shape[0]})")
         idx, io = self._idx(ids)
         n = len(ids)
-        rows, cols = w.shape
+        rows, cols_out = w.shape
+        cols = w.kpad
         y = self.empty((n, cols))
         if n == 0:
-            return y
+            return self.empty((n, cols_out))
         ib, io2 = self._bind(idx)
         shader = "get_rows_" + QTYPE_NAMES[w.ggml_type]
         for r0, nr, a in w.parts:
             wb = (a, 0, min(a.size, -(-(nr * w.row_bytes) // 4) * 4 + 4))
             push = _u32(cols, w.row_bytes, n, r0, nr, io + io2, 0)
             self.rt.dispatch(shader, [wb, ib, self._bind(y)[0]], push, self.rt.groups_1d(n), writes=(2,))
+        if cols != cols_out:  # drop a padded float table's zero columns
+            out = self.empty((n, cols_out))
+            self._copy_rows(y, out, cols_out, n, None, None, cols, cols_out)
+            return out
         return y
 
     def gather_rows(self, src: VkTensor, rows) -> VkTensor:
@@ -400,6 +582,16 @@ class VulkanBackend:
             self._copy_rows(src, out, row_words, n, (idx, io), None)
         return out
 
+    @_taped
+    def select_mid(self, x: VkTensor, i: int) -> VkTensor:
+        """``x[:, i]`` of ``x [A, B, C]`` -> a new ``[A, C]`` tensor (rows ``a * B + i`` of ``x``
+        viewed as ``[A * B, C]``)."""
+        A, B, C = x.shape
+        if not 0 <= i < B:
+            raise IndexError(f"index {i} out of range for axis 1 of size {B}")
+        rows = self.asarray(np.arange(A, dtype=np.int32) * B + i)
+        return self.gather_rows(x.reshape(A * B, C), rows)
+
     def scatter_rows(self, dst: VkTensor, rows, values: np.ndarray) -> None:
         """Write host ``values`` ``[n, ...]`` into rows ``rows`` of ``dst`` viewed as ``[R, row]``."""
         n = len(rows)
@@ -410,20 +602,23 @@ class VulkanBackend:
         row_words = dst.nbytes // dst.shape[0] // 4
         self._copy_rows(src, dst, row_words, n, None, (idx, io))
 
-    def _copy_rows(self, src, dst, row_words, n, src_idx, dst_idx) -> None:
-        sb, so = self._bind(src)
-        db, do = self._bind(dst)
-        ref = (src_idx or dst_idx)[0]
-        ib, ibo = self._bind(ref)
-        s_off = src_idx[1] + ibo if src_idx else 0
-        d_off = dst_idx[1] + ibo if dst_idx else 0
+    def _copy_rows(self, src, dst, row_words, n, src_idx, dst_idx, src_stride=None, dst_stride=None) -> None:
+        """copy_rows.comp: ``n`` rows of ``row_words`` words, gathered through ``src_idx``
+        and / or scattered through ``dst_idx`` ((int32 tensor, offset) or None: row i)."""
         if src_idx and dst_idx and src_idx[0] is not dst_idx[0]:
             raise ValueError("gather and scatter indices must share one buffer")
-        push = _u32(row_words, n, 1 if src_idx else 0, s_off, 1 if dst_idx else 0, d_off, so, do)
+        sb, so = self._bind(src)
+        db, do = self._bind(dst)
+        ref = src_idx or dst_idx
+        ib, ibo = self._bind(ref[0]) if ref else (sb, 0)  # no index list: any buffer fills the binding
+        push = _u32(row_words, n, 1 if src_idx else 0, src_idx[1] + ibo if src_idx else 0,
+                    1 if dst_idx else 0, dst_idx[1] + ibo if dst_idx else 0, so, do,
+                    src_stride or row_words, dst_stride or row_words)
         self.rt.dispatch("copy_rows", [sb, db, ib], push, self.rt.groups_1d(-(-(n * row_words) // 256)),
                          writes=(1,))
 
     # -- elementwise / norms --------------------------------------------------------------
+    @_taped
     def rms_norm(self, x, w, eps: float):
         """RMSNorm over the last axis, times ``w`` if given (same shape as ``x``)."""
         x = self._f32(x)
@@ -439,6 +634,7 @@ class VulkanBackend:
         self.rt.dispatch("rms_norm", [xb, self._bind(wt)[0], yb], push, self.rt.groups_1d(rows), writes=(2,))
         return y
 
+    @_taped
     def add_rms_norm(self, x, h, w_post, w_next, eps: float):
         """``x + rms_norm(h, w_post)`` and ``rms_norm(that, w_next)`` (see
         ``CPUBackend.add_rms_norm``) from the norm and add shaders. Returns ``(x_out, h_out or None)``."""
@@ -470,36 +666,39 @@ class VulkanBackend:
                          self.rt.groups_1d(-(-n // 256)), writes=(2,))
         return y
 
+    @_taped
     def add(self, a, b):
         """``a + b`` (``b`` same size, or a vector broadcast over ``a``'s rows)."""
         if np.isscalar(b):
             raise TypeError("add: scalar operands are not supported")
         return self._binary(a, b, _OP_ADD)
 
+    @_taped
     def mul(self, a, b):
         """``a * b`` elementwise (``b`` same size or broadcast over rows)."""
         return self._binary(a, b, _OP_MUL)
 
+    @_taped
     def scale(self, x, s: float):
         """``x * s``."""
         return self._unary(x, _U_SCALE, s)
 
+    @_taped
     def gelu_tanh(self, x):
         """GELU, tanh approximation (ggml_gelu)."""
         return self._unary(x, _U_GELU)
 
+    @_taped
     def silu(self, x):
         """x * sigmoid(x)."""
         return self._unary(x, _U_SILU)
 
     # -- rope -----------------------------------------------------------------------------
-    def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors):
-        """Device (cos, sin) table ``[T, n_rot/2, 2]`` float32 for positions ``pos``,
-        computed as ``CPUBackend.rope`` does (float64 angles); cached per ubatch."""
-        key = (id(pos), n_rot, float(base), float(freq_scale), id(freq_factors))
-        hit = self._rope.get(key)
-        if hit is not None and hit[0] is pos and hit[1] is freq_factors:
-            return hit[2]
+    @staticmethod
+    def _rope_host(pos, n_rot: int, base: float, freq_scale: float, freq_factors, yarn=None) -> np.ndarray:
+        """(cos, sin) table ``[T, n_rot/2, 2]`` float32 for positions ``pos``, computed as
+        ``CPUBackend.rope`` does (float64 angles; YaRN's angle mix and magnitude scale
+        included, ggml ``rope_yarn``)."""
         p = pos.get() if isinstance(pos, VkTensor) else np.asarray(pos)
         half = n_rot // 2
         inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
@@ -507,19 +706,39 @@ class VulkanBackend:
             ff = freq_factors.host if isinstance(freq_factors, VkTensor) and freq_factors.host is not None \
                 else np.asarray(freq_factors)
             inv = inv / np.asarray(ff[:half], dtype=np.float64)
-        theta = (p.astype(np.float64).reshape(-1)[:, None] * freq_scale) * inv[None, :]
-        tab = np.stack([np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)], axis=-1)
-        t = self.asarray(tab)
-        self._rope[key] = (pos, freq_factors, t)
+        theta_e = p.astype(np.float64).reshape(-1)[:, None] * inv[None, :]
+        mscale = 1.0
+        if yarn is not None and yarn.ext_factor != 0.0:
+            lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
+            mix = (1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo), 0.0, 1.0)) \
+                * yarn.ext_factor
+            theta = theta_e * freq_scale * (1.0 - mix) + theta_e * mix
+            mscale = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+        else:
+            theta = theta_e * freq_scale
+            if yarn is not None:
+                mscale = yarn.attn_factor
+        return np.stack([(np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)],
+                        axis=-1)
+
+    def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors, yarn=None):
+        """Device (cos, sin) table of ``_rope_host``, uploaded once per ubatch and rope setting."""
+        key = (id(pos), n_rot, float(base), float(freq_scale), id(freq_factors), id(yarn))
+        hit = self._rope.get(key)
+        if hit is not None and hit[0] is pos and hit[1] is freq_factors and hit[2] is yarn:
+            return hit[3]
+        if self._mode == "capture" and (self._ub is None or pos is not self._ub.pos):
+            raise _NotCapturable("rope at positions other than the ubatch's")
+        args = (n_rot, float(base), float(freq_scale), freq_factors, yarn)
+        t = self._input(self._rope_host(pos, *args), ("rope",) + args)
+        self._rope[key] = (pos, freq_factors, yarn, t)
         return t
 
+    @_taped
     def rope(self, x, pos, n_rot: int, base: float, freq_scale: float = 1.0, mode: str = "norm",
              freq_factors=None, norm=None, eps: float = 0.0, yarn=None):
-        """RoPE on ``x [T, H, D]`` (see ``CPUBackend.rope``; ``norm``: per-head RMSNorm
-        first, as two dispatches); returns a new tensor. YaRN raises
-        ``NotImplementedError``."""
-        if yarn is not None:
-            raise NotImplementedError("Vulkan backend: YaRN RoPE is not implemented")
+        """RoPE on ``x [T, H, D]`` as ``CPUBackend.rope`` (freq factors, YaRN; ``norm``:
+        per-head RMSNorm first, the q/k norms); returns a new tensor."""
         if norm is not None:
             x = self.rms_norm(x, norm, eps)
         x = self._f32(x)
@@ -527,7 +746,7 @@ class VulkanBackend:
         if n_rot % 2 or n_rot > D or D % 2:
             raise NotImplementedError(f"rope: n_rot {n_rot} with head size {D}")
         y = self.empty(x.shape)
-        cs = self._rope_table(pos, n_rot, base, freq_scale, freq_factors)
+        cs = self._rope_table(pos, n_rot, base, freq_scale, freq_factors, yarn)
         xb, xo = self._bind(x)
         if xo:
             raise ValueError("rope: unaligned tensor")
@@ -537,12 +756,12 @@ class VulkanBackend:
         return y
 
     # -- KV cache + attention ---------------------------------------------------------------
-    def _plan_meta(self, plan, n_cells: int):
-        """Device index arrays of a cache plan, uploaded once per ubatch: write cells,
-        row -> view, view offsets, flat cell lists and their positions (int32, one buffer)."""
-        hit = self._meta.get(id(plan))
-        if hit is not None and hit[0] is plan:
-            return hit[1]
+    @staticmethod
+    def _meta_host(plan, n_cells: int, cap: int | None = None):
+        """A cache plan's index arrays as one int32 array: write cells (flat
+        ``stream * n_cells + cell``), row -> view, view offsets, the views' flat cell
+        lists and their positions; cell lists padded to ``cap`` entries when given.
+        Returns (array, offsets of the five parts, longest view)."""
         T = len(plan.cell)
         row_view = np.zeros(T, dtype=np.int64)
         off = [0]
@@ -552,14 +771,38 @@ class VulkanBackend:
             cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
             cpos.append(np.asarray(v.cell_pos, dtype=np.int64))
             off.append(off[-1] + len(v.cells))
+        if cap is not None:
+            if off[-1] > cap:
+                raise _NotCapturable("cell lists outgrew the graph's bucket")
+            cells.append(np.zeros(cap - off[-1], np.int64))
+            cpos.append(np.zeros(cap - off[-1], np.int64))
         write = np.asarray(plan.stream, dtype=np.int64) * n_cells + np.asarray(plan.cell, dtype=np.int64)
         parts = [write, row_view, np.asarray(off, dtype=np.int64),
                  np.concatenate(cells) if cells else np.zeros(0, np.int64),
                  np.concatenate(cpos) if cpos else np.zeros(0, np.int64)]
         o = np.cumsum([0] + [len(p) for p in parts]).tolist()
-        buf = self.asarray(np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32))
+        host = np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32)
+        return host, o, max((len(v.cells) for v in plan.views), default=0)
+
+    def _plan_meta(self, plan, n_cells: int):
+        """Device index arrays of a cache plan (``_meta_host``), uploaded once per ubatch.
+        While a graph is recorded: padded to the graph's cell bucket, whose size also
+        stands in for the longest view (attention's split count)."""
+        hit = self._meta.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        if self._mode == "capture":
+            idx = next((i for i, p in enumerate(self._ub.plans) if p is plan), None) if self._ub else None
+            if idx is None:
+                raise _NotCapturable("a cache plan outside the ubatch")
+            cap = self._gcaps[idx]
+            host, o, _ = self._meta_host(plan, n_cells, cap)
+            buf, max_len = self._input(host, ("meta", idx, n_cells, cap)), cap
+        else:
+            host, o, max_len = self._meta_host(plan, n_cells)
+            buf = self.asarray(host)
         m = {"buf": buf, "write": o[0], "row_view": o[1], "view_off": o[2], "cells": o[3], "cell_pos": o[4],
-             "max_len": max((len(v.cells) for v in plan.views), default=0)}
+             "max_len": max_len}
         self._meta[id(plan)] = (plan, m)  # the plan stays referenced, so its id is not reused meanwhile
         return m
 
@@ -572,6 +815,7 @@ class VulkanBackend:
                                       f"storage-buffer range ({self.rt.max_range / 2**20:.0f} MiB): lower -c")
         return kind
 
+    @_taped
     def kv_write(self, cache, il: int, plan, k, v) -> None:
         """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells (f16 or f32 storage)."""
         K, V = cache.k[il], cache.v[il]
@@ -593,6 +837,7 @@ class VulkanBackend:
                          _u32(T, kw, vw, meta["write"] + mo), self.rt.groups_1d(-(-(T * words) // 256)),
                          writes=(2, 3))
 
+    @_taped
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
                         softcap: float = 0.0):
         """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
@@ -622,7 +867,8 @@ class VulkanBackend:
         base = T * n_kv * n_gsub
         n_split = 1
         if base < self.attn_target_groups:
-            n_split = int(max(1, min(meta["max_len"] // 256, -(-self.attn_target_groups // base), 64)))
+            n_split = int(max(1, min(meta["max_len"] // self.attn_split_cells, -(-self.attn_target_groups // base),
+                                     64)))
         kb, vb = self._bind(k_store)[0], self._bind(v_store)[0]
         pc = lambda ml_off: (_u32(H, n_kv, D, G, n_split, n_gsub) + struct.pack("<fif", scale, int(n_swa), softcap)  # noqa: E731
                              + _u32(meta["row_view"] + mo, meta["view_off"] + mo, meta["cells"] + mo,
