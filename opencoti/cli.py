@@ -275,6 +275,11 @@ def _params_from_options(kw: dict) -> Params:
         frequency_penalty=kw["frequency_penalty"],
         seed=seed,
     )
+    from opencoti.engine.sampling import sampling_error
+
+    err = sampling_error(sampling)
+    if err:
+        raise click.UsageError(err.replace("_", "-", 1) if err.startswith(("top_", "min_")) else err)
     params = Params(
         model=kw["model"],
         prompt=kw["prompt"],

@@ -147,6 +147,11 @@ def test_error_body_shape():
     ({"response_format": "json"}, "response_format", "object"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
+    ({"top_p": -1}, "top_p", ">= 0"),
+    ({"typical_p": -0.5}, "typical_p", ">= 0"),
+    ({"min_p": 2}, "min_p", "[0, 1]"),
+    ({"min_p": -3}, "min_p", "[0, 1]"),
+    ({"repeat_penalty": 0}, "repeat_penalty", "> 0"),
 ])
 def test_parse_completion_rejects_wrong_types(body, key, msg):
     with pytest.raises(HTTPError) as ei:
@@ -573,6 +578,39 @@ def test_dropped_stream_cancels_only_its_request(server, port, ref):
 
     status, _, out = call(port, "POST", "/completion", {"prompt": case["prompt"], "temperature": 0, "n_predict": 32})
     assert status == 200 and out["content"] == case["content"]
+
+
+def test_bad_sampling_request_does_not_hurt_a_running_stream(server, port, ref):
+    """A request whose sampler cannot start (values the sampler refuses, passed straight
+    to the engine) fails alone; a greedy request running beside it finishes with the
+    reference text."""
+    from opencoti.engine.api import CompletionRequest, ErrorEvent
+
+    engine = server["engine"]
+    case = ref["by_name"]["count"]
+    other = {}
+    t = threading.Thread(target=lambda: other.update(r=call(port, "POST", "/completion", {
+        "prompt": case["prompt"], "temperature": 0, "n_predict": 32})))
+    t.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(sl.busy for sl in engine.slots):
+        time.sleep(0.01)
+    bad = SamplingParams(min_p=2.0)  # bypasses the HTTP checks on purpose
+    tok = engine.model.tokenizer.tokenize("hi", add_special=True)
+    evs = list(engine.submit(CompletionRequest(tok, n_predict=3, sampling=bad)).events(timeout=120))
+    assert isinstance(evs[-1], ErrorEvent) and evs[-1].status == 400 and "min_p" in evs[-1].message
+    t.join(timeout=300)
+    status, _, out = other["r"]
+    assert status == 200 and out["content"] == case["content"]
+
+
+def test_pool_sampling_defaults_are_range_checked():
+    """``POST /polykv/pools/{id}/sampling`` checks values like a request does (400 at once)."""
+    from opencoti.http.validate import parse_sampling
+
+    with pytest.raises(HTTPError) as ei:
+        parse_sampling({"min_p": 2}, SamplingParams(), 1)
+    assert ei.value.status == 400 and "min_p" in ei.value.message
 
 
 def test_dropped_non_stream_request_is_cancelled(server, port):

@@ -462,7 +462,15 @@ class Engine:
                 still.append(h)
                 continue
             h.reservation = 0
-            self._bind(slot, h)
+            try:
+                self._bind(slot, h)
+            except Exception as e:  # one request's bad settings fail that request only
+                log.exception("request could not start")
+                status = 400 if isinstance(e, ValueError) else 500
+                h.push(ErrorEvent(status, "invalid_request_error" if status == 400 else "server_error",
+                                  f"{type(e).__name__}: {e}"))
+                if slot.handle is h:
+                    slot.state, slot.handle = SlotState.IDLE, None
         self._waiting = still
 
     def _bind(self, slot: Slot, h: RequestHandle) -> None:
@@ -756,6 +764,11 @@ class Engine:
                 s.sampler.accept(token)  # also advances the grammar
             except GrammarError as e:  # -- grammar: a dead end fails this request only --
                 s.handle.push(ErrorEvent(400, "invalid_request_error", f"grammar: {e}"))
+                s.state, s.handle, s.pending = SlotState.IDLE, None, None
+                continue
+            except Exception as e:  # a sampler failure fails this request only, never the others
+                log.exception("sampling failed")
+                s.handle.push(ErrorEvent(500, "server_error", f"sampling failed: {type(e).__name__}: {e}"))
                 s.state, s.handle, s.pending = SlotState.IDLE, None, None
                 continue
             logprob = top = None

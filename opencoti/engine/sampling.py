@@ -51,6 +51,8 @@ from __future__ import annotations
 import collections
 from typing import Iterable, Optional
 
+import math
+
 import numpy as np
 
 from opencoti.engine.api import SamplingParams
@@ -143,6 +145,30 @@ def _softmax64(vals: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def sampling_error(p) -> str | None:
+    """Why sampler settings ``p`` (a ``SamplingParams``) are unusable, or None. The one
+    range check shared by the HTTP layer (400), the CLI (usage error) and ``Sampler``:
+    temperature finite; top_p >= 0 and typical_p >= 0 (1 or more = off); min_p in
+    [0, 1]; repeat_penalty > 0 (1 = off); repeat_last_n >= -1; penalties finite."""
+    def finite(v) -> bool:
+        return isinstance(v, (int, float)) and math.isfinite(v)
+
+    for name in ("temperature", "presence_penalty", "frequency_penalty"):
+        if not finite(getattr(p, name)):
+            return f"{name} must be a finite number, got {getattr(p, name)}"
+    for name in ("top_p", "typical_p"):
+        v = getattr(p, name)
+        if not (finite(v) and v >= 0):
+            return f"{name} must be >= 0, got {v}"
+    if not (finite(p.min_p) and 0 <= p.min_p <= 1):
+        return f"min_p must be in [0, 1], got {p.min_p}"
+    if not (finite(p.repeat_penalty) and p.repeat_penalty > 0):
+        return f"repeat_penalty must be > 0, got {p.repeat_penalty}"
+    if p.repeat_last_n < -1:
+        return f"repeat_last_n must be >= -1, got {p.repeat_last_n}"
+    return None
+
+
 class Sampler:
     """One sequence's sampler chain (llama.cpp's ``common_sampler`` with the default order).
 
@@ -167,14 +193,9 @@ class Sampler:
         self.params = params
         self.n_vocab = int(n_vocab)
         p = params
-        if p.repeat_last_n < -1:
-            raise ValueError(f"repeat_last_n must be >= -1, got {p.repeat_last_n}")
-        if p.repeat_penalty < 0:
-            raise ValueError(f"repeat_penalty must be >= 0, got {p.repeat_penalty}")
-        for name in ("top_p", "min_p", "typical_p"):
-            v = getattr(p, name)
-            if not (v >= 0):  # also rejects NaN
-                raise ValueError(f"{name} must be >= 0, got {v}")
+        err = sampling_error(p)
+        if err:
+            raise ValueError(err)
         seed = int(p.seed)
         if seed < 0 or seed == LLAMA_DEFAULT_SEED:
             seed = int(np.random.SeedSequence().entropy % LLAMA_DEFAULT_SEED)

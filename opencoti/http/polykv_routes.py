@@ -177,6 +177,11 @@ def _store(state, req, attr: str, allowed: dict):
             raise invalid_request(f'"{k}" has the wrong type')
         if attr == "admission" and isinstance(v, (int, float)) and v < 0:
             raise invalid_request(f'"{k}" must be >= 0')
+    if attr == "sampling":  # the same range checks a request's own fields get (400 here, not later)
+        from opencoti.engine.api import SamplingParams
+        from opencoti.http.validate import parse_sampling
+
+        parse_sampling(body, SamplingParams(), 1)
     if attr == "admission":
         if body.get("mode", "advisory") not in ("advisory", "enforced"):
             raise invalid_request('"mode" must be "advisory" or "enforced"')

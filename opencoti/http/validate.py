@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from opencoti.engine.api import CompletionRequest, SamplingParams
+from opencoti.engine.sampling import sampling_error
 from opencoti.http.errors import invalid_request
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
@@ -260,6 +261,9 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int) -> Sam
     sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0, max=1024)
     sp.logit_bias = parse_logit_bias(body.get("logit_bias"))
     check_unsupported_samplers(body)
+    err = sampling_error(sp)
+    if err:
+        raise invalid_request(err)
     return sp
 
 
