@@ -199,6 +199,11 @@ def run_cli(params: Params) -> int:
     _log(params, f"loading {path}")
     model = load_model(path, params)
     engine = Engine(model, params)
+    if params.verbose:
+        from opencoti.engine.kv_report import kv_layout_lines
+
+        for line in kv_layout_lines(engine):
+            _log(params, line)
     engine.start()
     try:
         if params.prompt is not None:

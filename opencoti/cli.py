@@ -8,16 +8,22 @@ environment variables follow llama.cpp's ``common/arg.cpp``:
   use exactly that name: ``LLAMA_ARG_MODEL``, ``LLAMA_ARG_CTX_SIZE``,
   ``LLAMA_ARG_N_PREDICT``, ``LLAMA_ARG_BATCH``, ``LLAMA_ARG_UBATCH``,
   ``LLAMA_ARG_THREADS``, ``LLAMA_ARG_TOP_K``, ``LLAMA_ARG_N_PARALLEL``,
-  ``LLAMA_ARG_KV_UNIFIED``, ``LLAMA_ARG_CONTEXT_SHIFT``, ``LLAMA_ARG_CACHE_IDLE_SLOTS``,
+  ``LLAMA_ARG_KV_UNIFIED``, ``LLAMA_ARG_CACHE_TYPE_K``, ``LLAMA_ARG_CACHE_TYPE_V``,
+  ``LLAMA_ARG_CONTEXT_SHIFT``, ``LLAMA_ARG_CACHE_IDLE_SLOTS``,
   ``LLAMA_ARG_HOST``, ``LLAMA_ARG_PORT``, ``LLAMA_ARG_TIMEOUT``, ``LLAMA_ARG_ENDPOINT_SLOTS``,
   ``LLAMA_ARG_ENDPOINT_METRICS``, ``LLAMA_ARG_N_GPU_LAYERS``, ``LLAMA_ARG_FLASH_ATTN``,
   ``LLAMA_ARG_MAIN_GPU``, ``LLAMA_API_KEY``, ``LLAMA_ARG_ALIAS``,
   ``LLAMA_ARG_CHAT_TEMPLATE``, ``LLAMA_ARG_CHAT_TEMPLATE_FILE``;
 - flags llama.cpp gives no variable (``-p``, ``-s``, ``--temp``, ``--top-p``,
   ``--min-p``, ``--typical``, the penalties, ``-sys``, ``-v``) and llamafile's
-  own flags (``--server``, ``--gpu``, ``--admission-poolless``) get ``LLAMA_ARG_<FLAG>``: the long flag
+  own flags (``--server``, ``--gpu``, ``--admission-poolless``, ``-ctkt``, ``-ctvt``) get
+  ``LLAMA_ARG_<FLAG>``: the long flag
   name upper-cased with ``-`` -> ``_`` (``--repeat-penalty`` ->
   ``LLAMA_ARG_REPEAT_PENALTY``). See ``ENV_NAMES``.
+
+opencoti's own knobs without a flag are plain variables, read here into ``Params``:
+``OPENCOTI_KV_AUTO_TIER`` (boolean) and ``OPENCOTI_KV_BUDGET_MIB`` (a positive number), see
+``opencoti/engine/kv_auto_tier.py``.
 
 A flag on the command line beats its variable. Multi-letter single-dash flags
 (``-ub``, ``-np``, ``-ngl``, ``-fa``, ``-sys``, ``-kvu``) are click "long"
@@ -67,6 +73,10 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "frequency_penalty": ("LLAMA_ARG_FREQUENCY_PENALTY",),
     "parallel": ("LLAMA_ARG_N_PARALLEL",),
     "kv_unified": ("LLAMA_ARG_KV_UNIFIED",),
+    "cache_type_k": ("LLAMA_ARG_CACHE_TYPE_K",),
+    "cache_type_v": ("LLAMA_ARG_CACHE_TYPE_V",),
+    "cache_type_k_tail": ("LLAMA_ARG_CACHE_TYPE_K_TAIL",),
+    "cache_type_v_tail": ("LLAMA_ARG_CACHE_TYPE_V_TAIL",),
     "context_shift": ("LLAMA_ARG_CONTEXT_SHIFT",),
     "cache_idle_slots": ("LLAMA_ARG_CACHE_IDLE_SLOTS",),
     "admission_poolless": ("LLAMA_ARG_ADMISSION_POOLLESS",),
@@ -99,6 +109,21 @@ ADMISSION_CHOICES = ("off", "warn", "enforced")
 _TRUTHY = ("on", "enabled", "true", "1")
 _FALSEY = ("off", "disabled", "false", "0")
 _AUTOY = ("auto", "-1")
+
+
+class _KVType(click.ParamType):
+    """``-ctk``/``-ctv``/``-ctkt``/``-ctvt`` value: a KV tier name (case-insensitive). The
+    names come from a NumPy-free tuple, so parsing loads no NumPy (see ``set_cpu_threads``)."""
+
+    name = "TYPE"
+
+    def convert(self, value: Any, param, ctx) -> str:
+        from opencoti.engine.kv_tiers import TIER_NAMES
+
+        v = str(value).strip().lower()
+        if v not in TIER_NAMES:
+            self.fail(f"{value!r} is not a KV cache type (allowed: {', '.join(TIER_NAMES)})", param, ctx)
+        return v
 
 
 class _FlashAttn(click.ParamType):
@@ -192,6 +217,16 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               help="Server slots (-1: auto = 4 with a unified KV cache).")
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
               help="One KV cache shared by all slots.")
+@click.option("-ctk", "--cache-type-k", type=_KVType(), default=None, envvar=_env("cache_type_k"),
+              help="KV cache type of K: f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8, turbo4, turbo3, "
+                   "turbo2, turbo3_tcq, turbo2_tcq (default: f16; with OPENCOTI_KV_AUTO_TIER=1 K is held "
+                   "at this type while V is chosen).")
+@click.option("-ctv", "--cache-type-v", type=_KVType(), default=None, envvar=_env("cache_type_v"),
+              help="KV cache type of V, same values (default: f16; giving it turns auto-tier off).")
+@click.option("-ctkt", "--cache-type-k-tail", type=_KVType(), default=None, envvar=_env("cache_type_k_tail"),
+              help="KV cache type of K cells in a spilled tail (default: as -ctk).")
+@click.option("-ctvt", "--cache-type-v-tail", type=_KVType(), default=None, envvar=_env("cache_type_v_tail"),
+              help="KV cache type of V cells in a spilled tail (default: as -ctv).")
 @click.option("--context-shift/--no-context-shift", default=False, show_default=True,
               envvar=_env("context_shift"),
               help="When the context is full, drop old tokens and go on instead of stopping.")
@@ -260,6 +295,7 @@ def _params_from_options(kw: dict) -> Params:
     n_parallel, kv_unified = kw["parallel"], kw["kv_unified"]
     if n_parallel == -1:  # llama.cpp server: auto -> 4 slots sharing one unified KV cache
         n_parallel, kv_unified = 4, True
+    kv_auto_tier, kv_budget_mib = _kv_env()
     seed = kw["seed"]
     if seed == 0xFFFFFFFF:  # LLAMA_DEFAULT_SEED
         seed = -1
@@ -290,6 +326,12 @@ def _params_from_options(kw: dict) -> Params:
         n_threads=kw["threads"] if kw["threads"] > 0 else -1,
         n_parallel=n_parallel,
         kv_unified=kv_unified,
+        cache_type_k=kw["cache_type_k"],
+        cache_type_v=kw["cache_type_v"],
+        cache_type_k_tail=kw["cache_type_k_tail"],
+        cache_type_v_tail=kw["cache_type_v_tail"],
+        kv_auto_tier=kv_auto_tier,
+        kv_budget_mib=kv_budget_mib,
         ctx_shift=kw["context_shift"],
         cache_idle_slots=kw["cache_idle_slots"],
         admission_poolless=kw["admission_poolless"].lower(),
@@ -316,6 +358,28 @@ def _params_from_options(kw: dict) -> Params:
     # Not a Params field (CLI-only presentation setting); chat_cli reads it with getattr.
     params.display_prompt = kw["display_prompt"]
     return params
+
+
+def _kv_env() -> tuple[bool, Optional[float]]:
+    """``OPENCOTI_KV_AUTO_TIER`` (boolean) and ``OPENCOTI_KV_BUDGET_MIB`` (positive MiB).
+    Raises ``click.UsageError`` naming the variable for a bad value."""
+    auto = os.environ.get("OPENCOTI_KV_AUTO_TIER", "").strip().lower()
+    if auto in ("",) + _FALSEY + ("no",):
+        on = False
+    elif auto in _TRUTHY + ("yes",):
+        on = True
+    else:
+        raise click.UsageError(f"OPENCOTI_KV_AUTO_TIER={auto!r} is not a boolean (1/true/yes/on or 0/false/no/off)")
+    raw = os.environ.get("OPENCOTI_KV_BUDGET_MIB", "").strip()
+    budget = None
+    if raw:
+        try:
+            budget = float(raw)
+        except ValueError:
+            budget = -1.0
+        if not budget > 0 or budget != budget or budget == float("inf"):
+            raise click.UsageError(f"OPENCOTI_KV_BUDGET_MIB={raw!r} is not a positive number of MiB")
+    return on, budget
 
 
 def build_params(argv: Optional[Sequence[str]] = None) -> Params:

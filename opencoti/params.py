@@ -28,6 +28,13 @@ class Params:
     n_threads: int = -1  # -t
     n_parallel: int = 1  # -np
     kv_unified: bool = False  # --kv-unified
+    # KV tiers (opencoti.engine.kv_tiers). None = not given: f16, unless auto-tier picks
+    cache_type_k: Optional[str] = None  # -ctk / --cache-type-k
+    cache_type_v: Optional[str] = None  # -ctv / --cache-type-v
+    cache_type_k_tail: Optional[str] = None  # -ctkt: tier of a spilled tail (None = as K)
+    cache_type_v_tail: Optional[str] = None  # -ctvt (None = as V)
+    kv_auto_tier: bool = False  # OPENCOTI_KV_AUTO_TIER=1 (engine/kv_auto_tier.py)
+    kv_budget_mib: Optional[float] = None  # OPENCOTI_KV_BUDGET_MIB: auto-tier's budget for the whole KV
     admission_poolless: str = "enforced"  # --admission-poolless {off,warn,enforced}
     cache_idle_slots: bool = True  # --no-cache-idle-slots sets False
     polykv_max_pools: int = 0  # --polykv-max-pools M: pool seq_ids above the slots (0 = PolyKV off)

@@ -9,6 +9,8 @@
   assembled once into the runtime cache dir by
   ``opencoti.model.default_model.default_model_path`` (a few seconds the first
   time on a machine, a ``stat`` afterwards). Session-scoped.
+- ``synth128_path``: a dense random-weight llama-style model with head_dim 128
+  (``opencoti.tools.kv_tier_quality.SYNTH128``), written once per session.
 """
 
 from __future__ import annotations
@@ -45,3 +47,12 @@ def model_path() -> str:
     from opencoti.model.default_model import default_model_path
 
     return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def synth128_path(tmp_path_factory) -> str:
+    """A dense llama-style random-weight model with head_dim 128 (``kv_tier_quality.SYNTH128``),
+    written once per session as F16 GGUF."""
+    from opencoti.tools.kv_tier_quality import write_synth128
+
+    return write_synth128(tmp_path_factory.mktemp("synth128") / "synth128.gguf")

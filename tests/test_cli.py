@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_cli(args, *, env=None, input_text=None, timeout=120):
     """Run ``python -m opencoti ARGS`` from the checkout; returns CompletedProcess (text)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "LLAMA_API_KEY"))}
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("LLAMA_ARG_", "LLAMA_API_KEY", "OPENCOTI_KV_"))}
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "opencoti", *args], cwd=REPO, env=full_env,
@@ -30,9 +31,9 @@ def run_cli(args, *, env=None, input_text=None, timeout=120):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """No LLAMA_ARG_* / LLAMA_API_KEY from the outer environment leaks into build_params."""
+    """No LLAMA_ARG_* / LLAMA_API_KEY / OPENCOTI_KV_* from the outer environment leaks into build_params."""
     for k in list(os.environ):
-        if k.startswith("LLAMA_ARG_") or k == "LLAMA_API_KEY":
+        if k.startswith(("LLAMA_ARG_", "OPENCOTI_KV_")) or k == "LLAMA_API_KEY":
             monkeypatch.delenv(k)
     return monkeypatch
 
@@ -165,6 +166,10 @@ ENV_CASES = [
     ("LLAMA_ARG_FREQUENCY_PENALTY", "0.5", "sampling.frequency_penalty", 0.5),
     ("LLAMA_ARG_N_PARALLEL", "2", "n_parallel", 2),
     ("LLAMA_ARG_KV_UNIFIED", "1", "kv_unified", True),
+    ("LLAMA_ARG_CACHE_TYPE_K", "q8_0", "cache_type_k", "q8_0"),
+    ("LLAMA_ARG_CACHE_TYPE_V", "Q4_0", "cache_type_v", "q4_0"),
+    ("LLAMA_ARG_CACHE_TYPE_K_TAIL", "turbo3", "cache_type_k_tail", "turbo3"),
+    ("LLAMA_ARG_CACHE_TYPE_V_TAIL", "turbo2_tcq", "cache_type_v_tail", "turbo2_tcq"),
     ("LLAMA_ARG_CONTEXT_SHIFT", "1", "ctx_shift", True),
     ("LLAMA_ARG_CACHE_IDLE_SLOTS", "0", "cache_idle_slots", False),
     ("LLAMA_ARG_ADMISSION_POOLLESS", "warn", "admission_poolless", "warn"),
@@ -222,6 +227,7 @@ def test_every_flag_has_an_env_twin_and_the_cases_cover_them():
                        ("batch_size", "LLAMA_ARG_BATCH"), ("ubatch_size", "LLAMA_ARG_UBATCH"),
                        ("threads", "LLAMA_ARG_THREADS"), ("n_predict", "LLAMA_ARG_N_PREDICT"),
                        ("parallel", "LLAMA_ARG_N_PARALLEL"), ("kv_unified", "LLAMA_ARG_KV_UNIFIED"),
+                       ("cache_type_k", "LLAMA_ARG_CACHE_TYPE_K"), ("cache_type_v", "LLAMA_ARG_CACHE_TYPE_V"),
                        ("gpu_layers", "LLAMA_ARG_N_GPU_LAYERS"), ("flash_attn", "LLAMA_ARG_FLASH_ATTN"),
                        ("main_gpu", "LLAMA_ARG_MAIN_GPU"), ("api_key", "LLAMA_API_KEY"),
                        ("top_k", "LLAMA_ARG_TOP_K"), ("alias", "LLAMA_ARG_ALIAS"),
@@ -231,6 +237,43 @@ def test_every_flag_has_an_env_twin_and_the_cases_cover_them():
                        ("chat_template", "LLAMA_ARG_CHAT_TEMPLATE"),
                        ("chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE")]:
         assert ENV_NAMES[flag][0] == name
+
+
+def test_kv_cache_type_flags(clean_env):
+    p = build_params([])
+    assert (p.cache_type_k, p.cache_type_v, p.cache_type_k_tail, p.cache_type_v_tail) == (None,) * 4
+    assert (p.kv_auto_tier, p.kv_budget_mib) == (False, None)
+    p = build_params(["-ctk", "q8_0", "-ctv", "turbo3", "-ctkt", "q4_0", "-ctvt", "turbo2"])
+    assert (p.cache_type_k, p.cache_type_v, p.cache_type_k_tail, p.cache_type_v_tail) == (
+        "q8_0", "turbo3", "q4_0", "turbo2")
+    p = build_params(["--cache-type-k", "F16", "--cache-type-v", "turbo3_tcq", "--cache-type-k-tail", "q5_1",
+                      "--cache-type-v-tail", "q6_0", "-c", "64"])  # -c still parses next to -ctk
+    assert (p.cache_type_k, p.cache_type_v, p.cache_type_k_tail, p.cache_type_v_tail, p.n_ctx) == (
+        "f16", "turbo3_tcq", "q5_1", "q6_0", 64)
+    with pytest.raises(click.UsageError, match="allowed: f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8"):
+        build_params(["-ctk", "q3_k"])
+
+
+def test_kv_auto_tier_environment(clean_env):
+    clean_env.setenv("OPENCOTI_KV_AUTO_TIER", "1")
+    clean_env.setenv("OPENCOTI_KV_BUDGET_MIB", "12.5")
+    p = build_params([])
+    assert (p.kv_auto_tier, p.kv_budget_mib) == (True, 12.5)
+    clean_env.setenv("OPENCOTI_KV_AUTO_TIER", "off")
+    assert build_params([]).kv_auto_tier is False
+    for var, bad in [("OPENCOTI_KV_AUTO_TIER", "maybe"), ("OPENCOTI_KV_BUDGET_MIB", "-3"),
+                     ("OPENCOTI_KV_BUDGET_MIB", "lots")]:
+        clean_env.setenv("OPENCOTI_KV_AUTO_TIER", "1")
+        clean_env.setenv("OPENCOTI_KV_BUDGET_MIB", "10")
+        clean_env.setenv(var, bad)
+        with pytest.raises(click.UsageError, match=var):
+            build_params([])
+
+
+def test_bad_kv_cache_type_is_one_line_exit_2():
+    r = run_cli(["-ctv", "q9_0", "-p", "x"])
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "q9_0" in r.stderr and "turbo3_tcq" in r.stderr
 
 
 def test_command_line_beats_env(clean_env):

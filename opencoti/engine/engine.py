@@ -19,6 +19,7 @@ recently used idle slot.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, Requ
 from opencoti.engine.backend import select_backend
 from opencoti.engine.batch import UBatch
 from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
+from opencoti.engine.kv_auto_tier import decide_kv_types
 from opencoti.engine.kv_cache import KVCacheFullError
 from opencoti.engine.polykv import Pool, PoolError, PoolRegistry
 from opencoti.engine.runner import ModelRunner
@@ -126,7 +128,17 @@ class Engine:
         self.runner = ModelRunner(
             model, backend, n_ctx=n_ctx, n_seq_max=self.n_slots + self.max_pools,
             kv_unified=params.kv_unified or self.n_slots == 1, n_ubatch=self.n_ubatch,
+            type_k_tail=getattr(params, "cache_type_k_tail", None),
+            type_v_tail=getattr(params, "cache_type_v_tail", None),
+            kv_policy=functools.partial(decide_kv_types, type_k=getattr(params, "cache_type_k", None),
+                                        type_v=getattr(params, "cache_type_v", None),
+                                        auto=bool(getattr(params, "kv_auto_tier", False)),
+                                        budget_mib=getattr(params, "kv_budget_mib", None)),
         )
+        self.kv_decision = self.runner.kv_decision
+        if self.kv_decision.enabled:
+            (log.info if self.kv_decision.applied and self.kv_decision.fits else log.warning)(
+                "%s", self.kv_decision.reason)
         self.n_ctx = n_ctx
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(self.n_slots)]

@@ -31,8 +31,12 @@ Modelled on llama.cpp's cell cache (``src/llama-kv-cells.h``,
 The cache owns all bookkeeping; backends only read the index arrays that
 ``prepare`` hands them (paged attention at cell granularity).
 
-Storage per layer: ``k[il]`` ``[n_stream, n_cells, n_head_kv, d_k]`` and
-``v[il]`` ``[n_stream, n_cells, n_head_kv, d_v]`` of the KV tier's dtype.
+Storage per layer: ``k[il]`` ``[n_stream, n_cells, n_head_kv, row_k]`` and
+``v[il]`` ``[n_stream, n_cells, n_head_kv, row_v]`` in the cache half's tier
+(``opencoti.engine.kv_tiers``): for f32 / f16 a float array with ``row = d``, for
+every other tier uint8 with ``row = tier.bytes_per_row(d)``. A cell is quantized
+once, when it is written (``write``); ``seq_cp`` across streams copies its bytes;
+``read_k`` / ``read_v`` dequantize gathered cells to float32.
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from opencoti.engine.kv_tiers import convert, get_tier
 from opencoti.engine.recurrent_state import RecurrentState
 
-KV_TYPES = {"f32": np.float32, "f16": np.float16}
 N_PAD = 256  # llama.cpp pads cache sizes to 256 cells
 
 
@@ -105,11 +109,14 @@ class KVCache:
         n_stream: 1 (unified) or ``n_seq_max`` (one stream per sequence).
         n_seq_max: number of seq_ids (slots + pools).
         n_head_kv, d_k, d_v: per-layer K/V shape.
-        type_k, type_v: storage tier name ("f16", "f32").
+        type_k, type_v: storage tier of each half (a name from ``kv_tiers.TIER_NAMES``
+            or a ``KVTier``).
+        type_k_tail, type_v_tail: tier of a spilled tail (None = the same as the
+            main tier); no tail storage is allocated here, ``to_tail`` converts cells.
         n_swa: sliding window (0 = global layers; > 0 enables pruning).
         zeros: allocator ``zeros(shape, dtype)`` for K/V storage (the backend's:
             NumPy on the CPU, device memory on a GPU); the bookkeeping stays NumPy.
-    Raises ``ValueError`` for an unknown tier.
+    Raises ``ValueError`` for an unknown tier or a head size the tier cannot store.
     """
 
     def __init__(
@@ -121,27 +128,43 @@ class KVCache:
         n_head_kv: int,
         d_k: int,
         d_v: int,
-        type_k: str = "f16",
-        type_v: str = "f16",
+        type_k="f16",
+        type_v="f16",
         n_swa: int = 0,
         zeros=np.zeros,
+        type_k_tail=None,
+        type_v_tail=None,
     ):
-        for t in (type_k, type_v):
-            if t not in KV_TYPES:
-                raise ValueError(f"unsupported KV cache type {t!r} (supported: {', '.join(KV_TYPES)})")
+        self.tier_k, self.tier_v = get_tier(type_k), get_tier(type_v)
+        self.tier_k_tail = self.tier_k if type_k_tail is None else get_tier(type_k_tail)
+        self.tier_v_tail = self.tier_v if type_v_tail is None else get_tier(type_v_tail)
+        for t in (self.tier_k, self.tier_k_tail):
+            t.check_dim(d_k)
+        for t in (self.tier_v, self.tier_v_tail):
+            t.check_dim(d_v)
         self.layers = list(layers)
         self.n_cells = n_cells
         self.n_stream = n_stream
         self.n_seq_max = n_seq_max
         self.n_swa = n_swa
-        self.type_k, self.type_v = type_k, type_v
+        self.n_head_kv, self.d_k, self.d_v = n_head_kv, d_k, d_v
         self.pos = np.full((n_stream, n_cells), -1, dtype=np.int32)
         self.seq = np.zeros((n_stream, n_seq_max, n_cells), dtype=bool)  # [stream, seq_id, cell]
         # member cells per seq_id (None = recompute from ``seq``): a decode step then
         # costs O(cells of the ubatch's sequences), not O(n_seq * n_cells)
         self._cells: list[np.ndarray | None] = [None] * n_seq_max
-        self.k = {il: zeros((n_stream, n_cells, n_head_kv, d_k), KV_TYPES[type_k]) for il in layers}
-        self.v = {il: zeros((n_stream, n_cells, n_head_kv, d_v), KV_TYPES[type_v]) for il in layers}
+        shape_k = (n_stream, n_cells, n_head_kv, self.tier_k.row_len(d_k))
+        shape_v = (n_stream, n_cells, n_head_kv, self.tier_v.row_len(d_v))
+        self.k = {il: zeros(shape_k, self.tier_k.dtype) for il in layers}
+        self.v = {il: zeros(shape_v, self.tier_v.dtype) for il in layers}
+
+    @property
+    def type_k(self) -> str:
+        return self.tier_k.name
+
+    @property
+    def type_v(self) -> str:
+        return self.tier_v.name
 
     # -- geometry ---------------------------------------------------------------------
     def stream_of(self, seq_id: int) -> int:
@@ -149,8 +172,22 @@ class KVCache:
             raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
         return 0 if self.n_stream == 1 else seq_id
 
+    def nbytes_k(self) -> int:
+        """Bytes of K storage (all layers and streams)."""
+        return sum(int(a.nbytes) for a in self.k.values())
+
+    def nbytes_v(self) -> int:
+        """Bytes of V storage (all layers and streams)."""
+        return sum(int(a.nbytes) for a in self.v.values())
+
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values())
+        return self.nbytes_k() + self.nbytes_v()
+
+    @property
+    def n_cells_resident(self) -> int:
+        """Cells per stream whose K/V live in this cache's storage (all of them: nothing
+        spills until rolling-KV residency exists)."""
+        return self.n_cells
 
     def n_used(self, stream: int | None = None) -> int:
         """Number of non-empty cells (in one stream or all)."""
@@ -374,11 +411,33 @@ class KVCache:
             groups.append(SharedGroup(members, st, shared, self.pos[st, shared]))
         return groups
 
+    # -- K/V data -----------------------------------------------------------------------
     def write(self, il: int, plan: CachePlan, k: np.ndarray, v: np.ndarray) -> None:
-        """Store a layer's new K ``[n_tokens, n_head_kv, d_k]`` and V into the planned cells
-        (converted to the tier's dtype once, here)."""
-        self.k[il][plan.stream, plan.cell] = k
-        self.v[il][plan.stream, plan.cell] = v
+        """Store a layer's new K ``[n_tokens, n_head_kv, d_k]`` and V (float) into the planned
+        cells, quantized to the tiers once, here."""
+        self.k[il][plan.stream, plan.cell] = self.tier_k.quantize(k)
+        self.v[il][plan.stream, plan.cell] = self.tier_v.quantize(v)
+
+    def read_k(self, il: int, stream: int, cells: np.ndarray) -> np.ndarray:
+        """K of ``cells`` in ``stream`` of layer ``il``, dequantized: float32 ``[C, n_head_kv, d_k]``."""
+        return self.tier_k.dequantize(self.k[il][stream, cells])
+
+    def read_v(self, il: int, stream: int, cells: np.ndarray) -> np.ndarray:
+        """V of ``cells`` in ``stream`` of layer ``il``, dequantized: float32 ``[C, n_head_kv, d_v]``."""
+        return self.tier_v.dequantize(self.v[il][stream, cells])
+
+    def store_k(self, il: int, stream: int, cells: np.ndarray, k: np.ndarray) -> None:
+        """Overwrite the K of existing cells with float ``k [C, n_head_kv, d_k]`` (requantized):
+        the K re-rotation of ``seq_add`` goes dequantize -> rotate -> quantize, so a shifted
+        cell of a quantized tier is rounded once more per shift."""
+        self.k[il][stream, cells] = self.tier_k.quantize(k)
+
+    def to_tail(self, il: int, stream: int, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V rows of ``cells`` converted from the main tiers to the tail tiers
+        (``kv_tiers.convert``): ``([C, n_head_kv, row_k_tail], [C, n_head_kv, row_v_tail])``
+        as the tail storage would hold them. The cells themselves are not changed."""
+        return (convert(self.k[il][stream, cells], self.tier_k, self.tier_k_tail),
+                convert(self.v[il][stream, cells], self.tier_v, self.tier_v_tail))
 
 
 def _kv_shape(hp, layers: list[int]) -> dict:
@@ -400,7 +459,8 @@ class KVCacheSet:
     cells (``n_seq`` = n_seq_max when unified, else 1 per stream), padded to
     256 and at most the global size (llama.cpp ``llama_kv_cache_iswa``).
 
-    Sequence operations apply to every cache.
+    Sequence operations apply to every cache. ``type_k`` / ``type_v`` (and the tail
+    types) are the same for every cache of the set.
     """
 
     def __init__(
@@ -410,46 +470,69 @@ class KVCacheSet:
         n_seq_max: int,
         unified: bool,
         n_ubatch: int,
-        type_k: str = "f16",
-        type_v: str = "f16",
+        type_k="f16",
+        type_v="f16",
         zeros=np.zeros,
+        type_k_tail=None,
+        type_v_tail=None,
     ):
-        n_stream = 1 if unified else n_seq_max
-        n_cells = n_ctx if unified else max(1, n_ctx // n_seq_max)
         self.unified = unified
         self.n_seq_max = n_seq_max
         self.n_ctx = n_ctx
-        self.n_ctx_seq = n_cells  # hard per-sequence limit
-        common = dict(n_stream=n_stream, n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, zeros=zeros)
-        # layers that store K/V; a layer that reuses another's KV (hp.kv_src) gets no storage
-        own = [il for il in range(hp.n_layer) if hp.kv_src(il) == il]
-        self.caches: list[KVCache] = []
+        geo = self.geometry(hp, n_ctx, n_seq_max, unified, n_ubatch)
+        self.n_ctx_seq = geo[0]["n_cells"]  # hard per-sequence limit
+        common = dict(n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, type_k_tail=type_k_tail,
+                      type_v_tail=type_v_tail, zeros=zeros)
+        self.caches: list[KVCache] = [KVCache(**g, **common) for g in geo]
         self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]
+        for c in self.caches:
+            for il in c.layers:
+                self.layer_cache[il] = c
+        for il in range(hp.n_layer):
+            if self.layer_cache[il] is None and hp.kv_src(il) != il:  # KV-sharing layer: its source's cache
+                self.layer_cache[il] = self.layer_cache[hp.kv_src(il)]
         # -- issue 7b: recurrent (gated delta-net) layers have no KV cells --
         rec = list(getattr(hp, "recurrent_layers", None) or [False] * hp.n_layer)
-        own = [il for il in own if not rec[il]]  # attention layers that store K/V
-        if not own:
-            raise ValueError(f"{hp.arch}: a model without attention layers is not supported")
         self.recurrent: RecurrentState | None = None
         if any(rec):
             self.recurrent = RecurrentState(
                 [il for il in range(hp.n_layer) if rec[il]], n_seq_max,
                 (hp.ssm_d_conv - 1, hp.ssm_conv_channels), (hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim),
                 zeros=zeros)
+
+    @staticmethod
+    def geometry(hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int) -> list[dict]:
+        """The caches a model gets, without allocating: one dict per cache with ``layers``,
+        ``n_cells`` (per stream), ``n_stream``, ``n_swa`` and the K/V head shape
+        (``n_head_kv``, ``d_k``, ``d_v``; see the class doc). Layers that reuse another
+        layer's KV (Gemma-4 E-series) and recurrent layers (hybrid models) get no cells.
+        Raises ``ValueError`` for a model without attention layers."""
+        n_stream = 1 if unified else n_seq_max
+        n_cells = n_ctx if unified else max(1, n_ctx // n_seq_max)
+        rec = list(getattr(hp, "recurrent_layers", None) or [False] * hp.n_layer)
+        own = [il for il in range(hp.n_layer) if hp.kv_src(il) == il and not rec[il]]
+        if not own:
+            raise ValueError(f"{hp.arch}: a model without attention layers is not supported")
         if hp.is_iswa:
             glob = [il for il in own if not hp.swa_layers[il]]
             swa = [il for il in own if hp.swa_layers[il]]
             n_swa_cells = min(n_cells, pad_to(hp.n_swa * (n_seq_max if unified else 1) + n_ubatch, N_PAD))
-            self.caches = [KVCache(glob, n_cells, **_kv_shape(hp, glob), **common),
-                           KVCache(swa, n_swa_cells, n_swa=hp.n_swa, **_kv_shape(hp, swa), **common)]
-        else:
-            self.caches = [KVCache(own, n_cells, n_swa=hp.n_swa, **_kv_shape(hp, own), **common)]
-        for c in self.caches:
-            for il in c.layers:
-                self.layer_cache[il] = c
-        for il in range(hp.n_layer):
-            if self.layer_cache[il] is None:  # KV-sharing layer: the cache of the layer it reads
-                self.layer_cache[il] = self.layer_cache[hp.kv_src(il)]
+            return [dict(layers=glob, n_cells=n_cells, n_stream=n_stream, n_swa=0, **_kv_shape(hp, glob)),
+                    dict(layers=swa, n_cells=n_swa_cells, n_stream=n_stream, n_swa=hp.n_swa, **_kv_shape(hp, swa))]
+        return [dict(layers=own, n_cells=n_cells, n_stream=n_stream, n_swa=hp.n_swa, **_kv_shape(hp, own))]
+
+    @classmethod
+    def estimate_bytes(cls, hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int,
+                       type_k, type_v) -> tuple[int, int]:
+        """(K bytes, V bytes) that a set with these arguments would allocate (auto-tier's
+        size model; equal to ``nbytes_k`` / ``nbytes_v`` of the built set)."""
+        tk, tv = get_tier(type_k), get_tier(type_v)
+        k = v = 0
+        for g in cls.geometry(hp, n_ctx, n_seq_max, unified, n_ubatch):
+            cells = len(g["layers"]) * g["n_cells"] * g["n_stream"]
+            k += cells * g["n_head_kv"] * tk.bytes_per_row(g["d_k"])
+            v += cells * g["n_head_kv"] * tv.bytes_per_row(g["d_v"])
+        return k, v
 
     @property
     def base(self) -> KVCache:
@@ -461,6 +544,47 @@ class KVCacheSet:
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.caches) + (self.recurrent.nbytes() if self.recurrent else 0)
+
+    def nbytes_k(self) -> int:
+        return sum(c.nbytes_k() for c in self.caches)
+
+    def nbytes_v(self) -> int:
+        return sum(c.nbytes_v() for c in self.caches)
+
+    @property
+    def type_k(self) -> str:
+        return self.base.type_k
+
+    @property
+    def type_v(self) -> str:
+        return self.base.type_v
+
+    @property
+    def is_iswa(self) -> bool:
+        return len(self.caches) > 1
+
+    @property
+    def n_layers_spilling(self) -> int:
+        """Layers whose K/V partly live outside device storage (0 until rolling-KV spill exists)."""
+        return 0
+
+    def effective(self) -> dict:
+        """The tiers and residency actually in use, read from the live caches (``/props``
+        ``opencoti.kv.effective``): ``type_k``, ``type_v``, ``n_cells`` (global cache, all
+        streams), ``n_cells_resident`` (of those, held in storage), ``n_layers_spilling``,
+        ``fully_resident``, ``is_iswa``."""
+        b = self.base
+        n_cells = b.n_cells * b.n_stream
+        resident = b.n_cells_resident * b.n_stream
+        return {
+            "type_k": b.type_k,
+            "type_v": b.type_v,
+            "n_cells": int(n_cells),
+            "n_cells_resident": int(resident),
+            "n_layers_spilling": int(self.n_layers_spilling),
+            "fully_resident": bool(resident == n_cells and self.n_layers_spilling == 0),
+            "is_iswa": self.is_iswa,
+        }
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions ``[p0, p1)`` of ``seq_id`` from every cache. False (and

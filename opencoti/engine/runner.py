@@ -7,7 +7,7 @@ cells are chosen first, and only a plan that fits is committed.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -26,17 +26,32 @@ class ModelRunner:
         n_seq_max: sequences (slots + pools).
         kv_unified: one shared stream (True) or one stream per sequence.
         n_ubatch: max tokens per forward (sizes the SWA cache).
+        type_k, type_v: KV tiers of the two cache halves (``kv_tiers.TIER_NAMES``);
+            type_k_tail, type_v_tail: the spilled tail's (None = the same).
+        kv_policy: instead of ``type_k`` / ``type_v``, a function ``(hparams, n_ctx,
+            n_seq_max, kv_unified, n_ubatch, backend) -> KVTierDecision`` called after the
+            weights are loaded (``kv_auto_tier.decide_kv_types``); kept as ``kv_decision``.
+    Raises ``ValueError`` for an unknown tier or one the backend cannot run.
     """
 
     def __init__(self, model, backend=None, n_ctx: int = 4096, n_seq_max: int = 1,
-                 kv_unified: bool = True, n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16"):
+                 kv_unified: bool = True, n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16",
+                 type_k_tail: Optional[str] = None, type_v_tail: Optional[str] = None,
+                 kv_policy: Optional[Callable] = None):
         self.model = model
         self.backend = get_backend(backend)
+        if kv_policy is None:
+            check_kv_types(self.backend, type_k, type_v)
         self.net = model.network(self.backend)
+        self.kv_decision = None
+        if kv_policy is not None:  # decided once the weights hold their memory (auto-tier's budget)
+            self.kv_decision = kv_policy(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, self.backend)
+            type_k, type_v = self.kv_decision.type_k, self.kv_decision.type_v
+            check_kv_types(self.backend, type_k, type_v)
         self.n_ubatch = n_ubatch
         self.graphs: dict = {}  # captured decode graphs (device backends), tied to this runner's KV
         self.kv = KVCacheSet(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, type_k, type_v,
-                             zeros=self.backend.zeros)
+                             zeros=self.backend.zeros, type_k_tail=type_k_tail, type_v_tail=type_v_tail)
 
     def decode(self, ub: UBatch) -> np.ndarray:
         """Plan cells, commit, run the forward. Returns logits float32
@@ -54,6 +69,19 @@ class ModelRunner:
         for cache, stream, shift in self.kv.seq_add(seq_id, p0, p1, delta):
             cells = np.nonzero(shift)[0]
             self.net.shift_k(cache, stream, cells, shift[cells])
+
+
+def check_kv_types(backend, *types) -> None:
+    """Raise ``ValueError`` when ``backend`` has no kernels for one of the KV tier names
+    (``backend.kv_types``: a tuple, or None for every tier) or a name is unknown."""
+    from opencoti.engine.kv_tiers import get_tier
+
+    for t in types:
+        name = get_tier(t).name
+        allowed = getattr(backend, "kv_types", None)
+        if allowed is not None and name not in allowed:
+            raise ValueError(f"the {backend.name} backend does not support KV cache type {name} yet "
+                             f"(supported there: {', '.join(allowed)}); use --gpu disable to run it on the CPU")
 
 
 def iter_logits(runner: ModelRunner, tokens: list[int], seq_id: int = 0, pos0: int = 0

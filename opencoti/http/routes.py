@@ -20,6 +20,7 @@ from itertools import chain
 from typing import Any, Callable, Iterator, Optional, Union
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, TokenEvent
+from opencoti.engine.kv_report import kv_props
 from opencoti.http import generate as gen
 from opencoti.http.polykv_routes import request_defaults
 from opencoti.http import metrics as metrics_mod
@@ -290,42 +291,6 @@ def first_event(handle, req: Request):
 def get_health(state: ServerState, req: Request) -> Response:
     """``GET /health``: ``{"status": "ok"}`` (the loading case is answered by the server)."""
     return Response({"status": "ok"})
-
-
-def kv_props(engine: Any) -> dict:
-    """The KV cache geometry (``/props`` ``opencoti.kv`` and the boot log).
-
-    ``caches``: one entry per cache (``global`` and, on iSWA models, ``swa``):
-    ``layers`` (count), ``n_cells`` per stream, ``n_stream`` (1 unified, else one
-    per sequence), ``n_swa`` (sliding window, 0 = none), ``bytes`` (K+V storage).
-    ``n_ctx``: cells of the global cache over all streams; ``n_ctx_slot``: what
-    one slot may use (all of it when unified, else ``n_ctx / n_seq_max``).
-    """
-    kv = getattr(getattr(engine, "runner", None), "kv", None)
-    if kv is None:
-        return {}
-    caches = []
-    iswa = len(kv.caches) > 1
-    for c in kv.caches:
-        caches.append({
-            "name": "swa" if iswa and c.n_swa > 0 else "global",
-            "layers": len(c.layers),
-            "n_cells": int(c.n_cells),
-            "n_stream": int(c.n_stream),
-            "n_swa": int(c.n_swa),
-            "bytes": int(c.nbytes()),
-        })
-    base = kv.caches[0]
-    return {
-        "type_k": base.type_k,
-        "type_v": base.type_v,
-        "n_ctx": int(getattr(engine, "n_ctx", kv.n_ctx)),
-        "n_ctx_slot": int(kv.n_ctx_seq),
-        "n_seq_max": int(kv.n_seq_max),
-        "unified": bool(kv.unified),
-        "caches": caches,
-        "bytes": int(kv.nbytes()),
-    }
 
 
 def get_props(state: ServerState, req: Request) -> Response:

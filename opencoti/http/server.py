@@ -399,21 +399,11 @@ def stop_server(httpd: OpencotiHTTPServer, engine: Any = None, grace_s: float = 
 
 
 def log_kv_layout(engine: Any) -> None:
-    """Print the KV cache sizes at boot, llama.cpp style (``llama_kv_cache: ...``)."""
-    from opencoti.http.routes import kv_props
+    """Print the KV cache sizes per cache and tier at boot, llama.cpp style (``llama_kv_cache: ...``)."""
+    from opencoti.engine.kv_report import kv_layout_lines
 
-    kv = kv_props(engine)
-    if not kv:
-        return
-    mib = 1024 * 1024
-    _log(f"llama_context: n_ctx = {kv['n_ctx']}, n_ctx_slot = {kv['n_ctx_slot']}, "
-         f"n_seq_max = {kv['n_seq_max']}, kv_unified = {'true' if kv['unified'] else 'false'}")
-    for c in kv["caches"]:
-        swa = f", n_swa = {c['n_swa']}" if c["n_swa"] else ""
-        _log(f"llama_kv_cache: {c['name']:>6}: {c['n_cells']:6d} cells x {c['n_stream']} stream(s), "
-             f"{c['layers']:3d} layers, K ({kv['type_k']}) + V ({kv['type_v']}) = "
-             f"{c['bytes'] / mib:8.2f} MiB{swa}")
-    _log(f"llama_kv_cache: total {kv['bytes'] / mib:.2f} MiB")
+    for line in kv_layout_lines(engine):
+        _log(line)
 
 
 def serve(params: Params) -> int:

@@ -176,13 +176,14 @@ class DecoderModel:
 
     def shift_k(self, cache, stream: int, cells: np.ndarray, delta: np.ndarray) -> None:
         """Rotate cached K of ``cells`` by ``delta`` positions in every layer of
-        ``cache`` (RoPE angles add: R(p + d) = R(d) R(p); llama.cpp ``build_k_shift``)."""
+        ``cache`` (RoPE angles add: R(p + d) = R(d) R(p); llama.cpp ``build_k_shift``).
+        A quantized K tier goes dequantize -> rotate -> quantize (``KVCache.store_k``)."""
         hp, B = self.hp, self.backend
         for il in cache.layers:
             base, scale = self.rope_params(il)
-            k = cache.k[il][stream, cells].astype(np.float32)
+            k = cache.read_k(il, stream, cells)
             k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, **self.rope_ext_shift)
-            cache.k[il][stream, cells] = k.astype(cache.k[il].dtype)
+            cache.store_k(il, stream, cells, k)
 
     @property
     def rope_ext(self) -> dict:
@@ -227,7 +228,8 @@ class DecoderModel:
         B.kv_write(cache, il, plan, k, v)
         n_swa = hp.n_swa if hp.swa_layers[il] else 0
         out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan,
-                                hp.attention_scale, n_swa, hp.attn_logit_softcapping)
+                                hp.attention_scale, n_swa, hp.attn_logit_softcapping,
+                                type_k=cache.tier_k, type_v=cache.tier_v)
         o = B.mul_mat(out, L.wo)
         if L.bo is not None:
             o = o + L.bo

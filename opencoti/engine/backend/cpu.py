@@ -33,6 +33,18 @@ class CPUBackend:
     def to_host(x: np.ndarray) -> np.ndarray:
         return x
 
+    @staticmethod
+    def free_memory():
+        """Bytes the host can still hand out (``MemAvailable`` of /proc/meminfo), None if unknown."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
     def begin_ubatch(self, ub) -> None:
         """Per-step hook where a device backend uploads the ubatch's index arrays."""
 
@@ -192,31 +204,43 @@ class CPUBackend:
         return out
 
     # -- KV cache + attention ----------------------------------------------------------
+    kv_types = None  # every KV tier (opencoti.engine.kv_tiers); device backends list theirs
+
     @staticmethod
     def kv_write(cache, il: int, plan, k: np.ndarray, v: np.ndarray) -> None:
-        """Store a layer's new K ``[T, n_head_kv, d_k]`` / V into the plan's cells."""
+        """Store a layer's new K ``[T, n_head_kv, d_k]`` / V into the plan's cells, quantized
+        to the cache's tiers (``KVCache.write``)."""
         cache.write(il, plan, k, v)
 
     def attention_cells(self, q: np.ndarray, q_pos: np.ndarray, k_store, v_store, plan, scale: float,
-                        n_swa: int = 0, softcap: float = 0.0) -> np.ndarray:
+                        n_swa: int = 0, softcap: float = 0.0, type_k=None, type_v=None) -> np.ndarray:
         """Attention of ``q [T, n_head, d_k]`` over each row's sequence cells
         (``plan.views``: rows, stream, cells, cell_pos) in the layer's storage
-        ``k_store [n_stream, n_cells, n_head_kv, d_k]`` / ``v_store``. Returns
-        ``[T, n_head * d_v]`` float32."""
+        ``k_store [n_stream, n_cells, n_head_kv, row_k]`` / ``v_store``, whose tiers are
+        ``type_k`` / ``type_v`` (``KVTier``; None = a float array). The gathered cells are
+        dequantized to float32 here (the reference path; a kernel decodes in registers).
+        Returns ``[T, n_head * d_v]`` float32."""
+        def gather(store, tier, stream, cells):
+            x = store[stream, cells]
+            return x if tier is None else tier.dequantize(x)
+
         T, n_head, _ = q.shape
-        out = np.empty((T, n_head * v_store.shape[-1]), dtype=np.float32)
+        d_v = v_store.shape[-1] if type_v is None else type_v.dim_of(v_store.shape[-1])
+        out = np.empty((T, n_head * d_v), dtype=np.float32)
         grouped = set()
         for g in getattr(plan, "groups", ()):
             # shared-prefix attention: the pool's cells are read once for every sharer's queries
             views = [plan.views[i] for i in g.views]
             rows = np.concatenate([v.rows for v in views])
-            o_s, l_s = self.attention_lse(q[rows], q_pos[rows], k_store[g.stream, g.cells],
-                                          v_store[g.stream, g.cells], g.cell_pos, scale, n_swa, softcap)
+            o_s, l_s = self.attention_lse(q[rows], q_pos[rows], gather(k_store, type_k, g.stream, g.cells),
+                                          gather(v_store, type_v, g.stream, g.cells), g.cell_pos, scale,
+                                          n_swa, softcap)
             at = 0
             for v in views:
                 n = len(v.rows)
-                o_p, l_p = self.attention_lse(q[v.rows], q_pos[v.rows], k_store[v.stream, v.private],
-                                              v_store[v.stream, v.private], v.private_pos, scale, n_swa, softcap)
+                o_p, l_p = self.attention_lse(q[v.rows], q_pos[v.rows], gather(k_store, type_k, v.stream, v.private),
+                                              gather(v_store, type_v, v.stream, v.private), v.private_pos, scale,
+                                              n_swa, softcap)
                 out[v.rows] = merge_lse(o_s[at:at + n], l_s[at:at + n], o_p, l_p).reshape(n, -1)
                 at += n
             grouped.update(g.views)
@@ -224,8 +248,8 @@ class CPUBackend:
             if i in grouped:
                 continue
             out[view.rows] = self.attention(
-                q[view.rows], q_pos[view.rows], k_store[view.stream, view.cells], v_store[view.stream, view.cells],
-                view.cell_pos, scale, n_swa, softcap,
+                q[view.rows], q_pos[view.rows], gather(k_store, type_k, view.stream, view.cells),
+                gather(v_store, type_v, view.stream, view.cells), view.cell_pos, scale, n_swa, softcap,
             )
         return out
 

@@ -33,7 +33,8 @@ token ids, positions and output rows go to the device once
 
 Errors: ``RuntimeError`` when CuPy or a GPU is missing (from the registry's
 creator), ``NotImplementedError`` for a head size / GQA ratio without a
-kernel, ``ValueError`` for a KV tier other than f16.
+kernel, ``ValueError`` for a KV tier other than f16 (``kv_types``; the runner
+checks it at boot).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ class CUDABackend:
     """
 
     name = "cuda"
+    kv_types = ("f16",)  # KV tiers with kernels here (the quantized tiers come later)
 
     def __init__(self, device: int = 0):
         import cupy as cp
@@ -191,6 +193,10 @@ class CUDABackend:
     def zeros(self, shape, dtype):
         """Zero-filled device array (KV storage)."""
         return self.cp.zeros(shape, dtype=dtype)
+
+    def free_memory(self) -> int:
+        """Free bytes on the device (``cudaMemGetInfo``), for auto-tier's KV budget."""
+        return int(self.cp.cuda.runtime.memGetInfo()[0])
 
     def to_host(self, x) -> np.ndarray:
         """Device array -> NumPy (synchronizes). While a graph is captured or run
@@ -800,7 +806,8 @@ class CUDABackend:
         cp = self.cp
         K, V = cache.k[il], cache.v[il]
         if K.dtype != np.float16 or V.dtype != np.float16:
-            raise ValueError("the CUDA backend stores KV as f16 only (-ctk f16 -ctv f16)")
+            raise ValueError(f"the CUDA backend supports KV cache types {', '.join(self.kv_types)} only "
+                             f"(got -ctk {cache.type_k} -ctv {cache.type_v}); use --gpu disable for the others")
         meta = self._plan_meta(plan, K.shape[1])
         k = cp.ascontiguousarray(k, dtype=cp.float32)
         v = cp.ascontiguousarray(v, dtype=cp.float32)
@@ -810,12 +817,17 @@ class CUDABackend:
                                                      np.int32(k.size // T), np.int32(v.size // T)))
 
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, type_k=None, type_v=None):
         """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
         cells in the plan (``plan.views``), reading f16 ``k_store``/``v_store``
-        ``[n_stream, n_cells, n_head_kv, d]``. Masks as ``CPUBackend.attention``.
-        Returns ``[T, n_head * d]`` float32."""
+        ``[n_stream, n_cells, n_head_kv, d]`` (``type_k`` / ``type_v``: their tiers, f16 or
+        None). Masks as ``CPUBackend.attention``. Returns ``[T, n_head * d]`` float32.
+        Raises ``ValueError`` for any other tier."""
         cp = self.cp
+        for t in (type_k, type_v):
+            if t is not None and t.name not in self.kv_types:
+                raise ValueError(f"the CUDA backend has no attention kernel for KV cache type {t.name} "
+                                 f"(supported: {', '.join(self.kv_types)})")
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         T, H, D = q.shape
         n_kv, dv = k_store.shape[2], v_store.shape[3]

@@ -9,7 +9,7 @@ import numpy as np
 from opencoti.engine.kv_tiers.codebooks import TCQ_L
 
 WRAP_WINDOW = 8  # values on each side of the wrap searched to choose the shared bits
-_CHUNK = 4096  # blocks per Viterbi pass (bounds the back-pointer memory to ~1 MiB per step)
+_CHUNK = 1024  # blocks per Viterbi pass (cache-sized working set; back-pointers ~2 MiB)
 
 
 def _viterbi(y: np.ndarray, cb: np.ndarray, k: int, L: int, first_low=None, last_high=None) -> np.ndarray:
@@ -25,14 +25,17 @@ def _viterbi(y: np.ndarray, cb: np.ndarray, k: int, L: int, first_low=None, last
     if first_low is not None:
         cost[(states[None, :] & (G - 1)) != first_low[:, None]] = np.inf
     back = np.empty((n, R, G), dtype=np.uint8)
+    nxt = np.empty((R, K, G), dtype=np.float32)  # state s = hi*G + g, hi < K
     for t in range(1, n):
         # the predecessors of state s are g*K + j (j < K) with g = s & (G-1): one group of K
         grp = cost.reshape(R, G, K)
         j = grp.argmin(axis=2)
         back[t] = j
-        best = np.take_along_axis(grp, j[:, :, None], axis=2)[:, :, 0]
-        cost = np.tile(best, (1, K))
-        cost += np.square(y[:, t:t + 1] - cb[None, :])
+        best = np.take_along_axis(grp, j[:, :, None], axis=2)
+        np.subtract(y[:, t, None], cb[None, :], out=nxt.reshape(R, S))
+        np.square(nxt, out=nxt)
+        nxt += best.reshape(R, 1, G)
+        cost, nxt = nxt.reshape(R, S), cost.reshape(R, K, G)
     if last_high is not None:
         cost[(states[None, :] >> k) != last_high[:, None]] = np.inf
     s = cost.argmin(axis=1)
