@@ -75,7 +75,7 @@ def test_cache_stores_tiers_and_copies_bytes():
     np.testing.assert_array_equal(c.read_v(3, 0, cells), tv.dequantize(tv.quantize(v)))
     # across streams seq_cp copies the stored bytes
     c.seq_cp(0, 1)
-    dst = np.nonzero(c.seq[1][:, 1])[0]
+    dst = c.cells_of(1)
     order = np.argsort(c.pos[1, dst])
     assert np.array_equal(c.k[3][1, dst[order]], c.k[3][0, cells]) and np.array_equal(c.v[0][1, dst[order]],
                                                                                        c.v[0][0, cells])
