@@ -311,7 +311,7 @@ def _params_from_options(kw: dict) -> Params:
         frequency_penalty=kw["frequency_penalty"],
         seed=seed,
     )
-    from opencoti.engine.sampling import sampling_error
+    from opencoti.engine.api import sampling_error
 
     err = sampling_error(sampling)
     if err:

@@ -51,11 +51,9 @@ from __future__ import annotations
 import collections
 from typing import Iterable, Optional
 
-import math
-
 import numpy as np
 
-from opencoti.engine.api import SamplingParams
+from opencoti.engine.api import SamplingParams, sampling_error
 
 __all__ = ["Sampler", "top_logprobs", "token_logprob", "log_softmax", "LLAMA_DEFAULT_SEED"]
 
@@ -143,30 +141,6 @@ def _softmax64(vals: np.ndarray) -> np.ndarray:
     v = vals.astype(np.float64)
     e = np.exp(v - v.max())
     return e / e.sum()
-
-
-def sampling_error(p) -> str | None:
-    """Why sampler settings ``p`` (a ``SamplingParams``) are unusable, or None. The one
-    range check shared by the HTTP layer (400), the CLI (usage error) and ``Sampler``:
-    temperature finite; top_p >= 0 and typical_p >= 0 (1 or more = off); min_p in
-    [0, 1]; repeat_penalty > 0 (1 = off); repeat_last_n >= -1; penalties finite."""
-    def finite(v) -> bool:
-        return isinstance(v, (int, float)) and math.isfinite(v)
-
-    for name in ("temperature", "presence_penalty", "frequency_penalty"):
-        if not finite(getattr(p, name)):
-            return f"{name} must be a finite number, got {getattr(p, name)}"
-    for name in ("top_p", "typical_p"):
-        v = getattr(p, name)
-        if not (finite(v) and v >= 0):
-            return f"{name} must be >= 0, got {v}"
-    if not (finite(p.min_p) and 0 <= p.min_p <= 1):
-        return f"min_p must be in [0, 1], got {p.min_p}"
-    if not (finite(p.repeat_penalty) and p.repeat_penalty > 0):
-        return f"repeat_penalty must be > 0, got {p.repeat_penalty}"
-    if p.repeat_last_n < -1:
-        return f"repeat_last_n must be >= -1, got {p.repeat_last_n}"
-    return None
 
 
 class Sampler:

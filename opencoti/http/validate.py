@@ -18,8 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
-from opencoti.engine.api import CompletionRequest, SamplingParams
-from opencoti.engine.sampling import sampling_error
+from opencoti.engine.api import CompletionRequest, SamplingParams, sampling_error
 from opencoti.http.errors import invalid_request
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
