@@ -158,6 +158,21 @@ def test_pools_off_by_default(model):
         e.stop()
 
 
+def test_split_cache_with_pools_says_what_each_slot_gets(model, caplog):
+    """On the split cache pools take streams of their own: boot warns with the cells per
+    slot, and refuses a layout that leaves a slot almost no context."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="opencoti.engine"):
+        e = Engine(model, Params(n_ctx=1024, n_parallel=4, kv_unified=False, polykv_max_pools=2,
+                                 cache_idle_slots=False), backend="cpu")
+    assert e.n_ctx_slot == 170
+    assert any("170 cells per slot" in r.getMessage() and "--kv-unified" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="too few to serve"):
+        Engine(model, Params(n_ctx=512, n_parallel=4, kv_unified=False, polykv_max_pools=100,
+                             cache_idle_slots=False), backend="cpu")
+
+
 def test_manual_shared_pool_slot(model):
     tok = model.tokenizer.tokenize
     prefix = tok(SYSTEM, add_special=True)

@@ -30,6 +30,7 @@ import os
 import numpy as np
 import pytest
 from gemma_refs import load_refs, logprobs
+from quant_blocks import random_blocks, ref_dequant
 
 from opencoti.engine.backend import BackendUnavailable, get_backend
 from opencoti.engine.backend.cpu import CPUBackend
@@ -46,8 +47,7 @@ except BackendUnavailable as e:
         raise RuntimeError(f"OPENCOTI_REQUIRE_VULKAN is set but Vulkan is unavailable: {e}") from None
     pytest.skip(f"no Vulkan device ({e})", allow_module_level=True)
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
-from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
 
 from opencoti.engine.backend.vulkan import QTYPES, VkTensor  # noqa: E402
 from opencoti.engine.batch import UBatch  # noqa: E402
@@ -61,9 +61,6 @@ VK_CPU_TOL_TOP = 0.01  # measured 0.0033 on lavapipe
 VK_CPU_TOL_ALL = 0.03  # measured 0.0087, at a token of log-prob -44 (extreme logits round more)
 EXACT_TOL = 0.02  # the CPU parity test's tolerance against exact float32 math
 
-# byte offsets of the f16 scale fields inside one block (ggml-common.h)
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 QNAMES = [QTYPES[t] for t in sorted(QTYPES)]
 IS_CPU_DEVICE = _DEVS[DEVICE].is_cpu if DEVICE < len(_DEVS) else False
 # matmul code paths: "cpu" = a CPU driver's default (one lane per row, GEMV for any
@@ -95,31 +92,8 @@ def gpu_paths(vk):
     vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = saved
 
 
-def random_blocks(qname: str, rows: int, cols: int, rng) -> np.ndarray:
-    """Random valid GGUF data ``uint8 [rows, row_bytes]`` of type ``qname``: random
-    bits with the f16 scales set to sane values (random f16 bits can be NaN)."""
-    t = GGMLQuantizationType[qname]
-    if qname == "F32":
-        return rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8)
-    if qname == "F16":
-        return rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
-    if qname == "BF16":
-        return (rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    blk, size = GGML_QUANT_SIZES[t]
-    nb = cols // blk
-    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
-    for off in F16_FIELDS[qname]:
-        d = rng.uniform(0.002, 0.05, (rows, nb)).astype(np.float16)
-        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, nb, 2)
-    return raw.reshape(rows, nb * size)
 
 
-def ref_dequant(qname: str, raw: np.ndarray, cols: int) -> np.ndarray:
-    if qname == "F32":
-        return raw.view(np.float32).reshape(-1, cols)
-    if qname == "F16":
-        return raw.view(np.float16).astype(np.float32).reshape(-1, cols)
-    return gguf_dequantize(raw, GGMLQuantizationType[qname]).astype(np.float32).reshape(-1, cols)
 
 
 def upload(vk, raw, qname, cols):

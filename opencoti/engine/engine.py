@@ -141,6 +141,16 @@ class Engine:
                 "%s", self.kv_decision.reason)
         self.n_ctx = n_ctx
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
+        if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own
+            n_seq = self.n_slots + self.max_pools
+            msg = (f"split KV cache: -c {n_ctx} over {self.n_slots} slots + {self.max_pools} PolyKV pools = "
+                   f"{self.n_ctx_slot} cells per slot")
+            if self.n_ctx_slot < min(n_ctx, 64):
+                raise ValueError(f"{msg}, too few to serve (raise -c, lower --polykv-max-pools, or use "
+                                 "--kv-unified, where pools share the one stream)")
+            if self.n_ctx_slot < n_ctx // self.n_slots:
+                log.warning("%s (not %d: each of the %d sequences gets n_ctx / %d); --kv-unified lets "
+                            "pools and slots share one stream", msg, n_ctx // self.n_slots, n_seq, n_seq)
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(self.n_slots)]
         self._queue: "queue.Queue[Optional[RequestHandle]]" = queue.Queue()
         self._waiting: list[RequestHandle] = []
