@@ -9,7 +9,8 @@ test_cuda.py, ``-k kv_tier``).
   the stored rotated rows, accumulate P.V rotated and un-rotate the output once; this equals
   ``CPUBackend.attention`` over the dequantized cells (float32 rounding apart).
 - Where nvcc is installed, the KV modules compile for sm_90 (the write/read module and an
-  attention module of each kind of tier pair).
+  attention module of each kind of tier pair), and no byte store in the write module's PTX takes
+  a register straight from cvt.rn.f16.f32 (ptxas turns that into a numeric f16 -> u8 convert).
 """
 
 from __future__ import annotations
@@ -192,3 +193,23 @@ def test_kv_modules_compile_sm90(tmp_path, what):
     r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"),
                         str(f)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_kv_write_no_byte_store_of_f16_convert(tmp_path):
+    """No byte store (st.u8) in the write module's PTX takes its register straight from a
+    cvt.rn.f16.f32: ptxas for sm_90 compiles that as a numeric f16 -> u8 conversion
+    (F2I.U8.F16.TRUNC, 0 for a block scale < 1) instead of the half's low 8 bits, which zeroed
+    byte 0 of every quantized block's f16 scale on the H200. The f16 fields go through f2h's
+    32-bit zero-extension and st16's 16-bit store (kv_tiers.cuh / quants.cuh)."""
+    f = tmp_path / "m.cu"
+    f.write_text(cuda_kv.write_source())
+    r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-ptx", "-o", str(tmp_path / "m.ptx"),
+                        str(f)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = (tmp_path / "m.ptx").read_text()
+    halves = set(re.findall(r"cvt\.rn\.f16\.f32\s+(%?\w+)\s*,", ptx))
+    assert halves, "no f16 conversion found in the write module"
+    stores = re.findall(r"\bst(?:\.\w+)*\.[usb]8\s+\[[^\]]*\]\s*,\s*(%?\w+)", ptx)
+    assert stores, "no byte store found in the write module"
+    assert not halves & set(stores), sorted(halves & set(stores))

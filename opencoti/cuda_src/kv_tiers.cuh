@@ -115,7 +115,8 @@ __device__ __forceinline__ float wsabsmax(float v, int lane) {
     return __shfl_sync(0xffffffffu, v, i);
 }
 __device__ __forceinline__ float xinv(float d) { return d != 0.f ? xdiv(1.f, d) : 0.f; }
-__device__ __forceinline__ void st16(u8* p, u16 h) { p[0] = (u8)(h & 255); p[1] = (u8)(h >> 8); }
+// a block's f16 field as one 16-bit store (p 2-aligned, as ldh; see f2h in quants.cuh for why not bytes)
+__device__ __forceinline__ void st16(u8* p, u16 h) { *(u16*)p = h; }
 // qs[j] = (q_j & 15) | (q_{j+16} & 15) << 4, written by lanes j < 16
 __device__ __forceinline__ void st_nibbles(u8* qs, int q, int lane) {
     int hi = __shfl_down_sync(0xffffffffu, q, 16);

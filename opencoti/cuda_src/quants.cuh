@@ -13,7 +13,15 @@ typedef unsigned int u32;
 typedef signed char i8;
 
 __device__ __forceinline__ float h2f(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ u16 f2h(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+// f2h zero-extends the half's bits into a 32-bit register inside the asm: ptxas (nvcc 13 for sm_90; also NVRTC on the H200)
+// compiles `st.u8 [p], %rs` whose %rs comes straight from cvt.rn.f16.f32 as a numeric f16 -> u8
+// conversion (F2I.U8.F16.TRUNC) instead of storing the low 8 bits, so byte stores of the half's low
+// byte (st16 in kv_tiers.cuh) wrote 0. Through a u32 the store gets the bits.
+__device__ __forceinline__ u16 f2h(float f) {
+    u32 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; cvt.u32.u16 %0, t; }" : "=r"(h) : "f"(f));
+    return (u16)h;
+}
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 __device__ __forceinline__ u16 ld16(const u8* p) { return (u16)(p[0] | (p[1] << 8)); }
 __device__ __forceinline__ u32 ld32(const u8* p) { return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24); }
