@@ -242,6 +242,7 @@ class VulkanBackend:
     """
 
     name = "vulkan"
+    kv_types = ("f32", "f16")  # KV tiers with shaders here (checked at boot: runner.check_kv_types)
 
     def __init__(self, device: int = 0):
         self.rt = Runtime(device)
@@ -839,11 +840,16 @@ class VulkanBackend:
 
     @_taped
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, type_k=None, type_v=None):
         """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
         cells in the plan (``plan.views``), reading ``k_store`` / ``v_store``
-        ``[n_stream, n_cells, n_head_kv, d]`` (f16 or f32). Masks as ``CPUBackend.attention``.
-        Returns ``[T, n_head * d]`` float32."""
+        ``[n_stream, n_cells, n_head_kv, d]`` (f16 or f32; ``type_k`` / ``type_v``: their
+        ``KVTier``, None for a float array). Masks as ``CPUBackend.attention``.
+        Returns ``[T, n_head * d]`` float32. Raises ``ValueError`` for another tier."""
+        for t in (type_k, type_v):
+            if t is not None and t.name not in self.kv_types:
+                raise ValueError(f"the Vulkan backend has no attention shader for KV cache type {t.name} "
+                                 f"(supported: {', '.join(self.kv_types)})")
         q = self._f32(q)
         T, H, D = q.shape
         kind = self._kv_check(k_store)
