@@ -7,7 +7,9 @@ source hash each was built from) are committed and shipped as package data, so
 users need no shader compiler; ``tests/test_vulkan.py`` fails when one is stale.
 
 Quantized-weight shaders come in one variant per ggml type (``QTYPE`` = the
-ggml type id, see ``quants.glsl``); KV shaders in one per KV storage type.
+ggml type id, see ``quants.glsl``); KV shaders in one per KV storage type for
+f16 / f32 K and V, plus ``kv_store`` / ``attn_any``, which take each half's KV tier
+(``kv_quant.glsl``) as a push constant.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def variants() -> dict[str, tuple[str, dict[str, str]]]:
         d = {"KV_F16": "1"} if kv == "f16" else {}
         out[f"kv_write_{kv}"] = ("kv_write.comp", d)
         out[f"attn_{kv}"] = ("attn.comp", d)
-    for src in ("copy_rows", "rms_norm", "rope", "unary", "binary", "attn_merge"):
+    out["attn_any"] = ("attn.comp", {"KV_ANY": "1"})  # any KV tier per half (kv_quant.glsl codes)
+    for src in ("copy_rows", "rms_norm", "rope", "unary", "binary", "attn_merge", "kv_store"):
         out[src] = (f"{src}.comp", {})
     return out
 

@@ -68,6 +68,8 @@ ATTN_MAX_HEAD_DIM = 512
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _KV_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
+# KV tiers with kernels here -> their code in kv_quant.glsl (kv_store.comp, attn.comp KV_ANY)
+KV_TIER_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q6_0": 4, "q5_1": 5, "q5_0": 6, "q4_0": 7}
 _OP_ADD, _OP_MUL, _OP_GELU_MUL, _OP_SILU_MUL = 0, 1, 2, 3
 _U_SCALE, _U_GELU, _U_SILU = 0, 1, 2
 
@@ -195,19 +197,55 @@ class VkTensor:
     def _flat_cells(self) -> "VkTensor":
         return self.reshape((self.shape[0] * self.shape[1],) + self.shape[2:])
 
+    def _word_rows(self) -> bool:
+        """Whether a cell row (``shape[2:]``) is a whole number of 32-bit words (the copy shader's unit)."""
+        return (math.prod(self.shape[2:]) * self.dtype.itemsize) % 4 == 0
+
     def __getitem__(self, key):
         if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and self.ndim == 3
                 and isinstance(key[1], (int, np.integer))):
             return self.be.select_mid(self, int(key[1]))  # t[:, i] of [A, B, C]: a device tensor [A, C]
+        if isinstance(key, (int, np.integer)):
+            return self._row_view(int(key))
+        if isinstance(key, tuple) and self.ndim >= 2 and (key[0] is Ellipsis or key[0] == slice(None)) \
+                and len(key) == (2 if key[0] is Ellipsis else self.ndim) and isinstance(key[-1], slice) \
+                and all(k == slice(None) for k in key[1:-1]):
+            return self.be.slice_last(self, key[-1])  # t[..., a:b] / t[:, a:b]: a new device tensor
         rows = self._cells(key)
+        if not self._word_rows():  # rows of a quantized tier that end mid-word: through the host
+            return self.get()[int(key[0]), rows % self.shape[1]]
         return self.be.gather_rows(self._flat_cells(), rows).get()
 
+    def _row_view(self, i: int) -> "VkTensor":
+        """``t[i]``: a view (no copy) of row ``i`` along the first axis."""
+        if not 0 <= i < self.shape[0]:
+            raise IndexError(f"index {i} out of range for axis 0 of size {self.shape[0]}")
+        step = self.nbytes // self.shape[0]
+        return VkTensor(self.be, self.alloc, self.shape[1:], self.dtype, self.offset + i * step)
+
     def __setitem__(self, key, value) -> None:
+        if isinstance(key, (int, np.integer)):  # t[i] = tensor / array / scalar (recurrent state slots)
+            dst = self._row_view(int(key))
+            if isinstance(value, VkTensor):
+                if value.nbytes != dst.nbytes:
+                    raise ValueError(f"cannot assign {value.shape} to {dst.shape}")
+                self.be.rt.copy(value.alloc, value.offset, dst.alloc, dst.offset, dst.nbytes)
+            elif np.isscalar(value) and float(value) == 0.0 and dst.nbytes % 4 == 0 and dst.offset % 4 == 0:
+                self.be.rt.fill(dst.alloc, dst.offset, dst.nbytes, 0)
+            else:
+                a = np.ascontiguousarray(np.broadcast_to(np.asarray(value, dtype=self.dtype), dst.shape))
+                self.be.rt.upload(dst.alloc, dst.offset, a)
+            return
         rows = self._cells(key)
         row_shape = self.shape[2:]
         if isinstance(value, VkTensor):
             value = value.get()
         value = np.broadcast_to(np.asarray(value, dtype=self.dtype), (len(rows),) + row_shape)
+        if not self._word_rows():  # rows of a quantized tier that end mid-word: the whole tensor via the host
+            host = self.get().copy()
+            host[int(key[0]), rows % self.shape[1]] = value
+            self.be.rt.upload(self.alloc, self.offset, host)
+            return
         self.be.scatter_rows(self._flat_cells(), rows, np.ascontiguousarray(value))
 
 
@@ -806,10 +844,19 @@ class VulkanBackend:
         self._meta[id(plan)] = (plan, m)  # the plan stays referenced, so its id is not reused meanwhile
         return m
 
-    def _kv_check(self, store: VkTensor) -> str:
-        kind = _KV_DTYPES.get(store.dtype)
-        if kind is None or kind not in KV_NAMES:
-            raise ValueError(f"the Vulkan backend stores KV as f16 or f32, not {store.dtype}")
+    kv_types = tuple(KV_TIER_CODES)  # the runner refuses other -ctk / -ctv values at boot
+
+    def _kv_tier(self, store: VkTensor, tier) -> str:
+        """The KV tier name of ``store`` (``tier``: a ``KVTier``; None = a float array, f16 or f32)."""
+        if tier is None:
+            kind = _KV_DTYPES.get(store.dtype)
+            if kind is None:
+                raise ValueError(f"KV storage of dtype {store.dtype} needs its tier (type_k / type_v)")
+        else:
+            kind = tier.name
+            if kind not in KV_TIER_CODES:
+                raise ValueError(f"the Vulkan backend supports KV cache types {', '.join(self.kv_types)}, "
+                                 f"not {kind}")
         if store.nbytes > self.rt.max_range:
             raise NotImplementedError(f"a layer's KV ({store.nbytes / 2**20:.0f} MiB) exceeds the device's "
                                       f"storage-buffer range ({self.rt.max_range / 2**20:.0f} MiB): lower -c")
@@ -817,40 +864,60 @@ class VulkanBackend:
 
     @_taped
     def kv_write(self, cache, il: int, plan, k, v) -> None:
-        """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells (f16 or f32 storage)."""
+        """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells, in the cache's
+        tiers (``cache.tier_k`` / ``tier_v``): f16 (rounded to nearest even, as NumPy) or f32
+        K and V of one type in one dispatch (``kv_write.comp``); any other tier, or a mix, one
+        dispatch per half (``kv_store.comp``), quantizing to the bytes of the tier's reference
+        ``quantize`` (``kv_tiers/scalar.py``)."""
         K, V = cache.k[il], cache.v[il]
-        kind = self._kv_check(K)
-        if self._kv_check(V) != kind:
-            raise ValueError("the Vulkan backend needs K and V of one type")
+        tk = self._kv_tier(K, getattr(cache, "tier_k", None))
+        tv = self._kv_tier(V, getattr(cache, "tier_v", None))
         k, v = self._f32(k), self._f32(v)
         T = k.shape[0]
         if T == 0:
             return
         kw, vw = k.size // T, v.size // T
-        if kind == "f16" and (kw % 2 or vw % 2):
-            raise NotImplementedError("f16 KV needs an even row size")
         meta = self._plan_meta(plan, K.shape[1])
         mb, mo = self._bind(meta["buf"])
-        words = max(kw, vw) // (2 if kind == "f16" else 1)
-        self.rt.dispatch(f"kv_write_{kind}", [self._bind(k)[0], self._bind(v)[0], self._bind(K)[0],
-                                              self._bind(V)[0], mb],
-                         _u32(T, kw, vw, meta["write"] + mo), self.rt.groups_1d(-(-(T * words) // 256)),
-                         writes=(2, 3))
+        if tk == tv and tk in KV_NAMES:
+            kind = tk
+            if kind == "f16" and (kw % 2 or vw % 2):
+                raise NotImplementedError("f16 KV needs an even row size")
+            words = max(kw, vw) // (2 if kind == "f16" else 1)
+            self.rt.dispatch(f"kv_write_{kind}", [self._bind(k)[0], self._bind(v)[0], self._bind(K)[0],
+                                                  self._bind(V)[0], mb],
+                             _u32(T, kw, vw, meta["write"] + mo), self.rt.groups_1d(-(-(T * words) // 256)),
+                             writes=(2, 3))
+            return
+        for x, store, name, n in ((k, K, tk, kw), (v, V, tv, vw)):
+            code = KV_TIER_CODES[name]
+            unit = 1 if code == 0 else (2 if code <= 2 else 32)
+            if n % unit:
+                raise NotImplementedError(f"KV type {name}: {n} values per cell is not a multiple of {unit}")
+            cell_bytes = store.nbytes // (store.shape[0] * store.shape[1])
+            xb, xo = self._bind(x)
+            sb, so = self._bind(store)
+            if so:
+                raise ValueError("kv_write: unaligned KV storage")
+            self.rt.dispatch("kv_store", [xb, sb, mb], _u32(T, n, code, meta["write"] + mo, xo, cell_bytes),
+                             self.rt.groups_1d(-(-(T * n // unit) // 128)), writes=(1,))
 
     @_taped
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, type_k=None, type_v=None):
         """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
         cells in the plan (``plan.views``), reading ``k_store`` / ``v_store``
-        ``[n_stream, n_cells, n_head_kv, d]`` (f16 or f32). Masks as ``CPUBackend.attention``.
-        Returns ``[T, n_head * d]`` float32."""
+        ``[n_stream, n_cells, n_head_kv, row]`` in the tiers ``type_k`` / ``type_v``
+        (``KVTier``; None = a float array, f16 or f32), dequantized in registers.
+        Masks as ``CPUBackend.attention``. Returns ``[T, n_head * d]`` float32."""
         q = self._f32(q)
         T, H, D = q.shape
-        kind = self._kv_check(k_store)
-        if self._kv_check(v_store) != kind:
-            raise ValueError("the Vulkan backend needs K and V of one type")
-        n_kv, dv = k_store.shape[2], v_store.shape[3]
-        if dv != D or k_store.shape[3] != D:
+        tk, tv = self._kv_tier(k_store, type_k), self._kv_tier(v_store, type_v)
+        kind = tk if tk == tv and tk in KV_NAMES else "any"
+        n_kv = k_store.shape[2]
+        dk = type_k.dim_of(k_store.shape[3]) if type_k is not None else k_store.shape[3]
+        dv = type_v.dim_of(v_store.shape[3]) if type_v is not None else v_store.shape[3]
+        if dv != D or dk != D:
             raise NotImplementedError("Vulkan attention needs d_k == d_v == the query head size")
         if D % 2 or D > ATTN_MAX_HEAD_DIM or H % n_kv:
             raise NotImplementedError(f"Vulkan attention: head_dim {D} (even, <= {ATTN_MAX_HEAD_DIM}), "
@@ -870,9 +937,12 @@ class VulkanBackend:
             n_split = int(max(1, min(meta["max_len"] // self.attn_split_cells, -(-self.attn_target_groups // base),
                                      64)))
         kb, vb = self._bind(k_store)[0], self._bind(v_store)[0]
+        extra = b"" if kind != "any" else _u32(KV_TIER_CODES[tk], KV_TIER_CODES[tv],
+                                                    k_store.shape[3] * k_store.dtype.itemsize,
+                                                    v_store.shape[3] * v_store.dtype.itemsize)
         pc = lambda ml_off: (_u32(H, n_kv, D, G, n_split, n_gsub) + struct.pack("<fif", scale, int(n_swa), softcap)  # noqa: E731
                              + _u32(meta["row_view"] + mo, meta["view_off"] + mo, meta["cells"] + mo,
-                                    meta["cell_pos"] + mo, po + po2, ml_off))
+                                    meta["cell_pos"] + mo, po + po2, ml_off) + extra)
         groups = (T, n_kv, n_split * n_gsub)
         if n_split == 1:
             self.rt.dispatch(f"attn_{kind}", [self._bind(q)[0], kb, vb, mb, pb, self._bind(out)[0]], pc(0),
