@@ -272,6 +272,39 @@ class QTensor:
         return self.shape[0] * self.row_bytes
 
 
+class QExperts:
+    """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the device in its block format.
+
+    ``parts``: ``[(e0, n_e, Alloc)]``, consecutive expert ranges, each small enough for one
+    storage-buffer binding (expert e of a part at byte ``(e - e0) * expert_bytes``, its row r
+    at ``+ r * row_bytes``); ``row0`` / ``shape[1]``: the rows this object covers inside each
+    expert, so ``x[:, a:b]`` (the gate or up half of a fused ``gate_up``) is a view sharing
+    the parts. The expert GEMV (``mul_mat_vec.comp`` with ``MUL_MAT_ID``) reads it.
+    """
+
+    def __init__(self, parts, ggml_type: int, shape, row_bytes: int, expert_bytes: int, row0: int = 0):
+        self.parts = parts
+        self.ggml_type = int(ggml_type)
+        self.shape = tuple(int(v) for v in shape)
+        self.row_bytes = int(row_bytes)
+        self.expert_bytes = int(expert_bytes)
+        self.row0 = int(row0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.expert_bytes
+
+    def __getitem__(self, key):
+        n_exp, rows, cols = self.shape
+        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
+                and key[1].step in (None, 1)):
+            a, b, _ = key[1].indices(rows)
+            b = max(a, b)
+            return QExperts(self.parts, self.ggml_type, (n_exp, b - a, cols), self.row_bytes, self.expert_bytes,
+                            self.row0 + a)
+        raise TypeError(f"QExperts supports [:, row_slice], not {key!r}")
+
+
 class VulkanBackend:
     """Vulkan implementation of the op interface (DESIGN.md "Backends: one op set").
 
@@ -479,21 +512,45 @@ class VulkanBackend:
 
     # -- weights --------------------------------------------------------------------------
     def load_weight(self, gguf: GGUFFile, name: str):
-        """A matrix as a ``QTensor`` (raw GGUF blocks on the device); a vector (norm
-        weights, biases, rope factors) as a float32 ``VkTensor`` (with a host copy)."""
+        """A matrix as a ``QTensor`` (raw GGUF blocks on the device); a 3-D expert tensor as a
+        ``QExperts``; a vector (norm weights, biases, rope factors) as a float32 ``VkTensor``
+        (with a host copy)."""
         info = gguf.tensors[name]
         if len(info.ne) == 1:
             a = gguf.dequantize(name, np.float32)
             t = self.asarray(a)
             t.host = a
             return t
-        if len(info.ne) != 2:
+        if len(info.ne) not in (2, 3):
             raise NotImplementedError(f"Vulkan backend: {name} has {len(info.ne)} dims")
         tid = int(info.ggml_type)
         if tid not in QTYPES:
             raise NotImplementedError(f"Vulkan backend: {name} has unsupported type {info.ggml_type.name}")
         rows, cols = int(info.ne[1]), int(info.ne[0])
+        if len(info.ne) == 3:
+            return self.upload_experts(gguf.raw(name), tid, int(info.ne[2]), rows, cols, name)
         return self.upload_weight(gguf.raw(name), tid, rows, cols, name)
+
+    def upload_experts(self, raw: np.ndarray, ggml_type: int, n_exp: int, rows: int, cols: int,
+                       name: str = "experts") -> QExperts:
+        """``raw``: uint8 ``[n_exp * rows, row_bytes]`` GGUF blocks of ``ggml_type`` (expert-major)
+        -> ``QExperts``, in parts of whole experts. ``NotImplementedError`` when ``cols`` is not
+        a multiple of 32 or one expert exceeds a storage-buffer binding."""
+        if cols % 32:
+            raise NotImplementedError(f"Vulkan backend: {name}: expert rows of {cols} (not a multiple of 32)")
+        raw = np.ascontiguousarray(raw).reshape(n_exp, -1)
+        expert_bytes = raw.shape[1]
+        limit = min(self.rt.max_range, self.rt.max_alloc, 1 << 30) - 4096
+        if expert_bytes > limit:
+            raise NotImplementedError(f"Vulkan backend: {name}: one expert ({expert_bytes} bytes) exceeds a binding")
+        per = max(1, limit // expert_bytes)
+        parts = []
+        for e0 in range(0, n_exp, per):
+            e1 = min(n_exp, e0 + per)
+            a = self.rt.alloc((e1 - e0) * expert_bytes + 4)
+            self.rt.upload(a, 0, raw[e0:e1])
+            parts.append((e0, e1 - e0, a))
+        return QExperts(parts, ggml_type, (n_exp, rows, cols), expert_bytes // rows, expert_bytes)
 
     def upload_weight(self, raw: np.ndarray, ggml_type: int, rows: int, cols: int, name: str = "weight") -> QTensor:
         """``raw``: uint8 ``[rows, row_bytes]`` GGUF blocks of ``ggml_type`` -> ``QTensor``."""
@@ -579,6 +636,92 @@ class VulkanBackend:
         g = self.mul_mat(x, gate)
         u = self.mul_mat(x, up)
         return self._binary(g, u, _OP_GELU_MUL if act == "gelu_tanh" else _OP_SILU_MUL)
+
+    # -- mixture of experts -------------------------------------------------------------
+    @_taped
+    def moe_ffn(self, x, gate_inp, up_exps, gate_exps, down_exps, n_expert_used: int, norm_w: bool = True,
+                act: str = "silu", w_scale: float = 0.0):
+        """Routed experts, Qwen layout (``CPUBackend.moe_ffn``): ``x [T, n_embd]`` float32;
+        ``gate_inp [n_expert, n_embd]`` (router); ``up_exps`` / ``gate_exps`` ``QExperts
+        [n_expert, n_ff_exp, n_embd]``; ``down_exps [n_expert, n_embd, n_ff_exp]``. Softmax over
+        ``x @ gate_inp.T``, top ``n_expert_used`` (ties: lower id), weights renormalised when
+        ``norm_w``, times ``w_scale`` when non-zero. Returns ``[T, n_embd]`` float32."""
+        logits = self.mul_mat(x, gate_inp)
+        return self._moe(x, logits, gate_exps, up_exps, down_exps, n_expert_used, act, norm_w, w_scale, None)
+
+    @_taped
+    def moe_ffn_gate_up(self, x, logits, gate_up_exps, down_exps, n_expert_used: int, act: str = "gelu_tanh",
+                        norm_w: bool = True, down_scale=None):
+        """Routed experts, Gemma-4 layout (``CPUBackend.moe_ffn_gate_up``): router ``logits
+        [T, n_expert]``; fused ``gate_up_exps [n_expert, 2 n_ff_exp, n_embd]`` (gate rows
+        first); ``down_exps [n_expert, n_embd, n_ff_exp]``; ``down_scale [n_expert]`` float32
+        or None. Returns ``[T, n_embd]`` float32."""
+        f = gate_up_exps.shape[1] // 2
+        return self._moe(x, logits, gate_up_exps[:, :f], gate_up_exps[:, f:], down_exps, n_expert_used, act,
+                         norm_w, 0.0, down_scale)
+
+    def _moe(self, x, logits, gate: QExperts, up: QExperts, down: QExperts, k: int, act: str, norm_w: bool,
+             w_scale: float, down_scale):
+        """Route on the device (``moe_route``: ``sel`` int32 / ``w`` float32 ``[T, k]``), run
+        every (token, slot) pair's expert through the expert GEMV (gate, up, gated act,
+        down: ``[T*k, n_embd]``; no host sync, so graphs can hold it), and sum the pairs
+        weighted (``moe_combine``). Every token count takes this path (a prefill runs
+        ``T*k`` GEMV rows rather than per-expert GEMMs)."""
+        x, logits = self._f32(x), self._f32(logits)
+        T, n_embd = x.shape
+        n_exp, n_ff, _ = gate.shape
+        if not all(isinstance(e, QExperts) for e in (gate, up, down)):
+            raise TypeError("moe: expert tensors must be QExperts (load_weight of a 3-D tensor)")
+        if (tuple(up.shape) != tuple(gate.shape) or (gate.shape[0], gate.shape[2]) != (n_exp, n_embd)
+                or tuple(down.shape) != (n_exp, n_embd, n_ff) or tuple(logits.shape) != (T, n_exp)):
+            raise ValueError(f"moe: shapes do not fit: x {x.shape}, logits {logits.shape}, gate {gate.shape}, "
+                             f"up {up.shape}, down {down.shape}")
+        if not 0 < k <= min(n_exp, 32):
+            raise ValueError(f"moe: {k} experts per token of {n_exp} (at most 32)")
+        out = self.empty((T, n_embd))
+        if T == 0:
+            return out
+        sel = self.empty((T, k), np.int32)
+        w = self.empty((T, k))
+        lb, lo = self._bind(logits)
+        self.rt.dispatch("moe_route", [lb, self._bind(sel)[0], self._bind(w)[0]],
+                         _u32(T, n_exp, k, 1 if norm_w else 0) + struct.pack("<f", w_scale) + _u32(lo),
+                         self.rt.groups_1d(-(-T // 64)), writes=(1, 2))
+        g = self._gemv_id(gate, sel, x, k)
+        u = self._gemv_id(up, sel, x, k)
+        h = self._binary(g, u, _OP_GELU_MUL if act == "gelu_tanh" else _OP_SILU_MUL)
+        y = self._gemv_id(down, sel, h, 1)
+        ds = self._f32(down_scale) if down_scale is not None else w
+        self.rt.dispatch("moe_combine", [self._bind(y)[0], self._bind(w)[0], self._bind(sel)[0], self._bind(ds)[0],
+                                         self._bind(out)[0]], _u32(T, k, n_embd, 1 if down_scale is not None else 0),
+                         self.rt.groups_1d(-(-T * n_embd // 256)), writes=(4,))
+        return out
+
+    def _gemv_id(self, w: QExperts, ids: VkTensor, x: VkTensor, x_div: int) -> VkTensor:
+        """Pair p of ``ids`` (int32, ``P`` entries): ``w[ids[p]] @ x[p // x_div]`` -> ``[P, rows]``
+        float32 (``mul_mat_vec_id_<type>``), per expert part, in windows of <= 65535 pairs."""
+        P = ids.size
+        n_exp, rows, cols = w.shape
+        y = self.empty((P, rows))
+        xb, xo = self._bind(x)
+        ib, io = self._bind(ids)
+        if xo or io:
+            raise ValueError("moe: unaligned tensor")
+        lanes = self.gemv_lanes
+        rpi = 4 if lanes == 1 else 1
+        gx, gy, _ = self.rt.groups_1d(-(-rows * lanes // (128 * rpi)))
+        shader = "mul_mat_vec_id_" + QTYPE_NAMES[w.ggml_type]
+        for e0, n_e, a in w.parts:
+            wb = (a, 0, min(a.size, -(-(n_e * w.expert_bytes) // 4) * 4 + 4))
+            step = 65535 - 65535 % x_div  # windows start at a token's first pair
+            for p0 in range(0, P, step):
+                p1 = min(P, p0 + step)
+                yb, yo = self._bind(y, p0 * rows * 4, p1 * rows * 4)
+                push = _u32(cols, rows, w.row_bytes, p1 - p0, xo + p0 // x_div * cols, yo, rows, 0,
+                            w.expert_bytes, w.row0 * w.row_bytes, p0, x_div, e0, n_e)
+                self.rt.dispatch(shader, [wb, xb, yb, ib], push, (gx, gy, p1 - p0), writes=(2,),
+                                 spec=(lanes, 1, rpi))
+        return y
 
     @_taped
     def get_rows(self, table, ids):
