@@ -36,6 +36,8 @@ def variants() -> dict[str, tuple[str, dict[str, str]]]:
     out["attn_any"] = ("attn.comp", {"KV_ANY": "1"})  # any KV tier per half (kv_quant.glsl codes)
     out["moe_route"] = ("moe.comp", {"MOE_ROUTE": "1"})
     out["moe_combine"] = ("moe.comp", {})
+    out["ssm_conv"] = ("recurrent.comp", {"SSM_CONV": "1"})
+    out["gated_delta_net"] = ("recurrent.comp", {})
     for src in ("copy_rows", "rms_norm", "rope", "unary", "binary", "attn_merge", "kv_store"):
         out[src] = (f"{src}.comp", {})
     return out

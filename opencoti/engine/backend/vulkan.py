@@ -71,11 +71,18 @@ _KV_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
 # KV tiers with kernels here -> their code in kv_quant.glsl (kv_store.comp, attn.comp KV_ANY)
 KV_TIER_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q6_0": 4, "q5_1": 5, "q5_0": 6, "q4_0": 7}
 _OP_ADD, _OP_MUL, _OP_GELU_MUL, _OP_SILU_MUL = 0, 1, 2, 3
-_U_SCALE, _U_GELU, _U_SILU = 0, 1, 2
+_U_SCALE, _U_GELU, _U_SILU, _U_SIGMOID, _U_SOFTPLUS = 0, 1, 2, 3, 4
+SSM_MAX_CONV = 8  # ssm_conv kernel taps (recurrent.comp KMAX)
+GDN_MAX_DK = 256  # gated_delta_net key head size (recurrent.comp DKMAX)
 
 
 def _u32(*v) -> bytes:
     return struct.pack(f"<{len(v)}I", *v)
+
+
+def _is_rs(plan) -> bool:
+    """Whether a ubatch plan is a recurrent-state plan (``recurrent_state.RSPlan``), not a KV one."""
+    return hasattr(plan, "fresh")
 
 
 class _NotCapturable(RuntimeError):
@@ -271,6 +278,36 @@ class QTensor:
     def nbytes(self) -> int:
         return self.shape[0] * self.row_bytes
 
+    def reshape(self, *shape) -> "QTensor":
+        """The same weight when ``shape`` is its own (``(1, -1)`` of a one-row matrix); other
+        shapes raise ``NotImplementedError`` (blocks do not reshape)."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if len(shape) == 2 and shape.count(-1) <= 1:
+            n = math.prod(self.shape)
+            want = tuple(n // max(1, math.prod(v for v in shape if v != -1)) if v == -1 else v for v in shape)
+            if want == self.shape:
+                return self
+        raise NotImplementedError(f"QTensor {self.shape} cannot be reshaped to {shape}")
+
+
+class _VkXp:
+    """``tile`` / ``repeat`` over the head axis of ``[T, n, d]`` device tensors (what the hybrid
+    models' head broadcast needs of an array module)."""
+
+    def __init__(self, be):
+        self.be = be
+
+    def tile(self, x, reps):
+        if len(reps) != 3 or reps[0] != 1 or reps[2] != 1:
+            raise NotImplementedError(f"tile {reps}: only (1, r, 1)")
+        return self.be.tile_heads(x, int(reps[1]), False)
+
+    def repeat(self, x, r: int, axis: int):
+        if axis != 1:
+            raise NotImplementedError("repeat: only axis 1")
+        return self.be.tile_heads(x, int(r), True)
+
 
 class QExperts:
     """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the device in its block format.
@@ -427,6 +464,8 @@ class VulkanBackend:
                 host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
             elif kind == "meta":
                 host = self._meta_host(ub.plans[slot[1]], slot[2], slot[3])[0]
+            elif kind == "rs":
+                host = self._rs_host(ub.plans[slot[1]])
             else:
                 host = self._rope_host(ub.pos, *slot[1:])
             if host.nbytes != t.nbytes:
@@ -449,8 +488,10 @@ class VulkanBackend:
         T = ub.n_tokens
         if not self.graphs or T > GEMV_MAX_TOKENS or len(ub.out_rows) == 0 or self._mode is not None:
             return forward()
-        tot = [sum(len(v.cells) for v in p.views) for p in ub.plans]
-        caps = [max(self.graph_min_cells, 1 << max(0, t - 1).bit_length()) for t in tot]
+        # KV plans: cell lists padded to a bucket; a recurrent plan (hybrid models): cap 0 (its
+        # index arrays have a fixed size for a given row and view count)
+        tot = [sum(len(v.cells) for v in p.views) if not _is_rs(p) else -1 for p in ub.plans]
+        caps = [max(self.graph_min_cells, 1 << max(0, t - 1).bit_length()) if t >= 0 else 0 for t in tot]
         key = (T, len(ub.out_rows), tuple((len(p.views), c) for p, c in zip(ub.plans, caps)),
                self.gemv_lanes, self.gemv_max_tokens, self.attn_target_groups)
         g = graphs.get(key)
@@ -802,6 +843,14 @@ class VulkanBackend:
     @_taped
     def rms_norm(self, x, w, eps: float):
         """RMSNorm over the last axis, times ``w`` if given (same shape as ``x``)."""
+        return self._norm(x, w, eps, 0)
+
+    @_taped
+    def l2_norm(self, x, eps: float):
+        """``x / max(||x||_2, eps)`` over the last axis (ggml_l2_norm)."""
+        return self._norm(x, None, eps, 1)
+
+    def _norm(self, x, w, eps: float, l2: int):
         x = self._f32(x)
         n = x.shape[-1]
         rows = x.size // n
@@ -811,7 +860,7 @@ class VulkanBackend:
         yb, yo = self._bind(y)
         if xo or yo:
             raise ValueError("rms_norm: unaligned tensor")
-        push = _u32(n, rows, 1 if w is not None else 0) + struct.pack("<f", eps)
+        push = _u32(n, rows, 1 if w is not None else 0) + struct.pack("<f", eps) + _u32(l2)
         self.rt.dispatch("rms_norm", [xb, self._bind(wt)[0], yb], push, self.rt.groups_1d(rows), writes=(2,))
         return y
 
@@ -836,6 +885,9 @@ class VulkanBackend:
     def _binary(self, a, b, op: int):
         a, b = self._f32(a), self._f32(b)
         n, m = a.size, b.size
+        div = 1
+        if b.ndim >= 2 and b.shape[-1] == 1 and a.ndim == b.ndim and a.shape[:-1] == b.shape[:-1] and a.shape[-1] > 1:
+            div = a.shape[-1]  # b [..., 1]: one value per row of a
         if m == 0 or n % m:
             raise ValueError(f"cannot broadcast {b.shape} over {a.shape}")
         y = self.empty(a.shape)
@@ -843,7 +895,7 @@ class VulkanBackend:
         bb, bo = self._bind(b)
         if ao or bo:
             raise ValueError("unaligned tensor")
-        self.rt.dispatch("binary", [ab, bb, self._bind(y)[0]], _u32(n, m, op),
+        self.rt.dispatch("binary", [ab, bb, self._bind(y)[0]], _u32(n, m, op, div),
                          self.rt.groups_1d(-(-n // 256)), writes=(2,))
         return y
 
@@ -873,6 +925,47 @@ class VulkanBackend:
     def silu(self, x):
         """x * sigmoid(x)."""
         return self._unary(x, _U_SILU)
+
+    @_taped
+    def sigmoid(self, x):
+        """Logistic function (ggml_sigmoid), overflow-free."""
+        return self._unary(x, _U_SIGMOID)
+
+    @_taped
+    def softplus(self, x):
+        """``ln(1 + e^x)`` (ggml_softplus), overflow-free."""
+        return self._unary(x, _U_SOFTPLUS)
+
+    @_taped
+    def slice_last(self, x: VkTensor, sl: slice) -> VkTensor:
+        """``x[..., a:b]`` (step 1) as a new contiguous tensor (the column split of the hybrid
+        models' fused projections)."""
+        n = x.shape[-1]
+        a, b, step = sl.indices(n)
+        if step != 1:
+            raise NotImplementedError("VkTensor slices need step 1")
+        b = max(a, b)
+        rows = x.size // max(n, 1)
+        out = self.empty(x.shape[:-1] + (b - a,), x.dtype)
+        if rows and b > a:
+            src = VkTensor(self, x.alloc, (x.size - a,), x.dtype, x.offset + a * x.dtype.itemsize)
+            self._copy_rows(src, out, b - a, rows, None, None, n, b - a)
+        return out
+
+    @_taped
+    def tile_heads(self, x: VkTensor, r: int, grouped: bool) -> VkTensor:
+        """``x [T, n, d]`` -> ``[T, n * r, d]``: head j is head ``j % n`` (NumPy ``tile(x, (1, r,
+        1))``) or, ``grouped``, head ``j // r`` (``repeat(x, r, axis=1)``)."""
+        T, n, d = x.shape
+        j = np.arange(n * r)
+        src = (np.arange(T)[:, None] * n + (j // r if grouped else j % n)[None, :]).astype(np.int32).reshape(-1)
+        return self.gather_rows(x.reshape(T * n, d), self.asarray(src)).reshape(T, n * r, d)
+
+    @property
+    def xp(self):
+        """The two array functions the architectures call on activations (``tile``,
+        ``repeat`` along the head axis), for device tensors."""
+        return _VkXp(self)
 
     # -- rope -----------------------------------------------------------------------------
     @staticmethod
@@ -935,6 +1028,117 @@ class VulkanBackend:
         self.rt.dispatch("rope", [xb, self._bind(cs)[0], self._bind(y)[0]], push,
                          self.rt.groups_1d(-(-(T * H * (D // 2)) // 256)), writes=(2,))
         return y
+
+    # -- recurrent layers (gated delta-net) --------------------------------------------------
+    @staticmethod
+    def _rs_host(plan) -> np.ndarray:
+        """A recurrent-state plan (``recurrent_state.RSPlan``) as int32: ``view_off [n_views +
+        1]``, the views' rows concatenated, ``slots [n_views]``."""
+        off = np.zeros(len(plan.views) + 1, dtype=np.int64)
+        off[1:] = np.cumsum([len(v.rows) for v in plan.views])
+        rows = (np.concatenate([np.asarray(v.rows, dtype=np.int64) for v in plan.views]) if plan.views
+                else np.zeros(0, np.int64))
+        slots = np.asarray([v.slot for v in plan.views], dtype=np.int64)
+        return np.concatenate([off, rows, slots, np.zeros(1, np.int64)]).astype(np.int32)
+
+    def _rs_meta(self, plan):
+        """Device copy of ``_rs_host(plan)`` (once per ubatch; a graph input while recording)
+        and the offsets of its three parts: ``(tensor, vo_off, rw_off, sl_off)`` in elements."""
+        hit = self._meta.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        host = self._rs_host(plan)
+        if self._mode == "capture":
+            idx = next((i for i, q in enumerate(self._ub.plans) if q is plan), None) if self._ub else None
+            if idx is None:
+                raise _NotCapturable("a recurrent plan outside the ubatch")
+            buf = self._input(host, ("rs", idx))
+        else:
+            buf = self.asarray(host)
+        nv = len(plan.views)
+        nr = int(sum(len(v.rows) for v in plan.views))
+        m = (buf, 0, nv + 1, nv + 1 + nr)
+        self._meta[id(plan)] = (plan, m)
+        return m
+
+    def _state(self, a, what: str) -> VkTensor:
+        if not isinstance(a, VkTensor) or a.dtype != np.float32:
+            raise ValueError(f"{what}: the recurrent state must be a float32 device tensor")
+        return a
+
+    @_taped
+    def ssm_conv(self, x, conv_states, w, plan):
+        """Short causal depthwise convolution with a per-sequence carry (``CPUBackend.ssm_conv``).
+
+        x: ``[T, C]`` float32; conv_states: the layer's store float32 ``[n_seq_max, K-1, C]``,
+        updated in place; w: ``[C, K]`` (a float ``VkTensor``, or the F32 ``QTensor`` that
+        ``load_weight`` makes of it, rows zero-padded; K <= ``SSM_MAX_CONV``); plan:
+        ``recurrent_state.RSPlan``. One invocation per (sequence, channel) walks that
+        sequence's rows in order. Returns y ``[T, C]`` float32 (no activation)."""
+        x = self._f32(x)
+        self._state(conv_states, "ssm_conv")
+        T, C = x.shape
+        if isinstance(w, QTensor):
+            if w.ggml_type != 0 or len(w.parts) != 1:
+                raise NotImplementedError("ssm_conv: the conv weight must be F32")
+            K, stride = w.shape[1], w.kpad
+            wt = VkTensor(self, w.parts[0][2], (w.shape[0], w.kpad), np.float32)
+        else:
+            wt = self._f32(w)
+            K, stride = wt.shape[1], wt.shape[1]
+        if w.shape[0] != C or not 1 <= K <= SSM_MAX_CONV or tuple(conv_states.shape[1:]) != (K - 1, C):
+            raise ValueError(f"ssm_conv: x {x.shape}, w {w.shape}, state {conv_states.shape} do not fit "
+                             f"(at most {SSM_MAX_CONV} taps)")
+        y = self.empty((T, C))
+        if T == 0 or not plan.views:
+            return y
+        mt, vo, rw, sl = self._rs_meta(plan)
+        mb, mo = self._bind(mt)
+        xb, xo = self._bind(x)
+        sb, so = self._bind(conv_states)
+        wb, wo = self._bind(wt)
+        yb, yo = self._bind(y)
+        if yo:
+            raise ValueError("ssm_conv: unaligned output")
+        self.rt.dispatch("ssm_conv", [xb, sb, wb, mb, yb],
+                         _u32(C, K, stride, vo + mo, rw + mo, sl + mo, xo, wo, so),
+                         (len(plan.views), -(-C // 128), 1), writes=(1, 4))
+        return y
+
+    @_taped
+    def gated_delta_net(self, q, k, v, g, beta, ssm_states, plan, scale: float):
+        """Gated delta rule over each sequence of the ubatch (``CPUBackend.gated_delta_net``).
+
+        q, k: ``[T, H, d_k]`` float32 (L2-normalised; d_k <= ``GDN_MAX_DK``); v: ``[T, H, d_v]``;
+        g (log decay), beta: ``[T, H]``; ssm_states: the layer's store float32 ``[n_seq_max,
+        H, d_k, d_v]``, updated in place; plan: ``RSPlan``. Sequential over each sequence's
+        tokens (workgroups: sequence x head x 64 value columns, a state column per
+        invocation in registers): the CPU's chunked form gives the same result up to
+        rounding. Returns ``[T, H, d_v]`` float32."""
+        q, k, v, g, beta = (self._f32(a) for a in (q, k, v, g, beta))
+        self._state(ssm_states, "gated_delta_net")
+        T, H, dk = q.shape
+        dv = v.shape[-1]
+        if (tuple(k.shape) != tuple(q.shape) or tuple(v.shape[:2]) != (T, H) or g.size != T * H
+                or beta.size != T * H or tuple(ssm_states.shape[1:]) != (H, dk, dv)):
+            raise ValueError(f"gated_delta_net: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+                             f"beta {beta.shape}, state {ssm_states.shape} do not fit")
+        if dk > GDN_MAX_DK:
+            raise NotImplementedError(f"gated_delta_net: key head dim {dk} > {GDN_MAX_DK}")
+        out = self.empty((T, H, dv))
+        if T == 0 or not plan.views:
+            return out
+        mt, vo, rw, sl = self._rs_meta(plan)
+        mb, mo = self._bind(mt)
+        bq, bk, bv, bg, bb, bs = (self._bind(a) for a in (q, k, v, g, beta, ssm_states))
+        ob, oo = self._bind(out)
+        if oo:
+            raise ValueError("gated_delta_net: unaligned output")
+        push = _u32(H, dk, dv, vo + mo, rw + mo, sl + mo, bq[1], bk[1], bv[1], bg[1], bb[1], bs[1]) \
+            + struct.pack("<f", scale)
+        self.rt.dispatch("gated_delta_net", [bq[0], bk[0], bv[0], bg[0], bb[0], bs[0], mb, ob], push,
+                         (len(plan.views), H, -(-dv // 64)), writes=(5, 7))
+        return out
 
     # -- KV cache + attention ---------------------------------------------------------------
     @staticmethod
