@@ -14,16 +14,29 @@ live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
   drivers, where the GEMV (8 rows per workgroup) is faster at any count. Types: F32,
   F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 - ``attention_cells``: split-K online-softmax attention reading the KV storage
-  (f16 or f32) through the cache plan's per-sequence cell lists (``attn.comp``);
-  causal and sliding-window masks, softcap, GQA, head size up to 512.
+  through the cache plan's per-sequence cell lists (``attn.comp``); causal and
+  sliding-window masks, softcap, GQA, head size up to 512. KV tiers (``kv_types``):
+  f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, any per half: f16 or f32 K and V
+  of one type use their own variants; every other choice ``attn_any``, which
+  dequantizes each half's tier in registers. ``kv_write`` quantizes on the device
+  to exactly the bytes of the tier's reference ``quantize`` (``kv_store.comp``:
+  division by integer long division, expressions without contraction). The
+  rotated tiers (turbo*, *_tcq) have no kernels: the runner refuses them at boot.
 - ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases,
   YaRN, the fused per-head q/k norm) rotates with a (cos, sin) table the host
   computes in float64 per ubatch, as the CPU backend does; ``rms_norm``,
-  ``add_rms_norm``, ``gelu_tanh``, ``silu``, gated FFN, add / mul / scale,
-  ``kv_write`` (rounding to f16 as NumPy does).
-- Architectures: llama, qwen2 (incl. YaRN), qwen3, gemma3, gemma4 dense and
-  E-series. Models that need ops this backend lacks (routed-expert MoE, the
-  gated delta-net of Qwen3.5 / Qwen3-next) are refused at load, naming them.
+  ``add_rms_norm``, ``l2_norm``, ``gelu_tanh``, ``silu``, ``sigmoid``, ``softplus``,
+  gated FFN, add / mul / scale.
+- Mixture of experts (``moe_ffn``, ``moe_ffn_gate_up``): 3-D expert tensors stay in
+  their block format (``QExperts``); routing (softmax, top-k) and the weighted sum
+  run on the device (``moe.comp``), every (token, slot) pair through an expert GEMV
+  that reads its expert by the routed id (``mul_mat_vec.comp`` MUL_MAT_ID): no host
+  sync, so decode graphs hold MoE layers; a prefill runs T*k GEMV rows (no grouped GEMM).
+- Gated delta-net layers of the hybrid models (``ssm_conv``, ``gated_delta_net``,
+  ``recurrent.comp``), per-sequence states on the device, updated in place, one
+  token after another per sequence.
+- Architectures: llama, qwen2 (incl. YaRN), qwen3, gemma3, gemma4 dense, E-series
+  and MoE, qwen35, qwen35moe, qwen3next.
 
 Activations are ``VkTensor`` (float32, row-major ``[n_tokens, n]``) and stay on
 the device; the arithmetic the architectures write (``x + h``, ``x * c``,
@@ -31,12 +44,16 @@ the device; the arithmetic the architectures write (``x + h``, ``x * c``,
 one command buffer and submitted when the logits are read (``to_host``).
 KV storage (``zeros``) is a ``VkTensor`` too; indexing it with
 ``[stream, cells]`` reads those cells back to the host and assigning writes them
-(the rare K-shift and cross-stream ``seq_cp`` paths).
+(the rare K-shift and cross-stream ``seq_cp`` paths; cells of a quantized tier
+whose rows end mid-word go through a host copy of the layer). ``t[i]`` is a view
+of row i (recurrent state slots: zeroed, copied on the device); ``t[..., a:b]``
+copies a column range (the hybrid models' fused projections).
 
 Decode steps (ubatches of up to ``GEMV_MAX_TOKENS`` rows) are recorded once per
 shape into a reusable command buffer and replayed (``run_graph``, as the CUDA
 backend's graphs): per step only the inputs are written (token ids, positions,
-cell lists padded to a power-of-two bucket >= 256, rope tables) and the buffer
+cell lists padded to a power-of-two bucket >= 256, rope tables, a hybrid model's
+recurrent plan: rows and state slots) and the buffer
 is submitted, so the Python cost of recording ~370 dispatches is paid once per
 shape. ``OPENCOTI_VK_GRAPHS=0`` turns this off.
 
@@ -45,7 +62,8 @@ its complete cell list (``view.cells``), which is exact.
 
 Errors: ``VulkanUnavailable`` from the registry's creator when the package,
 loader, driver or device is missing; ``NotImplementedError`` for a weight type,
-head size or shape without a shader; ``ValueError`` for mismatched shapes.
+head size or shape without a shader; ``ValueError`` for mismatched shapes and
+for a KV tier outside ``kv_types`` (the runner checks that at boot).
 """
 
 from __future__ import annotations
