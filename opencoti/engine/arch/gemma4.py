@@ -382,7 +382,7 @@ class Gemma4(DecoderModel):
             B.kv_write(cache, il, plan, k, v)
         n_swa = hp.n_swa if hp.swa_layers[il] else 0
         out = B.attention_cells(q, ub.pos, cache.k[src], cache.v[src], plan, hp.attention_scale, n_swa,
-                                hp.attn_logit_softcapping)
+                                hp.attn_logit_softcapping, type_k=cache.tier_k, type_v=cache.tier_v)
         return B.mul_mat(out, L.wo)
 
     def shift_k(self, cache, stream: int, cells: np.ndarray, delta: np.ndarray) -> None:
@@ -390,6 +390,6 @@ class Gemma4(DecoderModel):
         B = self.backend
         for il in cache.layers:
             n_rot, base, scale, ff = self.rope_layer(il)
-            k = cache.k[il][stream, cells].astype(np.float32)
+            k = cache.read_k(il, stream, cells)
             k = B.rope(k, delta, n_rot, base, scale, self.rope_type, ff)
-            cache.k[il][stream, cells] = k.astype(cache.k[il].dtype)
+            cache.store_k(il, stream, cells, k)

@@ -310,7 +310,8 @@ class Qwen35(DecoderModel):
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]
         B.kv_write(cache, il, plan, k, v)
-        out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan, hp.attention_scale, 0, 0.0)
+        out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan, hp.attention_scale, 0, 0.0,
+                                type_k=cache.tier_k, type_v=cache.tier_v)
         return B.mul_mat(out * B.sigmoid(gate), L.wo)
 
     def ffn(self, L: HybridLayer, h: np.ndarray) -> np.ndarray:
