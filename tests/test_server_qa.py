@@ -1,0 +1,87 @@
+"""QA leftovers on the real server (gemma-3-270m, CPU), over real sockets:
+malformed HTTP framing, sampler fields, and /metrics after a dropped stream."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from opencoti.http.server import MAX_BODY_BYTES, make_server, start_in_thread, stop_server
+from opencoti.params import Params
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    from opencoti.model.loader import load_model
+
+    params = Params(model=model_path, n_ctx=1024, n_parallel=2, port=0, endpoint_metrics=True)
+    model = load_model(model_path, params)
+    httpd, engine = make_server(model, params)
+    start_in_thread(httpd)
+    yield {"port": httpd.server_address[1], "engine": engine, "base": f"http://127.0.0.1:{httpd.server_address[1]}"}
+    stop_server(httpd, engine)
+
+
+def raw_exchange(port: int, data: bytes) -> tuple[bytes, dict, bytes]:
+    """Send ``data`` on a fresh connection and read until the server closes it.
+    Returns (status line, headers with lower-case names, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        got = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.decode("latin-1").partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return lines[0], headers, body
+
+
+def assert_json_error(status_line: bytes, headers: dict, body: bytes, status: int) -> dict:
+    assert status_line.startswith(b"HTTP/1.1 %d " % status), status_line
+    assert headers["content-type"].startswith("application/json")
+    assert headers["connection"] == "close"
+    assert int(headers["content-length"]) == len(body)
+    err = json.loads(body)["error"]
+    assert err["code"] == status and err["type"] == "invalid_request_error" and err["message"]
+    return err
+
+
+# -- 2. Content-Length --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["-5", "abc", "+5", "5_0", "1e3", "0x10"])
+def test_bad_content_length_is_json_400(server, value):
+    st, h, body = raw_exchange(server["port"], b"POST /completion HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Type: application/json\r\nContent-Length: %s\r\n\r\n{}" % value.encode())
+    err = assert_json_error(st, h, body, 400)
+    assert "Content-Length" in err["message"] and value in err["message"]
+
+
+def test_body_over_the_limit_is_json_413(server):
+    st, h, body = raw_exchange(server["port"], b"POST /completion HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Length: %d\r\n\r\n{}" % (MAX_BODY_BYTES + 1))
+    err = assert_json_error(st, h, body, 413)
+    assert "too large" in err["message"]
+
+
+# -- 3. garbage request lines -------------------------------------------------------------------
+
+@pytest.mark.parametrize("line", [b"GARBAGE", b"GET /health", b"GET / HTTP/1.1 extra", b"GET /health FOO/1.0"])
+def test_garbage_request_line_is_http11_json_400(server, line):
+    st, h, body = raw_exchange(server["port"], line + b"\r\n\r\n")
+    assert_json_error(st, h, body, 400)
+
+
+def test_server_fine_after_malformed_requests(server):
+    raw_exchange(server["port"], b"GARBAGE\r\n\r\n")
+    r = httpx.get(server["base"] + "/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
