@@ -85,3 +85,50 @@ def test_server_fine_after_malformed_requests(server):
     raw_exchange(server["port"], b"GARBAGE\r\n\r\n")
     r = httpx.get(server["base"] + "/health", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+# -- 4. sampler fields: top_n_sigma is applied, samplers is the chain ---------------------------
+
+def _complete(base: str, **body):
+    r = httpx.post(base + "/completion", json={"prompt": "The capital of France is", "n_predict": 6,
+                                                "ignore_eos": True, "return_tokens": True, **body}, timeout=120)
+    return r.status_code, r.json()
+
+
+def test_top_n_sigma_is_applied(server):
+    base = server["base"]
+    st, greedy = _complete(base, temperature=0)
+    assert st == 200
+    # a hot temperature, but a cut at max - 1e-4 * sigma leaves only the best token: greedy output
+    for seed in (1, 2, 3):
+        st, out = _complete(base, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, top_n_sigma=1e-4, seed=seed)
+        assert st == 200 and out["tokens"] == greedy["tokens"], seed
+        assert out["generation_settings"]["top_n_sigma"] == 1e-4
+    # post-sampling probabilities show the cut: one candidate with probability 1
+    st, out = _complete(base, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, top_n_sigma=1e-4, n_probs=3,
+                        post_sampling_probs=True, n_predict=1)
+    assert st == 200
+    top = out["completion_probabilities"][0]["top_probs"]
+    assert len(top) == 1 and top[0]["prob"] == pytest.approx(1.0)
+    st, err = _complete(base, top_n_sigma="x")
+    assert st == 400 and "top_n_sigma" in err["error"]["message"]
+
+
+def test_samplers_list_and_letters(server, caplog):
+    import logging
+
+    base = server["base"]
+    with caplog.at_level(logging.WARNING, logger="opencoti.http"):
+        st, out = _complete(base, temperature=0, samplers=["top_k", "bogus", "temperature"])
+    assert st == 200 and out["generation_settings"]["samplers"] == ["top_k", "temperature"]
+    assert any("'bogus'" in r.getMessage() and "left out of the chain" in r.getMessage() for r in caplog.records)
+    st, greedy = _complete(base, temperature=0)
+    assert out["tokens"] == greedy["tokens"]  # top_k + greedy temperature: the greedy tokens
+    st, out = _complete(base, temperature=0, samplers="ekzt")  # z: unknown letter, dropped
+    assert st == 200 and out["generation_settings"]["samplers"] == ["penalties", "top_k", "temperature"]
+    st, out = _complete(base, temperature=0)
+    assert out["generation_settings"]["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p",
+                                                      "min_p", "temperature"]
+    for bad in (["infill"], "a", [1], {"x": 1}):
+        st, err = _complete(base, samplers=bad)
+        assert st == 400 and err["error"]["type"] == "invalid_request_error", bad
