@@ -132,3 +132,70 @@ def test_samplers_list_and_letters(server, caplog):
     for bad in (["infill"], "a", [1], {"x": 1}):
         st, err = _complete(base, samplers=bad)
         assert st == 400 and err["error"]["type"] == "invalid_request_error", bad
+
+
+# -- 5. /metrics count what ran, also for a client that left mid-stream --------------------------
+
+def scrape(base: str) -> dict:
+    r = httpx.get(base + "/metrics", timeout=30)
+    assert r.status_code == 200
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in r.text.splitlines() if not ln.startswith("#")}
+
+
+def test_metrics_count_a_cancelled_stream(server):
+    base, engine = server["base"], server["engine"]
+    tok = engine.model.tokenizer.tokenize("Once upon a time", add_special=True)
+    before = scrape(base)
+    sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=120)
+    data = json.dumps({"prompt": tok, "n_predict": 400, "ignore_eos": True, "temperature": 0, "id_slot": 0,
+                       "cache_prompt": False, "stream": True}).encode()
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    got = b""
+    while got.count(b"data: ") < 3:  # a few tokens streamed
+        chunk = sock.recv(4096)
+        assert chunk, got
+        got += chunk
+    sock.close()  # the client goes away mid-stream
+    deadline = time.time() + 60
+    after = scrape(base)
+    while time.time() < deadline and after["opencoti:requests_total"] == before["opencoti:requests_total"]:
+        time.sleep(0.05)
+        after = scrape(base)
+    slot = engine.slots[0]
+    assert not slot.busy
+    n_gen = slot.n_decoded
+    assert 3 <= n_gen < 390  # it ran, and it was stopped early
+    assert after["opencoti:requests_total"] - before["opencoti:requests_total"] == 1
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == n_gen
+    assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == len(tok)
+    # a normal request after it is counted once, as before
+    r = httpx.post(base + "/completion", json={"prompt": tok, "n_predict": 2, "temperature": 0, "ignore_eos": True,
+                                               "cache_prompt": False}, timeout=120)
+    assert r.status_code == 200
+    last = scrape(base)
+    assert last["opencoti:requests_total"] - after["opencoti:requests_total"] == 1
+    assert last["llamacpp:tokens_predicted_total"] - after["llamacpp:tokens_predicted_total"] == 2
+
+
+def test_cancel_during_prefill_counts_only_evaluated_prompt_tokens():
+    """Slot bookkeeping: a request finished while its prompt is still being prefilled
+    reports the prompt tokens that went into the KV, not the whole prompt."""
+    from opencoti.engine.api import CompletionRequest, FinishEvent, RequestHandle
+    from opencoti.engine.slot import Slot, SlotState
+
+    h = RequestHandle(CompletionRequest(list(range(100)), n_predict=5))
+    seen = []
+    h.on_finish(seen.append)
+    s = Slot(0, 512)
+    s.start(h, 10, sampler=None, decoder=None)  # 10 tokens from the prompt cache
+    s.n_past = 42  # two chunks of 16 evaluated
+    assert s.state is SlotState.PROMPT
+    ev = s.finish("limit")
+    assert ev.timings["prompt_n"] == 32 and ev.timings["cache_n"] == 10 and ev.timings["predicted_n"] == 0
+    assert seen == [ev]  # the hook saw it once, before any reader
+    h.push(FinishEvent(stop_type="limit"))  # a second final event is not accounted again
+    assert seen == [ev]
+    late = []
+    h.on_finish(late.append)  # registered after the finish: called at once
+    assert late == [ev]

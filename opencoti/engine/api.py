@@ -15,7 +15,7 @@ import math
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 
 @dataclass
@@ -212,10 +212,32 @@ class RequestHandle:
         self.sessions_remaining: Optional[int] = None  # settled admission's headroom (X-Sessions-Remaining)
         self._queue: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
+        self._finish_lock = threading.Lock()
+        self._finished: Optional["FinishEvent"] = None
+        self._on_finish: Optional[Callable[["FinishEvent"], None]] = None
 
     # engine side
     def push(self, event: Event) -> None:
+        if isinstance(event, FinishEvent):
+            with self._finish_lock:
+                first, fn = self._finished is None, self._on_finish
+                if first:
+                    self._finished = event
+            if first and fn is not None:
+                _call_hook(fn, event)
         self._queue.put(event)
+
+    def on_finish(self, fn: Callable[["FinishEvent"], None]) -> None:
+        """Call ``fn(finish_event)`` once when the request finishes, whether or not
+        anyone still reads the events (a cancelled request's FinishEvent carries
+        what it ran: server metrics count it). Runs on the pushing thread (the
+        engine's) before the event is queued, or at once if it already finished.
+        Exceptions from ``fn`` are logged, never raised into the engine."""
+        with self._finish_lock:
+            self._on_finish = fn
+            done = self._finished
+        if done is not None:
+            _call_hook(fn, done)
 
     @property
     def cancelled(self) -> bool:
@@ -231,3 +253,12 @@ class RequestHandle:
             yield ev
             if isinstance(ev, (FinishEvent, ErrorEvent)):
                 return
+
+
+def _call_hook(fn, event) -> None:
+    try:
+        fn(event)
+    except Exception:  # a front end's bookkeeping must not fail the engine thread
+        import logging
+
+        logging.getLogger("opencoti.engine").exception("finish hook failed")

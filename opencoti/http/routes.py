@@ -583,7 +583,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     if not opts.stream:
         results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
                                    n_top=opts.n_probs, want_probs=want_probs,
-                                   post_sampling=opts.post_sampling_probs, on_finish=state.on_finish)
+                                   post_sampling=opts.post_sampling_probs)
         objs = [completion_final_json(state, r, parsed, False, i) for i, r in enumerate(results)]
         return Response(objs[0] if len(objs) == 1 else objs, headers=gen.admission_headers(handles))
 
@@ -596,7 +596,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     n_prompt = len(handle.request.prompt_tokens)
 
     collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
-                              opts.post_sampling_probs, lambda ev: state.on_finish(handle.request, ev))
+                              opts.post_sampling_probs)
 
     def render(ev) -> Iterator[bytes]:
         if isinstance(ev, TokenEvent):
