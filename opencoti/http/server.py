@@ -113,9 +113,23 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.state.params.verbose:
             _log("srv  %s - %s" % (self.address_string(), format % args))
 
+    def parse_request(self) -> bool:
+        """The stdlib parser, minus HTTP/0.9: a request line without a version
+        (``GET /``) gets a 400, as llama.cpp's httplib answers any request line
+        that is not ``METHOD TARGET HTTP/1.x``."""
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":
+            self.send_error(400, f"Bad request line {self.requestline!r}: expected METHOD TARGET HTTP/1.1")
+            return False
+        return True
+
     # stdlib parse errors (bad request line, headers too long...) answer in JSON too
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         self.close_connection = True
+        # the stdlib marks a request it could not parse as HTTP/0.9, which would make the
+        # reply a bare body without status line and headers: always answer HTTP/1.1
+        self.request_version = "HTTP/1.1"
         etype = {400: "invalid_request_error", 404: "not_found_error", 501: "not_supported_error"}.get(
             code, "server_error" if code >= 500 else "invalid_request_error")
         try:
@@ -170,7 +184,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(e.status, e.body(), e.headers)
 
     def _read_body(self) -> bytes:
-        """Read the whole request body (Content-Length or chunked). Raises HTTPError 400/413."""
+        """Read the whole request body (Content-Length or chunked). Raises HTTPError 400
+        (a negative or non-numeric Content-Length, a malformed chunk, a short body) or
+        413 (over ``MAX_BODY_BYTES``); both close the connection."""
         te = (self.headers.get("Transfer-Encoding") or "").lower()
         if "chunked" in te:
             parts, total = [], 0
@@ -194,12 +210,13 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if not length:
             return b""
-        try:
-            n = int(length)
-        except ValueError:
+        digits = length.strip()
+        # negative, signed, "5_0", not a number: 400 (as llama.cpp's httplib)
+        if not (digits.isascii() and digits.isdigit()):
             self.close_connection = True
-            raise HTTPError(400, "invalid_request_error", "invalid Content-Length") from None
-        if n < 0 or n > MAX_BODY_BYTES:
+            raise HTTPError(400, "invalid_request_error", f"invalid Content-Length {length!r}")
+        n = int(digits)
+        if n > MAX_BODY_BYTES:
             self.close_connection = True
             raise HTTPError(413, "invalid_request_error", "request body too large")
         data = self.rfile.read(n)
