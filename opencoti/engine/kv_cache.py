@@ -51,6 +51,12 @@ from opencoti.engine.recurrent_state import RecurrentState
 N_PAD = 256  # llama.cpp pads cache sizes to 256 cells
 
 
+
+def _one_row_each(seq_ids: np.ndarray) -> bool:
+    """True when no sequence id repeats in ``seq_ids`` (int ``[n]``): a decode step, whose
+    bookkeeping skips the grouping by sequence."""
+    return len(seq_ids) == 1 or len(set(seq_ids.tolist())) == len(seq_ids)
+
 class KVCacheFullError(RuntimeError):
     """No free cells for a ubatch; nothing was changed."""
 
@@ -312,9 +318,13 @@ class KVCache:
         """
         if self.n_swa <= 0 or len(seq_ids) == 0:
             return
-        seqs, inv = np.unique(np.asarray(seq_ids, dtype=np.int64), return_inverse=True)
-        p_min = np.full(len(seqs), np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(p_min, inv, np.asarray(pos, dtype=np.int64))
+        seq_ids, pos = np.asarray(seq_ids, dtype=np.int64), np.asarray(pos, dtype=np.int64)
+        if _one_row_each(seq_ids):  # a decode step: each sequence's one position is its minimum
+            seqs, p_min = seq_ids, pos
+        else:
+            seqs, inv = np.unique(seq_ids, return_inverse=True)
+            p_min = np.full(len(seqs), np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(p_min, inv, pos)
         p_end = p_min - self.n_swa + 1  # prune positions < p_end
         keep = p_end > 0
         seqs, p_end = seqs[keep], p_end[keep]
@@ -367,8 +377,13 @@ class KVCache:
         ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
-        seqs, inv = np.unique(seq_ids, return_inverse=True)
-        rows_of = np.split(np.argsort(inv, kind="stable"), np.cumsum(np.bincount(inv, minlength=len(seqs)))[:-1])
+        if _one_row_each(seq_ids):  # a decode step: row i is sequence seq_ids[i]'s only token
+            order = np.argsort(seq_ids, kind="stable")
+            seqs, rows_of = seq_ids[order], [order[i:i + 1] for i in range(len(order))]
+        else:
+            seqs, inv = np.unique(seq_ids, return_inverse=True)
+            rows_of = np.split(np.argsort(inv, kind="stable"),
+                               np.cumsum(np.bincount(inv, minlength=len(seqs)))[:-1])
         for s, rows in zip(seqs.tolist(), rows_of):  # the cached lists, before membership changes
             self.cells_of(s)
         self.seq[plan.stream, :, plan.cell] = False  # free cells: no members (kept for safety)

@@ -50,6 +50,10 @@ from opencoti.model.gguf_file import GGUFFile
 
 GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
 GEMV_TILE = 8
+# one-token GEMV over weights of at least this many elements: two rows per warp (gemv1r2_*),
+# the x loads shared by both rows; measured on the H200: 7B ffn_up 818 -> 1,141 GB/s, q/o
+# 611 -> 710, while the small matrices of a 270m model lose (fewer warps, longer chains)
+GEMV_RPW2_MIN_ELEMENTS = 4 << 20
 # From this many activation rows, mul_mat dequantizes the weight to f16 in a scratch buffer
 # and multiplies with cuBLAS (f16 inputs, f32 accumulate and output: tensor cores) instead of
 # the tiled GEMV, whose activation loads grow with the rows. Measured on the H200 (eager f16
@@ -299,9 +303,11 @@ class CUDABackend:
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
         y = cp.empty((n, rows), dtype=cp.float32)
-        fn = self._qfn("gemv1" if n == 1 else "gemv8", w)
-        wpr = _warps_per_row(rows, cols)
-        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (rows * wpr + 7) // 8), (256,),
+        rpw = 2 if n == 1 and rows * cols >= GEMV_RPW2_MIN_ELEMENTS else 1  # a warp's rows share x loads
+        fn = self._qfn("gemv8" if n > 1 else "gemv1r2" if rpw == 2 else "gemv1", w)
+        groups = (rows + rpw - 1) // rpw
+        wpr = _warps_per_row(groups, cols)
+        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (groups * wpr + 7) // 8), (256,),
            (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
         return y
 
