@@ -711,3 +711,193 @@ def test_new_arch_weights_on_device(new_arch_file, gpu):
     assert isinstance(down, QExperts) and down.shape == (8, 64, 32)
     np.testing.assert_array_equal(cp.asnumpy(gpu.dequantize(down[5])), g.dequantize("blk.0.ffn_down_exps.weight")[5])
     g.close()
+
+
+# ---------------------------------------------------------------------------------------
+# quantized KV tiers (issue 6 part 2): run with -k kv_tier
+# ---------------------------------------------------------------------------------------
+# Write kernels: the stored bytes equal KVTier.quantize bit for bit, every tier (the scalar
+# tiers follow ggml's rounding; turbo/tcq repeat turbo.rotate / tree_sum / trellis.py's float32
+# order and tie-breaking). Attention: the same bytes on both sides, so only float32 summation
+# order differs (and, for a rotated tier, the WHT in shared memory against the CPU's matmul
+# rotation): rtol 5e-4, atol 5e-5 of outputs of unit scale.
+from opencoti.engine.kv_tiers import TIER_NAMES, get_tier  # noqa: E402
+
+KV_TOL = dict(rtol=5e-4, atol=5e-5)
+
+
+def _kv_rows(rng, shape):
+    """float32 K/V rows with the cases that decide rounding: a zero row, a row with a repeated
+    largest magnitude (signed-absmax ties), one with an outlier, the rest Gaussian."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0, 0] = 0.0
+    if shape[0] > 1:
+        x[1, 0, :] = np.where(np.arange(shape[-1]) % 5 == 0, -2.5, 1.0).astype(np.float32)
+        x[1, 0, 3] = 2.5
+    if shape[0] > 2:
+        x[2, -1, 7] = 40.0
+    return x
+
+
+def _tier_cache(zeros, n_cells, n_kv, d, tk, tv, kv_ops=None):
+    return KVCache([0], n_cells, 1, 1, n_head_kv=n_kv, d_k=d, d_v=d, type_k=tk, type_v=tv, zeros=zeros, kv_ops=kv_ops)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("name", TIER_NAMES)
+def test_kv_tier_write_bytes_equal_cpu(gpu, name, d):
+    """kv_write through the tier kernels stores exactly KVTier.quantize's bytes (K: the tier,
+    V: q8_0 or, for q8_0, f16, so the asymmetric path and the f16 tier kernel run too); kv_read
+    gives the tier's dequantized rows."""
+    rng = np.random.default_rng(11 + d)
+    tv = "q8_0" if name != "q8_0" else "f16"
+    n_kv, T = 3, 9
+    c = _tier_cache(gpu.zeros, 32, n_kv, d, name, tv, kv_ops=gpu)
+    seqs, pos = np.zeros(T, np.int64), np.arange(T, dtype=np.int32)
+    plan = c.prepare(seqs, pos)
+    c.apply(plan, seqs, pos)
+    k, v = _kv_rows(rng, (T, n_kv, d)), _kv_rows(rng, (T, n_kv, d))
+    gpu.kv_write(c, 0, plan, cp.asarray(k), cp.asarray(v))
+    got_k, got_v = cp.asnumpy(c.k[0][0, plan.cell]), cp.asnumpy(c.v[0][0, plan.cell])
+    want_k, want_v = get_tier(name).quantize(k), get_tier(tv).quantize(v)
+    bad = np.nonzero(got_k.view(np.uint8) != want_k.view(np.uint8))
+    assert bad[0].size == 0, f"{name} d={d}: {bad[0].size} bytes differ, first at {[b[:4] for b in bad]}"
+    np.testing.assert_array_equal(got_v.view(np.uint8), want_v.view(np.uint8))
+    back = cp.asnumpy(c.read_k(0, 0, plan.cell))
+    np.testing.assert_allclose(back, get_tier(name).dequantize(want_k), rtol=1e-5, atol=1e-6)
+
+
+def _tier_stores(rng, c, tk, tv):
+    """Random float K/V for every cell of cache ``c``, quantized by the CPU tiers (host bytes)."""
+    shape = c.k[0].shape[:3] + (c.d_k,)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    return get_tier(tk).quantize(k), get_tier(tv).quantize(v)
+
+
+_KV_SHAPES = [(256, 4, 1), (128, 8, 2), (64, 6, 6), (512, 8, 2), (128, 28, 4)]
+_KV_MASKS = [(0, 0.0, 1500), (37, 0.0, 1500), (0, 50.0, 64)]
+
+
+def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_ctx):
+    rng = np.random.default_rng(17)
+    cc, plan, ub_pos = _cache_with_two_seqs(n_kv, d, n_ctx, rng, np.zeros)
+    kq, vq = _tier_stores(rng, cc, tk, tv)
+    q = rng.standard_normal((5, n_head, d)).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    Tk, Tv = get_tier(tk), get_tier(tv)
+    want = cpu.attention_cells(q, ub_pos, kq, vq, plan, scale, n_swa, softcap, type_k=Tk, type_v=Tv)
+    got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan, scale,
+                                         n_swa, softcap, type_k=Tk, type_v=Tv))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, **KV_TOL)
+
+
+@pytest.mark.parametrize("n_swa,softcap,n_ctx", _KV_MASKS)
+@pytest.mark.parametrize("d,n_head,n_kv", _KV_SHAPES)
+@pytest.mark.parametrize("name", TIER_NAMES)
+def test_kv_tier_attention_cells(gpu, cpu, name, d, n_head, n_kv, n_swa, softcap, n_ctx):
+    """Symmetric tiers: CUDA attention over the tier's bytes equals the CPU's (which dequantizes
+    the gathered cells), GQA 1..7 heads per kv head, sliding window, softcap, split-K (1500 cells)
+    and one split (64 cells)."""
+    _check_tier_attention(gpu, cpu, name, name, d, n_head, n_kv, n_swa, softcap, n_ctx)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("tk,tv", [("q8_0", "turbo3"), ("turbo3", "q8_0"), ("f16", "q4_0"), ("q4_0", "f16"),
+                                   ("turbo4", "turbo2_tcq"), ("bf16", "q5_1"), ("q6_0", "turbo8")])
+def test_kv_tier_attention_asymmetric(gpu, cpu, tk, tv, d):
+    """Asymmetric K/V tiers (rotated K with a plain V and the reverse, f16 halves)."""
+    _check_tier_attention(gpu, cpu, tk, tv, d, 8, 2, 37, 0.0, 1500)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q5_1", "q6_0", "turbo3", "turbo2_tcq", "bf16"])
+def test_kv_tier_store_k_shift(gpu, name):
+    """read_k / store_k on device storage (the context shift: dequantize, rotate, requantize)
+    through kv_read / kv_store: reads equal the CPU cache's (exactly for the scalar tiers; the
+    rotated tiers un-rotate by a WHT instead of the CPU's matmul: 1e-5), and storing the same
+    float rows (RoPE-shifted on the host) gives the CPU's bytes exactly, every tier."""
+    rng = np.random.default_rng(5)
+    d, n_kv, n = 128, 2, 24
+    cg = _tier_cache(gpu.zeros, n, n_kv, d, name, "f16", kv_ops=gpu)
+    cc = _tier_cache(np.zeros, n, n_kv, d, name, "f16")
+    seqs, pos = np.zeros(n, np.int64), np.arange(n, dtype=np.int32)
+    for c in (cg, cc):
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+    k = get_tier(name).quantize(_kv_rows(rng, (n, n_kv, d)))
+    cc.k[0][0] = k
+    cg.k[0][0] = cp.asarray(k)
+    cells = np.arange(3, 20)
+    xc, xg = cc.read_k(0, 0, cells), cp.asnumpy(cg.read_k(0, 0, cells))
+    if get_tier(name).family in ("float", "scalar"):
+        np.testing.assert_array_equal(xg, xc)
+    else:
+        np.testing.assert_allclose(xg, xc, rtol=1e-5, atol=1e-5)
+    y = CPUBackend.rope(xc, np.full(len(cells), -3), d, 10000.0, 1.0, "neox")
+    cc.store_k(0, 0, cells, y)
+    cg.store_k(0, 0, cells, cp.asarray(y))
+    np.testing.assert_array_equal(cp.asnumpy(cg.k[0][0]).view(np.uint8), cc.k[0][0].view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    path = os.environ.get("OPENCOTI_MODEL")
+    if not path:
+        from opencoti.model.default_model import default_model_path
+
+        path = str(default_model_path())
+    from opencoti.model.loader import load_model
+
+    return load_model(path, with_tokenizer=False)
+
+
+def _greedy(runner, prompt, steps):
+    """Greedy tokens and each step's top-2 logit margin of a fresh sequence (one token per step)."""
+    runner.kv.clear()
+    n = len(prompt)
+    lg = runner.decode(UBatch.build(prompt, np.arange(n), [0] * n, [n - 1]))[0]
+    toks, margins = [], []
+    for i in range(steps):
+        top2 = np.sort(lg)[-2:]
+        toks.append(int(np.argmax(lg)))
+        margins.append(float(top2[1] - top2[0]))
+        lg = runner.decode(UBatch.build([toks[-1]], [n + i], [0], [0]))[0]
+    return toks, margins
+
+
+@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("turbo3", "turbo3"), ("q8_0", "turbo3")])
+def test_kv_tier_real_model_greedy_matches_cpu(real_model, refs, tk, tv):
+    """gemma-3-270m with -ctk/-ctv on CUDA (prefill, then graph-replayed decode steps) gives the
+    CPU backend's greedy tokens with the same tiers, on the 'capital' and 'code' reference
+    prompts, up to the first step where the CPU's top-2 logit margin is under 0.05 (a near-tie
+    that float rounding may flip) or 24 steps."""
+    g = ModelRunner(real_model, "cuda", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
+    c = ModelRunner(real_model, "cpu", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
+    compared = 0
+    for name in ("capital", "code"):
+        prompt = refs[1][name]["prompt_tokens"]
+        want, margins = _greedy(c, prompt, 24)
+        got, _ = _greedy(g, prompt, 24)
+        for i, (a, b, m) in enumerate(zip(got, want, margins)):
+            if m < 0.05:
+                break
+            assert a == b, (tk, tv, name, i, got, want)
+            compared += 1
+    assert compared >= 8, compared
+
+
+def test_kv_tier_real_model_context_shift(real_model):
+    """Context shift (seq_rm + seq_add -> shift_k through kv_read / kv_store) with q8_0 K on CUDA:
+    the next steps' logits equal the CPU's with the same tiers (max |dlogit| < 0.05)."""
+    outs = []
+    for be in ("cpu", "cuda"):
+        r = ModelRunner(real_model, be, n_ctx=256, n_ubatch=64, type_k="q8_0", type_v="q8_0")
+        toks = [(i * 53 + 7) % 5000 + 100 for i in range(48)]
+        r.decode(UBatch.build(toks, np.arange(48), [0] * 48, [47]))
+        r.kv.seq_rm(0, 4, 20)
+        r.seq_add(0, 20, 48, -16)
+        res = [r.decode(UBatch.build([toks[i]], [32 + i], [0], [0]))[0] for i in range(6)]
+        outs.append(np.stack(res))
+    assert np.max(np.abs(outs[0] - outs[1])) < 0.05
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).all()

@@ -190,6 +190,7 @@ __device__ __forceinline__ void attn_partial_impl(
     }
 }
 
+#ifndef KV_TK  // the f16 module (the tier modules below use its attn_merge)
 #define DEF_ATTN(D, G)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_partial_d##D##_g##G(                               \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
@@ -224,3 +225,217 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
         out[rh * D + d] = L > 0.f ? A / L : 0.f;
     }
 }
+#endif  // KV_TK
+
+#ifdef KV_TK
+// ---- the same kernel over the KV tiers (opencoti/engine/kv_tiers), one module per
+// (KV_TK, KV_TV, KV_D): K and V rows are read as the tier's blocks and dequantized in
+// registers (no f16 copy of the cache). QK, a lane per cell: the row is read a segment at a time
+// into registers with the widest loads its alignment allows, and each block's dot product
+// is scaled once (kv_tiers.cuh code()/scale()). PV, the lanes over dims: val().
+// Rotated tiers (turbo*, *_tcq; turbo.py): q . k = (R q) . (R k), so a rotated K tier rotates
+// the block's queries once (fast WHT in shared memory) and scores against the stored rotated
+// rows; a rotated V tier accumulates P.V in the rotated domain and un-rotates the output (or
+// the split's partial: the rotation is linear, so attn_merge's log-sum-exp merge is unchanged)
+// once per head: o = R^T sum_c p_c y_c.
+#include "kv_tiers.cuh"
+
+__host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 : (nb & 7) == 0 ? 8 : (nb & 3) == 0 ? 4 : 2; }
+
+// s[g] += (q_g . k) for the Gb queries sq[g] (shared, scaled) and the K row at `row`
+template <class TK, int D, int MAXG>
+__device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*sq)[D], int Gb, const float* tab,
+                                      float* s) {
+    constexpr int SV = TK::SV < D ? TK::SV : D;  // values per register segment
+    constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, A = kv_align(SB), NW = (SB + 3) / 4;
+#pragma unroll
+    for (int sg = 0; sg < D / SV; sg++) {
+        u32 w[NW];
+        ldw<SB, A>(row + sg * SB, w);
+#pragma unroll
+        for (int b = 0; b < NBL; b++) {
+            float sb[MAXG], sx[MAXG];
+#pragma unroll
+            for (int g = 0; g < MAXG; g++) { sb[g] = 0.f; sx[g] = 0.f; }
+#pragma unroll
+            for (int j = 0; j < TK::BS; j += 4) {
+                const float c0 = TK::code(w, b, j, tab), c1 = TK::code(w, b, j + 1, tab);
+                const float c2 = TK::code(w, b, j + 2, tab), c3 = TK::code(w, b, j + 3, tab);
+                const int o = sg * SV + b * TK::BS + j;
+#pragma unroll
+                for (int g = 0; g < MAXG; g++) {
+                    if (g < Gb) {
+                        const float4 qq = *(const float4*)&sq[g][o];
+                        sb[g] += qq.x * c0 + qq.y * c1 + qq.z * c2 + qq.w * c3;
+                        if constexpr (TK::HASMIN) sx[g] += (qq.x + qq.y) + (qq.z + qq.w);
+                    }
+                }
+            }
+            const float d = TK::scale(w, b), m = TK::mn(w, b);
+#pragma unroll
+            for (int g = 0; g < MAXG; g++) {
+                if (g < Gb) s[g] += TK::HASMIN ? d * sb[g] + m * sx[g] : d * sb[g];
+            }
+        }
+    }
+}
+
+// the E values [lane * E, lane * E + E) of a V row
+template <class TV, int E>
+__device__ __forceinline__ void kv_pv_vals(const u8* __restrict__ row, int lane, const float* tab, float* vf) {
+    if constexpr (TV::PVF16) {
+        load_halves<E>((const u16*)row + lane * E, vf);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++) vf[e] = TV::val(row, lane * E + e, tab);
+    }
+}
+
+template <int D, int MAXG, class TK, class TV>
+__device__ __forceinline__ void attn_kv_impl(
+    const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
+    const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
+    const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
+    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int E = D / 32;  // V dims per lane
+    constexpr long long RBK = D / TK::BS * TK::BB, RBV = D / TV::BS * TV::BB;  // row bytes
+    const int r = blockIdx.x, sp = blockIdx.z;
+    const int G = n_head / n_kv;
+    const int n_hg = (G + MAXG - 1) / MAXG;
+    const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * MAXG;
+    const int Gb = min(MAXG, G - g0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qp = q_pos[r];
+    const int vw = row_view[r];
+    const int b0 = view_off[vw], len = view_off[vw + 1] - b0;
+    const int chunk = (len + n_split - 1) / n_split;
+    const int c0 = b0 + sp * chunk, c1 = min(b0 + len, c0 + chunk);
+
+    __shared__ __align__(16) float s_q[MAXG][D];
+    __shared__ float s_tk[TK::NT > 0 ? TK::NT : 1], s_tv[TV::NT > 0 ? TV::NT : 1];
+    for (int i = threadIdx.x; i < MAXG * D; i += blockDim.x) {
+        int g = i / D, d = i % D;
+        s_q[g][d] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + d] * scale : 0.f;
+    }
+    if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
+    if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];
+    __syncthreads();
+    if constexpr (TK::ROT) fwht_shared<D>(&s_q[0][0], MAXG, false, false);  // q -> R q
+
+    float acc[MAXG][E], m[MAXG], l[MAXG];
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        m[g] = NEG_INF; l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
+    }
+    for (int t0 = c0 + 32 * warp; t0 < c1; t0 += 32 * NWARP) {
+        int i = t0 + lane;
+        int cell = 0;
+        bool ok = false;
+        if (i < c1) {
+            int cp = cell_pos[i];
+            ok = cp <= qp && !(n_swa > 0 && qp - cp >= n_swa);
+            cell = cells[i];
+        }
+        unsigned mask = __ballot_sync(0xffffffffu, ok);
+        if (!mask) continue;
+        float s[MAXG];
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) s[g] = 0.f;
+        if (ok) kv_qk<TK, D, MAXG>(K + ((long long)cell * n_kv + kh) * RBK, s_q, Gb, s_tk, s);
+        float p[MAXG];
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) {
+            if (g < Gb) {
+                float sg = s[g];
+                if (softcap > 0.f) sg = softcap * tanhf(sg / softcap);
+                float tm = ok ? sg : NEG_INF;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
+                float mn = fmaxf(m[g], tm);
+                float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mn);
+                p[g] = ok ? __expf(sg - mn) : 0.f;
+                l[g] = l[g] * corr + wsum(p[g]);
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[g][e] *= corr;
+                m[g] = mn;
+            }
+        }
+        while (mask) {
+            int j = __ffs(mask) - 1;
+            mask &= mask - 1;
+            int cj = __shfl_sync(0xffffffffu, cell, j);
+            float vf[E];
+            kv_pv_vals<TV, E>(V + ((long long)cj * n_kv + kh) * RBV, lane, s_tv, vf);
+#pragma unroll
+            for (int g = 0; g < MAXG; g++) {
+                if (g < Gb) {
+                    float pj = __shfl_sync(0xffffffffu, p[g], j);
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[g][e] += pj * vf[e];
+                }
+            }
+        }
+    }
+    __shared__ float s_acc[NWARP][MAXG][D];
+    __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        if (g < Gb) {
+#pragma unroll
+            for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
+            if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
+        int g = idx / D, d = idx % D;
+        float M = NEG_INF;
+        for (int w = 0; w < NWARP; w++) M = fmaxf(M, s_m[w][g]);
+        float L = 0.f, A = 0.f;
+        if (M != NEG_INF) {
+            for (int w = 0; w < NWARP; w++) {
+                if (s_m[w][g] == NEG_INF) continue;
+                float f = __expf(s_m[w][g] - M);
+                L += s_l[w][g] * f;
+                A += s_acc[w][g][d] * f;
+            }
+        }
+        int h = kh * G + g0 + g;
+        float o = n_split == 1 ? (L > 0.f ? A / L : 0.f) : A;
+        if constexpr (TV::ROT) {
+            s_acc[0][g][d] = o;  // only this thread reads s_acc[*][g][d]
+        } else if (n_split == 1) {
+            out[((long long)r * n_head + h) * D + d] = o;
+        } else {
+            part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = o;
+        }
+        if (n_split > 1 && d == 0) {
+            long long pi = ((long long)r * n_head + h) * n_split + sp;
+            part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L;
+        }
+    }
+    if constexpr (TV::ROT) {  // o = R^T y, once per head
+        __syncthreads();
+        fwht_shared<D>(&s_acc[0][0][0], Gb, true, false);
+        for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
+            int g = idx / D, d = idx % D, h = kh * G + g0 + g;
+            if (n_split == 1) out[((long long)r * n_head + h) * D + d] = s_acc[0][g][d];
+            else part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = s_acc[0][g][d];
+        }
+    }
+}
+
+#define DEF_ATTN_KV(G)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) attn_kv_g##G(                                            \
+        const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
+        const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) {                             \
+        attn_kv_impl<KV_D, G, KV_TK, KV_TV>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, \
+                                            scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
+DEF_ATTN_KV(1) DEF_ATTN_KV(2) DEF_ATTN_KV(4)
+#if KV_D < 512
+DEF_ATTN_KV(8)
+#endif
+#endif  // KV_TK

@@ -1,0 +1,112 @@
+"""Decode speed per KV cache tier and context depth on a GPU backend (issue 6 part 2).
+
+    python bench/bench_kv_tiers.py [-m model.gguf | --synth qwen2.5-7b-q4_k_m] \
+        [--tiers f16,q8_0,q4_0,turbo3,turbo2] [--depths 0,8192,32768] [-n 64] [-r 3]
+
+For each tier (``name`` = the same tier for K and V, ``k/v`` = a pair) one runner with
+``n_ctx`` = the largest depth + 512 cells is built; per depth the sequence is prefilled once
+(random tokens, ubatches of 512), then ``-r`` timed runs each decode ``-n`` tokens one per step
+(graph-replayed decode, logits to the host every step) after a warm-up run; between runs the
+decoded cells are removed again (``seq_rm``), so every run decodes at the same depth. Prints
+tok/s (mean ± stddev) and the ratio to f16 at the same depth. ``--synth PRESET`` writes
+``opencoti.tools.synth_shapes``'s random-weight model with that preset's exact shapes (e.g. the
+7B-shaped ``qwen2.5-7b-q4_k_m``) to the cache dir first. Targets (issue 6): a quantized tier
+costs at most 10% at short context and is at least f16's speed at 32k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from opencoti.engine.batch import UBatch  # noqa: E402
+from opencoti.engine.runner import ModelRunner  # noqa: E402
+from opencoti.model.loader import load_model  # noqa: E402
+
+
+def _model_path(a) -> str:
+    if a.synth:
+        from opencoti.tools import synth_shapes
+        from opencoti.version import cache_dir
+
+        path = cache_dir() / f"synth-{a.synth}.gguf"
+        if not path.exists():
+            print(f"writing {a.synth} to {path} ...", file=sys.stderr, flush=True)
+            synth_shapes.write_model(a.synth, path)
+        return str(path)
+    if a.model:
+        return a.model
+    from opencoti.model.default_model import default_model_path
+
+    return str(default_model_path())
+
+
+def _prefill(runner, n: int) -> None:
+    toks = np.random.default_rng(0).integers(100, 20000, n)
+    for s in range(0, n, runner.n_ubatch):
+        c = toks[s:s + runner.n_ubatch]
+        m = len(c)
+        runner.decode(UBatch.build(c, np.arange(s, s + m), [0] * m, [m - 1]))
+
+
+def _decode(runner, depth: int, n: int) -> float:
+    t = time.perf_counter()
+    for i in range(n):
+        runner.decode(UBatch.build([1000 + i], [depth + i], [0], [0]))
+    dt = time.perf_counter() - t
+    runner.kv.seq_rm(0, depth, -1)
+    return n / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--synth", default=None, help="a synth_shapes preset instead of -m (e.g. qwen2.5-7b-q4_k_m)")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--tiers", default="f16,q8_0,q4_0,turbo3,turbo2")
+    ap.add_argument("--depths", default="0,8192,32768")
+    ap.add_argument("-n", "--steps", type=int, default=64)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    a = ap.parse_args()
+
+    model = load_model(_model_path(a), with_tokenizer=False)
+    depths = [int(x) for x in a.depths.split(",") if x]
+    res: dict = {}
+    for spec in [t for t in a.tiers.split(",") if t]:
+        tk, tv = spec.split("/") if "/" in spec else (spec, spec)
+        runner = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
+        for d in depths:
+            runner.kv.clear()
+            if d:
+                _prefill(runner, d)
+            _decode(runner, d, a.steps)  # warm-up: graph capture, module compile
+            res[(spec, d)] = [_decode(runner, d, a.steps) for _ in range(a.repetitions)]
+            print(f"{spec} @ {d}: {statistics.mean(res[(spec, d)]):,.1f} tok/s", file=sys.stderr, flush=True)
+        runner = None
+
+    from opencoti.engine.backend import get_backend
+
+    b = get_backend(a.backend)
+    print(f"\nopencoti KV tiers: backend {b.name} ({getattr(b, 'device_name', 'host')}), model {model.name}, "
+          f"decode {a.steps} tokens x {a.repetitions}\n")
+    print("| -ctk/-ctv | " + " | ".join(f"tg @ d{d} t/s | vs f16" for d in depths) + " |")
+    print("| --- |" + " ---: | ---: |" * len(depths))
+    for spec in dict.fromkeys(s for s, _ in res):
+        cells = []
+        for d in depths:
+            v = res[(spec, d)]
+            m, sd = statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
+            ref = res.get(("f16", d))
+            cells.append(f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / statistics.mean(ref):.2f}" if ref else ""))
+        print(f"| {spec} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

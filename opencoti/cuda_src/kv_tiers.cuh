@@ -1,0 +1,332 @@
+// KV cache tiers on the GPU: one struct per tier (opencoti/engine/kv_tiers), with
+//   - decoders for attention: code()/scale() read a block from registers holding a
+//     segment of a row (QK: a lane per cell), val() reads one value from memory (PV:
+//     the lanes over dims; the read kernel);
+//   - the encoder of kv_write.cu (q32() for the 32-value scalar tiers, one warp per block;
+//     the rotated tiers are encoded by whole kernels there).
+// The byte layouts are the CPU tiers' (scalar.py, turbo.py, tcq.py module docs). Rotated
+// tiers (ROT) decode to the rotated domain y = R x (turbo.py): attention rotates q once
+// and un-rotates the P.V output once. Needs the tables prefix of cuda_kv.tables_prefix().
+//
+// Tier struct members:
+//   BS, BB: values / bytes of a block (the float tiers use a 32-value virtual block);
+//   SV: values per register segment in QK (keeps a segment <= ~36 registers);
+//   ROT: rotated domain; HASMIN: q5_1's "+ m" term; PVF16: f16 rows (PV loads them 16 bytes
+//   at a time); NT: code-table entries (0 = none),
+//   tab(): that __constant__ table (copied to shared memory by the kernels);
+//   scale(w, b) / mn(w, b): block b's scale / offset from a segment's words w;
+//   code(w, b, j, tab): value j of block b without the scale (an integer or a table level);
+//   val(row, i, tab): value i of a row, scaled (from global memory).
+#include "quants.cuh"
+
+// ---- exact IEEE float32 arithmetic for the encoders: PTX round-to-nearest without .ftz, so
+// --use_fast_math neither flushes denormals nor contracts into FMAs (NumPy does neither)
+__device__ __forceinline__ float xadd(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float xsub(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float xmul(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float xdiv(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float xsqrt(float a) { float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
+// C roundf (halves away from zero), as scalar.py's _roundf
+__device__ __forceinline__ float xround(float v) {
+    float t = truncf(v);
+    return fabsf(xsub(v, t)) >= 0.5f ? xadd(t, copysignf(1.f, v)) : t;
+}
+__device__ __forceinline__ float kv_sign(int i) { return (KV_SIGNS[i >> 5] >> (i & 31)) & 1u ? -1.f : 1.f; }
+
+// ---- register segments: NB bytes at an A-aligned address as little-endian u32 words
+template <int NB, int A>
+__device__ __forceinline__ void ldw(const u8* __restrict__ p, u32* w) {
+    if constexpr (A >= 16) {
+#pragma unroll
+        for (int i = 0; i < NB / 16; i++) { uint4 v = ((const uint4*)p)[i]; w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w; }
+    } else if constexpr (A == 8) {
+#pragma unroll
+        for (int i = 0; i < NB / 8; i++) { uint2 v = ((const uint2*)p)[i]; w[2 * i] = v.x; w[2 * i + 1] = v.y; }
+    } else if constexpr (A == 4) {
+#pragma unroll
+        for (int i = 0; i < NB / 4; i++) w[i] = ((const u32*)p)[i];
+    } else {
+#pragma unroll
+        for (int i = 0; i < NB / 2; i++) {
+            u32 h = ((const u16*)p)[i];
+            if (i & 1) w[i >> 1] |= h << 16; else w[i >> 1] = h;
+        }
+    }
+}
+__device__ __forceinline__ u32 wb(const u32* w, int i) { return (w[i >> 2] >> ((i & 3) * 8)) & 0xFFu; }
+__device__ __forceinline__ u16 wh(const u32* w, int i) { return (u16)((w[i >> 2] >> ((i & 3) * 8)) & 0xFFFFu); }  // i even
+__device__ __forceinline__ u16 ldh(const u8* p) { return *(const u16*)p; }  // 2-aligned
+
+// ---- float tiers (native storage: the cache's float32 / float16 array; bf16 as 2 bytes)
+struct KF32 {
+    static constexpr int BS = 32, BB = 128, SV = 32, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return __uint_as_float(w[32 * b + j]); }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) { return ((const float*)row)[i]; }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) { ((float*)dst)[lane] = v; }
+};
+struct KF16 {
+    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 1;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return h2f(wh(w, 64 * b + 2 * j)); }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) { return h2f(((const u16*)row)[i]); }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) { ((u16*)dst)[lane] = f2h(v); }
+};
+struct KBF16 {
+    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return bf2f(wh(w, 64 * b + 2 * j)); }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) { return bf2f(((const u16*)row)[i]); }
+    // ggml_compute_fp32_to_bf16: round to nearest even, NaN -> quiet NaN
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {
+        u32 u = __float_as_uint(v);
+        u32 h = (u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 64u : (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
+        ((u16*)dst)[lane] = (u16)h;
+    }
+};
+
+// ---- warp helpers of the scalar encoders (one warp = one 32-value block, lane j = value j)
+__device__ __forceinline__ float wmax(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float wmin(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// the value of largest magnitude, the first one on ties (scalar.py _signed_absmax)
+__device__ __forceinline__ float wsabsmax(float v, int lane) {
+    float a = fabsf(v);
+    int i = lane;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float oa = __shfl_xor_sync(0xffffffffu, a, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (oa > a || (oa == a && oi < i)) { a = oa; i = oi; }
+    }
+    return __shfl_sync(0xffffffffu, v, i);
+}
+__device__ __forceinline__ float xinv(float d) { return d != 0.f ? xdiv(1.f, d) : 0.f; }
+__device__ __forceinline__ void st16(u8* p, u16 h) { p[0] = (u8)(h & 255); p[1] = (u8)(h >> 8); }
+// qs[j] = (q_j & 15) | (q_{j+16} & 15) << 4, written by lanes j < 16
+__device__ __forceinline__ void st_nibbles(u8* qs, int q, int lane) {
+    int hi = __shfl_down_sync(0xffffffffu, q, 16);
+    if (lane < 16) qs[lane] = (u8)((q & 15) | ((hi & 15) << 4));
+}
+__device__ __forceinline__ void st_qh32(u8* qh, int q, int lane) {
+    u32 m = __ballot_sync(0xffffffffu, (q >> 4) & 1);
+    if (lane < 4) qh[lane] = (u8)(m >> (8 * lane));
+}
+
+// ---- ggml scalar tiers (scalar.py)
+struct KQ8_0 {
+    static constexpr int BS = 32, BB = 34, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 34 * b)); }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return (float)(i8)wb(w, 34 * b + 2 + j); }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
+        const u8* b = row + 34 * (i >> 5);
+        return h2f(ldh(b)) * (float)(i8)b[2 + (i & 31)];
+    }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q8_0_ref
+        float d = xdiv(wmax(fabsf(v)), 127.f), id = xinv(d);
+        dst[2 + lane] = (u8)(i8)(int)xround(xmul(v, id));
+        if (lane == 0) st16(dst, f2h(d));
+    }
+};
+struct KQ6_0 {
+    static constexpr int BS = 32, BB = 26, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 26 * b)); }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ int q_of(u32 qs, u32 qhb, int j) {  // qs = qs[j&15], qhb = qh[j&7]
+        int jj = j & 15;
+        u32 h = (qhb >> (4 * (jj >> 3))) & 15u;
+        return (int)(j < 16 ? ((qs & 15u) | ((h & 3u) << 4)) : ((qs >> 4) | (((h >> 2) & 3u) << 4))) - 32;
+    }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
+        return (float)q_of(wb(w, 26 * b + 10 + (j & 15)), wb(w, 26 * b + 2 + (j & 7)), j);
+    }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
+        const u8* b = row + 26 * (i >> 5);
+        int j = i & 31;
+        return h2f(ldh(b)) * (float)q_of(b[10 + (j & 15)], b[2 + (j & 7)], j);
+    }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q6_0_ref
+        float d = xdiv(wsabsmax(v, lane), -32.f), id = xinv(d);
+        int q = min(63, (int)truncf(xadd(xmul(v, id), 32.5f)));
+        int q2 = __shfl_down_sync(0xffffffffu, q, 16);
+        int h = (q >> 4) | ((q2 >> 4) << 2);            // h_j, lanes j < 16
+        int h8 = __shfl_down_sync(0xffffffffu, h, 8);
+        if (lane < 8) dst[2 + lane] = (u8)(h | (h8 << 4));
+        if (lane < 16) dst[10 + lane] = (u8)((q & 15) | ((q2 & 15) << 4));
+        if (lane == 0) st16(dst, f2h(d));
+    }
+};
+struct KQ5_1 {
+    static constexpr int BS = 32, BB = 24, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 24 * b)); }
+    static __device__ __forceinline__ float mn(const u32* w, int b) { return h2f(wh(w, 24 * b + 2)); }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
+        u32 qs = wb(w, 24 * b + 8 + (j & 15)), hb = (wb(w, 24 * b + 4 + (j >> 3)) >> (j & 7)) & 1u;
+        return (float)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4));
+    }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
+        const u8* b = row + 24 * (i >> 5);
+        int j = i & 31;
+        u32 qs = b[8 + (j & 15)], hb = (b[4 + (j >> 3)] >> (j & 7)) & 1u;
+        return h2f(ldh(b)) * (float)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4)) + h2f(ldh(b + 2));
+    }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_1_ref
+        float lo = wmin(v), hi = wmax(v);
+        float d = xdiv(xsub(hi, lo), 31.f), id = xinv(d);
+        int q = (int)truncf(xadd(xmul(xsub(v, lo), id), 0.5f));
+        st_qh32(dst + 4, q, lane);
+        st_nibbles(dst + 8, q, lane);
+        if (lane == 0) { st16(dst, f2h(d)); st16(dst + 2, f2h(lo)); }
+    }
+};
+struct KQ5_0 {
+    static constexpr int BS = 32, BB = 22, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 22 * b)); }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
+        u32 qs = wb(w, 22 * b + 6 + (j & 15)), hb = (wb(w, 22 * b + 2 + (j >> 3)) >> (j & 7)) & 1u;
+        return (float)((int)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4)) - 16);
+    }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
+        const u8* b = row + 22 * (i >> 5);
+        int j = i & 31;
+        u32 qs = b[6 + (j & 15)], hb = (b[2 + (j >> 3)] >> (j & 7)) & 1u;
+        return h2f(ldh(b)) * (float)((int)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4)) - 16);
+    }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_0_ref
+        float d = xdiv(wsabsmax(v, lane), -16.f), id = xinv(d);
+        int q = min(31, (int)truncf(xadd(xmul(v, id), 16.5f)));
+        st_qh32(dst + 2, q, lane);
+        st_nibbles(dst + 6, q, lane);
+        if (lane == 0) st16(dst, f2h(d));
+    }
+};
+struct KQ4_0 {
+    static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 18 * b)); }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
+        u32 qs = wb(w, 18 * b + 2 + (j & 15));
+        return (float)((int)(j < 16 ? (qs & 15u) : (qs >> 4)) - 8);
+    }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
+        const u8* b = row + 18 * (i >> 5);
+        int j = i & 31;
+        u32 qs = b[2 + (j & 15)];
+        return h2f(ldh(b)) * (float)((int)(j < 16 ? (qs & 15u) : (qs >> 4)) - 8);
+    }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_0_ref
+        float d = xdiv(wsabsmax(v, lane), -8.f), id = xinv(d);
+        int q = min(15, (int)truncf(xadd(xmul(v, id), 8.5f)));
+        st_nibbles(dst + 2, q, lane);
+        if (lane == 0) st16(dst, f2h(d));
+    }
+};
+
+// ---- turbo{2,3,4,8} (turbo.py): 64-value blocks, f16 scale, Lloyd-Max indices
+__device__ __forceinline__ u32 turbo_idx_w(const u32* w, int o, int bits, int j) {  // o: block's byte offset
+    if (bits == 8) return wb(w, o + 2 + j);
+    if (bits == 4) return (wb(w, o + 2 + (j >> 1)) >> (4 * (j & 1))) & 15u;
+    u32 lo = (wb(w, o + 2 + (j >> 2)) >> (2 * (j & 3))) & 3u;
+    if (bits == 2) return lo;
+    return lo | (((wb(w, o + 18 + (j >> 3)) >> (j & 7)) & 1u) << 2);
+}
+__device__ __forceinline__ u32 turbo_idx_m(const u8* b, int bits, int j) {
+    if (bits == 8) return b[2 + j];
+    if (bits == 4) return (b[2 + (j >> 1)] >> (4 * (j & 1))) & 15u;
+    u32 lo = (b[2 + (j >> 2)] >> (2 * (j & 3))) & 3u;
+    if (bits == 2) return lo;
+    return lo | (((b[18 + (j >> 3)] >> (j & 7)) & 1u) << 2);
+}
+template <int BITS>
+struct KTurbo {
+    static constexpr int BS = 64, BB = 2 + 64 * BITS / 8, SV = 128, ROT = 1, HASMIN = 0, NT = 1 << BITS, KBITS = BITS, PVF16 = 0;
+    static __device__ __forceinline__ const float* tab() {
+        return BITS == 2 ? KV_LM2 : BITS == 3 ? KV_LM3 : BITS == 4 ? KV_LM4 : KV_LM8;
+    }
+    static __device__ __forceinline__ const float* thr() {
+        return BITS == 2 ? KV_TH2 : BITS == 3 ? KV_TH3 : BITS == 4 ? KV_TH4 : KV_TH8;
+    }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, BB * b)); }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float* t) { return t[turbo_idx_w(w, BB * b, BITS, j)]; }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float* t) {
+        const u8* b = row + BB * (i >> 6);
+        return h2f(ldh(b)) * t[turbo_idx_m(b, BITS, i & 63)];
+    }
+};
+typedef KTurbo<8> KTurbo8;
+typedef KTurbo<4> KTurbo4;
+typedef KTurbo<3> KTurbo3;
+typedef KTurbo<2> KTurbo2;
+
+// ---- turbo{2,3}_tcq (tcq.py): value t's state is the 8-bit window at bit t*k of the block's
+// circular 64k-bit stream (bytes 2 .. 2+8k of the block)
+template <int K>
+struct KTcq {
+    static constexpr int BS = 64, BB = 2 + 8 * K, SV = 128, ROT = 1, HASMIN = 0, NT = 256, KBITS = K, PVF16 = 0;
+    static constexpr int NSB = 8 * K;  // stream bytes
+    static __device__ __forceinline__ const float* tab() { return K == 2 ? KV_TCQ2 : KV_TCQ3; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, BB * b)); }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float* t) {
+        int p = j * K, o = BB * b + 2;
+        u32 s = (wb(w, o + (p >> 3)) | (wb(w, o + ((p >> 3) + 1) % NSB) << 8)) >> (p & 7);
+        return t[s & 255u];
+    }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float* t) {
+        const u8* b = row + BB * (i >> 6);
+        int p = (i & 63) * K;
+        u32 s = ((u32)b[2 + (p >> 3)] | ((u32)b[2 + ((p >> 3) + 1) % NSB] << 8)) >> (p & 7);
+        return h2f(ldh(b)) * t[s & 255u];
+    }
+};
+typedef KTcq<3> KTcq3;
+typedef KTcq<2> KTcq2;
+
+// ---- the fast Walsh-Hadamard transform in shared memory (turbo.rotate's order): rows of D
+// floats, n_rows of them at stride D; every thread of the block takes part (syncs inside).
+// fwd: y = H (s * x) * isqrt; inverse: x = s * (H y) * isqrt. exact: PTX add/sub/mul.
+template <int D>
+__device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, bool exact) {
+    const int nt = blockDim.x, tid = threadIdx.x;
+    if (!inverse) {
+        for (int i = tid; i < n_rows * D; i += nt) v[i] = kv_sign(i % D) < 0.f ? -v[i] : v[i];
+        __syncthreads();
+    }
+#pragma unroll 1
+    for (int h = 1; h < D; h <<= 1) {
+        for (int t = tid; t < n_rows * (D / 2); t += nt) {
+            int r = t / (D / 2), u = t % (D / 2);
+            int i = r * D + (u / h) * 2 * h + (u % h);
+            float a = v[i], b = v[i + h];
+            v[i] = exact ? xadd(a, b) : a + b;
+            v[i + h] = exact ? xsub(a, b) : a - b;
+        }
+        __syncthreads();
+    }
+    for (int i = tid; i < n_rows * D; i += nt) {
+        float y = exact ? xmul(v[i], kv_isqrt(D)) : v[i] * kv_isqrt(D);
+        v[i] = inverse && kv_sign(i % D) < 0.f ? -y : y;
+    }
+    __syncthreads();
+}
