@@ -755,7 +755,8 @@ def _shared_prefix_plan(n_kv, d, n_pre, n_sharers, rows_per_view, rng):
 def test_shared_prefix_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa, softcap, rows_per_view):
     """Group path (shared_prefix.cu + private partials + merge) == per-sequence CUDA path ==
     CPU reference, on scattered prefix cells. n_swa 300 cuts into the 700-cell prefix; 20
-    hides the whole prefix from every sharer row (the shared partial is empty)."""
+    leaves a few prefix cells to sharers with a short history and none to the others (an
+    empty shared partial)."""
     from dataclasses import replace
 
     rng = np.random.default_rng(11 + d + n_head + n_swa + rows_per_view)
@@ -776,9 +777,10 @@ def test_shared_prefix_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv,
     per_seq = cp.asnumpy(gpu.attention_cells(*args, plain, scale, n_swa, softcap))
     assert len(calls) == 1
     assert got.shape == want.shape == per_seq.shape
-    np.testing.assert_allclose(per_seq, want, rtol=2e-4, atol=2e-5)
-    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
-    np.testing.assert_allclose(got, per_seq, rtol=2e-4, atol=2e-5)
+    atol = 1e-4 if softcap else 2e-5  # tanhf under --use_fast_math (both CUDA paths) vs NumPy's tanh
+    np.testing.assert_allclose(per_seq, want, rtol=2e-4, atol=atol)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=atol)
+    np.testing.assert_allclose(got, per_seq, rtol=2e-4, atol=atol)
 
 
 def test_shared_prefix_two_groups_and_large_query(gpu, cpu):

@@ -1022,6 +1022,9 @@ class CUDABackend:
         if f is None:
             f = self._fn("s", name)
             smem = _sp_smem(d)
-            if smem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-                self.cp.cuda.driver.funcSetAttribute(f.ptr, 8, smem)
+            if smem > 48 * 1024:
+                if hasattr(f, "max_dynamic_shared_size_bytes"):  # cupy.RawKernel (RawModule.get_function)
+                    f.max_dynamic_shared_size_bytes = smem
+                else:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+                    self.cp.cuda.driver.funcSetAttribute(f.ptr, 8, smem)
         return f
