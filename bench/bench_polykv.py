@@ -1,6 +1,7 @@
 """PolyKV benchmark: N sessions on one shared prefix, private copies vs a pool.
 
     python bench/bench_polykv.py [-m model.gguf] [--prefix 5000] [--sessions 8 24] [--gen 32]
+    python bench/bench_polykv.py --gpu nvidia --synth qwen2.5-7b-q4_k_m --prefix 4096 --sessions 32 --gen 128
 
 For each N: KV cells used, time for N sessions to join (their prompts
 prefilled: the shared prefix + a short private question), steady batched
@@ -9,8 +10,18 @@ they never overlap: raise --gen), and a multi-turn re-query
 (every session asks a second question) tokens/s. "naive" = each session
 prefills its own copy of the prefix; "pool" = the prefix is built once as a
 PolyKV pool and sessions attach by ``pool_id`` (zero-copy membership on the
-unified cache). Prints a markdown table; compare with the seed's figures in
-../shared/BENCHMARKS.md (6.9x fewer cells, ~5x faster joining at N = 8).
+unified cache). On CUDA a pool's sharers read the prefix once per step for all of
+them (shared_prefix.cu); "pool-perseq" (CUDA only) is the pool with that kernel off
+(``OPENCOTI_CUDA_SHARED_PREFIX=0``: every sharer reads the prefix on its own), to
+separate the kernel's gain from the pool's. Prints a markdown table; compare with
+../shared/BENCHMARKS.md (seed: 6.9x fewer cells, ~5x faster joining at N = 8;
+llama.cpp on the H200, 7B Q4_K_M, N = 32, 4,096-token prefix: 2,645 tok/s private
+copies, 2,694 shared).
+
+``--gpu`` picks the backend as the CLI flag does (nvidia -> CUDA; default: CPU).
+``--synth PRESET`` writes (once, into ``--synth-dir``) a random-weight GGUF with a real
+model's shapes and quant types (``opencoti.tools.synth_shapes``; e.g. the 7B-shaped
+``qwen2.5-7b-q4_k_m``) and benchmarks it; ``--synth-layers`` keeps fewer layers.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent  # noqa: E402
+from opencoti.engine.backend import get_backend  # noqa: E402
 from opencoti.engine.engine import Engine  # noqa: E402
 from opencoti.model.loader import load_model  # noqa: E402
 from opencoti.params import Params  # noqa: E402
@@ -65,15 +77,48 @@ def run_all(engine, prompts, n_gen, **kw):
     return join, decode_tps, fins, tokens
 
 
+LLAMA_CPP_H200_7B_N32 = {"naive": 2645, "pool": 2694}  # BENCHMARKS.md: 4,096-token prefix, 32 sequences
+
+
+def _synth_model(preset: str, out_dir: str, layers: int | None) -> str:
+    """Path of the ``synth_shapes`` GGUF for ``preset`` (written once per preset/layers)."""
+    from opencoti.tools import synth_shapes
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{preset}{f'-{layers}l' if layers else ''}.gguf")
+    if not os.path.exists(path):
+        t = time.perf_counter()
+        tmp = path + f".tmp{os.getpid()}"
+        synth_shapes.write_model(preset, tmp, **({"n_layer": layers} if layers else {}))
+        os.replace(tmp, path)
+        print(f"wrote {path} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--prefix", type=int, default=5000, help="shared prefix length in tokens")
     ap.add_argument("--sessions", type=int, nargs="+", default=[8, 24])
     ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--backend", default=None)
+    ap.add_argument("--backend", default=None, help="backend name (cpu, cuda, vulkan); overrides --gpu")
+    ap.add_argument("--gpu", default="disable", help="as the CLI's --gpu: nvidia, vulkan, auto, disable (CPU)")
+    ap.add_argument("--synth", default=None, metavar="PRESET", help="benchmark a synth_shapes model instead of -m")
+    ap.add_argument("--synth-layers", type=int, default=None)
+    ap.add_argument("--synth-dir", default=os.path.expanduser("~/.cache/opencoti-synth"))
+    ap.add_argument("--modes", nargs="+", default=None, help="naive pool pool-perseq (default: all that apply)")
+    ap.add_argument("--no-requery", action="store_true", help="skip the multi-turn re-query")
     a = ap.parse_args()
+    if a.synth:
+        a.model = _synth_model(a.synth, a.synth_dir, a.synth_layers)
     model = load_model(a.model)
+    backend = a.backend
+    if backend is None:
+        from opencoti.engine.backend import select_backend
+
+        backend = select_backend(a.gpu)
+    bname = backend if isinstance(backend, str) else getattr(backend, "name", "?")
+    modes = a.modes or (["naive", "pool", "pool-perseq"] if bname == "cuda" else ["naive", "pool"])
     tok = model.tokenizer
     text = ("You are an agent of a logistics company. Policies: be exact, cite the manual. "
             "Tools: get_route, get_weather, book_truck, cancel_booking. ") * 400
@@ -84,14 +129,19 @@ def main() -> None:
                                   add_special=False) for i in range(n)]
         follow = [tok.tokenize(f" And back to depot {i}? Answer:", add_special=False) for i in range(n)]
         n_ctx = (len(prefix) + 200) * (n + 1)
-        for mode in ("naive", "pool"):
+        for mode in modes:
+            pooled = mode.startswith("pool")
+            if bname == "cuda":
+                from opencoti.engine.backend import cuda as cuda_mod
+
+                cuda_mod.SHARED_PREFIX = mode != "pool-perseq"
             params = Params(n_ctx=n_ctx, n_parallel=n, kv_unified=True, n_ubatch=512,
-                            polykv_max_pools=1 if mode == "pool" else 0, admission_poolless="off")
-            engine = Engine(model, params, backend=a.backend).start()
+                            polykv_max_pools=1 if pooled else 0, admission_poolless="off")
+            engine = Engine(model, params, backend=backend).start()
             try:
                 kw = {}
                 t_pool = 0.0
-                if mode == "pool":
+                if pooled:
                     t = time.perf_counter()
                     info = engine.create_pool(prefix, pin=True).result(timeout=3600)
                     t_pool = time.perf_counter() - t
@@ -99,20 +149,30 @@ def main() -> None:
                 prompts = [prefix + q for q in questions]
                 join, tps, fins, answers = run_all(engine, prompts, a.gen, **kw)
                 cells = engine.runner.kv.base.n_used()
-                # multi-turn: each session re-queries with its history (its answer included) + a follow-up
-                hist = [prompts[i] + answers[i] + f for i, f in enumerate(follow)]
-                t = time.perf_counter()
-                _, tps2, fins2, _ = run_all(engine, hist, a.gen, **kw)
-                requery = sum(f.n_predicted for f in fins2) / (time.perf_counter() - t)
+                requery = float("nan")
+                if not a.no_requery:
+                    # multi-turn: each session re-queries with its history (its answer included) + a follow-up
+                    hist = [prompts[i] + answers[i] + f for i, f in enumerate(follow)]
+                    t = time.perf_counter()
+                    _, tps2, fins2, _ = run_all(engine, hist, a.gen, **kw)
+                    requery = sum(f.n_predicted for f in fins2) / (time.perf_counter() - t)
                 rows.append((n, mode, cells, t_pool + join, tps, requery))
+                print(f"  N={n} {mode}: decode {tps:.1f} tok/s", file=sys.stderr, flush=True)
             finally:
                 engine.stop()
+    dev = getattr(backend, "device_name", None) or getattr(get_backend(backend), "device_name", "host")
     print(f"\nPolyKV bench: {model.name}, prefix {len(prefix)} tokens, {a.gen} generated per turn, "
-          f"backend {a.backend or 'cpu'}, {os.cpu_count()} cores\n")
-    print("| sessions | mode | KV cells used | join s (prefill all) | decode tok/s (aggregate) | re-query tok/s |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+          f"backend {bname} ({dev}), {os.cpu_count()} cores\n")
+    ref7b = bname == "cuda" and "7B" in model.name and len(prefix) == 4096
+    print("| sessions | mode | KV cells used | join s (prefill all) | decode tok/s (aggregate) | vs naive "
+          "| vs llama.cpp | re-query tok/s |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    naive = {n: tps for n, mode, _, _, tps, _ in rows if mode == "naive"}
     for n, mode, cells, join, tps, rq in rows:
-        print(f"| {n} | {mode} | {cells} | {join:.2f} | {tps:.1f} | {rq:.1f} |")
+        vs_naive = f"{tps / naive[n]:.2f}x" if naive.get(n) else ""
+        ref = LLAMA_CPP_H200_7B_N32["pool" if mode.startswith("pool") else "naive"] if ref7b and n == 32 else None
+        vs_ref = f"{tps / ref:.2f}x of {ref:,}" if ref else ""
+        print(f"| {n} | {mode} | {cells} | {join:.2f} | {tps:.1f} | {vs_naive} | {vs_ref} | {rq:.1f} |")
 
 
 if __name__ == "__main__":
