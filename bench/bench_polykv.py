@@ -44,7 +44,7 @@ from opencoti.params import Params  # noqa: E402
 def run_all(engine, prompts, n_gen, **kw):
     """Submit all prompts at once; returns (join_s, decode_tps, finishes, generated tokens)."""
     t0 = time.perf_counter()
-    handles = [engine.submit(CompletionRequest(p, n_predict=n_gen, sampling=SamplingParams(temperature=0),
+    handles = [engine.submit(CompletionRequest(p, n_predict=n_gen, sampling=SamplingParams(temperature=0), ignore_eos=True,
                                                session_id=f"s{i}", **kw)) for i, p in enumerate(prompts)]
     first_token = [None] * len(handles)
     fins = [None] * len(handles)
