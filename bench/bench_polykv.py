@@ -44,8 +44,9 @@ from opencoti.params import Params  # noqa: E402
 def run_all(engine, prompts, n_gen, **kw):
     """Submit all prompts at once; returns (join_s, decode_tps, finishes, generated tokens)."""
     t0 = time.perf_counter()
-    handles = [engine.submit(CompletionRequest(p, n_predict=n_gen, sampling=SamplingParams(temperature=0), ignore_eos=True,
-                                               session_id=f"s{i}", **kw)) for i, p in enumerate(prompts)]
+    handles = [engine.submit(CompletionRequest(p, n_predict=n_gen, sampling=SamplingParams(temperature=0),
+                                               ignore_eos=True, session_id=f"s{i}", **kw))
+               for i, p in enumerate(prompts)]
     first_token = [None] * len(handles)
     fins = [None] * len(handles)
     tokens = [[] for _ in handles]
@@ -66,7 +67,6 @@ def run_all(engine, prompts, n_gen, **kw):
         t.start()
     for t in ths:
         t.join()
-    t_end = time.perf_counter()
     t_all = max(first_token)  # every session is decoding from here on
     join = t_all - t0
     # steady batched decode: only tokens produced while all sessions run (earlier starters'
@@ -95,6 +95,46 @@ def _synth_model(preset: str, out_dir: str, layers: int | None) -> str:
     return path
 
 
+def attn_micro(backend, n_head: int, n_kv: int, d: int, n_pre: int, n: int, reps: int = 20) -> tuple[float, float]:
+    """One layer's ``attention_cells`` for a decode step of ``n`` sessions sharing an
+    ``n_pre``-cell prefix (each with 40 private cells), on random f16 K/V: microseconds per
+    call (CUDA events, mean of ``reps``) of the per-sequence path and of the group path."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from opencoti.engine.kv_cache import KVCache
+
+    cp = backend.cp
+    pool = n
+    c = KVCache([0], n_pre + 48 * n + 256, 1, n + 1, n_head_kv=n_kv, d_k=d, d_v=d, zeros=np.zeros)
+    seqs, pos = np.full(n_pre, pool), np.arange(n_pre, dtype=np.int32)
+    c.apply(c.prepare(seqs, pos), seqs, pos)
+    for s in range(n):
+        c.seq_cp(pool, s)
+        sq, p = np.full(40, s), np.arange(n_pre, n_pre + 40, dtype=np.int32)
+        c.apply(c.prepare(sq, p), sq, p)
+    ub_seq, ub_pos = np.arange(n), np.full(n, n_pre + 40, dtype=np.int32)
+    plan = c.prepare(ub_seq, ub_pos)
+    c.apply(plan, ub_seq, ub_pos, share_src={s: pool for s in range(n)})
+    rng = np.random.default_rng(0)
+    k = cp.asarray(rng.standard_normal(c.k[0].shape).astype(np.float16))
+    v = cp.asarray(rng.standard_normal(c.v[0].shape).astype(np.float16))
+    q = cp.asarray(rng.standard_normal((n, n_head, d)).astype(np.float32))
+    out = []
+    for pl in (replace(plan, groups=[]), plan):
+        backend._meta = {}
+        backend.attention_cells(q, ub_pos, k, v, pl, d ** -0.5)  # warm-up (uploads the plan's arrays)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            backend.attention_cells(q, ub_pos, k, v, pl, d ** -0.5)
+        e1.record()
+        e1.synchronize()
+        out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None)
@@ -108,6 +148,8 @@ def main() -> None:
     ap.add_argument("--synth-dir", default=os.path.expanduser("~/.cache/opencoti-synth"))
     ap.add_argument("--modes", nargs="+", default=None, help="naive pool pool-perseq (default: all that apply)")
     ap.add_argument("--no-requery", action="store_true", help="skip the multi-turn re-query")
+    ap.add_argument("--attn", action="store_true",
+                    help="CUDA: also time one layer's attention alone, per-sequence vs shared-prefix kernel")
     a = ap.parse_args()
     if a.synth:
         a.model = _synth_model(a.synth, a.synth_dir, a.synth_layers)
@@ -147,7 +189,12 @@ def main() -> None:
                     t_pool = time.perf_counter() - t
                     kw = {"pool_id": info["id"]}
                 prompts = [prefix + q for q in questions]
-                join, tps, fins, answers = run_all(engine, prompts, a.gen, **kw)
+                # join: every session prefills its prompt and samples one token; then all decode
+                # together from their cached prompts (session reuse), so the decode window is
+                # not cut short by staggered joins
+                join, _, _, first = run_all(engine, prompts, 1, **kw)
+                prompts = [p + f for p, f in zip(prompts, first)]
+                _, tps, fins, answers = run_all(engine, prompts, a.gen, **kw)
                 cells = engine.runner.kv.base.n_used()
                 requery = float("nan")
                 if not a.no_requery:
@@ -160,6 +207,15 @@ def main() -> None:
                 print(f"  N={n} {mode}: decode {tps:.1f} tok/s", file=sys.stderr, flush=True)
             finally:
                 engine.stop()
+    micro = []
+    if a.attn and bname == "cuda":
+        from opencoti.engine.backend import cuda as cuda_mod
+
+        cuda_mod.SHARED_PREFIX = True
+        hp = model.hparams
+        b = get_backend(backend)
+        for n in a.sessions:
+            micro.append((n, *attn_micro(b, hp.n_head, hp.n_head_kv, hp.n_embd_head_k, len(prefix), n)))
     dev = getattr(backend, "device_name", None) or getattr(get_backend(backend), "device_name", "host")
     print(f"\nPolyKV bench: {model.name}, prefix {len(prefix)} tokens, {a.gen} generated per turn, "
           f"backend {bname} ({dev}), {os.cpu_count()} cores\n")
@@ -173,6 +229,15 @@ def main() -> None:
         ref = LLAMA_CPP_H200_7B_N32["pool" if mode.startswith("pool") else "naive"] if ref7b and n == 32 else None
         vs_ref = f"{tps / ref:.2f}x of {ref:,}" if ref else ""
         print(f"| {n} | {mode} | {cells} | {join:.2f} | {tps:.1f} | {vs_naive} | {vs_ref} | {rq:.1f} |")
+
+    if micro:
+        print(f"\nOne layer's attention, decode step, prefix {len(prefix)} + 40 private cells per session "
+              f"({model.hparams.n_head} heads / {model.hparams.n_head_kv} kv, head dim "
+              f"{model.hparams.n_embd_head_k}), us per call:\n")
+        print("| sessions | per-sequence | shared-prefix kernel | speed-up |")
+        print("| ---: | ---: | ---: | ---: |")
+        for n, t_seq, t_grp in micro:
+            print(f"| {n} | {t_seq:.1f} | {t_grp:.1f} | {t_seq / t_grp:.2f}x |")
 
 
 if __name__ == "__main__":
