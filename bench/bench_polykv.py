@@ -98,7 +98,8 @@ def _synth_model(preset: str, out_dir: str, layers: int | None) -> str:
 def attn_micro(backend, n_head: int, n_kv: int, d: int, n_pre: int, n: int, reps: int = 20) -> tuple[float, float]:
     """One layer's ``attention_cells`` for a decode step of ``n`` sessions sharing an
     ``n_pre``-cell prefix (each with 40 private cells), on random f16 K/V: microseconds per
-    call (CUDA events, mean of ``reps``) of the per-sequence path and of the group path."""
+    call (``reps`` calls replayed in one CUDA graph, timed by CUDA events) of the per-sequence
+    path and of the group path."""
     from dataclasses import replace
 
     import numpy as np
@@ -121,16 +122,30 @@ def attn_micro(backend, n_head: int, n_kv: int, d: int, n_pre: int, n: int, reps
     k = cp.asarray(rng.standard_normal(c.k[0].shape).astype(np.float16))
     v = cp.asarray(rng.standard_normal(c.v[0].shape).astype(np.float16))
     q = cp.asarray(rng.standard_normal((n, n_head, d)).astype(np.float32))
+    qp = cp.asarray(ub_pos)
     out = []
     for pl in (replace(plan, groups=[]), plan):
+        # as decode runs it: ``reps`` calls captured in one CUDA graph (no Python launch cost)
         backend._meta = {}
-        backend.attention_cells(q, ub_pos, k, v, pl, d ** -0.5)  # warm-up (uploads the plan's arrays)
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        for _ in range(reps):
-            backend.attention_cells(q, ub_pos, k, v, pl, d ** -0.5)
-        e1.record()
-        e1.synchronize()
+        stream = cp.cuda.Stream(non_blocking=True)
+        mem = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(mem.malloc), stream:
+            backend.attention_cells(q, qp, k, v, pl, d ** -0.5)  # warm-up: uploads the plan's arrays
+            stream.synchronize()
+            backend._capturing = True
+            try:
+                stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+                for _ in range(reps):
+                    backend.attention_cells(q, qp, k, v, pl, d ** -0.5)
+                graph = stream.end_capture()
+            finally:
+                backend._capturing = False
+            graph.launch(stream)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(stream)
+            graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
         out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
     return out[0], out[1]
 
@@ -146,7 +161,8 @@ def main() -> None:
     ap.add_argument("--synth", default=None, metavar="PRESET", help="benchmark a synth_shapes model instead of -m")
     ap.add_argument("--synth-layers", type=int, default=None)
     ap.add_argument("--synth-dir", default=os.path.expanduser("~/.cache/opencoti-synth"))
-    ap.add_argument("--modes", nargs="+", default=None, help="naive pool pool-perseq (default: all that apply)")
+    ap.add_argument("--modes", nargs="+", default=None, help="naive pool pool-perseq, or none "
+                    "(default: all that apply)")
     ap.add_argument("--no-requery", action="store_true", help="skip the multi-turn re-query")
     ap.add_argument("--attn", action="store_true",
                     help="CUDA: also time one layer's attention alone, per-sequence vs shared-prefix kernel")
@@ -171,7 +187,7 @@ def main() -> None:
                                   add_special=False) for i in range(n)]
         follow = [tok.tokenize(f" And back to depot {i}? Answer:", add_special=False) for i in range(n)]
         n_ctx = (len(prefix) + 200) * (n + 1)
-        for mode in modes:
+        for mode in [m for m in modes if m != "none"]:
             pooled = mode.startswith("pool")
             if bname == "cuda":
                 from opencoti.engine.backend import cuda as cuda_mod

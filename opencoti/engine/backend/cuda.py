@@ -11,7 +11,11 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
   multiplied by cuBLAS ``gemmEx`` (f32 accumulate); prefill: the weight is dequantized to
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
 - ``attention_cells``: split-K online-softmax attention that reads f16 K/V
-  through the cache plan's per-sequence cell lists (``attention.cu``).
+  through the cache plan's per-sequence cell lists (``attention.cu``). A plan with
+  PolyKV shared-prefix groups (``plan.groups``) reads each group's prefix once for all
+  its sharers' query rows (``shared_prefix.cu``: tensor-core tiles, f32-accurate through
+  f16 hi/lo operand splits) and merges with each row's private cells by log-sum-exp
+  (``_attention_groups``; ``OPENCOTI_CUDA_SHARED_PREFIX=0`` turns it off).
 - ``rms_norm``, ``rope`` (norm/neox, freq factors, YaRN), activations, ``kv_write``.
 - mixture of experts (``moe_ffn``, ``moe_ffn_gate_up``): 3-D expert tensors stay in
   their block format (``QExperts``); routing (softmax, top-k) runs on the device. Up to
@@ -803,9 +807,12 @@ class CUDABackend:
         cell lists, the recurrent plan's rows and state slots) is copied into buffers
         fixed per graph key before replay, in one host->device copy; kernels read them
         through pointers. The key is (n_tokens, n_out, per KV cache: views, cell-list
-        bucket, per recurrent plan: views): cell lists are padded to a power of two >=
-        256, and attention's split count follows the bucket, so one graph serves every
-        step until a sequence outgrows its bucket. ``caches``: the KV caches, whose
+        bucket, per recurrent plan: views, per KV cache: its shared-prefix group layout or
+        None): cell lists are padded to a power of two >= 256, and attention's split count
+        follows the bucket, so one graph serves every step until a sequence outgrows its
+        bucket. A group layout is the private-cell bucket and, per group, the shared-cell
+        bucket and its number of query rows (``_group_host`` stages the group arrays after
+        the others); it changes only when sessions attach, leave or join the ubatch. ``caches``: the KV caches, whose
         plans lead ``ub.plans`` (a hybrid model's ``RSPlan`` follows them).
         ``graphs``: the caller's graph store (one per runner: a graph holds that
         network's weights, KV and recurrent-state addresses, so it must never serve
