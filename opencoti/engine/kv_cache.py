@@ -122,10 +122,6 @@ class KVCache:
         n_swa: sliding window (0 = global layers; > 0 enables pruning).
         zeros: allocator ``zeros(shape, dtype)`` for K/V storage (the backend's:
             NumPy on the CPU, device memory on a GPU); the bookkeeping stays NumPy.
-        kv_ops: for device storage, the backend whose ``kv_read(store, tier, stream, cells)``
-            / ``kv_store(store, tier, stream, cells, x)`` dequantize / quantize a quantized
-            tier's rows there (``read_k`` / ``read_v`` / ``store_k``); None = the tier's NumPy
-            code (CPU storage; the native float tiers work on device arrays as they are).
     Raises ``ValueError`` for an unknown tier or a head size the tier cannot store.
     """
 
@@ -144,10 +140,8 @@ class KVCache:
         zeros=np.zeros,
         type_k_tail=None,
         type_v_tail=None,
-        kv_ops=None,
     ):
         self.tier_k, self.tier_v = get_tier(type_k), get_tier(type_v)
-        self.kv_ops = kv_ops
         self.tier_k_tail = self.tier_k if type_k_tail is None else get_tier(type_k_tail)
         self.tier_v_tail = self.tier_v if type_v_tail is None else get_tier(type_v_tail)
         for t in (self.tier_k, self.tier_k_tail):
@@ -441,23 +435,16 @@ class KVCache:
 
     def read_k(self, il: int, stream: int, cells: np.ndarray) -> np.ndarray:
         """K of ``cells`` in ``stream`` of layer ``il``, dequantized: float32 ``[C, n_head_kv, d_k]``."""
-        if self.kv_ops is not None and not self.tier_k.native:
-            return self.kv_ops.kv_read(self.k[il], self.tier_k, stream, cells)
         return self.tier_k.dequantize(self.k[il][stream, cells])
 
     def read_v(self, il: int, stream: int, cells: np.ndarray) -> np.ndarray:
         """V of ``cells`` in ``stream`` of layer ``il``, dequantized: float32 ``[C, n_head_kv, d_v]``."""
-        if self.kv_ops is not None and not self.tier_v.native:
-            return self.kv_ops.kv_read(self.v[il], self.tier_v, stream, cells)
         return self.tier_v.dequantize(self.v[il][stream, cells])
 
     def store_k(self, il: int, stream: int, cells: np.ndarray, k: np.ndarray) -> None:
         """Overwrite the K of existing cells with float ``k [C, n_head_kv, d_k]`` (requantized):
         the K re-rotation of ``seq_add`` goes dequantize -> rotate -> quantize, so a shifted
         cell of a quantized tier is rounded once more per shift."""
-        if self.kv_ops is not None and not self.tier_k.native:
-            self.kv_ops.kv_store(self.k[il], self.tier_k, stream, cells, k)
-            return
         self.k[il][stream, cells] = self.tier_k.quantize(k)
 
     def to_tail(self, il: int, stream: int, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -488,8 +475,7 @@ class KVCacheSet:
     256 and at most the global size (llama.cpp ``llama_kv_cache_iswa``).
 
     Sequence operations apply to every cache. ``type_k`` / ``type_v`` (and the tail
-    types) are the same for every cache of the set. ``zeros`` and ``kv_ops`` go to
-    every ``KVCache`` (see there).
+    types) are the same for every cache of the set.
     """
 
     def __init__(
@@ -504,7 +490,6 @@ class KVCacheSet:
         zeros=np.zeros,
         type_k_tail=None,
         type_v_tail=None,
-        kv_ops=None,
     ):
         self.unified = unified
         self.n_seq_max = n_seq_max
@@ -512,7 +497,7 @@ class KVCacheSet:
         geo = self.geometry(hp, n_ctx, n_seq_max, unified, n_ubatch)
         self.n_ctx_seq = geo[0]["n_cells"]  # hard per-sequence limit
         common = dict(n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, type_k_tail=type_k_tail,
-                      type_v_tail=type_v_tail, zeros=zeros, kv_ops=kv_ops)
+                      type_v_tail=type_v_tail, zeros=zeros)
         self.caches: list[KVCache] = [KVCache(**g, **common) for g in geo]
         self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]
         for c in self.caches:

@@ -51,8 +51,7 @@ class ModelRunner:
         self.n_ubatch = n_ubatch
         self.graphs: dict = {}  # captured decode graphs (device backends), tied to this runner's KV
         self.kv = KVCacheSet(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, type_k, type_v,
-                             zeros=self.backend.zeros, type_k_tail=type_k_tail, type_v_tail=type_v_tail,
-                             kv_ops=self.backend if hasattr(self.backend, "kv_read") else None)
+                             zeros=self.backend.zeros, type_k_tail=type_k_tail, type_v_tail=type_v_tail)
 
     def decode(self, ub: UBatch) -> np.ndarray:
         """Plan cells, commit, run the forward. Returns logits float32

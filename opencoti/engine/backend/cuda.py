@@ -10,17 +10,13 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
   rows (batched decode) the weight is dequantized to f16 in a scratch buffer and
   multiplied by cuBLAS ``gemmEx`` (f32 accumulate); prefill: the weight is dequantized to
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
-- ``attention_cells``: split-K online-softmax attention that reads K/V through the cache
-  plan's per-sequence cell lists (``attention.cu``): f16 K/V in the f16 kernels, every other
-  KV tier (``-ctk`` / ``-ctv``, any pair) in the tier-generic kernel, which dequantizes the
-  tier's blocks in registers (``cuda_kv.py``, ``kv_tiers.cuh``). A plan with PolyKV
-  shared-prefix groups (``plan.groups``, f16 KV) reads each group's prefix once for all its
-  sharers' query rows (``shared_prefix.cu``: tensor-core tiles, f32-accurate through f16
-  hi/lo operand splits) and merges with each row's private cells by log-sum-exp
-  (``_attention_groups``; ``OPENCOTI_CUDA_SHARED_PREFIX=0`` turns it off).
-- ``rms_norm``, ``rope`` (norm/neox, freq factors, YaRN), activations, ``kv_write`` (quantizes
-  into the cache's tiers on the device, the same bytes as the CPU tiers, ``kv_write.cu``),
-  ``kv_read`` / ``kv_store`` (a quantized K through float32 for the context shift).
+- ``attention_cells``: split-K online-softmax attention that reads f16 K/V through the cache
+  plan's per-sequence cell lists (``attention.cu``). A plan with PolyKV shared-prefix groups
+  (``plan.groups``) reads each group's prefix once for all its sharers' query rows
+  (``shared_prefix.cu``: tensor-core tiles, f32-accurate through f16 hi/lo operand splits)
+  and merges with each row's private cells by log-sum-exp (``_attention_groups``;
+  ``OPENCOTI_CUDA_SHARED_PREFIX=0`` turns it off).
+- ``rms_norm``, ``rope`` (norm/neox, freq factors, YaRN), activations, ``kv_write``.
 - mixture of experts (``moe_ffn``, ``moe_ffn_gate_up``): 3-D expert tensors stay in
   their block format (``QExperts``); routing (softmax, top-k) runs on the device. Up to
   ``GEMV_MAX_TOKENS`` rows every (token, slot) pair runs an expert GEMV that reads its
@@ -41,9 +37,8 @@ token ids, positions and output rows go to the device once
 
 Errors: ``RuntimeError`` when CuPy or a GPU is missing (from the registry's
 creator), ``NotImplementedError`` for a head size / GQA ratio without a
-kernel (the quantized KV tiers need head size 64, 128, 256 or 512), ``ValueError`` for a KV
-tier without kernels (``kv_types``: every tier of ``kv_tiers.TIER_NAMES``; the runner checks
-it at boot).
+kernel, ``ValueError`` for a KV tier other than f16 (``kv_types``; the runner
+checks it at boot).
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ import os
 
 import numpy as np
 
-from opencoti.engine.backend import cuda_kv
 from opencoti.engine.backend.cpu import yarn_corr_dims
-from opencoti.engine.backend.cuda_kernels import load_module, load_source
+from opencoti.engine.backend.cuda_kernels import load_module
 from opencoti.model.gguf_file import GGUFFile
 
 GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
@@ -183,7 +177,7 @@ class CUDABackend:
     """
 
     name = "cuda"
-    kv_types = cuda_kv.KV_TYPES  # KV tiers with kernels here (all of kv_tiers.TIER_NAMES)
+    kv_types = ("f16",)  # KV tiers with kernels here (the quantized tiers come later)
 
     def __init__(self, device: int = 0):
         import cupy as cp
@@ -195,7 +189,6 @@ class CUDABackend:
         self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu"),
                       "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu")}
         self._fns: dict = {}
-        self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
         self._dev: dict = {}
         self._meta: dict = {}
@@ -915,134 +908,41 @@ class CUDABackend:
             self._capturing = False
 
     def kv_write(self, cache, il: int, plan, k, v) -> None:
-        """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells, quantized to the
-        cache's tiers (``cache.tier_k`` / ``tier_v``) on the device: f16 / f16 by the f16 kernel,
-        any other pair by the tier kernels (``kv_write.cu``; the bytes equal ``KVTier.quantize``)."""
+        """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells (as f16)."""
         cp = self.cp
         K, V = cache.k[il], cache.v[il]
+        if K.dtype != np.float16 or V.dtype != np.float16:
+            raise ValueError(f"the CUDA backend supports KV cache types {', '.join(self.kv_types)} only "
+                             f"(got -ctk {cache.type_k} -ctv {cache.type_v}); use --gpu disable for the others")
         meta = self._plan_meta(plan, K.shape[1])
         k = cp.ascontiguousarray(k, dtype=cp.float32)
         v = cp.ascontiguousarray(v, dtype=cp.float32)
         T = k.shape[0]
-        if not T:
-            return
-        tk, tv = getattr(cache, "tier_k", None), getattr(cache, "tier_v", None)
-        if (tk is None or tk.name == "f16") and (tv is None or tv.name == "f16"):
-            if K.dtype != np.float16 or V.dtype != np.float16:
-                raise ValueError(f"kv_write: f16 KV storage expected, got {K.dtype} / {V.dtype}")
+        if T:
             self._fn("k", "kv_write")((T,), (256,), (k, v, K, V, meta["write"],
                                                      np.int32(k.size // T), np.int32(v.size // T)))
-            return
-        n_kv = K.shape[2]
-        self._kv_quant(K, tk, k.reshape(T, n_kv, -1), meta["write"])
-        self._kv_quant(V, tv, v.reshape(T, n_kv, -1), meta["write"])
-
-    # -- KV tiers (cuda_kv.py) -------------------------------------------------------------
-    def _kv_tier(self, tier, store, what: str):
-        """The ``KVTier`` of a storage array (None -> f16 for a float16 array); ``ValueError``
-        for a tier without kernels here."""
-        from opencoti.engine.kv_tiers import get_tier
-
-        if tier is None:
-            if store.dtype != np.float16:
-                raise ValueError(f"{what}: KV storage of dtype {store.dtype} needs its tier (type_k / type_v)")
-            return get_tier("f16")
-        if tier.name not in self.kv_types:
-            raise ValueError(f"the CUDA backend has no kernels for KV cache type {tier.name} "
-                             f"(supported: {', '.join(self.kv_types)})")
-        return tier
-
-    def _kv_write_fn(self, name: str):
-        m = self._kv_mods.get("write")
-        if m is None:
-            m = self._kv_mods["write"] = load_source(cuda_kv.write_source(), "kv_write")
-        key = ("kvw", name)
-        f = self._fns.get(key)
-        if f is None:
-            f = self._fns[key] = m.get_function(name)
-        return f
-
-    def _kv_quant(self, store, tier, x, cells) -> None:
-        """Quantize float32 ``x [N, n_kv, d]`` (device, C-contiguous) into the rows of the
-        flat cells ``cells`` (int32 device ``[N]``: stream * n_cells + cell) of ``store``
-        (``[n_stream, n_cells, n_kv, row]``) in ``tier``'s bytes (``KVTier.quantize``)."""
-        N, n_kv, d = x.shape
-        if not N:
-            return
-        tier.check_dim(d)
-        if store.shape[2] != n_kv or store.shape[3] != tier.row_len(d):
-            raise ValueError(f"KV write: rows of {d} values do not fit {tier.name} storage {tuple(store.shape)}")
-        name, nt = cuda_kv.write_kernel(tier, d)
-        fn = self._kv_write_fn(name)
-        rows = N * n_kv
-        if tier.family in cuda_kv.SCALAR_FAMILY:
-            n_warps = rows * (d // 32)
-            fn(((n_warps * 32 + nt - 1) // nt,), (nt,), (x, store, cells, np.int32(rows), np.int32(n_kv), np.int32(d)))
-        elif tier.family == "turbo":
-            fn((rows,), (nt,), (x, store, cells, np.int32(n_kv)))
-        else:
-            fn((rows, d // 64), (nt,), (x, store, cells, np.int32(n_kv)))
-
-    def _flat_cells(self, store, stream: int, cells):
-        return self.cp.asarray((int(stream) * store.shape[1] + np.asarray(cells, dtype=np.int64)).astype(np.int32))
-
-    def kv_read(self, store, tier, stream: int, cells):
-        """Rows of ``cells`` (host int array) in ``stream`` of a layer's KV storage ``store``
-        ``[n_stream, n_cells, n_kv, row]`` (tier ``tier``), dequantized on the device (the rotated
-        tiers un-rotated): float32 ``[C, n_kv, d]`` (``KVCache.read_k`` on a GPU)."""
-        cp = self.cp
-        n_kv = store.shape[2]
-        d = tier.dim_of(store.shape[3])
-        C = len(cells)
-        out = cp.empty((C, n_kv, d), dtype=cp.float32)
-        if C:
-            if d not in cuda_kv.KV_HEAD_DIMS:
-                raise NotImplementedError(f"CUDA KV read: head size {d} (kernels for {cuda_kv.KV_HEAD_DIMS})")
-            fn = self._kv_write_fn(f"kv_dequant_{cuda_kv.TIER_STRUCTS[tier.name]}_d{d}")
-            fn((C * n_kv,), (d,), (store, self._flat_cells(store, stream, cells), np.int32(n_kv), out))
-        return out
-
-    def kv_store(self, store, tier, stream: int, cells, x) -> None:
-        """Overwrite the rows of ``cells`` in ``stream`` with float ``x [C, n_kv, d]`` quantized to
-        ``tier`` on the device (``KVCache.store_k`` on a GPU: the context shift's requantize)."""
-        x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
-        self._kv_quant(store, tier, x, self._flat_cells(store, stream, cells))
-
-    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int):
-        key = ("kva", tk, tv, d)
-        m = self._kv_mods.get(key)
-        if m is None:
-            m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d), f"attn_{tk}_{tv}_d{d}")
-        fkey = key + (g,)
-        f = self._fns.get(fkey)
-        if f is None:
-            f = self._fns[fkey] = m.get_function(f"attn_kv_g{g}")
-        return f
 
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
                         softcap: float = 0.0, type_k=None, type_v=None):
         """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
-        cells in the plan (``plan.views``), reading ``k_store``/``v_store``
-        ``[n_stream, n_cells, n_head_kv, row]`` in their tiers ``type_k`` / ``type_v``
-        (``KVTier``; None = f16 storage). f16 / f16 runs the f16 kernels; any other pair the
-        tier-generic kernel (module per pair and head size, compiled on first use), which
-        needs head size 64, 128, 256 or 512. Masks as ``CPUBackend.attention``. Returns
-        ``[T, n_head * d]`` float32. Raises ``ValueError`` for a tier without kernels."""
+        cells in the plan (``plan.views``), reading f16 ``k_store``/``v_store``
+        ``[n_stream, n_cells, n_head_kv, d]`` (``type_k`` / ``type_v``: their tiers, f16 or
+        None). Masks as ``CPUBackend.attention``. Returns ``[T, n_head * d]`` float32.
+        Raises ``ValueError`` for any other tier."""
         cp = self.cp
-        tk = self._kv_tier(type_k, k_store, "attention_cells")
-        tv = self._kv_tier(type_v, v_store, "attention_cells")
+        for t in (type_k, type_v):
+            if t is not None and t.name not in self.kv_types:
+                raise ValueError(f"the CUDA backend has no attention kernel for KV cache type {t.name} "
+                                 f"(supported: {', '.join(self.kv_types)})")
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         T, H, D = q.shape
-        n_kv = k_store.shape[2]
-        if tk.dim_of(k_store.shape[3]) != D or tv.dim_of(v_store.shape[3]) != D:
+        n_kv, dv = k_store.shape[2], v_store.shape[3]
+        if dv != D or k_store.shape[3] != D:
             raise NotImplementedError("CUDA attention needs d_k == d_v")
         G = H // n_kv
-        quant = not (tk.name == "f16" and tv.name == "f16")
-        dims = cuda_kv.KV_HEAD_DIMS if quant else ATTN_HEAD_DIMS
-        if D not in dims or H % n_kv:
+        if D not in ATTN_HEAD_DIMS or H % n_kv:
             raise NotImplementedError(f"CUDA attention: head_dim {D} with {H} heads / {n_kv} kv heads not "
-                                      f"supported (head_dim {dims} for KV {tk.name}/{tv.name}, n_head a "
-                                      f"multiple of n_head_kv)")
+                                      f"supported (head_dim {ATTN_HEAD_DIMS}, n_head a multiple of n_head_kv)")
         groups = [x for x in ATTN_GROUPS if D < 512 or x <= 4]
         g = next((x for x in groups if x >= G), groups[-1])
         n_hg = (G + g - 1) // g
@@ -1060,11 +960,11 @@ class CUDABackend:
             part_ml = cp.empty((T * H * n_split * 2,), dtype=cp.float32)
         else:
             part_acc = part_ml = out
-        fn = self._kv_attn_fn(tk.name, tv.name, D, g) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
-        fn((T, n_kv * n_hg, n_split), (128,),
-           (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
-            k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
-            np.float32(softcap), np.int32(n_split), out, part_acc, part_ml))
+        self._fn("a", f"attn_partial_d{D}_g{g}")(
+            (T, n_kv * n_hg, n_split), (128,),
+            (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
+             k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
+             np.float32(softcap), np.int32(n_split), out, part_acc, part_ml))
         if n_split > 1:
             self._fn("a", "attn_merge")((T, H), (min(256, D),),
                                         (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))

@@ -83,25 +83,19 @@ def load_module(name: str, quiet: bool = False):
 
     Raises ``RuntimeError`` with NVRTC's log when compilation fails.
     """
-    return load_source(read_source(name), name.rsplit(".", 1)[0], quiet)
-
-
-def load_source(src: str, tag: str, quiet: bool = False):
-    """``cupy.RawModule`` for the CUDA source text ``src`` (a generated module, e.g. a KV tier
-    pair's attention kernels, ``cuda_kv.py``), cached as ``<tag>-sm_XY-<hash>.cubin`` like
-    ``load_module``. Raises ``RuntimeError`` with NVRTC's log when compilation fails."""
     import cupy
 
+    src = read_source(name)
     cc = cupy.cuda.Device().compute_capability  # e.g. "90"
     key = hashlib.sha256("\0".join([src, " ".join(OPTIONS), cc, _nvrtc_version()]).encode()).hexdigest()[:16]
-    path = _cache_root() / f"{tag}-sm_{cc}-{key}.cubin"
+    path = _cache_root() / f"{name.rsplit('.', 1)[0]}-sm_{cc}-{key}.cubin"
     if path.exists():
         return cupy.RawModule(path=str(path))
     if not quiet:
-        print(f"opencoti: compiling CUDA kernels {tag} for sm_{cc} (first run only) ...", file=sys.stderr, flush=True)
+        print(f"opencoti: compiling CUDA kernels {name} for sm_{cc} (first run only) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        cubin = _compile_cubin(src, tag, cc)
+        cubin = _compile_cubin(src, name, cc)
     except ImportError:  # pragma: no cover - fall back to CuPy's compiler + cache
         os.environ.setdefault("CUPY_CACHE_DIR", str(_cache_root().parent / "cupy"))
         return cupy.RawModule(code=src, options=OPTIONS)
@@ -109,5 +103,5 @@ def load_source(src: str, tag: str, quiet: bool = False):
     tmp.write_bytes(cubin)
     os.replace(tmp, path)  # atomic: a concurrent start sees the whole file or none
     if not quiet:
-        print(f"opencoti: compiled {tag} in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr, flush=True)
+        print(f"opencoti: compiled {name} in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr, flush=True)
     return cupy.RawModule(path=str(path))

@@ -16,9 +16,8 @@ Rotation (head size ``d`` a power of two, 64 <= d <= 512)::
 ``s`` are the shipped signs (``_tables.SIGNS_HEX``); ``H_d`` is the Sylvester Hadamard
 matrix in natural order, which is what the in-place butterfly fast WHT computes (stages
 h = 1, 2, 4, ..., d/2: ``(a, b) -> (a + b, a - b)`` for element pairs ``(i, i + h)``),
-followed by the scale ``1/sqrt(d)`` (``rotate`` fixes that float32 order, and block norms
-and scales sum by ``tree_sum``, so the CUDA write kernels store the same bytes). ``R`` is
-orthonormal, so ``x = R^T y = diag(s) H_d y / sqrt(d)`` and ``q . k = (R q) . (R k)``: attention may score queries against keys in the
+followed by the scale ``1/sqrt(d)``. ``R`` is orthonormal, so ``x = R^T y = diag(s) H_d y /
+sqrt(d)`` and ``q . k = (R q) . (R k)``: attention may score queries against keys in the
 rotated domain (rotate q once per head, dot with the dequantized but not un-rotated K
 rows) and un-rotate only the attention output for V (``o = R^T sum_c p_c y_c``), so no
 per-cell inverse transform is needed. ``dequantize_rotated`` returns that domain.
@@ -81,33 +80,9 @@ def rotation(d: int) -> np.ndarray:
 
 
 def rotate(x: np.ndarray) -> np.ndarray:
-    """``y = R x`` over the last axis: float32 ``[..., d]`` -> float32 ``[..., d]``.
-
-    Computed in a fixed float32 order that a GPU kernel repeats bit for bit (the CUDA KV
-    write kernels, ``cuda_src/kv_tiers.cuh``): sign flip, the butterfly stages h = 1, 2,
-    ..., d/2 (``(a, b) -> (a + b, a - b)`` on the pairs ``(i, i + h)``, i with bit h
-    clear), then one multiply by float32 ``1/sqrt(d)``."""
+    """``y = R x`` over the last axis: float32 ``[..., d]`` -> float32 ``[..., d]``."""
     x = np.asarray(x, dtype=np.float32)
-    d = x.shape[-1]
-    lead = x.shape[:-1]
-    v = (x * SIGNS[:d]).reshape(-1, d)
-    h = 1
-    while h < d:
-        p = v.reshape(len(v), d // (2 * h), 2, h)
-        a, b = p[:, :, 0], p[:, :, 1]
-        v = np.stack([a + b, a - b], axis=2).reshape(len(v), d)
-        h *= 2
-    return (v * np.float32(1.0 / np.sqrt(d))).reshape(*lead, d)
-
-
-def tree_sum(p: np.ndarray) -> np.ndarray:
-    """Sum of float32 ``p [N, 2^m]`` over axis 1 by halving (``p[:, :h] + p[:, h:]`` for
-    h = 2^(m-1), ..., 1): a fixed order a GPU reduction repeats exactly. -> ``[N]``."""
-    p = np.asarray(p, dtype=np.float32)
-    while p.shape[1] > 1:
-        h = p.shape[1] // 2
-        p = p[:, :h] + p[:, h:]
-    return p[:, 0]
+    return x @ rotation(x.shape[-1])
 
 
 def unrotate(y: np.ndarray) -> np.ndarray:
@@ -120,7 +95,7 @@ def normalize_blocks(y: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
     """Rotated rows ``[..., d]`` -> (blocks float32 ``[N, 64]``, unit-RMS blocks ``u = b * 8 / |b|``
     (zero where ``|b| = 0``), leading shape)."""
     b = np.ascontiguousarray(y.reshape(-1, BLOCK), dtype=np.float32)
-    n = np.sqrt(tree_sum(b * b))[:, None]
+    n = np.sqrt(np.einsum("ij,ij->i", b, b))[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         u = np.where(n > 0, b * (np.float32(np.sqrt(BLOCK)) / n), np.float32(0)).astype(np.float32)
     return b, u, y.shape[:-1]
@@ -128,9 +103,9 @@ def normalize_blocks(y: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
 
 def ls_scale(b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """Least-squares gain of reconstruction levels ``c`` for blocks ``b`` (both ``[N, 64]``):
-    ``sum b c / sum c^2`` as float32 ``[N, 1]`` (0 where ``c`` is all zero); sums by ``tree_sum``."""
-    num = tree_sum(b * c)
-    den = tree_sum(c * c)
+    ``sum b c / sum c^2`` as float32 ``[N, 1]`` (0 where ``c`` is all zero)."""
+    num = np.einsum("ij,ij->i", b, c)
+    den = np.einsum("ij,ij->i", c, c)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(den > 0, num / den, 0).astype(np.float32)[:, None]
 
