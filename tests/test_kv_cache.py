@@ -144,3 +144,48 @@ def test_can_reuse_after_swa_pruning():
     assert kv.swa.seq_pos_min(0) == 6
     assert kv.can_reuse(0, 10) and kv.can_reuse(0, 9)
     assert not kv.can_reuse(0, 5)  # a query at 5 would need 2..5
+
+
+def test_shared_groups_match_set_semantics():
+    """``plan.groups`` under random pool shares (two pools, cut prefixes, sliding-window
+    pruning): a group's cells are exactly the pool cells every member still holds (sorted),
+    and each member's private cells are its other cells, in its own order."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        N, P, swa = int(rng.integers(2, 9)), int(rng.integers(10, 300)), int(rng.choice([0, 40, 200]))
+        c = KVCache([0], n_cells=4096, n_stream=1, n_seq_max=2 * N + 2, n_head_kv=1, d_k=8, d_v=8, n_swa=swa)
+        pools = [2 * N, 2 * N + 1]
+        for i, pool in enumerate(pools):
+            n = P + 7 * i
+            plan = c.prepare(np.full(n, pool), np.arange(n))
+            c.apply(plan, np.full(n, pool), np.arange(n))
+        share = {}
+        for s in range(N):
+            share[s] = pools[s % 2]
+            cut = int(rng.integers(1, P + 1))
+            c.seq_cp(share[s], s, 0, cut)
+            pos = np.arange(cut, cut + int(rng.integers(1, 30)))
+            plan = c.prepare(np.full(len(pos), s), pos)
+            c.apply(plan, np.full(len(pos), s), pos)
+        for _ in range(5):
+            seqs = np.arange(N)
+            pos = np.array([c.seq_pos_max(s) + 1 for s in seqs])
+            c.prune_swa(seqs, pos)
+            plan = c.prepare(seqs, pos)
+            c.apply(plan, seqs, pos, share)
+            n_groups = 0
+            for pool in pools:
+                members = [i for i, v in enumerate(plan.views) if share[v.seq_id] == pool]
+                held = set(c.cells_of(pool).tolist())
+                for i in members:
+                    held &= set(plan.views[i].cells.tolist())
+                if len(members) < 2 or not held:
+                    continue
+                g = plan.groups[n_groups]
+                n_groups += 1
+                assert g.views == members and g.cells.tolist() == sorted(held)
+                for i in members:
+                    v = plan.views[i]
+                    assert v.private.tolist() == [x for x in v.cells.tolist() if x not in held]
+                    assert v.private_pos.tolist() == c.pos[0, v.private].tolist()
+            assert len(plan.groups) == n_groups
