@@ -189,3 +189,31 @@ def test_shared_groups_match_set_semantics():
                     assert v.private.tolist() == [x for x in v.cells.tolist() if x not in held]
                     assert v.private_pos.tolist() == c.pos[0, v.private].tolist()
             assert len(plan.groups) == n_groups
+
+
+def test_plan_flat_index_arrays():
+    """``CachePlan.flat``: flat write cells, row -> view, view offsets and the views' cell
+    lists / positions in view order, on a split cache (several streams, several rows per
+    sequence), padded to ``cap``; a list longer than ``cap`` is refused."""
+    c = KVCache([0], n_cells=64, n_stream=3, n_seq_max=3, n_head_kv=1, d_k=8, d_v=8)
+    for s, n in ((0, 5), (1, 9), (2, 3)):
+        plan = c.prepare(np.full(n, s), np.arange(n))
+        c.apply(plan, np.full(n, s), np.arange(n))
+    seqs = np.array([2, 0, 2, 1, 0])
+    pos = np.array([3, 5, 4, 9, 6])
+    plan = c.prepare(seqs, pos)
+    c.apply(plan, seqs, pos)
+    write, row_view, off, cells, cpos = plan.flat(64)
+    assert write.tolist() == (plan.stream * 64 + plan.cell).tolist()
+    for i, v in enumerate(plan.views):
+        assert (row_view[v.rows] == i).all()
+        got = cells[off[i]:off[i + 1]]
+        assert got.tolist() == (v.stream * 64 + np.asarray(v.cells)).tolist()
+        assert cpos[off[i]:off[i + 1]].tolist() == np.asarray(v.cell_pos).tolist()
+    assert sorted(row_view.tolist()) == sorted(i for i, v in enumerate(plan.views) for _ in v.rows)
+    total = int(off[-1])
+    assert total == 7 + 10 + 5  # each sequence's earlier cells plus this ubatch's rows
+    padded = plan.flat(64, cap=32)
+    assert len(padded[3]) == 32 and padded[3][:total].tolist() == cells.tolist() and not padded[3][total:].any()
+    with pytest.raises(ValueError):
+        plan.flat(64, cap=total - 1)

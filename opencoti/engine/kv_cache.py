@@ -105,6 +105,36 @@ class CachePlan:
     views: list[SeqView] = field(default_factory=list)
     groups: list[SharedGroup] = field(default_factory=list)
 
+    def flat(self, n_cells: int, cap: int | None = None) -> list[np.ndarray]:
+        """The plan as the five int64 index arrays device attention kernels read (cells flat:
+        ``stream * n_cells + cell``): ``write [T]`` (the cell each token row writes),
+        ``row_view [T]`` (the view of each row), ``view_off [n_views + 1]`` (view i's cells are
+        ``cells[view_off[i]:view_off[i + 1]]``), ``cells`` and ``cell_pos`` (all views' cell
+        lists and their positions, in view order). ``cap``: pad ``cells`` / ``cell_pos`` with
+        zeros to this length (a captured graph's fixed buffer). Raises ``ValueError`` when the
+        cell lists are longer than ``cap``."""
+        views = self.views
+        lens = np.fromiter((len(v.cells) for v in views), dtype=np.int64, count=len(views))
+        off = np.zeros(len(views) + 1, dtype=np.int64)
+        np.cumsum(lens, out=off[1:])
+        total = int(off[-1])
+        if cap is not None and total > cap:
+            raise ValueError(f"the plan's cell lists ({total}) exceed the buffer ({cap})")
+        n = total if cap is None else cap
+        cells, cpos = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        row_view = np.zeros(len(self.cell), dtype=np.int64)
+        if views:
+            cells[:total] = np.concatenate([v.cells for v in views])
+            cpos[:total] = np.concatenate([v.cell_pos for v in views])
+            streams = np.fromiter((v.stream for v in views), dtype=np.int64, count=len(views))
+            if streams.any():
+                cells[:total] += np.repeat(streams, lens) * n_cells
+            n_rows = [len(v.rows) for v in views]
+            row_view[np.concatenate([np.asarray(v.rows, dtype=np.int64) for v in views])] = \
+                np.repeat(np.arange(len(views)), n_rows)
+        write = np.asarray(self.stream, dtype=np.int64) * n_cells + np.asarray(self.cell, dtype=np.int64)
+        return [write, row_view, off, cells, cpos]
+
 
 class KVCache:
     """One cell cache over a subset of the model's layers.

@@ -698,19 +698,7 @@ class CUDABackend:
         hit = self._meta.get(id(plan))
         if hit is not None and hit[0] is plan:
             return hit[1]
-        T = len(plan.cell)
-        row_view = np.zeros(T, dtype=np.int32)
-        off = [0]
-        cells, cpos = [], []
-        for i, v in enumerate(plan.views):
-            row_view[v.rows] = i
-            cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
-            cpos.append(v.cell_pos)
-            off.append(off[-1] + len(v.cells))
-        cells_a = np.concatenate(cells) if cells else np.zeros(0, np.int64)
-        cpos_a = np.concatenate(cpos) if cpos else np.zeros(0, np.int32)
-        write = plan.stream * n_cells + plan.cell
-        parts = [write, row_view, np.asarray(off), cells_a, cpos_a]
+        parts = plan.flat(n_cells)
         dev = self.cp.asarray(np.concatenate(parts).astype(np.int32))
         o = np.cumsum([0] + [len(p) for p in parts])
         m = {"write": dev[o[0]:o[1]], "row_view": dev[o[1]:o[2]], "view_off": dev[o[2]:o[3]],
@@ -721,21 +709,8 @@ class CUDABackend:
 
     @staticmethod
     def _plan_host(plan, n_cells: int, cap: int):
-        """Host int32 arrays of a plan's metadata, cells padded to ``cap``."""
-        T = len(plan.cell)
-        row_view = np.zeros(T, dtype=np.int64)
-        off = [0]
-        cells, cpos = [], []
-        for i, v in enumerate(plan.views):
-            row_view[v.rows] = i
-            cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
-            cpos.append(np.asarray(v.cell_pos, dtype=np.int64))
-            off.append(off[-1] + len(v.cells))
-        pad = cap - off[-1]
-        cells.append(np.zeros(pad, np.int64))
-        cpos.append(np.zeros(pad, np.int64))
-        write = plan.stream * n_cells + plan.cell
-        return [write, row_view, np.asarray(off), np.concatenate(cells), np.concatenate(cpos)]
+        """Host arrays of a plan's metadata (``CachePlan.flat``), cells padded to ``cap``."""
+        return plan.flat(n_cells, cap)
 
     # -- shared-prefix groups (PolyKV) ------------------------------------------------------
     _GROUP_PARTS = ("p_off", "p_cells", "p_pos", "row_slot", "g_rows", "g_len", "g_cells", "g_pos")

@@ -1165,24 +1165,9 @@ class VulkanBackend:
         ``stream * n_cells + cell``), row -> view, view offsets, the views' flat cell
         lists and their positions; cell lists padded to ``cap`` entries when given.
         Returns (array, offsets of the five parts, longest view)."""
-        T = len(plan.cell)
-        row_view = np.zeros(T, dtype=np.int64)
-        off = [0]
-        cells, cpos = [], []
-        for i, v in enumerate(plan.views):
-            row_view[v.rows] = i
-            cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
-            cpos.append(np.asarray(v.cell_pos, dtype=np.int64))
-            off.append(off[-1] + len(v.cells))
-        if cap is not None:
-            if off[-1] > cap:
-                raise _NotCapturable("cell lists outgrew the graph's bucket")
-            cells.append(np.zeros(cap - off[-1], np.int64))
-            cpos.append(np.zeros(cap - off[-1], np.int64))
-        write = np.asarray(plan.stream, dtype=np.int64) * n_cells + np.asarray(plan.cell, dtype=np.int64)
-        parts = [write, row_view, np.asarray(off, dtype=np.int64),
-                 np.concatenate(cells) if cells else np.zeros(0, np.int64),
-                 np.concatenate(cpos) if cpos else np.zeros(0, np.int64)]
+        if cap is not None and sum(len(v.cells) for v in plan.views) > cap:
+            raise _NotCapturable("cell lists outgrew the graph's bucket")
+        parts = plan.flat(n_cells, cap)
         o = np.cumsum([0] + [len(p) for p in parts]).tolist()
         host = np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32)
         return host, o, max((len(v.cells) for v in plan.views), default=0)
