@@ -511,9 +511,7 @@ def write_model(shape: Shape | str, path: str | Path, seed: int = 0, **overrides
     ``overrides`` replace its fields, e.g. ``n_layer=2``) to ``path``, one tensor
     at a time (memory stays at one tensor). Returns the path. Raises ``KeyError``
     for an unknown preset."""
-    if isinstance(shape, str):
-        shape = PRESETS[shape]
-    shape = replace(shape, **overrides)
+    shape = _shape(shape, **overrides)
     path = Path(path)
     tensors = tensor_list(shape)
     w = gguf.GGUFWriter(str(path), shape.arch)
@@ -538,11 +536,14 @@ def write_model(shape: Shape | str, path: str | Path, seed: int = 0, **overrides
     return path
 
 
+def _shape(shape: Shape | str, **overrides) -> Shape:
+    """``shape`` (a ``Shape`` or a ``PRESETS`` key) with ``overrides`` applied."""
+    return replace(PRESETS[shape] if isinstance(shape, str) else shape, **overrides)
+
+
 def file_bytes(shape: Shape | str, **overrides) -> int:
     """Bytes of tensor data ``write_model`` writes (without header and padding)."""
-    if isinstance(shape, str):
-        shape = PRESETS[shape]
-    shape = replace(shape, **overrides)
+    shape = _shape(shape, **overrides)
     tot = 0
     for _, ne, t in tensor_list(shape):
         bsz, tsz = gguf.GGML_QUANT_SIZES[t]
