@@ -50,7 +50,8 @@ SentencePiece / BPE tokens padded to ``n_vocab``), so the file loads with a
 tokenizer and serves.
 
 CLI: ``python -m opencoti.tools.synth_shapes --preset qwen2.5-7b-q4_k_m --out q7b.gguf``
-(``--layers N`` for fewer layers, ``--set key=value`` to change a shape).
+(``--layers N`` for fewer layers, ``--set key=value`` to change a shape, e.g. a CI-sized
+Gemma-4 MoE: ``--preset gemma-4-26b-a4b-q4_k_m --layers 2 --set swa_period=2 --set n_expert=8``).
 """
 
 from __future__ import annotations
@@ -557,12 +558,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="n_layer override")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT", help="override a Shape field")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Shape field (int, float or bool)")
     a = ap.parse_args(argv)
     ov = {}
     for s in a.set:
         k, _, v = s.partition("=")
-        ov[k] = type(getattr(PRESETS[a.preset], k))(v)
+        cur = getattr(PRESETS[a.preset], k)
+        ov[k] = v.lower() in ("1", "true") if isinstance(cur, bool) else type(cur)(v)
     if a.layers is not None:
         ov["n_layer"] = a.layers
     p = write_model(a.preset, a.out, a.seed, **ov)
