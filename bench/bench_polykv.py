@@ -52,8 +52,11 @@ def run_all(engine, prompts, n_gen, **kw):
     tokens = [[] for _ in handles]
     stamps = [[] for _ in handles]
 
+    last = [None] * len(handles)
+
     def drain(i, h):
         for ev in h.events(timeout=3600):
+            last[i] = ev
             if isinstance(ev, TokenEvent):
                 tokens[i].append(ev.token)
                 stamps[i].append(time.perf_counter())
@@ -67,6 +70,10 @@ def run_all(engine, prompts, n_gen, **kw):
         t.start()
     for t in ths:
         t.join()
+    failed = [i for i, f in enumerate(fins) if f is None or first_token[i] is None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(handles)} sessions produced no token "
+                           f"(session {failed[0]} ended with {last[failed[0]]!r})")
     t_all = max(first_token)  # every session is decoding from here on
     join = t_all - t0
     # steady batched decode: only tokens produced while all sessions run (earlier starters'

@@ -289,7 +289,8 @@ class Engine:
                 logits = self.runner.decode(ub)
                 break
             except KVCacheFullError as e:
-                if not self._evict_idle(ub):
+                # first drop sliding-window cells no slot can see again (lossless), then idle KV
+                if not self.runner.kv.trim_swa([s.seq_id for s in self.slots]) and not self._evict_idle(ub):
                     self._on_kv_full(owners, str(e))
                     return
         self.n_steps += 1

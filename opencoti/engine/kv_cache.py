@@ -709,6 +709,28 @@ class KVCacheSet:
             c.prune_swa(seq_ids, pos)
         return [c.prepare(seq_ids, pos) for c in self.caches] + rs
 
+    def trim_swa(self, seq_ids) -> int:
+        """Drop, in every sliding-window cache, the cells of ``seq_ids`` that no query at or
+        after the sequence's last position can see (positions ``< pos_max - n_swa + 1``).
+
+        Lossless for continuing a sequence, re-evaluating its last token included (the
+        server's full-prompt-cache case): ``can_reuse`` still holds for ``n_past >=
+        pos_max``; only a rewind further back is recomputed. A prefill leaves up to
+        ``n_swa + n_ubatch - 1`` cells per sequence (pruning follows each ubatch's first
+        position), which many idle or prefilled sequences can pile up past the
+        ``n_swa * n_seq + n_ubatch`` cells of the cache. Returns the number of cells freed."""
+        freed = 0
+        for c in self.caches:
+            if c.n_swa <= 0:
+                continue
+            ids = [int(s) for s in seq_ids if c.seq_pos_max(int(s)) >= 0]
+            if not ids:
+                continue
+            before = c.n_used()
+            c.prune_swa(np.array(ids, dtype=np.int64), np.array([c.seq_pos_max(s) for s in ids], dtype=np.int64))
+            freed += before - c.n_used()
+        return freed
+
     def apply(self, plans: list, seq_ids: np.ndarray, pos: np.ndarray,
               share_src: dict | None = None) -> None:
         for c, p in zip(self.caches, plans):
