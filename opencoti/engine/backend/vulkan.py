@@ -394,6 +394,7 @@ class VulkanBackend:
         self._ub_dev: dict = {}
         self._meta: dict = {}
         self._rope: dict = {}
+        self._kv_tab = None  # the rotated KV tiers' tables (_kv_tables), uploaded on first use
         # graphs (run_graph): mode None (eager), "capture", "replay", "done" (after the logits)
         self.graphs = os.environ.get("OPENCOTI_VK_GRAPHS", "1") != "0"
         self.graph_min_cells = 256  # smallest cell-list bucket of a graph
@@ -1220,7 +1221,7 @@ class VulkanBackend:
     def _kv_tables(self) -> VkTensor:
         """The rotated tiers' tables on the device (uploaded once; layout in kv_quant.glsl):
         float32 [512 signs, then per code 8..13: 256 levels, 256 midpoints]."""
-        t = getattr(self, "_kv_tab", None)
+        t = self._kv_tab
         if t is None:
             from opencoti.engine.kv_tiers import get_tier
             from opencoti.engine.kv_tiers.turbo import SIGNS
