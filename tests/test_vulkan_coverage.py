@@ -1,11 +1,12 @@
 """Vulkan backend: KV tiers, mixture of experts and the hybrid (gated delta-net) ops,
 each against the CPU backend (the reference), then tiny random-weight models end to end.
 
-- KV tiers (``kv_store.comp``, ``attn.comp`` KV_ANY): the bytes Vulkan writes equal the
-  CPU tier's ``quantize`` exactly (rows that end mid-word, all-zero blocks, ties for the
-  largest magnitude, scales over 8 decades), and attention read from those same bytes
-  equals the CPU's to float32 rounding (2e-5 relative); models with ``-ctk`` / ``-ctv``
-  give the CPU's greedy tokens and logits (K shift included).
+- KV tiers (``kv_store.comp``, ``kv_rot.comp``, ``attn.comp`` KV_ANY): the bytes Vulkan
+  writes equal the CPU tier's ``quantize`` exactly (rows that end mid-word, all-zero blocks,
+  ties for the largest magnitude, scales over 8 decades; for the rotated tiers also one-hot
+  rows, whose rotated values all have one magnitude, so Viterbi path costs tie), and attention read from those same bytes equals the CPU's to float32
+  rounding (2e-5 relative); models with ``-ctk`` / ``-ctv`` give the CPU's greedy tokens
+  and logits (K shift included), the rotated tiers too.
 - MoE (``moe.comp``, ``mul_mat_vec.comp`` MUL_MAT_ID): both layouts, three weight
   types, decode and prefill sizes, both GEMV layouts; Gemma-4 MoE end to end.
 - Hybrid: ``sigmoid``, ``softplus``, ``l2_norm``, ``ssm_conv`` and ``gated_delta_net`` with
@@ -48,7 +49,7 @@ from opencoti.engine.runner import ModelRunner, iter_logits  # noqa: E402
 
 pytestmark = pytest.mark.vulkan
 
-SCALAR_TIERS = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0")
+ROTATED_TIERS = ("turbo8", "turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,11 @@ def _kv_values(rng, T, n_kv, d):
     ("bf16", "bf16", 64, 2),
     ("q4_0", "f16", 64, 2),    # mixed tiers: one dispatch per half, the any-tier attention
     ("f32", "q8_0", 32, 2),
+    ("turbo3", "turbo3", 64, 1),         # rotated tiers: 26-byte rows share words
+    ("turbo4", "turbo8", 128, 2),
+    ("turbo2", "q8_0", 256, 1),          # only K rotated
+    ("turbo3_tcq", "turbo2_tcq", 64, 2),
+    ("q8_0", "turbo3_tcq", 512, 1),      # only V rotated, the largest head size
 ])
 def test_kv_tier_bytes_and_attention_equal_cpu(vk, cpu, type_k, type_v, d, n_kv):
     """kv_write stores the CPU tier's exact bytes; attention over those bytes (plain and
@@ -130,15 +136,45 @@ def test_kv_tier_bytes_and_attention_equal_cpu(vk, cpu, type_k, type_v, d, n_kv)
         vk.attn_target_groups, vk.attn_split_cells = saved
 
 
-def test_kv_types_declared_and_others_refused(vk, tmp_path):
-    """The backend declares the scalar tiers; a rotated tier is refused at boot, naming the supported ones."""
+def test_kv_types_declared(vk):
+    """The backend declares every KV tier the engine has (scalar and rotated); the runner's boot
+    check accepts them all and still rejects an unknown name."""
+    from opencoti.engine.kv_tiers import TIER_NAMES
     from opencoti.engine.runner import check_kv_types
 
-    assert vk.kv_types == SCALAR_TIERS
-    check_kv_types(vk, *SCALAR_TIERS)
-    for t in ("turbo4", "turbo3_tcq"):
-        with pytest.raises(ValueError, match=f"does not support KV cache type {t}.*q8_0.*q4_0"):
-            check_kv_types(vk, t)
+    assert vk.kv_types == TIER_NAMES
+    check_kv_types(vk, *TIER_NAMES)
+    with pytest.raises(ValueError, match="unsupported KV cache type"):
+        check_kv_types(vk, "q4_1")
+
+
+@pytest.mark.parametrize("name", ROTATED_TIERS)
+def test_rotated_tier_bytes_bit_identical(vk, name):
+    """What is guaranteed for the rotated tiers: for finite K/V whose per-block sums of squares
+    are normal float32 numbers (every value of a non-zero block with |x| >= ~1e-18, and
+    no overflow), ``kv_rot.comp`` writes exactly the bytes of the CPU tier's ``quantize``:
+    it performs the same float32 operations in the same order (``turbo.py`` "Arithmetic"),
+    with a correctly rounded division and sqrt and no contraction, and the trellis search
+    breaks ties like NumPy's argmin. Subnormal intermediates are outside the guarantee (a
+    device may flush them to zero). Checked at head sizes 64 and 512 over rows with scales
+    1e-4 .. 1e4, all-zero blocks, sparse rows and one-hot rows (every rotated value of one
+    magnitude, so many trellis paths cost exactly the same and the tie-break decides)."""
+    rng = np.random.default_rng(7)
+    for d, T in ((64, 24), (512, 6)):
+        x = (rng.standard_normal((T, 2, d)) * 10.0 ** rng.uniform(-4, 4, (T, 2, 1))).astype(np.float32)
+        x[0] = 0.0                                          # all-zero blocks
+        x[1, 0, :64] = 0.0                                  # one zero block in a row
+        x[2, 1] *= rng.uniform(0, 1, d) > 0.9               # sparse
+        x[3] = 0.0
+        x[3, 0, 5], x[3, 1, d - 1] = 1.0, -3.0              # one-hot: |R x| constant
+        x[4] = np.round(x[4] * 4) / 4
+        cache = KVCache([0], T, 1, 1, n_head_kv=2, d_k=d, d_v=d, type_k=name, type_v="f16", zeros=vk.zeros)
+        seqs, pos = np.zeros(T, np.int64), np.arange(T, dtype=np.int32)
+        plan = cache.prepare(seqs, pos)
+        cache.apply(plan, seqs, pos)
+        vk.kv_write(cache, 0, plan, vk.asarray(x), vk.asarray(x))
+        got = np.asarray(cache.k[0])[0, plan.cell]
+        np.testing.assert_array_equal(got, cache.tier_k.quantize(x), err_msg=f"{name} d={d}")
 
 
 def _tiny(tmp_path, arch, qtype, **over):
@@ -175,6 +211,18 @@ def test_tiny_model_kv_tiers_vulkan_matches_cpu(tmp_path, vk, cpu, type_k, type_
     """-ctk / -ctv on a tiny llama: Vulkan's greedy tokens equal the CPU's and its logits
     agree (prefill, graph-replayed decode, K shift through dequantize-rotate-quantize)."""
     model = _tiny(tmp_path, "llama", "Q8_0", hidden_size=128, intermediate_size=256, head_dim=32)
+    prompt = [(i * 37 + 11) % 300 for i in range(16)]
+    want_t, want = _greedy(model, cpu, prompt, 4, type_k, type_v, shift=True)
+    got_t, got = _greedy(model, vk, prompt, 4, type_k, type_v, shift=True)
+    assert got_t == want_t
+    _close(got, want, (type_k, type_v))
+
+
+@pytest.mark.parametrize("type_k,type_v", [("turbo3", "turbo3"), ("q8_0", "turbo3_tcq")])
+def test_tiny_model_rotated_kv_vulkan_matches_cpu(tmp_path, vk, cpu, type_k, type_v):
+    """-ctk / -ctv with the rotated tiers on a tiny llama (head_dim 64): Vulkan's greedy tokens
+    equal the CPU's and its logits agree (prefill, graph-replayed decode, K shift)."""
+    model = _tiny(tmp_path, "llama", "Q8_0", hidden_size=128, intermediate_size=256, head_dim=64)
     prompt = [(i * 37 + 11) % 300 for i in range(16)]
     want_t, want = _greedy(model, cpu, prompt, 4, type_k, type_v, shift=True)
     got_t, got = _greedy(model, vk, prompt, 4, type_k, type_v, shift=True)

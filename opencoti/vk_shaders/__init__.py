@@ -8,8 +8,8 @@ users need no shader compiler; ``tests/test_vulkan.py`` fails when one is stale.
 
 Quantized-weight shaders come in one variant per ggml type (``QTYPE`` = the
 ggml type id, see ``quants.glsl``); KV shaders in one per KV storage type for
-f16 / f32 K and V, plus ``kv_store`` / ``attn_any``, which take each half's KV tier
-(``kv_quant.glsl``) as a push constant.
+f16 / f32 K and V, plus ``kv_store`` (scalar tiers) / ``kv_rot`` (rotated tiers) /
+``attn_any``, which take each half's KV tier (``kv_quant.glsl``) as a push constant.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def variants() -> dict[str, tuple[str, dict[str, str]]]:
     out["moe_combine"] = ("moe.comp", {})
     out["ssm_conv"] = ("recurrent.comp", {"SSM_CONV": "1"})
     out["gated_delta_net"] = ("recurrent.comp", {})
-    for src in ("copy_rows", "rms_norm", "rope", "unary", "binary", "attn_merge", "kv_store"):
+    for src in ("copy_rows", "rms_norm", "rope", "unary", "binary", "attn_merge", "kv_store", "kv_rot"):
         out[src] = (f"{src}.comp", {})
     return out
 

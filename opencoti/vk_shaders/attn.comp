@@ -20,6 +20,13 @@
 // KV_F16: K/V are f16 pairs in 32-bit words; KV_ANY: K and V each in the tier whose
 // code (kv_quant.glsl) is tk / tv, rows of rbk / rbv bytes, dequantized in registers
 // (blocks of 32 values for the q* tiers: D % 32 == 0); else f32. D even, <= 512.
+// Rotated tiers (turbo*, *_tcq; D a power of two): their rows hold y = R x per 64-value
+// block (kv_tiers/turbo.py); since R is orthonormal, q . k = (R q) . y_k and
+// sum_c p_c x_c = R^T sum_c p_c y_c. So with K rotated, each head's q is rotated once in
+// shared memory (sign flips, butterfly, * rs) and scored against the dequantized y; with V
+// rotated, the (partial) output is accumulated in the rotated domain and un-rotated once
+// per head before it is written (linear, so split-K partials merge as before). Levels come
+// from the tables buffer (binding 6, kv_quant.glsl).
 #include "common.glsl"
 #ifdef KV_ANY
 #include "kv_quant.glsl"
@@ -32,12 +39,16 @@ layout(binding = 2) readonly buffer VB { uint V[]; };
 layout(binding = 3) readonly buffer MB { int meta[]; };
 layout(binding = 4) readonly buffer PB { int qpos[]; };
 layout(binding = 5) writeonly buffer OB { float outs[]; };
+#ifdef KV_ANY
+layout(binding = 6) readonly buffer TB { float tab[]; };
+#endif
 layout(push_constant) uniform PC {
     uint n_head, n_kv, D, G, n_split, n_gsub;
     float scale; int n_swa; float softcap;
     uint rv_off, vo_off, cl_off, cp_off, qp_off, ml_off;
 #ifdef KV_ANY
     uint tk, tv, rbk, rbv;
+    float rs;  // float32(1 / sqrt(D)): the rotation's scale
 #endif
 } p;
 
@@ -70,6 +81,38 @@ vec2 kv_pair(uint row, uint j, bool is_k) {
         uint w = kvw(is_k, (rb >> 2) + j);
         return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xFFFF0000u));
     }
+    if (kvt_rotated(t)) {  // values 2j, 2j+1 of the rotated row: scale * level
+        uint i = 2u * j, m = i & 63u, nb = kvt_block_bytes(t), bits = kvt_bits(t);
+        uint bb = rb + (i >> 6) * nb;
+        float d = kvh(is_k, bb);
+        uint lev = KVT_LEV(t);
+        uint c0, c1;
+        if (kvt_tcq(t)) {  // the 8-bit window of the circular stream starting at bit m * k
+            uint nbits = 64u * bits;
+            uint p0 = m * bits, p1 = p0 + bits;
+            uint w0 = kvb(is_k, bb + 2u + (p0 >> 3)) | (kvb(is_k, bb + 2u + (((p0 >> 3) + 1u) % (nbits >> 3))) << 8);
+            uint w1 = kvb(is_k, bb + 2u + (p1 >> 3)) | (kvb(is_k, bb + 2u + (((p1 >> 3) + 1u) % (nbits >> 3))) << 8);
+            c0 = (w0 >> (p0 & 7u)) & 255u;
+            c1 = (w1 >> (p1 & 7u)) & 255u;
+        } else if (bits == 8u) {
+            c0 = kvb(is_k, bb + 2u + m);
+            c1 = kvb(is_k, bb + 3u + m);
+        } else if (bits == 4u) {
+            uint b = kvb(is_k, bb + 2u + (m >> 1));  // m even: the pair shares a byte
+            c0 = b & 15u;
+            c1 = b >> 4;
+        } else {
+            uint b = kvb(is_k, bb + 2u + (m >> 2)) >> (2u * (m & 3u));  // m even: same byte
+            c0 = b & 3u;
+            c1 = (b >> 2) & 3u;
+            if (bits == 3u) {
+                uint hb = kvb(is_k, bb + 18u + (m >> 3)) >> (m & 7u);
+                c0 |= (hb & 1u) << 2;
+                c1 |= ((hb >> 1) & 1u) << 2;
+            }
+        }
+        return vec2(tab[lev + c0] * d, tab[lev + c1] * d);
+    }
     uint i = 2u * j, k = i & 31u;                  // value k, k + 1 of block i / 32
     uint bb = rb + (i >> 5) * kvt_block_bytes(t);  // the block's first byte
     float d = kvh(is_k, bb);
@@ -95,6 +138,20 @@ vec2 kv_pair(uint row, uint j, bool is_k) {
     if (t == KVT_Q5_0) return vec2(float(int(q0) - 16) * d, float(int(q1) - 16) * d);
     precise vec2 r = vec2(float(q0), float(q1)) * d + kvh(is_k, bb + 2u);  // q5_1: q * d + m
     return r;
+}
+// in-place butterfly (unnormalized Walsh-Hadamard) over rows g < ng of sq; ends with a barrier
+void fwht_sq(uint tid, uint ng, uint D) {
+    for (uint h = 1u; h < D; h <<= 1) {
+        barrier();
+        for (uint e = tid; e < ng * (D >> 1); e += 128u) {
+            uint g = e / (D >> 1), q = e % (D >> 1);
+            uint i = g * DMAX + (q / h) * 2u * h + (q % h);
+            float a = sq[i], b = sq[i + h];
+            sq[i] = a + b;
+            sq[i + h] = a - b;
+        }
+    }
+    barrier();
 }
 #else
 vec2 kv_pair(uint row, uint j, bool is_k) {  // dims 2j, 2j+1 of KV row `row` (cell * n_kv + kv head)
@@ -125,6 +182,13 @@ void main() {
         uint g = e / D, d = e % D;
         sq[g * DMAX + d] = qs[(r * p.n_head + h0 + g) * D + d] * p.scale;
     }
+#ifdef KV_ANY
+    if (kvt_rotated(p.tk)) {  // q -> R q per head: sign flips and rs, then the butterfly
+        barrier();
+        for (uint e = tid; e < ng * D; e += 128u) sq[(e / D) * DMAX + e % D] *= tab[e % D] * p.rs;
+        fwht_sq(tid, ng, D);
+    }
+#endif
     if (tid < MAXG) { sm[tid] = NEG; sl[tid] = 0.0; scr[tid] = 0.0; }
     float acc[MAXG][2 * PPT];
     for (uint g = 0u; g < MAXG; g++)
@@ -200,6 +264,31 @@ void main() {
         barrier();
     }
 
+#ifdef KV_ANY
+    if (kvt_rotated(p.tv)) {  // acc -> R^T acc per head, through sq (free now)
+        for (uint g = 0u; g < MAXG; g++) {
+            if (g < ng) {
+                for (uint k = 0u; k < PPT; k++) {
+                    uint j2 = tid + 128u * k;
+                    if (j2 >= hp) break;
+                    sq[g * DMAX + 2u * j2] = acc[g][2u * k];
+                    sq[g * DMAX + 2u * j2 + 1u] = acc[g][2u * k + 1u];
+                }
+            }
+        }
+        fwht_sq(tid, ng, D);
+        for (uint g = 0u; g < MAXG; g++) {
+            if (g < ng) {
+                for (uint k = 0u; k < PPT; k++) {
+                    uint j2 = tid + 128u * k;
+                    if (j2 >= hp) break;
+                    acc[g][2u * k] = sq[g * DMAX + 2u * j2] * p.rs * tab[2u * j2];
+                    acc[g][2u * k + 1u] = sq[g * DMAX + 2u * j2 + 1u] * p.rs * tab[2u * j2 + 1u];
+                }
+            }
+        }
+    }
+#endif
     for (uint g = 0u; g < ng; g++) {
         uint h = h0 + g;
         for (uint k = 0u; k < PPT; k++) {

@@ -16,12 +16,16 @@ live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
 - ``attention_cells``: split-K online-softmax attention reading the KV storage
   through the cache plan's per-sequence cell lists (``attn.comp``); causal and
   sliding-window masks, softcap, GQA, head size up to 512. KV tiers (``kv_types``):
-  f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, any per half: f16 or f32 K and V
-  of one type use their own variants; every other choice ``attn_any``, which
-  dequantizes each half's tier in registers. ``kv_write`` quantizes on the device
-  to exactly the bytes of the tier's reference ``quantize`` (``kv_store.comp``:
-  division by integer long division, expressions without contraction). The
-  rotated tiers (turbo*, *_tcq) have no kernels: the runner refuses them at boot.
+  f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8, turbo4, turbo3, turbo2,
+  turbo3_tcq, turbo2_tcq, any per half: f16 or f32 K and V of one type use their
+  own variants; every other choice ``attn_any``, which dequantizes each half's tier
+  in registers (rotated tiers: q rotated once per head, the output un-rotated once,
+  see ``attn.comp``). ``kv_write`` quantizes on the device to exactly the bytes of
+  the tier's reference ``quantize`` (``kv_store.comp`` for the scalar tiers,
+  ``kv_rot.comp`` for the rotated ones: the Walsh-Hadamard butterfly, pairwise block
+  sums, Lloyd-Max codes or the trellis Viterbi search, in the float32 operations
+  ``kv_tiers/turbo.py`` fixes; division by integer long division, a correctly
+  rounded sqrt, expressions without contraction).
 - ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases,
   YaRN, the fused per-head q/k norm) rotates with a (cos, sin) table the host
   computes in float64 per ubatch, as the CPU backend does; ``rms_norm``,
@@ -87,7 +91,9 @@ QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _KV_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
 # KV tiers with kernels here -> their code in kv_quant.glsl (kv_store.comp, attn.comp KV_ANY)
-KV_TIER_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q6_0": 4, "q5_1": 5, "q5_0": 6, "q4_0": 7}
+KV_TIER_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q6_0": 4, "q5_1": 5, "q5_0": 6, "q4_0": 7,
+                 "turbo8": 8, "turbo4": 9, "turbo3": 10, "turbo2": 11, "turbo3_tcq": 12, "turbo2_tcq": 13}
+_KV_ROTATED = 8  # codes from here on: rotated tiers (kv_rot.comp writes them)
 _OP_ADD, _OP_MUL, _OP_GELU_MUL, _OP_SILU_MUL = 0, 1, 2, 3
 _U_SCALE, _U_GELU, _U_SILU, _U_SIGMOID, _U_SOFTPLUS = 0, 1, 2, 3, 4
 SSM_MAX_CONV = 8  # ssm_conv kernel taps (recurrent.comp KMAX)
@@ -388,6 +394,7 @@ class VulkanBackend:
         self._ub_dev: dict = {}
         self._meta: dict = {}
         self._rope: dict = {}
+        self._kv_tab = None  # the rotated KV tiers' tables (_kv_tables), uploaded on first use
         # graphs (run_graph): mode None (eager), "capture", "replay", "done" (after the logits)
         self.graphs = os.environ.get("OPENCOTI_VK_GRAPHS", "1") != "0"
         self.graph_min_cells = 256  # smallest cell-list bucket of a graph
@@ -1196,6 +1203,28 @@ class VulkanBackend:
 
     kv_types = tuple(KV_TIER_CODES)  # the runner refuses other -ctk / -ctv values at boot
 
+    def _kv_tables(self) -> VkTensor:
+        """The rotated tiers' tables on the device (uploaded once; layout in kv_quant.glsl):
+        float32 [512 signs, then per code 8..13: 256 levels, 256 midpoints]."""
+        t = self._kv_tab
+        if t is None:
+            from opencoti.engine.kv_tiers import get_tier
+            from opencoti.engine.kv_tiers.turbo import SIGNS
+
+            host = np.zeros(512 * (1 + len(KV_TIER_CODES) - _KV_ROTATED), np.float32)
+            host[:512] = SIGNS[:512]
+            for name, code in KV_TIER_CODES.items():
+                if code >= _KV_ROTATED:
+                    tier = get_tier(name)
+                    o = 512 * (code - _KV_ROTATED + 1)
+                    host[o:o + len(tier.levels)] = tier.levels
+                    thr = getattr(tier, "thresholds", None)  # turbo: float32 (c[i] + c[i+1]) / 2
+                    if thr is not None:
+                        host[o + 256:o + 256 + len(thr)] = thr
+            t = self._kv_tab = self.empty(host.shape, np.float32)
+            self.rt.upload_prologue(t.alloc, 0, host)  # in the main command buffer even while a graph records
+        return t
+
     def _kv_tier(self, store: VkTensor, tier) -> str:
         """The KV tier name of ``store`` (``tier``: a ``KVTier``; None = a float array, f16 or f32)."""
         if tier is None:
@@ -1217,8 +1246,9 @@ class VulkanBackend:
         """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells, in the cache's
         tiers (``cache.tier_k`` / ``tier_v``): f16 (rounded to nearest even, as NumPy) or f32
         K and V of one type in one dispatch (``kv_write.comp``); any other tier, or a mix, one
-        dispatch per half (``kv_store.comp``), quantizing to the bytes of the tier's reference
-        ``quantize`` (``kv_tiers/scalar.py``)."""
+        dispatch per half (``kv_store.comp``; the rotated tiers ``kv_rot.comp``, a workgroup
+        per (token, head) row), quantizing to the bytes of the tier's reference ``quantize``
+        (``kv_tiers/scalar.py``, ``turbo.py``, ``tcq.py``)."""
         K, V = cache.k[il], cache.v[il]
         tk = self._kv_tier(K, getattr(cache, "tier_k", None))
         tv = self._kv_tier(V, getattr(cache, "tier_v", None))
@@ -1241,6 +1271,20 @@ class VulkanBackend:
             return
         for x, store, name, n in ((k, K, tk, kw), (v, V, tv, vw)):
             code = KV_TIER_CODES[name]
+            if code >= _KV_ROTATED:
+                n_kv, d = store.shape[2], n // store.shape[2]
+                if d < 64 or d > 512 or d & (d - 1) or n != n_kv * d:
+                    raise NotImplementedError(f"KV type {name}: head size {d} is not a power of two in [64, 512]")
+                cell_bytes = store.nbytes // (store.shape[0] * store.shape[1])
+                xb, xo = self._bind(x)
+                sb, so = self._bind(store)
+                if so:
+                    raise ValueError("kv_write: unaligned KV storage")
+                self.rt.dispatch("kv_rot", [xb, sb, mb, self._bind(self._kv_tables())[0]],
+                                 _u32(T, n_kv, d, code, meta["write"] + mo, xo, cell_bytes)
+                                 + struct.pack("<f", np.float32(1.0 / np.sqrt(d))),
+                                 self.rt.groups_1d(T * n_kv), writes=(1,))
+                continue
             unit = 1 if code == 0 else (2 if code <= 2 else 32)
             if n % unit:
                 raise NotImplementedError(f"KV type {name}: {n} values per cell is not a multiple of {unit}")
@@ -1287,21 +1331,25 @@ class VulkanBackend:
             n_split = int(max(1, min(meta["max_len"] // self.attn_split_cells, -(-self.attn_target_groups // base),
                                      64)))
         kb, vb = self._bind(k_store)[0], self._bind(v_store)[0]
-        extra = b"" if kind != "any" else _u32(KV_TIER_CODES[tk], KV_TIER_CODES[tv],
-                                                    k_store.shape[3] * k_store.dtype.itemsize,
-                                                    v_store.shape[3] * v_store.dtype.itemsize)
+        extra = b"" if kind != "any" else (_u32(KV_TIER_CODES[tk], KV_TIER_CODES[tv],
+                                                     k_store.shape[3] * k_store.dtype.itemsize,
+                                                     v_store.shape[3] * v_store.dtype.itemsize)
+                                                + struct.pack("<f", np.float32(1.0 / np.sqrt(D))))
+        rot = KV_TIER_CODES[tk] >= _KV_ROTATED or KV_TIER_CODES[tv] >= _KV_ROTATED
+        if rot and (D < 64 or D & (D - 1)):
+            raise NotImplementedError(f"rotated KV tiers need a power-of-two head size >= 64, not {D}")
+        binds = [self._bind(q)[0], kb, vb, mb, pb]
+        tab = [self._bind(self._kv_tables())[0]] if kind == "any" else []
         pc = lambda ml_off: (_u32(H, n_kv, D, G, n_split, n_gsub) + struct.pack("<fif", scale, int(n_swa), softcap)  # noqa: E731
                              + _u32(meta["row_view"] + mo, meta["view_off"] + mo, meta["cells"] + mo,
                                     meta["cell_pos"] + mo, po + po2, ml_off) + extra)
         groups = (T, n_kv, n_split * n_gsub)
         if n_split == 1:
-            self.rt.dispatch(f"attn_{kind}", [self._bind(q)[0], kb, vb, mb, pb, self._bind(out)[0]], pc(0),
-                             groups, writes=(5,))
+            self.rt.dispatch(f"attn_{kind}", binds + [self._bind(out)[0]] + tab, pc(0), groups, writes=(5,))
             return out
         n_acc = T * H * n_split * D
         part = self.empty((n_acc + T * H * n_split * 2,))
-        self.rt.dispatch(f"attn_{kind}", [self._bind(q)[0], kb, vb, mb, pb, self._bind(part)[0]], pc(n_acc),
-                         groups, writes=(5,))
+        self.rt.dispatch(f"attn_{kind}", binds + [self._bind(part)[0]] + tab, pc(n_acc), groups, writes=(5,))
         self.rt.dispatch("attn_merge", [self._bind(part)[0], self._bind(out)[0]], _u32(H, D, n_split, n_acc),
                          (T, H, 1), writes=(1,))
         return out
