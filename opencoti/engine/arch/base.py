@@ -161,6 +161,7 @@ class DecoderModel:
         self.backends = split.backends if split else (backend,)
         self.backend = self.backend_in
         self._replicas: dict = {}  # attribute -> {id(backend): tensor} for tensors every layer reads
+        self._kv_copies: dict = {}  # (layer, id(backend)) -> (k, v) copied this ubatch (kv_store)
 
     def layer_backend(self, il: int):
         """The backend of layer ``il`` (layers past ``n_layer``, e.g. MTP heads: the output's)."""
@@ -213,7 +214,23 @@ class DecoderModel:
         input backend, now current."""
         for b in self.backends:
             b.begin_ubatch(ub)
+        self._kv_copies = {}
         return self.use(self.backend_in)
+
+    def kv_store(self, cache, src: int) -> tuple:
+        """Layer ``src``'s K and V storage (``cache.k[src]``, ``cache.v[src]``) as the current
+        backend can read it. A KV-sharing layer (Gemma-4 E-series) whose source layer lives
+        on the other side of a split reads a copy, made once per ubatch after the source
+        wrote its cells (``src`` precedes every layer that reuses it); otherwise the
+        storage itself."""
+        k, v = cache.k[src], cache.v[src]
+        owner = self.layer_backend(src)
+        if owner is self.backend:
+            return k, v
+        key = (src, id(self.backend))
+        if key not in self._kv_copies:
+            self._kv_copies[key] = (transfer(k, owner, self.backend), transfer(v, owner, self.backend))
+        return self._kv_copies[key]
 
     def cross(self, B, *xs):
         """Move activations ``xs`` from the current backend to ``B`` (``offload.transfer``: a

@@ -388,7 +388,8 @@ class Gemma4(DecoderModel):
             k = B.rope(k, ub.pos, n_rot, base, scale, self.rope_type, ff)
             B.kv_write(cache, il, plan, k, v)
         n_swa = hp.n_swa if hp.swa_layers[il] else 0
-        out = B.attention_cells(q, ub.pos, cache.k[src], cache.v[src], plan, hp.attention_scale, n_swa,
+        k_store, v_store = self.kv_store(cache, src)  # a copy when src is across a split (-ngl)
+        out = B.attention_cells(q, ub.pos, k_store, v_store, plan, hp.attention_scale, n_swa,
                                 hp.attn_logit_softcapping, type_k=cache.tier_k, type_v=cache.tier_v)
         return B.mul_mat(out, L.wo)
 
