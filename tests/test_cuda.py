@@ -877,3 +877,70 @@ def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypat
         assert shared == plain
     finally:
         e.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# partial offload (-ngl N): run with -k ngl
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,variant", [("gemma3", None), ("llama", None), ("gemma4", "e_series"),
+                                          ("qwen35", None)])
+def test_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant):
+    """-ngl 1, 2, n_layer - 1 and n_layer + 1 on CUDA: the CPU backend's logits
+    (teacher-forced on the CPU's greedy tokens: a prefill in ubatches of 16, then 4
+    single-token steps and, where the architecture allows, a context shift); the greedy
+    token equal wherever the CPU's top-2 margin exceeds twice the error. A split puts layer
+    il's weights and K/V on CUDA iff il >= n_layer - ngl (embeddings and output on the CPU)
+    and runs without CUDA graphs; n_layer + 1 is the unchanged all-CUDA runner (graphs)."""
+    pytest.importorskip("transformers")
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / f"ngl-{arch}.gguf"
+    if arch == "gemma4":
+        sg.write_random_model(arch, path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
+    elif arch == "qwen35":
+        sg.write_gguf(sg.random_hf_model(arch, seed=3), path, "Q8_0")
+    else:
+        sg.write_random_model(arch, path, "Q8_0", seed=3, hidden_size=256, intermediate_size=512, head_dim=64)
+    model = load_model(str(path), with_tokenizer=False)
+    n = model.hparams.n_layer
+    prompt = [(i * 37 + 11) % 300 for i in range(20)]
+    shift = arch in ("gemma3", "llama")
+
+    def run(backend, ngl, feed=None):
+        r = ModelRunner(model, backend, n_ctx=64, n_ubatch=16, n_gpu_layers=ngl)
+        out = [np.concatenate([lg for _, lg in iter_logits(r, prompt)])]
+        toks = []
+        for i in range(4):
+            toks.append(int(np.argmax(out[-1][-1])) if feed is None else feed[i])
+            out.append(r.decode(UBatch.build([toks[-1]], [len(prompt) + i], [0], [0])))
+        if shift:
+            r.kv.seq_rm(0, 2, 6)
+            r.seq_add(0, 6, len(prompt) + 4, -4)
+            out.append(r.decode(UBatch.build([5], [len(prompt)], [0], [0])))
+        return r, toks, np.concatenate(out)
+
+    _, want_toks, want = run(cpu, -1)
+    top2 = np.sort(want, axis=1)[:, -2:]
+    for ngl in (1, 2, n - 1, n + 1):
+        r, _, got = run(gpu, ngl, feed=want_toks)
+        err = float(np.max(np.abs(got - want)))
+        tol = 1e-2 if cu.F16_GEMM_MIN_ROWS and 16 >= cu.F16_GEMM_MIN_ROWS else 2e-3
+        assert err < tol * max(1.0, float(np.max(np.abs(want)))), (ngl, err)
+        sure = (top2[:, 1] - top2[:, 0]) > 2 * err
+        assert (np.argmax(got, 1) == np.argmax(want, 1))[sure].all(), ngl
+        if ngl > n:
+            assert r.split is None and r.net is model.network(gpu)
+            assert not gpu.graphs or any(r.graphs.values())  # the all-CUDA path still replays graphs
+            continue
+        assert r.split is not None and r.split.i_gpu_start == n - ngl and not r.graphs
+        assert isinstance(r.net.tok_embd, np.ndarray) and isinstance(r.net.output, np.ndarray)
+        for il in range(n):
+            want_type = cp.ndarray if il >= n - ngl else np.ndarray
+            c = r.kv.layer_cache[il]
+            if c is not None and il in c.k:
+                assert isinstance(c.k[il], want_type) and isinstance(c.v[il], want_type), (ngl, il)
+            if r.kv.recurrent is not None and il in r.kv.recurrent.conv:
+                assert isinstance(r.kv.recurrent.conv[il], want_type), (ngl, il)
+            assert isinstance(r.net.layers[il].attn_norm, want_type), (ngl, il)

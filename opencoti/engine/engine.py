@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -31,6 +32,7 @@ import numpy as np
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, RequestHandle, TokenProb
 from opencoti.engine.backend import select_backend
+from opencoti.engine.backend.offload import offload_message
 from opencoti.engine.batch import UBatch
 from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
 from opencoti.engine.kv_auto_tier import decide_kv_types
@@ -133,7 +135,9 @@ class Engine:
                                         type_v=getattr(params, "cache_type_v", None),
                                         auto=bool(getattr(params, "kv_auto_tier", False)),
                                         budget_mib=getattr(params, "kv_budget_mib", None)),
+            n_gpu_layers=getattr(params, "n_gpu_layers", -1),
         )
+        self._say_offload(getattr(params, "n_gpu_layers", -1))
         self.kv_decision = self.runner.kv_decision
         if self.kv_decision.enabled:
             (log.info if self.kv_decision.applied and self.kv_decision.fits else log.warning)(
@@ -156,6 +160,20 @@ class Engine:
         self.n_tokens_processed = 0
         self.n_admissions_refused = 0
         self.recent_tps = 0.0  # EWMA of tokens processed per second of step time
+
+    def _say_offload(self, n_gpu_layers: int) -> None:
+        """llama.cpp's boot line ``offloaded N/M layers to GPU`` on stderr: on a GPU backend
+        (with where a ``-ngl`` split puts the layers), or for an explicit ``-ngl 0``."""
+        split, n_layer = self.runner.split, self.model.hparams.n_layer
+        if split is not None:
+            msg = split.describe()
+        elif self.runner.backend.name != "cpu":
+            msg = offload_message(n_layer, n_gpu_layers)  # -1 or > n_layer: all of them
+        elif n_gpu_layers == 0:
+            msg = offload_message(n_layer, 0)
+        else:
+            return
+        print(f"opencoti: load_tensors: {msg}", file=sys.stderr)
 
     # -- front-end API (any thread) -----------------------------------------------------
     def start(self) -> "Engine":

@@ -152,6 +152,8 @@ class KVCache:
         n_swa: sliding window (0 = global layers; > 0 enables pruning).
         zeros: allocator ``zeros(shape, dtype)`` for K/V storage (the backend's:
             NumPy on the CPU, device memory on a GPU); the bookkeeping stays NumPy.
+        zeros_for: per-layer allocator ``zeros_for(il) -> zeros`` (partial offload,
+            ``-ngl``: each layer's K/V on that layer's backend); None = ``zeros`` for all.
     Raises ``ValueError`` for an unknown tier or a head size the tier cannot store.
     """
 
@@ -170,6 +172,7 @@ class KVCache:
         zeros=np.zeros,
         type_k_tail=None,
         type_v_tail=None,
+        zeros_for=None,
     ):
         self.tier_k, self.tier_v = get_tier(type_k), get_tier(type_v)
         self.tier_k_tail = self.tier_k if type_k_tail is None else get_tier(type_k_tail)
@@ -191,8 +194,9 @@ class KVCache:
         self._cells: list[np.ndarray | None] = [None] * n_seq_max
         shape_k = (n_stream, n_cells, n_head_kv, self.tier_k.row_len(d_k))
         shape_v = (n_stream, n_cells, n_head_kv, self.tier_v.row_len(d_v))
-        self.k = {il: zeros(shape_k, self.tier_k.dtype) for il in layers}
-        self.v = {il: zeros(shape_v, self.tier_v.dtype) for il in layers}
+        alloc = zeros_for or (lambda il: zeros)
+        self.k = {il: alloc(il)(shape_k, self.tier_k.dtype) for il in layers}
+        self.v = {il: alloc(il)(shape_v, self.tier_v.dtype) for il in layers}
 
     @property
     def type_k(self) -> str:
@@ -508,7 +512,9 @@ class KVCacheSet:
     256 and at most the global size (llama.cpp ``llama_kv_cache_iswa``).
 
     Sequence operations apply to every cache. ``type_k`` / ``type_v`` (and the tail
-    types) are the same for every cache of the set.
+    types) are the same for every cache of the set. ``zeros`` allocates K/V (and recurrent)
+    storage; ``zeros_for(il)``, when given, the allocator of layer ``il`` instead (partial
+    offload: a layer's storage lives on its backend).
     """
 
     def __init__(
@@ -523,6 +529,7 @@ class KVCacheSet:
         zeros=np.zeros,
         type_k_tail=None,
         type_v_tail=None,
+        zeros_for=None,
     ):
         self.unified = unified
         self.n_seq_max = n_seq_max
@@ -530,7 +537,7 @@ class KVCacheSet:
         geo = self.geometry(hp, n_ctx, n_seq_max, unified, n_ubatch)
         self.n_ctx_seq = geo[0]["n_cells"]  # hard per-sequence limit
         common = dict(n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, type_k_tail=type_k_tail,
-                      type_v_tail=type_v_tail, zeros=zeros)
+                      type_v_tail=type_v_tail, zeros=zeros, zeros_for=zeros_for)
         self.caches: list[KVCache] = [KVCache(**g, **common) for g in geo]
         self.layer_cache: list[KVCache] = [None] * hp.n_layer  # type: ignore[list-item]
         for c in self.caches:
@@ -546,7 +553,7 @@ class KVCacheSet:
             self.recurrent = RecurrentState(
                 [il for il in range(hp.n_layer) if rec[il]], n_seq_max,
                 (hp.ssm_d_conv - 1, hp.ssm_conv_channels), (hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim),
-                zeros=zeros)
+                zeros=zeros, zeros_for=zeros_for)
 
     @staticmethod
     def geometry(hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int) -> list[dict]:

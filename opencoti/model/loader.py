@@ -38,11 +38,13 @@ class Model:
     _networks: dict = field(default_factory=dict, repr=False)
 
     def network(self, backend):
-        """The architecture network with weights on ``backend`` (built once per backend)."""
-        net = self._networks.get(backend.name)
+        """The architecture network with weights on ``backend`` (built once per backend), or
+        split over a ``LayerSplit``'s backends (built once per split: ``-ngl``)."""
+        key = getattr(backend, "key", backend.name)
+        net = self._networks.get(key)
         if net is None:
             net = arch_class(self.hparams.arch)(self.gguf, self.hparams, backend)
-            self._networks[backend.name] = net
+            self._networks[key] = net
         return net
 
 

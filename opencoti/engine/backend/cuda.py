@@ -217,6 +217,11 @@ class CUDABackend:
         """Zero-filled device array (KV storage)."""
         return self.cp.zeros(shape, dtype=dtype)
 
+    def asarray(self, a, dtype=None):
+        """Upload a host array (``dtype`` converts first): the receiving end of
+        ``offload.transfer`` (partial offload, ``-ngl``)."""
+        return self.cp.asarray(a, dtype=dtype)
+
     def free_memory(self) -> int:
         """Free bytes on the device (``cudaMemGetInfo``), for auto-tier's KV budget."""
         return int(self.cp.cuda.runtime.memGetInfo()[0])
