@@ -236,3 +236,26 @@ def test_cancel_during_prefill_counts_only_evaluated_prompt_tokens():
     late = []
     h.on_finish(late.append)  # registered after the finish: called at once
     assert late == [ev]
+
+
+def test_sampler_names_match_as_llama_cpp(server, caplog):
+    """QA: llama.cpp (common_sampler_types_from_names, current master) lower-cases each
+    name and takes its aliases (kebab-case, no underscore, nucleus / temp / typ); these
+    were dropped as unknown. A dropped name is logged lower case, as llama.cpp does."""
+    import logging
+
+    from opencoti.http.validate import parse_samplers
+
+    assert parse_samplers(["Top-K", "TOPP", "nucleus", "Temp", "typ", "typ-p", "min-p", "top-n-sigma",
+                           "TEMPERATURE"]) == ("top_k", "top_p", "top_p", "temperature", "typ_p", "typ_p",
+                                               "min_p", "top_n_sigma", "temperature")
+    with caplog.at_level(logging.WARNING, logger="opencoti.http"):
+        assert parse_samplers(["Bogus", "top_k"]) == ("top_k",)
+    assert any("'bogus'" in r.getMessage() for r in caplog.records)
+    st, out = _complete(server["base"], temperature=0, samplers=["Top-K", "temp"])
+    assert st == 200 and out["generation_settings"]["samplers"] == ["top_k", "temperature"]
+    for bad in (["Infill"], ["adaptive-p"]):
+        st, err = _complete(server["base"], samplers=bad)
+        assert st == 400 and "not supported" in err["error"]["message"], bad
+    st, err = _complete(server["base"], xtc_probability=0.5)
+    assert st == 400 and "top_n_sigma" in err["error"]["message"] and "xtc," not in err["error"]["message"]
