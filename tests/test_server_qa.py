@@ -73,6 +73,43 @@ def test_body_over_the_limit_is_json_413(server):
     assert "too large" in err["message"]
 
 
+def test_conflicting_content_lengths_are_json_400(server):
+    """QA: two Content-Length fields that disagree (a CL.CL smuggling shape: the tail of
+    the body as a pipelined request) used to be framed by the first and the rest read as
+    the next request; RFC 9112 §6.3: 400 and close. Equal duplicates are one length."""
+    tail = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = b'{"content":"hi"}' + tail
+    st, h, got = raw_exchange(server["port"], b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 16\r\n"
+                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    err = assert_json_error(st, h, got, 400)
+    assert "conflicting Content-Length" in err["message"] and b"HTTP/1.1" not in got  # no second reply
+    st, h, got = raw_exchange(server["port"], b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 16\r\n"
+                              b"Content-Length: 16\r\nConnection: close\r\n\r\n{\"content\":\"hi\"}")
+    assert st.startswith(b"HTTP/1.1 200 ") and json.loads(got)["tokens"]
+
+
+def test_transfer_encoding_framing(server):
+    """QA: Transfer-Encoding as RFC 9112 §6.1 / §6.3: chunked with a Content-Length is read
+    chunked and the connection closed after the reply (the pipelined request behind it is
+    not served); a last coding other than chunked is a 400 (it used to be read as an
+    empty body), another coding before chunked a 501; "chunkedx" is not chunked."""
+    chunked = b"11\r\n{\"content\":\"hi\"}\n\r\n0\r\n\r\n"
+    st, h, got = raw_exchange(server["port"], b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n" + chunked +
+                              b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert st.startswith(b"HTTP/1.1 200 ") and h["connection"] == "close"
+    assert json.loads(got)["tokens"] and b"HTTP/1.1" not in got
+    for te in (b"gzip", b"chunkedx", b"chunked, gzip"):
+        st, h, got = raw_exchange(server["port"], b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: %s\r\n"
+                                  b"\r\n" % te + chunked + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        err = assert_json_error(st, h, got, 400)
+        assert "Transfer-Encoding" in err["message"] and te.decode() in err["message"]
+    st, h, got = raw_exchange(server["port"], b"POST /tokenize HTTP/1.1\r\nHost: x\r\n"
+                              b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunked)
+    assert st.startswith(b"HTTP/1.1 501 ") and h["connection"] == "close"
+    assert json.loads(got)["error"]["type"] == "not_supported_error"
+
+
 # -- 3. garbage request lines -------------------------------------------------------------------
 
 @pytest.mark.parametrize("line", [b"GARBAGE", b"GET /health", b"GET / HTTP/1.1 extra", b"GET /health FOO/1.0"])
@@ -199,3 +236,26 @@ def test_cancel_during_prefill_counts_only_evaluated_prompt_tokens():
     late = []
     h.on_finish(late.append)  # registered after the finish: called at once
     assert late == [ev]
+
+
+def test_sampler_names_match_as_llama_cpp(server, caplog):
+    """QA: llama.cpp (common_sampler_types_from_names, current master) lower-cases each
+    name and takes its aliases (kebab-case, no underscore, nucleus / temp / typ); these
+    were dropped as unknown. A dropped name is logged lower case, as llama.cpp does."""
+    import logging
+
+    from opencoti.http.validate import parse_samplers
+
+    assert parse_samplers(["Top-K", "TOPP", "nucleus", "Temp", "typ", "typ-p", "min-p", "top-n-sigma",
+                           "TEMPERATURE"]) == ("top_k", "top_p", "top_p", "temperature", "typ_p", "typ_p",
+                                               "min_p", "top_n_sigma", "temperature")
+    with caplog.at_level(logging.WARNING, logger="opencoti.http"):
+        assert parse_samplers(["Bogus", "top_k"]) == ("top_k",)
+    assert any("'bogus'" in r.getMessage() for r in caplog.records)
+    st, out = _complete(server["base"], temperature=0, samplers=["Top-K", "temp"])
+    assert st == 200 and out["generation_settings"]["samplers"] == ["top_k", "temperature"]
+    for bad in (["Infill"], ["adaptive-p"]):
+        st, err = _complete(server["base"], samplers=bad)
+        assert st == 400 and "not supported" in err["error"]["message"], bad
+    st, err = _complete(server["base"], xtc_probability=0.5)
+    assert st == 400 and "top_n_sigma" in err["error"]["message"] and "xtc," not in err["error"]["message"]

@@ -185,10 +185,26 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         """Read the whole request body (Content-Length or chunked). Raises HTTPError 400
-        (a negative or non-numeric Content-Length, a malformed chunk, a short body) or
-        413 (over ``MAX_BODY_BYTES``); both close the connection."""
-        te = (self.headers.get("Transfer-Encoding") or "").lower()
-        if "chunked" in te:
+        (a negative or non-numeric Content-Length, Content-Length fields that disagree, a
+        Transfer-Encoding whose last coding is not ``chunked``, a malformed chunk, a short
+        body), 501 (a transfer coding other than ``chunked``) or 413 (over
+        ``MAX_BODY_BYTES``); all close the connection. Framing as RFC 9112 §6.1 / §6.3: a
+        request with both Transfer-Encoding and Content-Length is read chunked and its
+        connection closed after the reply (a request-smuggling guard)."""
+        te_fields = self.headers.get_all("Transfer-Encoding") or []
+        codings = [c.strip().lower() for f in te_fields for c in f.split(",") if c.strip()]
+        if te_fields:
+            if not codings or codings[-1] != "chunked":
+                self.close_connection = True
+                raise HTTPError(400, "invalid_request_error",
+                                f"unsupported Transfer-Encoding {', '.join(te_fields)!r}: the last coding must be chunked")
+            if len(codings) > 1:
+                self.close_connection = True
+                raise HTTPError(501, "not_supported_error",
+                                f"unsupported Transfer-Encoding {', '.join(te_fields)!r}: only chunked is implemented")
+            if self.headers.get("Content-Length") is not None:
+                self.close_connection = True
+        if te_fields:
             parts, total = [], 0
             while True:
                 line = self.rfile.readline(65537)
@@ -207,7 +223,11 @@ class _Handler(BaseHTTPRequestHandler):
                     raise HTTPError(413, "invalid_request_error", "request body too large")
                 parts.append(self.rfile.read(size))
                 self.rfile.readline(3)
-        length = self.headers.get("Content-Length")
+        lengths = [v.strip() for f in (self.headers.get_all("Content-Length") or []) for v in f.split(",")]
+        if len(set(lengths)) > 1:
+            self.close_connection = True
+            raise HTTPError(400, "invalid_request_error", f"conflicting Content-Length values {', '.join(lengths)}")
+        length = lengths[0] if lengths else None
         if not length:
             return b""
         digits = length.strip()

@@ -287,8 +287,8 @@ def check_unsupported_samplers(body: dict) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise invalid_request(f'"{key}" must be a number')
         if v != off:
-            raise invalid_request(f'"{key}" is not supported by this server (sampler chain: '
-                                  "penalties, top_k, typical_p, top_p, min_p, temperature)")
+            raise invalid_request(f'"{key}" is not supported by this server (samplers it runs: '
+                                  f"{', '.join(n for n in CHAIN_NAMES if n not in ('dry', 'xtc'))})")
     samplers = body.get("samplers")
     if samplers is not None and (not isinstance(samplers, (list, str)) or
                                  (isinstance(samplers, list) and not all(isinstance(x, str) for x in samplers))):
@@ -302,19 +302,38 @@ SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top
 UNSUPPORTED_CHAIN = ("infill", "adaptive_p")
 
 
+def _sampler_name_map() -> dict:
+    """Every name llama.cpp's ``common_sampler_types_from_names`` (common/sampling.cpp,
+    current master) matches, lower case, to its canonical name: the canonical names,
+    their kebab-case (``top-k``) and no-underscore (``topk``) forms, and ``nucleus``,
+    ``temp``, ``typ``."""
+    out = {}
+    for name in CHAIN_NAMES + UNSUPPORTED_CHAIN:
+        if "_" in name:
+            out[name.replace("_", "-")] = name
+            out[name.replace("_", "")] = name
+    out.update(nucleus="top_p", temp="temperature", typ="typ_p")
+    out.update({n: n for n in CHAIN_NAMES + UNSUPPORTED_CHAIN})
+    return out
+
+
+SAMPLER_NAMES = _sampler_name_map()
+
+
 def parse_samplers(value) -> tuple:
     """The ``samplers`` request field as the chain to run (tuple of ``CHAIN_NAMES``):
-    a list of canonical names, or a string of letters (``SAMPLER_CHARS``), as
-    llama.cpp's ``common_sampler_types_from_names(names, false)`` /
-    ``common_sampler_types_from_chars``: a name or letter it does not know is
-    dropped with a WARN in the server log (the request runs without it). 400 for a
-    wrong type, or for ``infill`` / ``adaptive_p`` (known to llama.cpp, not here)."""
+    a list of names, or a string of letters (``SAMPLER_CHARS``), as llama.cpp's
+    ``common_sampler_types_from_names`` / ``common_sampler_types_from_chars``: names
+    match case-insensitively, with their aliases (``SAMPLER_NAMES``: ``Top-K``,
+    ``topk``, ``temp``, ``nucleus`` ...); a name or letter it does not know is dropped
+    with a WARN in the server log (the request runs without it). 400 for a wrong type,
+    or for ``infill`` / ``adaptive_p`` (known to llama.cpp, not here)."""
     if isinstance(value, str):
         items, what = [SAMPLER_CHARS.get(c, c) for c in value], "char"
         unknown = [c for c in value if c not in SAMPLER_CHARS]
     elif isinstance(value, list) and all(isinstance(x, str) for x in value):
-        items, what = list(value), "name"
-        unknown = [x for x in value if x not in CHAIN_NAMES and x not in UNSUPPORTED_CHAIN]
+        items, what = [SAMPLER_NAMES.get(x.lower(), x.lower()) for x in value], "name"
+        unknown = [x.lower() for x in value if x.lower() not in SAMPLER_NAMES]
     else:
         raise invalid_request('"samplers" must be a list of sampler names or a string of sampler letters')
     for u in unknown:
