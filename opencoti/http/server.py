@@ -25,6 +25,7 @@ routes, then routing (404 unknown path, 405 wrong method).
 
 from __future__ import annotations
 
+import functools
 import hmac
 import select
 import signal
@@ -147,7 +148,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._read_body()
         except HTTPError as e:
-            self._safe(lambda: self._send_error(e))
+            self._safe(functools.partial(self._send_error, e))
             return
         self.send_response(200)
         self._cors_headers()
@@ -317,7 +318,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._write_response(res)
         except HTTPError as e:
-            self._safe(lambda: self._send_error(e))
+            self._safe(functools.partial(self._send_error, e))
         except ClientDisconnected:
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError):
