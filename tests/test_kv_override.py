@@ -4,6 +4,8 @@ tokenizer are read."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from opencoti.cli import build_params
@@ -14,6 +16,7 @@ from opencoti.model.kv_override import (
     parse_kv_override,
     parse_kv_overrides,
 )
+from opencoti.model.gguf_file import GGUFError
 from opencoti.model.loader import load_model
 from opencoti.params import Params
 from opencoti.tools import synth_gguf as sg
@@ -112,6 +115,19 @@ def test_loader_applies_overrides_before_hparams_and_tokenizer(tiny):
 def test_loader_rejects_a_mistyped_override(tiny):
     with pytest.raises(KVOverrideError, match="bad metadata override type for 'qwen3.context_length'"):
         load_model(tiny, Params(kv_overrides=parse_kv_overrides(["qwen3.context_length=str:big"])))
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("qwen3.context_length=int:-5", "qwen3.context_length = -5: must be a positive integer"),
+    ("qwen3.attention.head_count=int:0", "qwen3.attention.head_count = 0: must be a positive integer"),
+    ("qwen3.block_count=int:0", "qwen3.block_count = 0: must be a positive integer"),
+    ("qwen3.attention.head_count_kv=int:3", "is not a multiple of qwen3.attention.head_count_kv = 3"),
+])
+def test_loader_names_a_nonsense_size(tiny, spec, needle):
+    """QA: ``int:0`` / negative sizes used to surface as 'integer division or modulo by zero'
+    or 'negative dimensions are not allowed'."""
+    with pytest.raises(GGUFError, match=re.escape(needle)):
+        load_model(tiny, Params(kv_overrides=parse_kv_overrides([spec])))
 
 
 def test_override_that_matches_nothing_warns_naming_the_key(tiny, caplog):

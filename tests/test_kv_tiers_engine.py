@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -313,14 +314,18 @@ def test_auto_tier_decisions(synth, gemma):
     assert "iSWA" in d.reason and "does not apply" in d.reason
 
 
-def test_engine_auto_tier_reads_back_from_the_live_cache(synth):
+def test_engine_auto_tier_reads_back_from_the_live_cache(synth, caplog):
     budget = _size(synth.hparams, "q6_0", "q5_1", n_ctx=512) / MIB
-    e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget))
+    with caplog.at_level(logging.INFO):
+        e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget))
     kv = kv_props(e)
     assert kv["effective"] == {"type_k": "q6_0", "type_v": "q5_1", "n_cells": 512, "n_cells_resident": 512,
                                "n_layers_spilling": 0, "fully_resident": True, "is_iswa": False}
     assert kv["auto_tier"]["applied"] and kv["auto_tier"]["kv_bytes"] == e.runner.kv.nbytes() <= budget * MIB
-    assert any("auto-tier: type_k=q6_0 type_v=q5_1" in ln for ln in kv_layout_lines(e))
+    # the decision is logged once, when made; the KV boot report does not repeat it
+    said = [r.getMessage() for r in caplog.records if "auto-tier: type_k=q6_0 type_v=q5_1" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("opencoti: ")
+    assert not any("auto-tier" in ln for ln in kv_layout_lines(e)) and kv_layout_lines(e)
     e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget,
                              cache_type_k="f16"))
     assert (e.runner.kv.type_k, e.runner.kv.type_v) == ("f16", "q4_0")  # K held; V alone cannot fit

@@ -259,3 +259,9 @@ def test_sampler_names_match_as_llama_cpp(server, caplog):
         assert st == 400 and "not supported" in err["error"]["message"], bad
     st, err = _complete(server["base"], xtc_probability=0.5)
     assert st == 400 and "top_n_sigma" in err["error"]["message"] and "xtc," not in err["error"]["message"]
+
+
+def test_request_line_over_64k_is_json_414(server):
+    st, h, body = raw_exchange(server["port"], b"GET /health?" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    err = assert_json_error(st, h, body, 414)
+    assert "65,536 bytes" in err["message"]

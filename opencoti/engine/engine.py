@@ -141,7 +141,7 @@ class Engine:
         self.kv_decision = self.runner.kv_decision
         if self.kv_decision.enabled:
             (log.info if self.kv_decision.applied and self.kv_decision.fits else log.warning)(
-                "%s", self.kv_decision.reason)
+                "opencoti: %s", self.kv_decision.reason)  # once: the KV boot report leaves it out
         self.n_ctx = n_ctx
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import traceback
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlsplit
@@ -92,6 +93,9 @@ class OpencotiHTTPServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
 
+_PLAIN_ERRORS = {414: "the request line (method, URL, version) is longer than 65,536 bytes"}
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "opencoti"
@@ -134,7 +138,9 @@ class _Handler(BaseHTTPRequestHandler):
         etype = {400: "invalid_request_error", 404: "not_found_error", 501: "not_supported_error"}.get(
             code, "server_error" if code >= 500 else "invalid_request_error")
         try:
-            self._send_json(code, error_body(code, etype, message or explain or "error"))
+            if not (message or explain):  # the stdlib's bare codes: 414 for a request line over 64 KiB
+                message = _PLAIN_ERRORS.get(code) or HTTPStatus(code).phrase
+            self._send_json(code, error_body(code, etype, message or explain))
         except OSError:
             pass
 
