@@ -14,14 +14,13 @@ CUDA takes the same path (``tests/test_cuda.py -k ngl``).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
-from opencoti.engine.backend import BackendUnavailable, get_backend, select_backend
+from opencoti.engine.backend import get_backend, select_backend
 from opencoti.engine.backend.cpu import CPUBackend
 from opencoti.engine.backend.offload import LayerSplit, make_split, offload_message
+from vk_guard import DEVICE, vulkan_devices
 
 
 class _FakeGPU(CPUBackend):
@@ -67,20 +66,11 @@ def test_offload_message():
 # ---------------------------------------------------------------------------------------
 # Vulkan splits
 # ---------------------------------------------------------------------------------------
-DEVICE = int(os.environ.get("OPENCOTI_VK_DEVICE", "0"))
 
 
 def _vulkan():
-    try:
-        from opencoti.engine.backend.vk_runtime import list_devices
-
-        if not list_devices():
-            raise BackendUnavailable("no Vulkan device")
-        return get_backend("vulkan", DEVICE)
-    except BackendUnavailable as e:
-        if os.environ.get("OPENCOTI_REQUIRE_VULKAN", "0") not in ("", "0"):
-            raise RuntimeError(f"OPENCOTI_REQUIRE_VULKAN is set but Vulkan is unavailable: {e}") from None
-        pytest.skip(f"no Vulkan device ({e})")
+    vulkan_devices(module_level=False)
+    return get_backend("vulkan", DEVICE)
 
 
 @pytest.fixture(scope="module")

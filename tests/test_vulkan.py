@@ -32,20 +32,12 @@ import pytest
 from gemma_refs import load_refs, logprobs
 from quant_blocks import random_blocks, ref_dequant
 
-from opencoti.engine.backend import BackendUnavailable, get_backend
+from opencoti.engine.backend import get_backend
 from opencoti.engine.backend.cpu import CPUBackend
 
-DEVICE = int(os.environ.get("OPENCOTI_VK_DEVICE", "0"))
-try:
-    from opencoti.engine.backend.vk_runtime import list_devices
+from vk_guard import DEVICE, vulkan_devices  # noqa: E402
 
-    _DEVS = list_devices()
-    if not _DEVS:
-        raise BackendUnavailable("no Vulkan device")
-except BackendUnavailable as e:
-    if os.environ.get("OPENCOTI_REQUIRE_VULKAN", "0") not in ("", "0"):
-        raise RuntimeError(f"OPENCOTI_REQUIRE_VULKAN is set but Vulkan is unavailable: {e}") from None
-    pytest.skip(f"no Vulkan device ({e})", allow_module_level=True)
+_DEVS = vulkan_devices()
 
 from gguf import GGMLQuantizationType  # noqa: E402
 
