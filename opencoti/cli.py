@@ -250,7 +250,8 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 @click.option("-to", "--timeout", type=click.IntRange(min=1), default=600, show_default=True,
               envvar=_env("timeout"), help="Server read/write timeout in seconds.")
 @click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", type=int, default=-1,
-              show_default=True, envvar=_env("gpu_layers"), help="Layers to put on the GPU (-1: backend default).")
+              show_default=True, envvar=_env("gpu_layers"), help="Layers to put on the GPU: the last N repeating layers, the output too when "
+                   "N > n_layer (llama.cpp); 0: CPU only; -1: all.")
 @click.option("-fa", "--flash-attn", type=_FlashAttn(), default="auto", show_default=True,
               envvar=_env("flash_attn"), help="Flash attention: on, off or auto.")
 @click.option("--gpu", type=click.Choice(GPU_CHOICES, case_sensitive=False), default="auto",

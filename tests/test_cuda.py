@@ -901,3 +901,237 @@ def test_kv_tier_real_model_context_shift(real_model):
         outs.append(np.stack(res))
     assert np.max(np.abs(outs[0] - outs[1])) < 0.05
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).all()
+
+
+# ---------------------------------------------------------------------------------------
+# issue 5 part 6: shared-prefix attention (PolyKV groups) — `-k shared_prefix`
+# ---------------------------------------------------------------------------------------
+def _shared_prefix_plan(n_kv, d, n_pre, n_sharers, rows_per_view, rng):
+    """A unified cache with a pool sequence (id ``n_sharers``) of ``n_pre`` prefix cells,
+    interleaved with an unrelated sequence (id ``n_sharers + 1``) so the prefix cells are
+    scattered; ``n_sharers`` sequences attached to the pool (``seq_cp``), each with a
+    private history of a different length. Returns the cache, a ubatch plan with
+    ``rows_per_view`` rows per sharer and 2 rows of the unrelated sequence (rows
+    interleaved; ``share_src`` makes one ``SharedGroup``) and the rows' positions."""
+    pool, other = n_sharers, n_sharers + 1
+    c = KVCache([0], 2 * n_pre + 64 * n_sharers + 256, 1, n_sharers + 2, n_head_kv=n_kv, d_k=d, d_v=d,
+                zeros=np.zeros)
+    seqs = np.array([pool, other] * n_pre)
+    pos = np.repeat(np.arange(n_pre), 2).astype(np.int32)
+    plan = c.prepare(seqs, pos)
+    c.apply(plan, seqs, pos)
+    hist = [int(h) for h in rng.integers(1, 40, n_sharers)]
+    for s in range(n_sharers):
+        c.seq_cp(pool, s)
+        sq = np.full(hist[s], s)
+        p = np.arange(n_pre, n_pre + hist[s], dtype=np.int32)
+        plan = c.prepare(sq, p)
+        c.apply(plan, sq, p)
+    ub_seq = np.concatenate([np.repeat(np.arange(n_sharers), rows_per_view), [other, other]])
+    ub_pos = np.concatenate([n_pre + hist[s] + np.arange(rows_per_view) for s in range(n_sharers)]
+                            + [[n_pre, n_pre + 1]]).astype(np.int32)
+    order = rng.permutation(len(ub_seq))
+    ub_seq, ub_pos = ub_seq[order], ub_pos[order]
+    plan = c.prepare(ub_seq, ub_pos)
+    c.apply(plan, ub_seq, ub_pos, share_src={s: pool for s in range(n_sharers)})
+    assert len(plan.groups) == 1 and sorted(plan.groups[0].views) != [] and len(plan.groups[0].views) == n_sharers
+    assert len(plan.groups[0].cells) == n_pre
+    return c, plan, ub_pos
+
+
+@pytest.mark.parametrize("d,n_head,n_kv", [(128, 28, 4), (256, 8, 2), (128, 8, 8), (64, 12, 1), (256, 4, 1)])
+@pytest.mark.parametrize("n_swa,softcap", [(0, 0.0), (300, 0.0), (20, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("rows_per_view", [1, 6])
+def test_shared_prefix_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa, softcap, rows_per_view):
+    """Group path (shared_prefix.cu + private partials + merge) == per-sequence CUDA path ==
+    CPU reference, on scattered prefix cells. n_swa 300 cuts into the 700-cell prefix; 20
+    leaves a few prefix cells to sharers with a short history and none to the others (an
+    empty shared partial)."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(11 + d + n_head + n_swa + rows_per_view)
+    cc, plan, ub_pos = _shared_prefix_plan(n_kv, d, 700, 5, rows_per_view, rng)
+    k_all = rng.standard_normal(cc.k[0].shape).astype(np.float16)
+    v_all = rng.standard_normal(cc.v[0].shape).astype(np.float16)
+    q = (2.0 * rng.standard_normal((len(ub_pos), n_head, d))).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    want = cpu.attention_cells(q, ub_pos, k_all, v_all, plan, scale, n_swa, softcap)
+    calls = []
+    real = gpu._attention_groups
+    monkeypatch.setattr(gpu, "_attention_groups", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    args = (cp.asarray(q), ub_pos, cp.asarray(k_all), cp.asarray(v_all))
+    gpu._meta = {}
+    got = cp.asnumpy(gpu.attention_cells(*args, plan, scale, n_swa, softcap))
+    assert calls, "the group path did not run"
+    plain = replace(plan, groups=[])
+    per_seq = cp.asnumpy(gpu.attention_cells(*args, plain, scale, n_swa, softcap))
+    assert len(calls) == 1
+    assert got.shape == want.shape == per_seq.shape
+    atol = 1e-4 if softcap else 2e-5  # tanhf under --use_fast_math (both CUDA paths) vs NumPy's tanh
+    np.testing.assert_allclose(per_seq, want, rtol=2e-4, atol=atol)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=atol)
+    np.testing.assert_allclose(got, per_seq, rtol=2e-4, atol=atol)
+
+
+def test_shared_prefix_two_groups_and_large_query(gpu, cpu):
+    """Two pools in one ubatch (two groups, one launch each), a prefix longer than a split,
+    query values large enough that an f16 Q alone would be off by ~1e-3 (the hi/lo split
+    keeps the error at float32 level)."""
+    rng = np.random.default_rng(5)
+    n_pre, d, n_head, n_kv = 1500, 128, 16, 2
+    c = KVCache([0], 2 * n_pre + 512, 1, 6, n_head_kv=n_kv, d_k=d, d_v=d, zeros=np.zeros)
+    seqs = np.array([4] * n_pre + [5] * (n_pre // 2))
+    pos = np.concatenate([np.arange(n_pre), np.arange(n_pre // 2)]).astype(np.int32)
+    plan = c.prepare(seqs, pos)
+    c.apply(plan, seqs, pos)
+    src = {0: 4, 1: 4, 2: 5, 3: 5}
+    for s, p in src.items():
+        c.seq_cp(p, s)
+    ub_seq = np.array([0, 1, 2, 3, 0, 2])
+    ub_pos = np.array([n_pre, n_pre, n_pre // 2, n_pre // 2, n_pre + 1, n_pre // 2 + 1], dtype=np.int32)
+    plan = c.prepare(ub_seq, ub_pos)
+    c.apply(plan, ub_seq, ub_pos, share_src=src)
+    assert len(plan.groups) == 2
+    k_all = rng.standard_normal(c.k[0].shape).astype(np.float16)
+    v_all = rng.standard_normal(c.v[0].shape).astype(np.float16)
+    q = (8.0 * rng.standard_normal((6, n_head, d))).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    want = cpu.attention_cells(q, ub_pos, k_all, v_all, plan, scale)
+    gpu._meta = {}
+    got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(k_all), cp.asarray(v_all), plan, scale))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def _synth_file(tmp_path_factory, name, preset, **over):
+    from opencoti.tools import synth_shapes
+
+    path = tmp_path_factory.mktemp("sp") / f"{name}.gguf"
+    return str(synth_shapes.write_model(preset, path, seed=3, **over))
+
+
+@pytest.mark.parametrize("shape", ["gemma3_swa", "qwen2_gqa"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypatch, shape, graphs):
+    """N sessions attached to one pool on CUDA (decode steps as CUDA graphs, or eager) give
+    the same greedy text as the same prompts served without the pool, and the group path
+    ran. gemma3_swa: iSWA with a 48-token window inside the ~150-token prefix, head_dim 256,
+    4 query heads per kv head; qwen2_gqa: head_dim 128, 4 query heads per kv head. Sessions
+    generate different lengths, so the group shrinks while others decode (new graph keys)."""
+    import threading
+
+    from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent
+    from opencoti.engine.engine import Engine
+    from opencoti.model.loader import load_model
+    from opencoti.params import Params
+
+    if shape == "gemma3_swa":
+        path = _synth_file(tmp_path_factory, shape, "gemma-3-270m-q4_k_m", n_layer=4, n_vocab=8192, n_swa=48)
+    else:
+        path = _synth_file(tmp_path_factory, shape, "qwen2.5-7b-q4_k_m", n_layer=2, n_embd=1024, n_ff=2048,
+                           n_head=8, n_head_kv=2, head_dim=128, n_vocab=8192)
+    model = load_model(path)
+    tok = model.tokenizer.tokenize
+    prefix = tok("Rules: answer briefly and exactly, cite the manual. " * 12, add_special=True)
+    n = 6
+    prompts = [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False) for i in range(n)]
+    greedy = SamplingParams(temperature=0)
+    calls = []
+    real = gpu._attention_groups
+    monkeypatch.setattr(gpu, "_attention_groups", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gpu, "graphs", graphs)
+
+    def run_all(e, **kw):
+        out = [None] * n
+
+        def go(i):
+            evs = list(e.submit(CompletionRequest(prompts[i], n_predict=10 + 3 * i, sampling=greedy,
+                                                  cache_prompt=False, **kw)).events(timeout=300))
+            assert isinstance(evs[-1], FinishEvent), evs[-1]
+            out[i] = [ev.token for ev in evs if isinstance(ev, TokenEvent)]
+
+        ths = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        return out
+
+    e = Engine(model, Params(n_ctx=4096, n_parallel=n, kv_unified=True, n_ubatch=256, polykv_max_pools=1),
+               backend="cuda").start()
+    try:
+        plain = run_all(e)
+        assert not calls
+        pool = e.create_pool(prefix).result(timeout=300)
+        shared = run_all(e, pool_id=pool["id"])
+        assert calls, "no ubatch took the shared-prefix path"
+        assert shared == plain
+    finally:
+        e.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# partial offload (-ngl N): run with -k ngl
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,variant", [("gemma3", None), ("llama", None), ("gemma4", "e_series"),
+                                          ("qwen35", None)])
+def test_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant):
+    """-ngl 1, 2, n_layer - 1 and n_layer + 1 on CUDA: the CPU backend's logits
+    (teacher-forced on the CPU's greedy tokens: a prefill in ubatches of 16, then 4
+    single-token steps and, where the architecture allows, a context shift); the greedy
+    token equal wherever the CPU's top-2 margin exceeds twice the error. A split puts layer
+    il's weights and K/V on CUDA iff il >= n_layer - ngl (embeddings and output on the CPU)
+    and runs without CUDA graphs; n_layer + 1 is the unchanged all-CUDA runner (graphs)."""
+    pytest.importorskip("transformers")
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / f"ngl-{arch}.gguf"
+    if arch == "gemma4":
+        sg.write_random_model(arch, path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
+    elif arch == "qwen35":
+        sg.write_gguf(sg.random_hf_model(arch, seed=3), path, "Q8_0")
+    else:
+        sg.write_random_model(arch, path, "Q8_0", seed=3, hidden_size=256, intermediate_size=512, head_dim=64)
+    model = load_model(str(path), with_tokenizer=False)
+    n = model.hparams.n_layer
+    prompt = [(i * 37 + 11) % 300 for i in range(20)]
+    shift = arch in ("gemma3", "llama")
+
+    def run(backend, ngl, feed=None):
+        r = ModelRunner(model, backend, n_ctx=64, n_ubatch=16, n_gpu_layers=ngl)
+        out = [np.concatenate([lg for _, lg in iter_logits(r, prompt)])]
+        toks = []
+        for i in range(4):
+            toks.append(int(np.argmax(out[-1][-1])) if feed is None else feed[i])
+            out.append(r.decode(UBatch.build([toks[-1]], [len(prompt) + i], [0], [0])))
+        if shift:
+            r.kv.seq_rm(0, 2, 6)
+            r.seq_add(0, 6, len(prompt) + 4, -4)
+            out.append(r.decode(UBatch.build([5], [len(prompt)], [0], [0])))
+        return r, toks, np.concatenate(out)
+
+    _, want_toks, want = run(cpu, -1)
+    top2 = np.sort(want, axis=1)[:, -2:]
+    for ngl in (1, 2, n - 1, n + 1):
+        r, _, got = run(gpu, ngl, feed=want_toks)
+        err = float(np.max(np.abs(got - want)))
+        tol = 1e-2 if cu.F16_GEMM_MIN_ROWS and 16 >= cu.F16_GEMM_MIN_ROWS else 2e-3
+        assert err < tol * max(1.0, float(np.max(np.abs(want)))), (ngl, err)
+        sure = (top2[:, 1] - top2[:, 0]) > 2 * err
+        assert (np.argmax(got, 1) == np.argmax(want, 1))[sure].all(), ngl
+        if ngl > n:
+            assert r.split is None and r.net is model.network(gpu)
+            assert not gpu.graphs or any(r.graphs.values())  # the all-CUDA path still replays graphs
+            continue
+        assert r.split is not None and r.split.i_gpu_start == n - ngl and not r.graphs
+        assert isinstance(r.net.tok_embd, np.ndarray) and isinstance(r.net.output, np.ndarray)
+        for il in range(n):
+            want_type = cp.ndarray if il >= n - ngl else np.ndarray
+            c = r.kv.layer_cache[il]
+            if c is not None and il in c.k:
+                assert isinstance(c.k[il], want_type) and isinstance(c.v[il], want_type), (ngl, il)
+            if r.kv.recurrent is not None and il in r.kv.recurrent.conv:
+                assert isinstance(r.kv.recurrent.conv[il], want_type), (ngl, il)
+            assert isinstance(r.net.layers[il].attn_norm, want_type), (ngl, il)
+

@@ -406,3 +406,24 @@ def test_split_expert_tensors_are_refused(tmp_path, monkeypatch):
     sg.write_random_model("gemma4", path, seed=1, **sg.GEMMA4_VARIANTS["moe"])
     with pytest.raises(GGUFError, match="split ffn_gate_exps/ffn_up_exps"):
         _runner(str(path))
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_quantized_kv_reaches_attention_as_its_tier(build, kv):
+    """-ctk/-ctv on Gemma-4: attention reads the cells through their tier (dequantized),
+    so the logits stay near the f32 cache's (q8_0 is near-lossless), also after a context
+    shift that re-rotates K through dequantize -> rope -> quantize."""
+    _, path = build("dense_hd512")
+    seq = SEQUENCES[0][:16]
+    want = _engine_logits(path, seq)
+    r = _runner(path, kv=kv)
+    got = np.concatenate([lg for _, lg in iter_logits(r, seq)])
+    tol = 0.05 if kv == "q8_0" else 0.5
+    assert np.abs(got - want).max() < tol * max(1.0, float(np.abs(want).max()))
+    shifted = []
+    for k in ("f32", kv):
+        rr = _runner(path, kv=k)
+        list(iter_logits(rr, seq[:12]))
+        rr.seq_add(0, 0, 12, 5)
+        shifted.append(rr.decode(UBatch.build([seq[0]], [17], [0], [0])))
+    assert np.abs(shifted[1] - shifted[0]).max() < tol * max(1.0, float(np.abs(shifted[0]).max()))

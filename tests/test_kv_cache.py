@@ -144,3 +144,76 @@ def test_can_reuse_after_swa_pruning():
     assert kv.swa.seq_pos_min(0) == 6
     assert kv.can_reuse(0, 10) and kv.can_reuse(0, 9)
     assert not kv.can_reuse(0, 5)  # a query at 5 would need 2..5
+
+
+def test_shared_groups_match_set_semantics():
+    """``plan.groups`` under random pool shares (two pools, cut prefixes, sliding-window
+    pruning): a group's cells are exactly the pool cells every member still holds (sorted),
+    and each member's private cells are its other cells, in its own order."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        N, P, swa = int(rng.integers(2, 9)), int(rng.integers(10, 300)), int(rng.choice([0, 40, 200]))
+        c = KVCache([0], n_cells=4096, n_stream=1, n_seq_max=2 * N + 2, n_head_kv=1, d_k=8, d_v=8, n_swa=swa)
+        pools = [2 * N, 2 * N + 1]
+        for i, pool in enumerate(pools):
+            n = P + 7 * i
+            plan = c.prepare(np.full(n, pool), np.arange(n))
+            c.apply(plan, np.full(n, pool), np.arange(n))
+        share = {}
+        for s in range(N):
+            share[s] = pools[s % 2]
+            cut = int(rng.integers(1, P + 1))
+            c.seq_cp(share[s], s, 0, cut)
+            pos = np.arange(cut, cut + int(rng.integers(1, 30)))
+            plan = c.prepare(np.full(len(pos), s), pos)
+            c.apply(plan, np.full(len(pos), s), pos)
+        for _ in range(5):
+            seqs = np.arange(N)
+            pos = np.array([c.seq_pos_max(s) + 1 for s in seqs])
+            c.prune_swa(seqs, pos)
+            plan = c.prepare(seqs, pos)
+            c.apply(plan, seqs, pos, share)
+            n_groups = 0
+            for pool in pools:
+                members = [i for i, v in enumerate(plan.views) if share[v.seq_id] == pool]
+                held = set(c.cells_of(pool).tolist())
+                for i in members:
+                    held &= set(plan.views[i].cells.tolist())
+                if len(members) < 2 or not held:
+                    continue
+                g = plan.groups[n_groups]
+                n_groups += 1
+                assert g.views == members and g.cells.tolist() == sorted(held)
+                for i in members:
+                    v = plan.views[i]
+                    assert v.private.tolist() == [x for x in v.cells.tolist() if x not in held]
+                    assert v.private_pos.tolist() == c.pos[0, v.private].tolist()
+            assert len(plan.groups) == n_groups
+
+
+def test_plan_flat_index_arrays():
+    """``CachePlan.flat``: flat write cells, row -> view, view offsets and the views' cell
+    lists / positions in view order, on a split cache (several streams, several rows per
+    sequence), padded to ``cap``; a list longer than ``cap`` is refused."""
+    c = KVCache([0], n_cells=64, n_stream=3, n_seq_max=3, n_head_kv=1, d_k=8, d_v=8)
+    for s, n in ((0, 5), (1, 9), (2, 3)):
+        plan = c.prepare(np.full(n, s), np.arange(n))
+        c.apply(plan, np.full(n, s), np.arange(n))
+    seqs = np.array([2, 0, 2, 1, 0])
+    pos = np.array([3, 5, 4, 9, 6])
+    plan = c.prepare(seqs, pos)
+    c.apply(plan, seqs, pos)
+    write, row_view, off, cells, cpos = plan.flat(64)
+    assert write.tolist() == (plan.stream * 64 + plan.cell).tolist()
+    for i, v in enumerate(plan.views):
+        assert (row_view[v.rows] == i).all()
+        got = cells[off[i]:off[i + 1]]
+        assert got.tolist() == (v.stream * 64 + np.asarray(v.cells)).tolist()
+        assert cpos[off[i]:off[i + 1]].tolist() == np.asarray(v.cell_pos).tolist()
+    assert sorted(row_view.tolist()) == sorted(i for i, v in enumerate(plan.views) for _ in v.rows)
+    total = int(off[-1])
+    assert total == 7 + 10 + 5  # each sequence's earlier cells plus this ubatch's rows
+    padded = plan.flat(64, cap=32)
+    assert len(padded[3]) == 32 and padded[3][:total].tolist() == cells.tolist() and not padded[3][total:].any()
+    with pytest.raises(ValueError):
+        plan.flat(64, cap=total - 1)

@@ -4,6 +4,8 @@ tokenizer are read."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from opencoti.cli import build_params
@@ -14,6 +16,7 @@ from opencoti.model.kv_override import (
     parse_kv_override,
     parse_kv_overrides,
 )
+from opencoti.model.gguf_file import GGUFError
 from opencoti.model.loader import load_model
 from opencoti.params import Params
 from opencoti.tools import synth_gguf as sg
@@ -112,3 +115,41 @@ def test_loader_applies_overrides_before_hparams_and_tokenizer(tiny):
 def test_loader_rejects_a_mistyped_override(tiny):
     with pytest.raises(KVOverrideError, match="bad metadata override type for 'qwen3.context_length'"):
         load_model(tiny, Params(kv_overrides=parse_kv_overrides(["qwen3.context_length=str:big"])))
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("qwen3.context_length=int:-5", "qwen3.context_length = -5: must be a positive integer"),
+    ("qwen3.attention.head_count=int:0", "qwen3.attention.head_count = 0: must be a positive integer"),
+    ("qwen3.block_count=int:0", "qwen3.block_count = 0: must be a positive integer"),
+    ("qwen3.attention.head_count_kv=int:3", "is not a multiple of qwen3.attention.head_count_kv = 3"),
+])
+def test_loader_names_a_nonsense_size(tiny, spec, needle):
+    """QA: ``int:0`` / negative sizes used to surface as 'integer division or modulo by zero'
+    or 'negative dimensions are not allowed'."""
+    with pytest.raises(GGUFError, match=re.escape(needle)):
+        load_model(tiny, Params(kv_overrides=parse_kv_overrides([spec])))
+
+
+def test_override_that_matches_nothing_warns_naming_the_key(tiny, caplog):
+    """QA: a key neither in the file nor read by the loader has no effect: WARN at boot,
+    naming it (and the close file key for a typo); a key the file has, or an optional
+    key the loader asks for, is silent; the override still lands in ``metadata``."""
+    import logging
+
+    ov = parse_kv_overrides(["qwen3.context_lenght=int:8192",  # typo of qwen3.context_length
+                             "zz.nothing=bool:true",
+                             "qwen3.context_length=int:8192",  # in the file
+                             "qwen3.rope.scaling.factor=float:2"])  # optional key the loader reads
+    with caplog.at_level(logging.WARNING, logger="opencoti.model"):
+        m = load_model(tiny, Params(kv_overrides=ov))
+    warns = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warns) == 2, warns
+    assert "'qwen3.context_lenght' is not in the model file" in warns[0]
+    assert "did you mean 'qwen3.context_length'?" in warns[0] and "no effect" in warns[0]
+    assert "'zz.nothing' is not in the model file" in warns[1] and "check the key's spelling" in warns[1]
+    assert m.hparams.n_ctx_train == 8192 and m.hparams.rope_freq_scale == 0.5  # the real ones applied
+    assert m.metadata["zz.nothing"] is True and type(m.metadata) is dict
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opencoti.model"):
+        load_model(tiny, Params())
+    assert not caplog.records

@@ -34,13 +34,13 @@ GEMMA = {
     ('q5_1', 'q5_1'): (0.0205, 0.9811),
     ('q5_0', 'q5_0'): (0.0228, 0.9811),
     ('q4_0', 'q4_0'): (0.0489, 0.9623),
-    ('turbo8', 'turbo8'): (0.000271, 0.9937),
-    ('turbo4', 'turbo4'): (0.0524, 0.956),
-    ('turbo3', 'turbo3'): (0.281, 0.9182),
-    ('turbo2', 'turbo2'): (2.71, 0.3459),
-    ('turbo3_tcq', 'turbo3_tcq'): (0.269, 0.8994),
-    ('turbo2_tcq', 'turbo2_tcq'): (1.55, 0.6415),
-    ('q8_0', 'turbo3'): (0.00923, 0.9874),  # the asymmetric pair: 2.7x smaller KV than f16, near q8_0's quality
+    ('turbo8', 'turbo8'): (0.000329, 0.9937),
+    ('turbo4', 'turbo4'): (0.0531, 0.9497),
+    ('turbo3', 'turbo3'): (0.361, 0.8931),
+    ('turbo2', 'turbo2'): (2.93, 0.3333),
+    ('turbo3_tcq', 'turbo3_tcq'): (0.266, 0.8868),
+    ('turbo2_tcq', 'turbo2_tcq'): (1.55, 0.6604),
+    ('q8_0', 'turbo3'): (0.00874, 0.9937),  # the asymmetric pair: 2.7x smaller KV than f16, near q8_0's quality
 }
 GEMMA_LONG = {
     ('q8_0', 'q8_0'): (2.38e-06, 1.0),

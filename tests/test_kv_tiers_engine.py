@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -313,14 +314,18 @@ def test_auto_tier_decisions(synth, gemma):
     assert "iSWA" in d.reason and "does not apply" in d.reason
 
 
-def test_engine_auto_tier_reads_back_from_the_live_cache(synth):
+def test_engine_auto_tier_reads_back_from_the_live_cache(synth, caplog):
     budget = _size(synth.hparams, "q6_0", "q5_1", n_ctx=512) / MIB
-    e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget))
+    with caplog.at_level(logging.INFO):
+        e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget))
     kv = kv_props(e)
     assert kv["effective"] == {"type_k": "q6_0", "type_v": "q5_1", "n_cells": 512, "n_cells_resident": 512,
                                "n_layers_spilling": 0, "fully_resident": True, "is_iswa": False}
     assert kv["auto_tier"]["applied"] and kv["auto_tier"]["kv_bytes"] == e.runner.kv.nbytes() <= budget * MIB
-    assert any("auto-tier: type_k=q6_0 type_v=q5_1" in ln for ln in kv_layout_lines(e))
+    # the decision is logged once, when made; the KV boot report does not repeat it
+    said = [r.getMessage() for r in caplog.records if "auto-tier: type_k=q6_0 type_v=q5_1" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("opencoti: ")
+    assert not any("auto-tier" in ln for ln in kv_layout_lines(e)) and kv_layout_lines(e)
     e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget,
                              cache_type_k="f16"))
     assert (e.runner.kv.type_k, e.runner.kv.type_v) == ("f16", "q4_0")  # K held; V alone cannot fit
@@ -330,3 +335,23 @@ def test_backend_without_kernels_refuses_a_tier():
     check_kv_types(_Backend(kv_types=None), "turbo3", "q4_0")
     with pytest.raises(ValueError, match="does not support KV cache type q8_0 yet .supported there: f16"):
         check_kv_types(_Backend(kv_types=("f16",), name="cuda"), "f16", "q8_0")
+
+
+def test_auto_tier_skips_pairs_the_head_size_cannot_hold(synth):
+    """QA: a dense model with head size 16 (tiny synth_gguf llama) and a budget no pair
+    meets: the walk used to raise q8_0's "blocks of 32" ValueError (boot failed with
+    OPENCOTI_KV_AUTO_TIER=1); now block tiers are skipped and f16/f16 is kept, flagged."""
+    import dataclasses
+
+    hp = dataclasses.replace(synth.hparams, n_embd_head_k=16, n_embd_head_v=16)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        _size(hp, "q8_0", "q8_0")
+    d = decide_kv_types(hp, 4096, 1, True, 512, _Backend(), auto=True, budget_mib=0.001)
+    assert (d.applied, d.fits, d.type_k, d.type_v) == (True, False, "f16", "f16")
+    assert d.tried == [["f16", "f16", _size(hp, "f16", "f16")]] and "10 pairs skipped" in d.reason
+    # a budget f16 meets: chosen as before
+    d = decide_kv_types(hp, 4096, 1, True, 512, _Backend(), auto=True, budget_mib=_size(hp, "f16", "f16") / MIB)
+    assert (d.fits, d.type_k, d.type_v) == (True, "f16", "f16")
+    # an explicit -ctk the head size cannot hold still fails, naming it
+    with pytest.raises(ValueError, match="q4_0 stores rows in blocks of 32"):
+        decide_kv_types(hp, 4096, 1, True, 512, _Backend(), type_k="q4_0", auto=True, budget_mib=0.001)

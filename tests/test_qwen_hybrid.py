@@ -450,3 +450,15 @@ def test_synth_cli_writes_a_hybrid_model_with_mtp(tmp_path):
     assert g.tensors["blk.0.attn_qkv.weight"].ggml_type == QT.Q8_0 and "blk.4.nextn.eh_proj.weight" in g.tensors
     g.close()
     assert sg.main(["--arch", "qwen3next", "--out", str(tmp_path / "n.gguf"), "--mtp", "1"]) == 1  # no MTP there
+
+
+def test_quantized_kv_reaches_attention_as_its_tier(build):
+    """-ctk/-ctv q8_0 on a hybrid model: the gated-attention layers read their cells through
+    the tier (dequantized), so the logits stay near the f32 cache's (q8_0 is near-lossless)."""
+    _, path = build("qwen35")
+    seq = SEQUENCES[1][:24]
+    want = _logits(path, seq)
+    r = ModelRunner(load_model(path, Params(), with_tokenizer=False), n_ctx=512, n_ubatch=512,
+                    type_k="q8_0", type_v="q8_0")
+    got = np.concatenate([lg for _, lg in iter_logits(r, seq)])
+    assert np.abs(got - want).max() < 0.05 * max(1.0, float(np.abs(want).max()))

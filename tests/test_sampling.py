@@ -369,3 +369,107 @@ def test_masked_tokens_never_sampled():
     assert {s.sample(x) for _ in range(200)} == {1, 3}
     # float64 input is accepted and converted
     assert Sampler(params(temperature=0.0), 3).sample(np.array([0.0, 1.0, 0.5])) == 1
+
+
+# ---------------------------------------------------------------- top_n_sigma and the samplers order
+
+
+def ref_top_n_sigma(x: np.ndarray, n: float) -> set[int]:
+    """The definition in float64: keep finite logits >= max - n * std (population std)."""
+    v = x[np.isfinite(x)].astype(np.float64)
+    cut = v.max() - n * v.std()
+    return set(int(i) for i in np.flatnonzero(np.isfinite(x) & (x.astype(np.float64) >= cut)))
+
+
+@pytest.mark.parametrize("n", [0.5, 1.0, 2.0, 3.5])
+def test_top_n_sigma_matches_numpy_reference(n):
+    rng = np.random.default_rng(int(n * 10))
+    for trial in range(20):
+        x = (rng.standard_normal(4000) * rng.uniform(0.5, 4)).astype(np.float32)
+        x[rng.integers(0, 4000, 30)] = -np.inf  # banned tokens stay out of the statistics
+        want = ref_top_n_sigma(x, n)
+        s = Sampler(params(top_n_sigma=n), x.size)
+        ids, vals = s.candidates(x)
+        fin = np.isfinite(vals)
+        assert set(ids[fin].tolist()) == want, (trial, int(fin.sum()), len(want))
+        assert np.array_equal(vals[fin], x[ids[fin]])  # temperature 1: the surviving logits are the raw ones
+        for _ in range(5):
+            assert s.sample(x) in want
+
+
+def finite_set(sampler: Sampler, logits) -> set[int]:
+    """Candidates with a finite logit (top_n_sigma masks to -inf, as llama.cpp)."""
+    ids, vals = sampler.candidates(logits)
+    return set(int(i) for i, v in zip(ids, vals) if np.isfinite(v))
+
+
+def test_top_n_sigma_hand_example_and_off():
+    x = np.array([4.0, 3.0, 1.0, 0.0, -2.0], np.float32)  # mean 1.2, std ~2.1354
+    std = float(np.std(x.astype(np.float64)))
+    assert finite_set(Sampler(params(top_n_sigma=1.0), 5), x) == {i for i in range(5) if x[i] >= 4.0 - std}
+    assert finite_set(Sampler(params(top_n_sigma=1.0), 5), x) == {0, 1}
+    assert finite_set(Sampler(params(top_n_sigma=0.1), 5), x) == {0}
+    for off in (0.0, -1.0):  # off: every token stays
+        assert finite_set(Sampler(params(top_n_sigma=off), 5), x) == set(range(5))
+    # with the default chain's other samplers too: top_n_sigma runs before top_k
+    s = Sampler(params(top_n_sigma=1.0, top_k=3), 5)
+    ids, vals = s.candidates(x)
+    assert set(int(i) for i, v in zip(ids, vals) if np.isfinite(v)) == {0, 1}
+
+
+def test_explicit_default_order_equals_the_default_chain():
+    """``samplers`` naming the default chain runs the plain written-out path; it must
+    pick the same candidates and logits as the optimised default path."""
+    from opencoti.engine.api import DEFAULT_CHAIN
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        kw = dict(temperature=float(rng.choice([0.0, 0.7, 1.3])), top_k=int(rng.choice([0, 5, 50])),
+                  top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.2])),
+                  typical_p=float(rng.choice([1.0, 0.8])), top_n_sigma=float(rng.choice([-1.0, 1.5])),
+                  repeat_penalty=float(rng.choice([1.0, 1.3])), repeat_last_n=8, seed=3)
+        x = (rng.standard_normal(600) * 2).astype(np.float32)
+        hist = rng.integers(0, 600, 12)
+        a = Sampler(SamplingParams(**kw), 600)
+        b = Sampler(SamplingParams(**kw, samplers=DEFAULT_CHAIN + ("dry", "xtc")), 600)
+        a.accept_many(hist)
+        b.accept_many(hist)
+        ia, va = a.candidates(x)
+        ib, vb = b.candidates(x)
+        fa = {int(i): float(v) for i, v in zip(ia, va) if np.isfinite(v)}
+        fb = {int(i): float(v) for i, v in zip(ib, vb) if np.isfinite(v)}
+        assert fa == fb, (trial, kw)
+        assert a.sample(x) == b.sample(x)  # same seed, same candidates, same draw
+
+
+def test_samplers_order_and_subset_follow_the_list():
+    """llama.cpp builds the chain from ``samplers`` alone: order matters and a sampler
+    left out does not run (no "temperature": no scaling, no greedy)."""
+    x = logits_of([0.5, 0.3, 0.15, 0.05])
+    # top_p 0.7 before temperature 0.25 keeps {0, 1}; after it (sharper) keeps {0}
+    assert cand_set(Sampler(params(top_p=0.7, temperature=0.25, samplers=("top_p", "temperature")), 4), x) == {0, 1}
+    assert cand_set(Sampler(params(top_p=0.7, temperature=0.25, samplers=("temperature", "top_p")), 4), x) == {0}
+    # temperature 0 outside the chain: sampling from the raw softmax, not argmax
+    s = Sampler(params(temperature=0.0, samplers=("top_k",), top_k=3), 4)
+    ids, vals = s.candidates(x)
+    assert sorted(ids.tolist()) == [0, 1, 2] and np.allclose(np.sort(vals), np.sort(x[:3]))
+    draws = {s.sample(x) for _ in range(200)}
+    assert draws == {0, 1, 2}
+    # penalties only when named
+    hist = [0, 0, 0]
+    on = Sampler(params(repeat_penalty=10.0, temperature=0.0, samplers=("penalties", "temperature")), 4)
+    off = Sampler(params(repeat_penalty=10.0, temperature=0.0, samplers=("temperature",)), 4)
+    on.accept_many(hist)
+    off.accept_many(hist)
+    assert on.sample(x) == 1 and off.sample(x) == 0
+    # an empty chain: dist over the (biased) logits only
+    s = Sampler(params(temperature=0.0, samplers=(), logit_bias={3: -np.inf}), 4)
+    ids, _ = s.candidates(x)
+    assert sorted(int(i) for i, v in zip(*s.candidates(x)) if np.isfinite(v)) == [0, 1, 2]
+
+
+def test_unknown_sampler_name_is_a_settings_error():
+    with pytest.raises(ValueError, match="unknown sampler 'nope'"):
+        Sampler(params(samplers=("top_k", "nope")), 4)
+    with pytest.raises(ValueError, match="top_n_sigma must be a finite number"):
+        Sampler(params(top_n_sigma=float("nan")), 4)

@@ -19,18 +19,10 @@ import os
 
 import pytest
 
-from opencoti.engine.backend import BackendUnavailable
 
-DEVICE = int(os.environ.get("OPENCOTI_VK_DEVICE", "0"))
-try:
-    from opencoti.engine.backend.vk_runtime import list_devices
+from vk_guard import DEVICE, vulkan_devices  # noqa: E402
 
-    if not list_devices():
-        raise BackendUnavailable("no Vulkan device")
-except BackendUnavailable as e:
-    if os.environ.get("OPENCOTI_REQUIRE_VULKAN", "0") not in ("", "0"):
-        raise RuntimeError(f"OPENCOTI_REQUIRE_VULKAN is set but Vulkan is unavailable: {e}") from None
-    pytest.skip(f"no Vulkan device ({e})", allow_module_level=True)
+vulkan_devices()
 
 import test_server as _ts  # noqa: E402
 

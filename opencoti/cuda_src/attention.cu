@@ -98,7 +98,7 @@ __device__ __forceinline__ void attn_partial_impl(
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
         if (ok) {
             const uint4* kr = (const uint4*)(K + ((long long)cell * n_kv + kh) * D);
-#pragma unroll 4
+#pragma unroll 8
             for (int c = 0; c < D / 8; c++) {
                 uint4 w = kr[c];
                 u32 ws[4] = {w.x, w.y, w.z, w.w};
@@ -134,9 +134,12 @@ __device__ __forceinline__ void attn_partial_impl(
                 m[g] = mn;
             }
         }
-        while (mask) {
-            int j = __ffs(mask) - 1;
-            mask &= mask - 1;
+        // PV over the tile's 32 cells in a fixed-count loop, so the compiler issues several
+        // cells' V loads before their FMAs (a data-dependent loop serialized one DRAM round
+        // trip per cell: ~40 us per layer at depth 512); masked cells carry p = 0 and a valid
+        // cell index (0 past the list's end), so reading them is harmless
+#pragma unroll 8
+        for (int j = 0; j < 32; j++) {
             int cj = __shfl_sync(0xffffffffu, cell, j);
             const u16* vr = V + ((long long)cj * n_kv + kh) * D + lane * E;
             float vf[E];

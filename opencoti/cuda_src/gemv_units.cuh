@@ -18,6 +18,11 @@ __device__ __forceinline__ u32 ldw2(const u8* p) {  // 32-bit word at a 2-aligne
 }
 __device__ __forceinline__ u32 ldw4(const u8* p) { return *(const u32*)p; }
 __device__ __forceinline__ float hf(const u8* p) { return h2f(*(const u16*)p); }
+// q - bias as float for a small unsigned q (< 2^22) and integer bias, exactly, without the
+// int->float conversion (quarter rate on sm_80/sm_90): the bits 0x4B000000 | q are the
+// float 2^23 + q, and subtracting 2^23 + bias is exact. The GEMV is instruction-bound on
+// these conversions (one per weight).
+__device__ __forceinline__ float qf(u32 q, float bias) { return __int_as_float(0x4B000000u | q) - (8388608.f + bias); }
 
 struct UF32 { static constexpr int R = 2;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
@@ -54,14 +59,14 @@ struct UQ4_0 { static constexpr int R = 2;
         int b = u >> 2, l = u & 3; const u8* blk = row + 18 * b;
         float d = hf(blk); u32 w = ldw2(blk + 2 + 4 * l);
 #pragma unroll
-        for (int k = 0; k < 4; k++) { u32 q = (w >> (8 * k)) & 255; v[0][k] = d * ((int)(q & 15) - 8); v[1][k] = d * ((int)(q >> 4) - 8); }
+        for (int k = 0; k < 4; k++) { u32 q = (w >> (8 * k)) & 255; v[0][k] = d * qf(q & 15, 8.f); v[1][k] = d * qf(q >> 4, 8.f); }
         p[0] = 32 * b + 4 * l; p[1] = p[0] + 16; } };
 struct UQ4_1 { static constexpr int R = 2;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
         int b = u >> 2, l = u & 3; const u8* blk = row + 20 * b;
         float d = hf(blk), m = hf(blk + 2); u32 w = ldw4(blk + 4 + 4 * l);
 #pragma unroll
-        for (int k = 0; k < 4; k++) { u32 q = (w >> (8 * k)) & 255; v[0][k] = d * (q & 15) + m; v[1][k] = d * (q >> 4) + m; }
+        for (int k = 0; k < 4; k++) { u32 q = (w >> (8 * k)) & 255; v[0][k] = d * qf(q & 15, 0.f) + m; v[1][k] = d * qf(q >> 4, 0.f) + m; }
         p[0] = 32 * b + 4 * l; p[1] = p[0] + 16; } };
 struct UQ5_0 { static constexpr int R = 2;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
@@ -70,8 +75,8 @@ struct UQ5_0 { static constexpr int R = 2;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int i = 4 * l + k; u32 q = (w >> (8 * k)) & 255;
-            v[0][k] = d * ((int)((q & 15) | (((qh >> i) & 1) << 4)) - 16);
-            v[1][k] = d * ((int)((q >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16); }
+            v[0][k] = d * qf((q & 15) | (((qh >> i) & 1) << 4), 16.f);
+            v[1][k] = d * qf((q >> 4) | (((qh >> (i + 16)) & 1) << 4), 16.f); }
         p[0] = 32 * b + 4 * l; p[1] = p[0] + 16; } };
 struct UQ5_1 { static constexpr int R = 2;
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
@@ -80,15 +85,16 @@ struct UQ5_1 { static constexpr int R = 2;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int i = 4 * l + k; u32 q = (w >> (8 * k)) & 255;
-            v[0][k] = d * (float)((q & 15) | (((qh >> i) & 1) << 4)) + m;
-            v[1][k] = d * (float)((q >> 4) | (((qh >> (i + 16)) & 1) << 4)) + m; }
+            v[0][k] = d * qf((q & 15) | (((qh >> i) & 1) << 4), 0.f) + m;
+            v[1][k] = d * qf((q >> 4) | (((qh >> (i + 16)) & 1) << 4), 0.f) + m; }
         p[0] = 32 * b + 4 * l; p[1] = p[0] + 16; } };
 struct UQ8_0 { static constexpr int R = 2;  // unit l: qs bytes 8l..8l+7
     static __device__ __forceinline__ void unit(const u8* row, int u, float (&v)[R][4], int (&p)[R]) {
         int b = u >> 2, l = u & 3; const u8* blk = row + 34 * b;
         float d = hf(blk); u32 w0 = ldw2(blk + 2 + 8 * l), w1 = ldw2(blk + 6 + 8 * l);
 #pragma unroll
-        for (int k = 0; k < 4; k++) { v[0][k] = d * (float)(signed char)(w0 >> (8 * k)); v[1][k] = d * (float)(signed char)(w1 >> (8 * k)); }
+        for (int k = 0; k < 4; k++) {  // signed byte b = (b ^ 0x80) - 128
+            v[0][k] = d * qf(((w0 >> (8 * k)) & 255) ^ 0x80, 128.f); v[1][k] = d * qf(((w1 >> (8 * k)) & 255) ^ 0x80, 128.f); }
         p[0] = 32 * b + 8 * l; p[1] = p[0] + 4; } };
 
 // 256-element K-quant super-blocks.
@@ -105,7 +111,7 @@ struct UQ4_K { static constexpr int R = 2;
         float d0 = d * s0, n0 = dm * m0, d1 = d * s1, n1 = dm * m1;
         u32 q = ldw4(blk + 16 + 4 * w);
 #pragma unroll
-        for (int k = 0; k < 4; k++) { u32 c = (q >> (8 * k)) & 255; v[0][k] = d0 * (c & 15) - n0; v[1][k] = d1 * (c >> 4) - n1; }
+        for (int k = 0; k < 4; k++) { u32 c = (q >> (8 * k)) & 255; v[0][k] = d0 * qf(c & 15, 0.f) - n0; v[1][k] = d1 * qf(c >> 4, 0.f) - n1; }
         p[0] = 256 * b + 64 * j + 4 * i; p[1] = p[0] + 32; } };
 // Q4_K for one token row (gemv1, gated): 8 units per block, 32 values each (16 quant bytes in one 16-byte load; d/dmin in
 // one word; the 12 scale bytes in three words): unit w = 2j + h covers qs bytes
@@ -127,8 +133,8 @@ struct UQ4_K32 { static constexpr int R = 8;
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 u32 c = (qs[r] >> (8 * k)) & 255;
-                v[r][k] = d0 * (c & 15) - n0;
-                v[4 + r][k] = d1 * (c >> 4) - n1;
+                v[r][k] = d0 * qf(c & 15, 0.f) - n0;
+                v[4 + r][k] = d1 * qf(c >> 4, 0.f) - n1;
             }
             p[r] = 256 * b + 64 * j + 16 * h + 4 * r;
             p[4 + r] = p[r] + 32;
@@ -143,8 +149,8 @@ struct UQ5_K { static constexpr int R = 2;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             u32 c = (q >> (8 * k)) & 255, hb = (h >> (8 * k)) & 255;
-            v[0][k] = d0 * (float)((c & 15) | (((hb >> (2 * j)) & 1) << 4)) - n0;
-            v[1][k] = d1 * (float)((c >> 4) | (((hb >> (2 * j + 1)) & 1) << 4)) - n1; }
+            v[0][k] = d0 * qf((c & 15) | (((hb >> (2 * j)) & 1) << 4), 0.f) - n0;
+            v[1][k] = d1 * qf((c >> 4) | (((hb >> (2 * j + 1)) & 1) << 4), 0.f) - n1; }
         p[0] = 256 * b + 64 * j + 4 * i; p[1] = p[0] + 32; } };
 // Q6_K: 32 units per block; unit w: half n = w / 16, ql word r = w % 16 of that half.
 // r < 8: ql[l] for l = 4r..: low nibble -> element 128n + l (qh bits 0-1), high -> +64 (bits 4-5);
@@ -161,8 +167,8 @@ struct UQ6_K { static constexpr int R = 2;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             u32 c = (ql >> (8 * k)) & 255, h = (qh >> (8 * k)) & 255;
-            v[0][k] = da * (float)((int)((c & 15) | (((h >> sa) & 3) << 4)) - 32);
-            v[1][k] = db * (float)((int)((c >> 4) | (((h >> sb) & 3) << 4)) - 32); }
+            v[0][k] = da * qf((c & 15) | (((h >> sa) & 3) << 4), 32.f);
+            v[1][k] = db * qf((c >> 4) | (((h >> sb) & 3) << 4), 32.f); }
         p[0] = 256 * b + 128 * n + 32 * hi + l0; p[1] = p[0] + 64; } };
 // Q2_K / Q3_K: 16 units per block, 4 runs each; unit w: half n = w / 8, lb = 4 (w % 8):
 // quant bytes q[32n + lb..], shift 2j gives elements 128n + 32j + lb.. (j = 0..3),

@@ -25,61 +25,75 @@ __device__ __forceinline__ float warp_sum(float v) {
 // token rows (passed in as ``tile``) and is the fastest grid index, so the tiles that read
 // the same weight rows run back to back and the weight comes from L2 after the first tile.
 // The expert GEMV (gemv_id) calls it with tile 0 and pointers already offset per pair.
-template <class U, int NT>
+template <class U, int NT, int RPW>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, long long row_bytes, const float* __restrict__ x,
                                           float* __restrict__ y, int nrows, int ncols, int nt, int wpr, int tile) {
     constexpr int R = U::R;
-    __shared__ float red[8][NT];  // wpr > 1: per-warp partial sums (blockDim <= 256)
+    __shared__ float red[8][RPW * NT];  // wpr > 1: per-warp partial sums (blockDim <= 256)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.y * ((blockDim.x >> 5) / wpr) + warp / wpr, sub = warp % wpr;
-    const bool active = row < nrows;
+    // a warp (or wpr warps) computes RPW consecutive rows, so each x load serves RPW rows
+    const int row0 = (blockIdx.y * ((blockDim.x >> 5) / wpr) + warp / wpr) * RPW, sub = warp % wpr;
+    const bool active = row0 < nrows;
     x += (long long)tile * NT * ncols;
     y += (long long)tile * NT * nrows;
     nt = min(NT, nt - tile * NT);
-    const u8* wr = W + (long long)(active ? row : 0) * row_bytes;
-    float acc[NT];
+    const u8* wr[RPW];
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    for (int k = 0; k < RPW; k++) wr[k] = W + (long long)(active ? min(row0 + k, nrows - 1) : 0) * row_bytes;
+    float acc[RPW][NT];
+#pragma unroll
+    for (int k = 0; k < RPW; k++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[k][t] = 0.f;
     const int nunits = active ? ncols / (4 * R) : 0;
     for (int u = sub * WARP + lane; u < nunits; u += WARP * wpr) {
-        float v[R][4];
+        float v[RPW][R][4];
         int p[R];
-        U::unit(wr, u, v, p);
+#pragma unroll
+        for (int k = 0; k < RPW; k++) U::unit(wr[k], u, v[k], p);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t < nt) {
                 const float* xt = x + (long long)t * ncols;
-                float s = 0.f;
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     float4 q = __ldg((const float4*)(xt + p[r]));
-                    s += v[r][0] * q.x + v[r][1] * q.y + v[r][2] * q.z + v[r][3] * q.w;
+#pragma unroll
+                    for (int k = 0; k < RPW; k++)
+                        acc[k][t] += v[k][r][0] * q.x + v[k][r][1] * q.y + v[k][r][2] * q.z + v[k][r][3] * q.w;
                 }
-                acc[t] += s;
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+    for (int k = 0; k < RPW; k++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[k][t] = warp_sum(acc[k][t]);
     if (wpr > 1) {
         if (lane == 0) {
 #pragma unroll
-            for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
+            for (int k = 0; k < RPW; k++)
+#pragma unroll
+                for (int t = 0; t < NT; t++) red[warp][k * NT + t] = acc[k][t];
         }
         __syncthreads();
         if (sub == 0) {
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                float s = 0.f;
-                for (int w = 0; w < wpr; w++) s += red[warp + w][t];
-                acc[t] = s;
-            }
+            for (int k = 0; k < RPW; k++)
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    float s = 0.f;
+                    for (int w = 0; w < wpr; w++) s += red[warp + w][k * NT + t];
+                    acc[k][t] = s;
+                }
         }
     }
     if (active && sub == 0 && lane == 0) {
 #pragma unroll
-        for (int t = 0; t < NT; t++)
-            if (t < nt) y[(long long)t * nrows + row] = acc[t];
+        for (int k = 0; k < RPW; k++)
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (t < nt && row0 + k < nrows) y[(long long)t * nrows + row0 + k] = acc[k][t];
     }
 }
 
@@ -168,7 +182,7 @@ __device__ __forceinline__ void gemv_id_impl(const u8* __restrict__ W, long long
                                              const int* __restrict__ ids, const float* __restrict__ x, int x_div,
                                              float* __restrict__ y, int nrows, int ncols, int wpr) {
     const int p = blockIdx.x;
-    gemv_impl<U, 1>(W + (long long)ids[p] * eb, rb, x + (long long)(p / x_div) * ncols, y + (long long)p * nrows,
+    gemv_impl<U, 1, 1>(W + (long long)ids[p] * eb, rb, x + (long long)(p / x_div) * ncols, y + (long long)p * nrows,
                     nrows, ncols, 1, wpr, 0);
 }
 // Gated expert GEMV: y[p] = act(Wg_e x) * (Wu_e x) with e = ids[p] (gate and up of one type and
@@ -186,9 +200,11 @@ __device__ __forceinline__ void gemv_id_gated_impl(const u8* __restrict__ Wg, co
 
 #define DEF_UKERNELS(ID, U, U8)                                                                                   \
     extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
-                                          int wpr) { gemv_impl<U, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
+                                          int wpr) { gemv_impl<U, 1, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
+    extern "C" __global__ void gemv1r2_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, \
+                                            int nt, int wpr) { gemv_impl<U, 1, 2>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
     extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
-                                          int wpr) { gemv_impl<U8, 8>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
+                                          int wpr) { gemv_impl<U8, 8, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
     extern "C" __global__ void gemv_gated_##ID(const u8* Wg, const u8* Wu, long long rb, const float* x, float* y, \
                                                int nr, int nc, int act) {                                     \
         gemv_gated_impl<U>(Wg, Wu, rb, x, y, nr, nc, act, blockIdx.x); }                                       \

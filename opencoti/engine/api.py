@@ -15,7 +15,7 @@ import math
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 
 @dataclass
@@ -28,6 +28,11 @@ class SamplingParams:
     ``grammar``: GBNF text constraining the output (llama.cpp's ``grammar``
     field; a JSON schema is converted to GBNF by ``opencoti.engine.json_schema``
     before it gets here); None or "" = unconstrained.
+    ``top_n_sigma`` (> 0): keep the tokens whose logit is >= max - n * sigma of the
+    candidates' logits (llama.cpp ``top_n_sigma``; <= 0 = off).
+    ``samplers``: the chain in order, llama.cpp's canonical names (``CHAIN_NAMES``);
+    None = the default chain (``DEFAULT_CHAIN``). A name absent from the list is a
+    sampler that does not run, as in llama.cpp (no ``temperature``: no scaling).
     """
 
     temperature: float = 0.8
@@ -43,17 +48,27 @@ class SamplingParams:
     n_probs: int = 0
     logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit (-inf bans it)
     grammar: Optional[str] = None
+    top_n_sigma: float = -1.0
+    samplers: Optional[tuple] = None  # of CHAIN_NAMES; None = DEFAULT_CHAIN
+
+
+# The sampler names a chain may hold (llama.cpp ``common_sampler_types_from_names``,
+# canonical names; "dry" and "xtc" run as no-ops: their parameters must stay off),
+# and the default order (llama.cpp's, minus those two).
+CHAIN_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+DEFAULT_CHAIN = ("penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "temperature")
 
 
 def sampling_error(p) -> str | None:
     """Why sampler settings ``p`` (a ``SamplingParams``) are unusable, or None. The one
     range check shared by the HTTP layer (400), the CLI (usage error) and ``Sampler``:
     temperature finite; top_p >= 0 and typical_p >= 0 (1 or more = off); min_p in
-    [0, 1]; repeat_penalty > 0 (1 = off); repeat_last_n >= -1; penalties finite."""
+    [0, 1]; repeat_penalty > 0 (1 = off); repeat_last_n >= -1; penalties and
+    top_n_sigma finite; ``samplers`` only of ``CHAIN_NAMES``."""
     def finite(v) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
 
-    for name in ("temperature", "presence_penalty", "frequency_penalty"):
+    for name in ("temperature", "presence_penalty", "frequency_penalty", "top_n_sigma"):
         if not finite(getattr(p, name)):
             return f"{name} must be a finite number, got {getattr(p, name)}"
     for name in ("top_p", "typical_p"):
@@ -66,6 +81,9 @@ def sampling_error(p) -> str | None:
         return f"repeat_penalty must be > 0, got {p.repeat_penalty}"
     if p.repeat_last_n < -1:
         return f"repeat_last_n must be >= -1, got {p.repeat_last_n}"
+    bad = [n for n in (p.samplers or ()) if n not in CHAIN_NAMES]
+    if bad:
+        return f"unknown sampler {bad[0]!r} (known: {', '.join(CHAIN_NAMES)})"
     return None
 
 
@@ -194,10 +212,32 @@ class RequestHandle:
         self.sessions_remaining: Optional[int] = None  # settled admission's headroom (X-Sessions-Remaining)
         self._queue: "queue.Queue[Event]" = queue.Queue()
         self._cancelled = threading.Event()
+        self._finish_lock = threading.Lock()
+        self._finished: Optional["FinishEvent"] = None
+        self._on_finish: Optional[Callable[["FinishEvent"], None]] = None
 
     # engine side
     def push(self, event: Event) -> None:
+        if isinstance(event, FinishEvent):
+            with self._finish_lock:
+                first, fn = self._finished is None, self._on_finish
+                if first:
+                    self._finished = event
+            if first and fn is not None:
+                _call_hook(fn, event)
         self._queue.put(event)
+
+    def on_finish(self, fn: Callable[["FinishEvent"], None]) -> None:
+        """Call ``fn(finish_event)`` once when the request finishes, whether or not
+        anyone still reads the events (a cancelled request's FinishEvent carries
+        what it ran: server metrics count it). Runs on the pushing thread (the
+        engine's) before the event is queued, or at once if it already finished.
+        Exceptions from ``fn`` are logged, never raised into the engine."""
+        with self._finish_lock:
+            self._on_finish = fn
+            done = self._finished
+        if done is not None:
+            _call_hook(fn, done)
 
     @property
     def cancelled(self) -> bool:
@@ -213,3 +253,12 @@ class RequestHandle:
             yield ev
             if isinstance(ev, (FinishEvent, ErrorEvent)):
                 return
+
+
+def _call_hook(fn, event) -> None:
+    try:
+        fn(event)
+    except Exception:  # a front end's bookkeeping must not fail the engine thread
+        import logging
+
+        logging.getLogger("opencoti.engine").exception("finish hook failed")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -31,11 +32,12 @@ import numpy as np
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, RequestHandle, TokenProb
 from opencoti.engine.backend import select_backend
+from opencoti.engine.backend.offload import offload_message
 from opencoti.engine.batch import UBatch
 from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
 from opencoti.engine.kv_auto_tier import decide_kv_types
 from opencoti.engine.kv_cache import KVCacheFullError
-from opencoti.engine.polykv import Pool, PoolError, PoolRegistry
+from opencoti.engine.polykv import OFF_MESSAGE, PolyKV, Pool, PoolError, PoolRegistry, attach_prefix
 from opencoti.engine.runner import ModelRunner
 from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
 from opencoti.engine.slot import Slot, SlotState
@@ -114,12 +116,11 @@ class Engine:
         self.n_slots = max(1, params.n_parallel)
         self.n_ubatch = max(1, min(params.n_ubatch, params.n_batch))
         self.max_pools = max(0, params.polykv_max_pools)
-        self.pools = PoolRegistry(self.n_slots, self.max_pools) if self.max_pools else None
         if params.ctx_shift and hp.is_recurrent:  # issue 7b: fail at load, naming the feature
             raise ValueError(f"--context-shift is not supported by architecture {hp.arch!r}: its gated delta-net "
                              "layers keep a recurrent state per sequence, which cannot drop old tokens "
                              "(start without --context-shift)")
-        if self.pools is not None and params.ctx_shift:
+        if self.max_pools and params.ctx_shift:
             log.warning("--context-shift with PolyKV pools: pooled sessions never shift (it would "
                         "corrupt every reader of the prefix); they stop with truncated=true")
         if backend is None:
@@ -134,24 +135,23 @@ class Engine:
                                         type_v=getattr(params, "cache_type_v", None),
                                         auto=bool(getattr(params, "kv_auto_tier", False)),
                                         budget_mib=getattr(params, "kv_budget_mib", None)),
+            n_gpu_layers=getattr(params, "n_gpu_layers", -1),
         )
+        self._say_offload(getattr(params, "n_gpu_layers", -1))
         self.kv_decision = self.runner.kv_decision
         if self.kv_decision.enabled:
             (log.info if self.kv_decision.applied and self.kv_decision.fits else log.warning)(
-                "%s", self.kv_decision.reason)
+                "opencoti: %s", self.kv_decision.reason)  # once: the KV boot report leaves it out
         self.n_ctx = n_ctx
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own
-            n_seq = self.n_slots + self.max_pools
-            msg = (f"split KV cache: -c {n_ctx} over {self.n_slots} slots + {self.max_pools} PolyKV pools = "
-                   f"{self.n_ctx_slot} cells per slot")
-            if self.n_ctx_slot < min(n_ctx, 64):
-                raise ValueError(f"{msg}, too few to serve (raise -c, lower --polykv-max-pools, or use "
-                                 "--kv-unified, where pools share the one stream)")
-            if self.n_ctx_slot < n_ctx // self.n_slots:
-                log.warning("%s (not %d: each of the %d sequences gets n_ctx / %d); --kv-unified lets "
-                            "pools and slots share one stream", msg, n_ctx // self.n_slots, n_seq, n_seq)
+            PolyKV.check_split_layout(n_ctx, self.n_slots, self.max_pools, self.n_ctx_slot)
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(self.n_slots)]
+        # PolyKV (--polykv-max-pools): the pool manager, None when off; ``pools`` is its
+        # pool tree (read it from other threads only as a possibly stale snapshot)
+        self.polykv: Optional[PolyKV] = (PolyKV(self.runner.kv, self.slots, self.max_pools, self.n_ctx_slot,
+                                                hp.n_vocab) if self.max_pools else None)
+        self.pools: Optional[PoolRegistry] = self.polykv.registry if self.polykv is not None else None
         self._queue: "queue.Queue[Optional[RequestHandle]]" = queue.Queue()
         self._waiting: list[RequestHandle] = []
         self._thread: Optional[threading.Thread] = None
@@ -160,6 +160,20 @@ class Engine:
         self.n_tokens_processed = 0
         self.n_admissions_refused = 0
         self.recent_tps = 0.0  # EWMA of tokens processed per second of step time
+
+    def _say_offload(self, n_gpu_layers: int) -> None:
+        """llama.cpp's boot line ``offloaded N/M layers to GPU`` on stderr: on a GPU backend
+        (with where a ``-ngl`` split puts the layers), or for an explicit ``-ngl 0``."""
+        split, n_layer = self.runner.split, self.model.hparams.n_layer
+        if split is not None:
+            msg = split.describe()
+        elif self.runner.backend.name != "cpu":
+            msg = offload_message(n_layer, n_gpu_layers)  # -1 or > n_layer: all of them
+        elif n_gpu_layers == 0:
+            msg = offload_message(n_layer, 0)
+        else:
+            return
+        print(f"opencoti: load_tensors: {msg}", file=sys.stderr)
 
     # -- front-end API (any thread) -----------------------------------------------------
     def start(self) -> "Engine":
@@ -249,7 +263,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             active = (any(s.busy for s in self.slots) or self._waiting
-                      or (self.pools is not None and self.pools.building()))
+                      or (self.polykv is not None and self.polykv.building()))
             try:
                 h = self._queue.get(block=not active, timeout=None if not active else 0)
                 while h is not None:
@@ -293,13 +307,14 @@ class Engine:
                 logits = self.runner.decode(ub)
                 break
             except KVCacheFullError as e:
-                if not self._evict_idle(ub):
+                # first drop sliding-window cells no slot can see again (lossless), then idle KV
+                if not self.runner.kv.trim_swa([s.seq_id for s in self.slots]) and not self._evict_idle(ub):
                     self._on_kv_full(owners, str(e))
                     return
         self.n_steps += 1
         self.n_tokens_processed += ub.n_tokens
-        if self.pools is not None:
-            self._observe_pools()
+        if self.polykv is not None:
+            self.polykv.observe()
         dt = time.perf_counter() - t0
         if dt > 0:
             self.recent_tps = 0.8 * self.recent_tps + 0.2 * (ub.n_tokens / dt) if self.recent_tps else ub.n_tokens / dt
@@ -330,11 +345,11 @@ class Engine:
                 f"context size {self.n_ctx_slot}",
             )
         if req.pool_id is not None:
-            if self.pools is None:
-                return ErrorEvent(404, "not_found_error", "PolyKV is off (start with --polykv-max-pools M)")
-            p = self.pools.pools.get(req.pool_id)
-            if p is None or p.state != "ready" or p.released:
-                return ErrorEvent(404, "not_found_error", f"pool {req.pool_id} not found, not ready or released")
+            if self.polykv is None:
+                return ErrorEvent(404, "not_found_error", OFF_MESSAGE)
+            err = self.polykv.check_request(req.pool_id)
+            if err is not None:
+                return err
         if req.shared_pool_slot >= 0:
             if self.params.cache_idle_slots:
                 return ErrorEvent(400, "invalid_request_error",
@@ -391,7 +406,7 @@ class Engine:
         requests (idle slots' cells count as free: they are evicted on demand)."""
         held = sum(s.footprint for s in self.slots if s.busy)
         reserved = sum(getattr(h, "reservation", 0) for h in self._waiting)
-        pooled = sum(len(p.tokens) for p in self.pools.pools.values()) if self.pools is not None else 0
+        pooled = self.polykv.cells_reserved() if self.polykv is not None else 0
         return self.runner.kv.base.n_cells - held - reserved - pooled
 
     def _admit(self, h: RequestHandle) -> Optional[ErrorEvent]:
@@ -406,16 +421,17 @@ class Engine:
         req = h.request
         mode = self.params.admission_poolless
         h.reservation = 0
-        if req.pool_id is not None:
-            err = self._admit_to_pool(h)
+        if req.pool_id is not None:  # PolyKV settled admission
+            err = self.polykv.admit(h)
             if err is not None:
+                self.n_admissions_refused += 1
                 return err
         if mode == "off" or not self.runner.kv.unified:
             return None
         cand = self._pick_slot(req)
         reuse = common_prefix(cand.cache_tokens, req.prompt_tokens) if cand is not None and req.cache_prompt else 0
         if req.pool_id is not None:  # validated: the pool exists and is ready
-            reuse = max(reuse, common_prefix(self.pools.pools[req.pool_id].tokens, req.prompt_tokens))
+            reuse = max(reuse, self.polykv.prefix_len(req.pool_id, req.prompt_tokens))
         # generation stops at the slot's context, so no request needs more than that
         demand = min(len(req.prompt_tokens) + max(req.n_predict, 0), self.n_ctx_slot) - reuse
         headroom = self.kv_headroom()
@@ -436,45 +452,6 @@ class Engine:
             f"of {self.runner.kv.base.n_cells}; retry later or send \"overcommit\": true",
             retry_after=retry,
         )
-
-    def pool_rates(self, pool_id: int) -> tuple[int, float, int]:
-        """(sessions decoding on the pool, their mean tokens/s, tokens decoded by
-        the session whose admission opened the settle window)."""
-        now = time.perf_counter()
-        rates = [s.n_decoded / (now - s.t_prompt_done) for s in self.slots
-                 if s.state is SlotState.GENERATING and s.pool_id == pool_id and s.t_prompt_done and now > s.t_prompt_done]
-        pool = self.pools.pools.get(pool_id)
-        settle = pool.gate.settle_seq if pool is not None else None
-        done = self.slots[settle].n_decoded if settle is not None and settle >= 0 and self.slots[settle].busy else 10**9
-        return len(rates), (sum(rates) / len(rates) if rates else 0.0), done
-
-    def _admit_to_pool(self, h: RequestHandle) -> Optional[ErrorEvent]:
-        """Settled admission (P7) of a new session on a pool; continuing sessions
-        (already attached under this session_id) and ``overcommit`` pass."""
-        req = h.request
-        pool = self.pools.pools[req.pool_id]
-        n, mean, done = self.pool_rates(pool.id)
-        h.session_tps = mean
-        continuing = req.session_id is not None and any(
-            s.session_id == req.session_id and s.pool_id == pool.id for s in self.slots)
-        if continuing or req.overcommit or not pool.gate.enabled:
-            return None
-        d = pool.gate.decide(n, mean, done)
-        h.sessions_remaining = d.sessions_remaining
-        if not d.admit:
-            self.n_admissions_refused += 1
-            return ErrorEvent(429, "unavailable_error",
-                              f"pool {pool.id} saturated: {d.reason}", retry_after=d.retry_after)
-        if d.saturated:
-            h.admission = {"pool": f"pool-{pool.id}", "saturated": True}
-        pool.gate.on_admit(mean, -1)
-        return None
-
-    def _observe_pools(self) -> None:
-        for p in self.pools.pools.values():
-            if p.gate.settling_since is not None:
-                n, mean, done = self.pool_rates(p.id)
-                p.gate.observe(mean, done, n)
 
     def _bind_waiting(self) -> None:
         still = []
@@ -526,159 +503,71 @@ class Engine:
 
         slot.start(h, n_past, sampler, StreamDecoder(self.model.tokenizer))
         slot.n_shared = n_shared
-        self._reclaim_pools()  # the slot may have left a released pool
-        if req.pool_id is not None:
-            slot.pool_id = req.pool_id
-            gate = self.pools.pools[req.pool_id].gate
-            if gate.settling_since is not None and gate.settle_seq == -1:
-                gate.settle_seq = slot.id
+        if self.polykv is not None:  # the slot may have left a released pool; bind it to its new one
+            self.polykv.on_bind(slot, req.pool_id)
 
-    # -- PolyKV -------------------------------------------------------------------------
+    # -- PolyKV (the pool manager is opencoti.engine.polykv.PolyKV) ----------------------
     def _share_prefix(self, slot: Slot, req: CompletionRequest, n_past: int) -> tuple[int, int]:
-        """Attach ``slot`` to a pool's prefix when that beats its own cached prefix.
-
-        Shares ``min(common prefix, len(prompt) - 1)`` cells by membership
-        (``seq_cp``; a physical copy on the split cache). Returns the new
-        ``(n_past, n_shared)``. Falls back to recomputing (with a WARN) when the
-        sliding-window cache no longer holds the cells the share would need.
-        """
-        kv = self.runner.kv
+        """Attach ``slot`` to the prefix of its pool (``pool_id``) or of a manual
+        source slot (``shared_pool_slot``) when that beats its own cached prefix;
+        returns the new ``(n_past, n_shared)`` (see ``polykv.attach_prefix``)."""
         if req.pool_id is not None:
-            pool = self.pools.get(req.pool_id)  # validated at admission
-            src_seq, src_tokens = pool.seq_id, pool.tokens[:pool.n_past]
+            src_seq, src_tokens = self.polykv.source(req.pool_id)  # validated at admission
         else:
             src = self.slots[req.shared_pool_slot]
-            src_seq = src.seq_id
-            src_tokens = src.cache_tokens[:max(0, req.shared_prefix_n_tokens)]
-        share = min(common_prefix(src_tokens, req.prompt_tokens), len(req.prompt_tokens) - 1)
-        if share <= n_past:
-            return n_past, 0
-        rs = kv.recurrent  # issue 7b: a recurrent state is shared only as an exact full copy
-        if rs is not None and int(rs.n_pos[src_seq]) != share:
-            log.warning("pool share not possible on this hybrid model: the %s's recurrent state covers %d tokens, "
-                        "the shared prefix is %d (a recurrent state can only be shared whole); reprocessing the "
-                        "prompt without the pool", "pool" if req.pool_id is not None else "source slot",
-                        int(rs.n_pos[src_seq]), share)
-            return n_past, 0
-        kv.seq_rm(slot.seq_id)
-        kv.seq_cp(src_seq, slot.seq_id, 0, share)
-        if not kv.can_reuse(slot.seq_id, share):
-            log.warning("pool share of %d tokens needs sliding-window cells the source no longer "
-                        "holds; recomputing the prompt", share)
-            kv.seq_rm(slot.seq_id)
-            return 0, 0
-        return share, share
+            src_seq, src_tokens = src.seq_id, src.cache_tokens[:max(0, req.shared_prefix_n_tokens)]
+        return attach_prefix(self.runner.kv, slot.seq_id, src_seq, src_tokens, req.prompt_tokens, n_past,
+                             "pool" if req.pool_id is not None else "source slot")
 
     def _reclaim_pools(self) -> None:
         """Reclaim released pools whose subtree and sessions are gone (called
         whenever a slot leaves a pool)."""
-        if self.pools is None:
-            return
-        for p in self.pools.collect(self.pool_attached()):
-            self.runner.kv.seq_rm(p.seq_id)
+        if self.polykv is not None:
+            self.polykv.reclaim()
 
     def pool_attached(self) -> dict[int, int]:
-        """pool id -> number of slots currently sharing its prefix."""
-        out: dict[int, int] = {}
-        for s in self.slots:
-            if s.pool_id is not None and s.n_shared:
-                out[s.pool_id] = out.get(s.pool_id, 0) + 1
-        return out
-
-    def pool_cells(self, pool: Pool) -> int:
-        return len(self.runner.kv.base.cells_of(pool.seq_id))
+        """pool id -> number of slots currently sharing its prefix (engine thread)."""
+        return self.polykv.attached() if self.polykv is not None else {}
 
     def pool_gauges(self) -> dict:
         """PolyKV gauges (engine thread): pools, pinned pools' prefix tokens, sessions attached."""
-        if self.pools is None:
+        if self.polykv is None:
             return {"pools": 0, "cells_pinned": 0, "sessions_attached": 0}
-        ps = list(self.pools.pools.values())
-        return {
-            "pools": len(ps),
-            "cells_pinned": sum(len(p.tokens) for p in ps if p.pinned),
-            "sessions_attached": sum(self.pool_attached().values()),
-        }
+        return self.polykv.gauges()
 
-    def _require_pools(self) -> PoolRegistry:
-        if self.pools is None:
-            raise PoolError("PolyKV is off (start with --polykv-max-pools M)", 404)
-        return self.pools
+    def _pool_call(self, fn: Callable[[PolyKV], object]) -> Future:
+        """Run ``fn(manager)`` on the engine thread; the Future raises ``PoolError``
+        404 when PolyKV is off."""
+
+        def run(engine: "Engine"):
+            if engine.polykv is None:
+                raise PoolError(OFF_MESSAGE, 404)
+            return fn(engine.polykv)
+
+        return self.call(run)
 
     def create_pool(self, tokens: list[int], parent: Optional[int] = None,
                     branch_pos: Optional[int] = None, pin: bool = False) -> Future:
         """Create a pool from ``tokens`` (a fork of ``parent`` when given). The
         Future resolves with the pool's info once its KV is built, or raises
-        ``PoolError`` (with an HTTP status)."""
+        ``PoolError`` (with an HTTP status; see ``PolyKV.create``)."""
         outer: Future = Future()
-
-        def start(engine: "Engine") -> None:
-            reg = engine._require_pools()
-            n_vocab = engine.model.hparams.n_vocab
-            if any(not (0 <= t < n_vocab) for t in tokens):
-                raise PoolError(f"token id out of range [0, {n_vocab})")
-            if len(tokens) >= engine.n_ctx_slot:
-                raise PoolError(f"pool of {len(tokens)} tokens does not fit the context ({engine.n_ctx_slot})")
-            pool = reg.create(tokens, parent, branch_pos, pin)
-            pool.future = outer
-            kv = engine.runner.kv
-            if pool.parent is not None and pool.branch_pos:
-                par = reg.pools[pool.parent]
-                kv.seq_cp(par.seq_id, pool.seq_id, 0, pool.branch_pos)
-                if not kv.can_reuse(pool.seq_id, pool.branch_pos):
-                    if kv.recurrent is not None:
-                        log.warning("pool fork at %d of a %d-token parent on a hybrid model: a recurrent state "
-                                    "can only be shared whole; building the fork from position 0",
-                                    pool.branch_pos, len(par.tokens))
-                    kv.seq_rm(pool.seq_id)
-                    pool.n_past = 0
-            if pool.n_past >= len(pool.tokens):
-                engine._pool_ready(pool)
-
-        inner = self.call(start)
+        inner = self._pool_call(lambda m: m.create(tokens, parent, branch_pos, pin, outer))
         inner.add_done_callback(lambda f: f.exception() and outer.set_exception(f.exception()))
         return outer
-
-    def _pool_ready(self, pool: Pool) -> None:
-        pool.state = "ready"
-        if pool.future is not None and not pool.future.done():
-            pool.future.set_result(self.pools.info(pool, self.pool_attached(), self.pool_cells(pool)))
 
     def release_pool(self, pool_id: int) -> Future:
         """Release a pool; its cells are reclaimed once its subtree is gone.
         Result: the ids of the pools reclaimed now."""
-
-        def rel(engine: "Engine") -> list[int]:
-            reg = engine._require_pools()
-            gone = reg.release(pool_id, engine.pool_attached())
-            for p in gone:
-                engine.runner.kv.seq_rm(p.seq_id)
-            return [p.id for p in gone]
-
-        return self.call(rel)
+        return self._pool_call(lambda m: m.release(pool_id))
 
     def pin_pool(self, pool_id: int, pinned: bool) -> Future:
         """Pin or unpin a pool (a pinned pool cannot be released). Result: its info."""
-
-        def pin(engine: "Engine") -> dict:
-            reg = engine._require_pools()
-            p = reg.get(pool_id)
-            p.pinned = pinned
-            return reg.info(p, engine.pool_attached(), engine.pool_cells(p))
-
-        return self.call(pin)
+        return self._pool_call(lambda m: m.pin(pool_id, pinned))
 
     def pool_info(self, pool_id: Optional[int] = None) -> Future:
         """Info of one pool, or a list of all (``pool_id`` None)."""
-
-        def info(engine: "Engine"):
-            reg = engine._require_pools()
-            att = engine.pool_attached()
-            if pool_id is not None:
-                p = reg.get(pool_id)
-                return reg.info(p, att, engine.pool_cells(p))
-            return [reg.info(p, att, engine.pool_cells(p)) for p in reg.pools.values()]
-
-        return self.call(info)
+        return self._pool_call(lambda m: m.info(pool_id))
 
     def _build_ubatch(self):
         budget = self.n_ubatch
@@ -703,22 +592,16 @@ class Engine:
             if s.n_past + len(chunk) == len(s.prompt):
                 out_rows.append(len(tokens) - 1)
             budget -= len(chunk)
-        for p in (self.pools.building() if self.pools is not None else []):
-            if budget <= 0:
-                break
-            chunk = p.next_chunk(budget)
+        for p, chunk in (self.polykv.plan_builds(budget) if self.polykv is not None else []):
             owners.append((p, len(tokens), len(chunk)))
             tokens.extend(chunk)
             pos.extend(range(p.n_past, p.n_past + len(chunk)))
             seqs.extend([p.seq_id] * len(chunk))
-            budget -= len(chunk)
         if not tokens:
             return None, owners
         ub = UBatch.build(tokens, pos, seqs, out_rows)
-        if self.pools is not None:  # shared-prefix attention hint: who reads which pool's cells
-            for s, _, _ in owners:
-                if isinstance(s, Slot) and s.n_shared and s.pool_id in self.pools.pools:
-                    ub.share_src[s.seq_id] = self.pools.pools[s.pool_id].seq_id
+        if self.polykv is not None:  # shared-prefix attention hint: who reads which pool's cells
+            ub.share_src.update(self.polykv.share_src(s for s, _, _ in owners if isinstance(s, Slot)))
         return ub, owners
 
     def _evict_idle(self, ub: UBatch) -> bool:
@@ -743,12 +626,7 @@ class Engine:
         # Nothing was committed. Fail the youngest prompt in the batch so the rest can proceed.
         building = [p for p, _, _ in owners if isinstance(p, Pool)]
         if building:
-            p = building[-1]
-            self.runner.kv.seq_rm(p.seq_id)
-            self.pools.drop_failed(p)
-            p.state = "failed"
-            if p.future is not None and not p.future.done():
-                p.future.set_exception(PoolError(f"pool build failed: {msg}", 503))
+            self.polykv.fail_build(building[-1], msg)
             return
         prompts = [s for s, _, _ in owners if s.state is SlotState.PROMPT]
         victim = max(prompts, key=lambda s: s.t_start) if prompts else owners[-1][0]
@@ -763,9 +641,7 @@ class Engine:
         tok = self.model.tokenizer
         for s, start, n in owners:
             if isinstance(s, Pool):
-                s.n_past += n
-                if s.n_past == len(s.tokens):
-                    self._pool_ready(s)
+                self.polykv.on_built(s, n)
                 continue
             fed = ub.tokens[start:start + n].tolist()
             s.cache_tokens.extend(fed)

@@ -15,8 +15,10 @@ follows the real model (and llama.cpp users' habit of -ctk q8_0 with a smaller V
 
 Each step strictly shrinks the cache. An explicit ``-ctv`` turns auto-tier off (the user
 chose); an explicit ``-ctk`` holds K and walks V alone (f16, q8_0, ... q4_0). Pairs the
-backend has no kernels for (``backend.kv_types``) are skipped. When not even the last
-pair fits, the last pair is used and the decision says so (a warning).
+backend has no kernels for (``backend.kv_types``) are skipped, and so are pairs whose
+blocks cannot hold the model's head size (a block tier needs a head size that is a
+multiple of its 32-value blocks; ``KVTier.check_dim``). When not even the last pair fits,
+the last pair is used and the decision says so (a warning).
 
 Budget: ``OPENCOTI_KV_BUDGET_MIB`` (``Params.kv_budget_mib``) when set, else
 ``BUDGET_FRACTION`` of the memory the backend reports free once the weights are loaded
@@ -115,9 +117,13 @@ def decide_kv_types(hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int
     allowed = getattr(backend, "kv_types", None)
     walk = [(type_k, v) for v in AUTO_TIER_ORDER] if type_k is not None else staircase()
     walk = [p for p in walk if allowed is None or (p[0] in allowed and p[1] in allowed)]
-    tried = []
+    tried, unfit = [], []
     for k, v in walk:
-        b = size(k, v)
+        try:
+            b = size(k, v)
+        except ValueError:  # the head size is not a multiple of a tier's block (check_dim)
+            unfit.append(f"{k}/{v}")
+            continue
         tried.append([k, v, b])
         if b <= budget:
             held = f" (K held at {type_k} by -ctk)" if type_k is not None else ""
@@ -126,7 +132,8 @@ def decide_kv_types(hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int
                                   f"<= budget {budget / MIB:.2f} MiB ({source})",
                                   budget, source, b, True, tried)
     k, v, b = tried[-1] if tried else (k0, v0, size(k0, v0))
+    skipped = f" ({len(unfit)} pairs skipped: this model's head size does not fit their blocks)" if unfit else ""
     return KVTierDecision(True, True, k, v,
                           f"auto-tier: even type_k={k} type_v={v} needs {b / MIB:.2f} MiB, over the budget "
-                          f"of {budget / MIB:.2f} MiB ({source}); using it anyway",
+                          f"of {budget / MIB:.2f} MiB ({source}); using it anyway{skipped}",
                           budget, source, b, False, tried)

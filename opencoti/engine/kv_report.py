@@ -68,7 +68,8 @@ def kv_props(engine: Any) -> dict:
 
 def kv_layout_lines(engine: Any) -> list[str]:
     """The KV report as llama.cpp-style boot log lines (``llama_kv_cache: ...``): geometry,
-    MiB per cache and tier half (K and V), totals, tail tiers, the auto-tier decision."""
+    MiB per cache and tier half (K and V), totals, tail tiers (the auto-tier decision is
+    logged by the engine when it is made, ``/props`` carries it)."""
     kv = kv_props(engine)
     if not kv:
         return []
@@ -84,6 +85,4 @@ def kv_layout_lines(engine: Any) -> list[str]:
     if kv["type_k_tail"] != kv["type_k"] or kv["type_v_tail"] != kv["type_v"]:
         lines.append(f"llama_kv_cache: tail tiers K ({kv['type_k_tail']}), V ({kv['type_v_tail']}) "
                      f"(no tail allocated yet)")
-    if kv["auto_tier"].get("enabled"):
-        lines.append(f"llama_kv_cache: {kv['auto_tier']['reason']}")
     return lines

@@ -66,14 +66,17 @@ class RecurrentState:
         conv_shape: ``(d_conv - 1, n_channels)``.
         ssm_shape: ``(n_v_heads, d_k, d_v)``.
         zeros: the backend's allocator ``zeros(shape, dtype)``.
+        zeros_for: per-layer allocator ``zeros_for(il) -> zeros`` (partial offload:
+            a layer's state on its backend); None = ``zeros`` for every layer.
     """
 
     def __init__(self, layers: list[int], n_seq_max: int, conv_shape: tuple[int, int],
-                 ssm_shape: tuple[int, int, int], zeros=np.zeros):
+                 ssm_shape: tuple[int, int, int], zeros=np.zeros, zeros_for=None):
         self.layers = list(layers)
         self.n_seq_max = n_seq_max
-        self.conv = {il: zeros((n_seq_max, *conv_shape), np.float32) for il in self.layers}
-        self.ssm = {il: zeros((n_seq_max, *ssm_shape), np.float32) for il in self.layers}
+        alloc = zeros_for or (lambda il: zeros)
+        self.conv = {il: alloc(il)((n_seq_max, *conv_shape), np.float32) for il in self.layers}
+        self.ssm = {il: alloc(il)((n_seq_max, *ssm_shape), np.float32) for il in self.layers}
         self.n_pos = np.zeros(n_seq_max, dtype=np.int64)  # tokens absorbed per seq; 0 = empty
 
     # -- geometry ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from opencoti.engine.backend import get_backend
+from opencoti.engine.backend.offload import make_split
 from opencoti.engine.batch import UBatch
 from opencoti.engine.kv_cache import KVCacheSet
 
@@ -31,18 +32,23 @@ class ModelRunner:
         kv_policy: instead of ``type_k`` / ``type_v``, a function ``(hparams, n_ctx,
             n_seq_max, kv_unified, n_ubatch, backend) -> KVTierDecision`` called after the
             weights are loaded (``kv_auto_tier.decide_kv_types``); kept as ``kv_decision``.
+        n_gpu_layers: ``-ngl``. On a GPU backend, ``0 < n_gpu_layers <= n_layer`` splits the
+            model (``backend/offload.py``: the first ``n_layer - n_gpu_layers`` layers, the
+            embeddings and the output on the CPU, each layer's weights and KV on its backend;
+            kept as ``split``); -1 (default) or more than ``n_layer``: all on ``backend``.
     Raises ``ValueError`` for an unknown tier or one the backend cannot run.
     """
 
     def __init__(self, model, backend=None, n_ctx: int = 4096, n_seq_max: int = 1,
                  kv_unified: bool = True, n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16",
                  type_k_tail: Optional[str] = None, type_v_tail: Optional[str] = None,
-                 kv_policy: Optional[Callable] = None):
+                 kv_policy: Optional[Callable] = None, n_gpu_layers: int = -1):
         self.model = model
         self.backend = get_backend(backend)
+        self.split = make_split(self.backend, model.hparams.n_layer, n_gpu_layers)  # None: one backend
         if kv_policy is None:
             check_kv_types(self.backend, type_k, type_v)
-        self.net = model.network(self.backend)
+        self.net = model.network(self.split or self.backend)
         self.kv_decision = None
         if kv_policy is not None:  # decided once the weights hold their memory (auto-tier's budget)
             self.kv_decision = kv_policy(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, self.backend)
@@ -50,17 +56,20 @@ class ModelRunner:
             check_kv_types(self.backend, type_k, type_v)
         self.n_ubatch = n_ubatch
         self.graphs: dict = {}  # captured decode graphs (device backends), tied to this runner's KV
+        zeros_for = (lambda il: self.net.layer_backend(il).zeros) if self.split is not None else None
         self.kv = KVCacheSet(model.hparams, n_ctx, n_seq_max, kv_unified, n_ubatch, type_k, type_v,
                              zeros=self.backend.zeros, type_k_tail=type_k_tail, type_v_tail=type_v_tail,
-                             kv_ops=self.backend if hasattr(self.backend, "kv_read") else None)
+                             zeros_for=zeros_for, kv_ops=_kv_ops(self.backend),
+                             kv_ops_for=(lambda il: _kv_ops(self.net.layer_backend(il))) if self.split else None)
 
     def decode(self, ub: UBatch) -> np.ndarray:
         """Plan cells, commit, run the forward. Returns logits float32
         ``[len(ub.out_rows), n_vocab]``. Raises ``KVCacheFullError`` (nothing
-        changed) when the cache has no room for the ubatch."""
+        changed) when the cache has no room for the ubatch. A split (``-ngl``) runs eagerly:
+        its GPU part is not captured as a graph (the hidden state leaves the device mid-step)."""
         ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
         self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
-        if getattr(self.backend, "graphs", False):  # device backends replay decode steps as graphs
+        if self.split is None and getattr(self.backend, "graphs", False):  # device backends replay graphs
             return self.backend.run_graph(ub, self.kv.caches, lambda: self.net.forward(ub, self.kv), self.graphs)
         return self.net.forward(ub, self.kv)
 
@@ -70,6 +79,12 @@ class ModelRunner:
         for cache, stream, shift in self.kv.seq_add(seq_id, p0, p1, delta):
             cells = np.nonzero(shift)[0]
             self.net.shift_k(cache, stream, cells, shift[cells])
+
+
+def _kv_ops(backend):
+    """``backend`` when it reads / requantizes quantized KV rows in its own memory
+    (``kv_read`` / ``kv_store``: the CUDA backend), else None (the tiers' NumPy code)."""
+    return backend if hasattr(backend, "kv_read") else None
 
 
 def check_kv_types(backend, *types) -> None:

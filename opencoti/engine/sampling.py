@@ -5,7 +5,12 @@ Semantics follow llama.cpp (``src/llama-sampling.cpp`` for each sampler,
 chain runs, in order:
 
     penalties -> (dry: not implemented, llama.cpp's default multiplier 0 leaves it off)
-    -> top_k -> typical_p -> top_p -> min_p -> temperature -> dist
+    -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p
+    -> (xtc: not implemented, off by default) -> temperature -> dist
+
+``SamplingParams.samplers`` replaces that order (llama.cpp's request field
+``samplers``): the named samplers run in the given order and the others not at
+all; ``logit_bias`` always runs first and ``dist`` last (``common_sampler_init``).
 
 Each step narrows a candidate set (token ids with their current logits):
 
@@ -15,6 +20,9 @@ Each step narrows a candidate set (token ids with their current logits):
   ``logit -= c * frequency_penalty + presence_penalty``. Off when
   ``repeat_last_n == 0`` or all three are neutral (1, 0, 0); ``repeat_last_n``
   -1 means every accepted token (llama.cpp: the whole context).
+- top_n_sigma (Tang et al. 2024): with ``n > 0`` and more than one candidate,
+  mean and population standard deviation ``sigma`` of the finite candidate
+  logits; keep logits ``>= max - n * sigma`` (``<= 0``: off).
 - top_k: the ``k`` highest logits (``k <= 0``: off), sorted descending.
 - typical_p (locally typical sampling, Meister et al. 2022): softmax over the
   candidates, entropy ``H``; sort by ``|-log p - H|`` ascending and keep the
@@ -53,7 +61,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from opencoti.engine.api import SamplingParams, sampling_error
+from opencoti.engine.api import DEFAULT_CHAIN, SamplingParams, sampling_error
 
 __all__ = ["Sampler", "top_logprobs", "token_logprob", "log_softmax", "LLAMA_DEFAULT_SEED"]
 
@@ -208,19 +216,29 @@ class Sampler:
 
     # -- chain -------------------------------------------------------------------------------
 
+    def apply_bias(self, logits: np.ndarray) -> np.ndarray:
+        """The logits after ``logit_bias`` (float32 [n_vocab]; the input itself when
+        there is none, else a copy). llama.cpp runs it first, outside ``samplers``."""
+        x = _as_logits(logits, self.n_vocab)
+        bias = self.params.logit_bias
+        if bias:
+            ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+            keep = (ids >= 0) & (ids < x.shape[0])
+            x = x.copy()
+            x[ids[keep]] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))[keep]
+        return x
+
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
         """The logits after ``logit_bias`` and repetition/frequency/presence penalties: float32 [n_vocab].
 
         Returns the input itself (no copy) when penalties are off or the history
         is empty, else a modified copy.
         """
-        x = _as_logits(logits, self.n_vocab)
-        bias = self.params.logit_bias
-        if bias:  # llama.cpp applies logit_bias first in the chain
-            ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
-            keep = (ids >= 0) & (ids < x.shape[0])
-            x = x.copy()
-            x[ids[keep]] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))[keep]
+        return self._penalize(self.apply_bias(logits))
+
+    def _penalize(self, x: np.ndarray) -> np.ndarray:
+        """Repetition/frequency/presence penalties over a full row ``x`` (float32
+        [n_vocab]): ``x`` itself when they are off or the history is empty, else a copy."""
         if not self._penalties_on or not self._history:
             return x
         p = self.params
@@ -244,11 +262,19 @@ class Sampler:
         best token). Exposed for tests and ``post_sampling_probs``-style reporting.
         """
         p = self.params
+        if p.samplers is not None and tuple(p.samplers) != DEFAULT_CHAIN:
+            return self._candidates_ordered(logits, p.samplers)
         x = self.apply_penalties(logits)
         mx = float(np.max(x))
         if not np.isfinite(mx):
             raise ValueError("logits contain NaN or +inf, or are all -inf")
         n = x.shape[0]
+
+        # top_n_sigma (off by default): logits below max - n * sigma leave the set
+        if p.top_n_sigma > 0 and n > 1:
+            keep = _top_n_sigma_keep(x, p.top_n_sigma)
+            if not keep.all():
+                x = np.where(keep, x, np.float32(-np.inf))
 
         # top_k
         k = int(p.top_k)
@@ -269,7 +295,7 @@ class Sampler:
                 ids, vals = ids[order], vals[order]
             lp = vals.astype(np.float64) - _logsumexp(vals)
             pr = np.exp(lp)
-            entropy = -float(np.sum(np.where(pr > 0, pr * lp, 0.0)))
+            entropy = -float(np.sum(np.where(pr > 0, pr * np.where(pr > 0, lp, 0.0), 0.0)))
             shifted = np.abs(-lp - entropy)
             order = np.argsort(shifted, kind="stable" if shifted.size <= 4096 else None)
             cum = np.cumsum(pr[order])
@@ -303,6 +329,60 @@ class Sampler:
             best = int(np.argmax(vals))  # first maximum in candidate order
             return ids[best:best + 1].astype(np.int64), vals[best:best + 1].astype(np.float32)
         return ids.astype(np.int64, copy=False), (vals / np.float32(t)).astype(np.float32, copy=False)
+
+    def _candidates_ordered(self, logits: np.ndarray, chain) -> tuple[np.ndarray, np.ndarray]:
+        """``candidates`` for an explicit ``samplers`` order: each named sampler in
+        turn over the surviving ``(ids, vals)`` (same semantics as the default path,
+        written plainly: full sorts instead of partial ones)."""
+        p = self.params
+        x = self.apply_bias(logits)
+        if not np.isfinite(float(np.max(x))):
+            raise ValueError("logits contain NaN or +inf, or are all -inf")
+        ids = np.arange(x.shape[0], dtype=np.int64)
+        vals = x
+        for name in chain:
+            if name == "penalties":
+                if self._penalties_on and self._history:
+                    full = np.full(self.n_vocab, np.float32(-np.inf), np.float32)
+                    full[ids] = vals
+                    vals = self._penalize(full)[ids]
+            elif name == "top_n_sigma":
+                if p.top_n_sigma > 0 and vals.size > 1:  # masked to -inf, as llama.cpp does
+                    vals = np.where(_top_n_sigma_keep(vals, p.top_n_sigma), vals, np.float32(-np.inf))
+            elif name == "top_k":
+                k = int(p.top_k)
+                if 0 < k < vals.size:
+                    order = np.argsort(-vals, kind="stable")[:k]
+                    ids, vals = ids[order], vals[order]
+            elif name == "typ_p":
+                if p.typical_p < 1.0:
+                    order = np.argsort(-vals, kind="stable")
+                    ids, vals = ids[order], vals[order]
+                    lp = vals.astype(np.float64) - _logsumexp(vals)
+                    pr = np.exp(lp)
+                    entropy = -float(np.sum(np.where(pr > 0, pr * np.where(pr > 0, lp, 0.0), 0.0)))
+                    order = np.argsort(np.abs(-lp - entropy), kind="stable")
+                    over = np.flatnonzero(np.cumsum(pr[order]) > p.typical_p)
+                    keep = order[:int(over[0]) + 1 if over.size else order.size]
+                    ids, vals = ids[keep], vals[keep]
+            elif name == "top_p":
+                if p.top_p < 1.0:
+                    order = np.argsort(-vals, kind="stable")
+                    ids, vals = self._top_p(ids[order], vals[order], True, p.top_p)
+            elif name == "min_p":
+                if p.min_p > 0.0:
+                    threshold = np.float32(np.max(vals)) + np.float32(np.log(np.float32(p.min_p)))
+                    keep = np.flatnonzero(vals >= threshold)
+                    ids, vals = ids[keep], vals[keep]
+            elif name == "temperature":
+                t = float(p.temperature)
+                if t <= 0.0:
+                    best = int(np.argmax(vals))
+                    ids, vals = ids[best:best + 1], vals[best:best + 1]
+                else:
+                    vals = (vals / np.float32(t)).astype(np.float32, copy=False)
+            # "dry", "xtc": no-ops here (their parameters are held off at the HTTP layer)
+        return ids.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
 
     @staticmethod
     def _top_p(ids: Optional[np.ndarray], vals: np.ndarray, is_sorted: bool, top_p: float):
@@ -371,7 +451,7 @@ class Sampler:
 
     def _sample_chain(self, logits: np.ndarray) -> int:
         p = self.params
-        if p.temperature <= 0.0 and p.typical_p >= 1.0:
+        if p.temperature <= 0.0 and p.typical_p >= 1.0 and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN):
             # greedy: top_k / top_p / min_p always keep the best logit, so skip them
             x = self.apply_penalties(logits)
             mx = float(np.max(x))
@@ -386,3 +466,16 @@ class Sampler:
         cum = np.cumsum(pr)
         i = int(np.searchsorted(cum, u * cum[-1], side="right"))
         return int(ids[min(i, ids.size - 1)])
+
+
+def _top_n_sigma_keep(vals: np.ndarray, n: float) -> np.ndarray:
+    """llama.cpp ``llama_sampler_top_n_sigma_apply``: bool mask [m] of the logits
+    ``>= max - n * sigma``, max / mean / population std over the finite logits
+    (float32 sums as there; -inf logits are never kept)."""
+    finite = vals != -np.inf
+    if not finite.any():
+        return finite
+    v = vals[finite].astype(np.float32)
+    mean = np.float32(np.sum(v, dtype=np.float32) / np.float32(v.size))
+    std = np.float32(np.sqrt(np.float32(np.sum((v - mean).astype(np.float64) ** 2) / v.size)))
+    return vals >= np.float32(np.max(v)) - np.float32(n) * std

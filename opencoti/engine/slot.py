@@ -155,7 +155,9 @@ class Slot:
         rest = self.text[self.n_sent:] if stop_type != "word" else ""
         t_prompt = (self.t_prompt_done or now) - self.t_start
         t_gen = now - self.t_prompt_done if self.t_prompt_done else 0.0
-        n_prompt_new = len(self.prompt) - self.n_cached
+        # prompt tokens evaluated: all of the prompt, or (cancelled during prefill) what got in
+        n_eval = self.n_past if self.state is SlotState.PROMPT else len(self.prompt)
+        n_prompt_new = max(n_eval - self.n_cached, 0)
         n_gen = self.n_decoded
         ev = FinishEvent(
             stop_type=stop_type,

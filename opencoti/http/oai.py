@@ -332,7 +332,7 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
 
     if not opts.stream:
         r = gen.collect(state.tokenizer, handle, req.is_disconnected, n_top=n_top,
-                        want_probs=opts.want_logprobs, on_finish=state.on_finish)
+                        want_probs=opts.want_logprobs)
         choice = {
             "finish_reason": finish_reason(r.finish),
             "index": 0,
@@ -351,8 +351,7 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
         handle.cancel()
         raise
 
-    collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs,
-                              on_finish=lambda ev: state.on_finish(handle.request, ev))
+    collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs)
     role = sse_event(_chunk(cid, created, model, [{
         "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}], fingerprint=fp))
 
@@ -429,7 +428,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
 
     if not opts.stream:
         results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
-                                   n_top=opts.n_probs, want_probs=want_probs, on_finish=state.on_finish)
+                                   n_top=opts.n_probs, want_probs=want_probs)
         choices = [{"text": r.content, "index": i,
                     "logprobs": {"content": r.probs} if want_probs else None,
                     "finish_reason": finish_reason(r.finish)} for i, r in enumerate(results)]
@@ -446,8 +445,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         handle.cancel()
         raise
 
-    collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
-                              on_finish=lambda ev: state.on_finish(handle.request, ev))
+    collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs)
 
     def render(ev) -> Iterator[bytes]:
         if isinstance(ev, TokenEvent):

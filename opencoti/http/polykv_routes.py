@@ -11,8 +11,9 @@ route answers 404).
     GET  /polykv/pools/{id}/capacity   ?expected_tokens=N: can a new session fit
     GET  /polykv/tps                   SSE stream of per-session decode rates (?once=1: one snapshot)
 
-Pool mutations run on the engine thread (``Engine.create_pool`` etc.); handlers
-wait on the returned Future. Errors are llama.cpp-style JSON (``PoolError``
+Pool mutations and reads run on the engine thread (``Engine.create_pool`` etc.,
+or ``Engine.call`` into the pool manager ``Engine.polykv``); handlers wait on the
+returned Future. Errors are llama.cpp-style JSON (``PoolError``
 carries the status).
 """
 
@@ -22,7 +23,6 @@ import time
 from typing import Any, Iterator
 
 from opencoti.engine.polykv import PoolError
-from opencoti.engine.slot import SlotState
 from opencoti.http.errors import HTTPError, invalid_request
 from opencoti.http.sse import sse_event
 from opencoti.http.validate import tokenize_mixed
@@ -205,26 +205,6 @@ def post_admission(state, req):
     return _store(state, req, "admission", ADMISSION_KEYS)
 
 
-def _session_rates(engine) -> list[dict]:
-    now = time.perf_counter()
-    out = []
-    for s in engine.slots:
-        if s.state is SlotState.IDLE and not s.cache_tokens:
-            continue
-        dt = now - s.t_prompt_done if s.t_prompt_done and s.busy else 0.0
-        out.append({
-            "id_slot": s.id,
-            "session_id": s.session_id,
-            "pool_id": s.pool_id,
-            "is_processing": s.busy,
-            "tps_ewma": (s.n_decoded / dt) if dt > 0 else 0.0,
-            "ctx_used": s.n_past,
-            "ctx_total": s.n_ctx,
-            "ctx_headroom_tokens": s.n_ctx - s.n_past,
-        })
-    return out
-
-
 def get_capacity(state, req):
     """Can a new session of ``expected_tokens`` (suffix + generation) join pool {id} now?"""
     from opencoti.http.routes import Response
@@ -240,32 +220,10 @@ def get_capacity(state, req):
         raise invalid_request('"expected_tokens" must be a positive integer') from None
 
     def cap(engine):
-        p = engine.pools.get(pid)
+        engine.pools.get(pid)  # 404 for an unknown pool before the headroom is judged
         headroom = engine.kv_headroom() if engine.runner.kv.unified else sum(
             s.n_ctx for s in engine.slots if not s.busy)
-        busy = [s for s in engine.slots if s.busy]
-        rates = [r["tps_ewma"] for r in _session_rates(engine) if r["is_processing"]]
-        mean_tps = sum(rates) / len(rates) if rates else 0.0
-        idle_slots = engine.n_slots - len(busy)
-        can = expected <= headroom and idle_slots > 0
-        reason = "ok" if can else ("no idle slot" if idle_slots == 0 else "kv pool saturated")
-        n = len(busy)
-        pool_cells = sum(len(q.tokens) for q in engine.pools.pools.values())
-        return {
-            "id": pid,
-            "expected_tokens": expected,
-            "can_admit": can,
-            "reason": reason,
-            "headroom_sessions": min(max(headroom, 0) // expected, idle_slots),
-            "free_cells": max(headroom, 0),
-            "mean_active_tps": mean_tps,
-            "compaction_pressure": pool_cells / max(engine.runner.kv.base.n_cells, 1),
-            "settling": False,
-            "settle_remaining_ms": 0,
-            "n_warming": sum(1 for s in busy if s.state is SlotState.PROMPT),
-            "projected_mean_tps_next": mean_tps * n / (n + 1) if n else 0.0,
-            "sessions_attached": engine.pool_attached().get(p.id, 0),
-        }
+        return engine.polykv.capacity(pid, expected, headroom)
 
     return Response(_wait(eng.call(cap)))
 
@@ -278,7 +236,7 @@ def get_tps(state, req):
     eng = _engine(state)
 
     def snap() -> dict:
-        return {"time": time.time(), "sessions": _wait(eng.call(_session_rates))}
+        return {"time": time.time(), "sessions": _wait(eng.call(lambda e: e.polykv.session_rates()))}
 
     if req.query.get("once") in ("1", "true"):
         return Response(snap())

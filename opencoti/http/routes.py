@@ -160,9 +160,12 @@ class Router:
 # JSON shapes shared with the OpenAI routes
 
 
-def sampler_names() -> list[str]:
-    """The sampler chain our engine applies, in llama.cpp's names and order."""
-    return ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]
+def sampler_names(chain=None) -> list[str]:
+    """The sampler chain a request runs (``SamplingParams.samplers``; None = the
+    engine's default chain), in llama.cpp's names and order."""
+    from opencoti.engine.api import DEFAULT_CHAIN
+
+    return list(DEFAULT_CHAIN if chain is None else chain)
 
 
 def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool = False) -> dict:
@@ -177,7 +180,7 @@ def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool
         "top_k": s.top_k,
         "top_p": s.top_p,
         "min_p": s.min_p,
-        "top_n_sigma": -1.0,
+        "top_n_sigma": s.top_n_sigma,
         "xtc_probability": 0.0,
         "xtc_threshold": 0.1,
         "typical_p": s.typical_p,
@@ -196,7 +199,7 @@ def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool
         "stream": stream,
         "n_probs": s.n_probs,
         "min_keep": 0,
-        "samplers": sampler_names(),
+        "samplers": sampler_names(s.samplers),
         "cache_prompt": req.cache_prompt,
         "id_slot": req.id_slot,
         "post_sampling_probs": req.post_sampling_probs,
@@ -580,7 +583,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     if not opts.stream:
         results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
                                    n_top=opts.n_probs, want_probs=want_probs,
-                                   post_sampling=opts.post_sampling_probs, on_finish=state.on_finish)
+                                   post_sampling=opts.post_sampling_probs)
         objs = [completion_final_json(state, r, parsed, False, i) for i, r in enumerate(results)]
         return Response(objs[0] if len(objs) == 1 else objs, headers=gen.admission_headers(handles))
 
@@ -593,7 +596,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     n_prompt = len(handle.request.prompt_tokens)
 
     collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
-                              opts.post_sampling_probs, lambda ev: state.on_finish(handle.request, ev))
+                              opts.post_sampling_probs)
 
     def render(ev) -> Iterator[bytes]:
         if isinstance(ev, TokenEvent):

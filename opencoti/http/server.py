@@ -25,6 +25,7 @@ routes, then routing (404 unknown path, 405 wrong method).
 
 from __future__ import annotations
 
+import functools
 import hmac
 import select
 import signal
@@ -32,6 +33,7 @@ import socket
 import sys
 import threading
 import traceback
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlsplit
@@ -91,6 +93,9 @@ class OpencotiHTTPServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
 
+_PLAIN_ERRORS = {414: "the request line (method, URL, version) is longer than 65,536 bytes"}
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "opencoti"
@@ -113,13 +118,29 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.state.params.verbose:
             _log("srv  %s - %s" % (self.address_string(), format % args))
 
+    def parse_request(self) -> bool:
+        """The stdlib parser, minus HTTP/0.9: a request line without a version
+        (``GET /``) gets a 400, as llama.cpp's httplib answers any request line
+        that is not ``METHOD TARGET HTTP/1.x``."""
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":
+            self.send_error(400, f"Bad request line {self.requestline!r}: expected METHOD TARGET HTTP/1.1")
+            return False
+        return True
+
     # stdlib parse errors (bad request line, headers too long...) answer in JSON too
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         self.close_connection = True
+        # the stdlib marks a request it could not parse as HTTP/0.9, which would make the
+        # reply a bare body without status line and headers: always answer HTTP/1.1
+        self.request_version = "HTTP/1.1"
         etype = {400: "invalid_request_error", 404: "not_found_error", 501: "not_supported_error"}.get(
             code, "server_error" if code >= 500 else "invalid_request_error")
         try:
-            self._send_json(code, error_body(code, etype, message or explain or "error"))
+            if not (message or explain):  # the stdlib's bare codes: 414 for a request line over 64 KiB
+                message = _PLAIN_ERRORS.get(code) or HTTPStatus(code).phrase
+            self._send_json(code, error_body(code, etype, message or explain))
         except OSError:
             pass
 
@@ -133,7 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._read_body()
         except HTTPError as e:
-            self._safe(lambda: self._send_error(e))
+            self._safe(functools.partial(self._send_error, e))
             return
         self.send_response(200)
         self._cors_headers()
@@ -170,9 +191,27 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(e.status, e.body(), e.headers)
 
     def _read_body(self) -> bytes:
-        """Read the whole request body (Content-Length or chunked). Raises HTTPError 400/413."""
-        te = (self.headers.get("Transfer-Encoding") or "").lower()
-        if "chunked" in te:
+        """Read the whole request body (Content-Length or chunked). Raises HTTPError 400
+        (a negative or non-numeric Content-Length, Content-Length fields that disagree, a
+        Transfer-Encoding whose last coding is not ``chunked``, a malformed chunk, a short
+        body), 501 (a transfer coding other than ``chunked``) or 413 (over
+        ``MAX_BODY_BYTES``); all close the connection. Framing as RFC 9112 §6.1 / §6.3: a
+        request with both Transfer-Encoding and Content-Length is read chunked and its
+        connection closed after the reply (a request-smuggling guard)."""
+        te_fields = self.headers.get_all("Transfer-Encoding") or []
+        codings = [c.strip().lower() for f in te_fields for c in f.split(",") if c.strip()]
+        if te_fields:
+            if not codings or codings[-1] != "chunked":
+                self.close_connection = True
+                raise HTTPError(400, "invalid_request_error",
+                                f"unsupported Transfer-Encoding {', '.join(te_fields)!r}: the last coding must be chunked")
+            if len(codings) > 1:
+                self.close_connection = True
+                raise HTTPError(501, "not_supported_error",
+                                f"unsupported Transfer-Encoding {', '.join(te_fields)!r}: only chunked is implemented")
+            if self.headers.get("Content-Length") is not None:
+                self.close_connection = True
+        if te_fields:
             parts, total = [], 0
             while True:
                 line = self.rfile.readline(65537)
@@ -191,15 +230,20 @@ class _Handler(BaseHTTPRequestHandler):
                     raise HTTPError(413, "invalid_request_error", "request body too large")
                 parts.append(self.rfile.read(size))
                 self.rfile.readline(3)
-        length = self.headers.get("Content-Length")
+        lengths = [v.strip() for f in (self.headers.get_all("Content-Length") or []) for v in f.split(",")]
+        if len(set(lengths)) > 1:
+            self.close_connection = True
+            raise HTTPError(400, "invalid_request_error", f"conflicting Content-Length values {', '.join(lengths)}")
+        length = lengths[0] if lengths else None
         if not length:
             return b""
-        try:
-            n = int(length)
-        except ValueError:
+        digits = length.strip()
+        # negative, signed, "5_0", not a number: 400 (as llama.cpp's httplib)
+        if not (digits.isascii() and digits.isdigit()):
             self.close_connection = True
-            raise HTTPError(400, "invalid_request_error", "invalid Content-Length") from None
-        if n < 0 or n > MAX_BODY_BYTES:
+            raise HTTPError(400, "invalid_request_error", f"invalid Content-Length {length!r}")
+        n = int(digits)
+        if n > MAX_BODY_BYTES:
             self.close_connection = True
             raise HTTPError(413, "invalid_request_error", "request body too large")
         data = self.rfile.read(n)
@@ -280,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._write_response(res)
         except HTTPError as e:
-            self._safe(lambda: self._send_error(e))
+            self._safe(functools.partial(self._send_error, e))
         except ClientDisconnected:
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError):

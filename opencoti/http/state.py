@@ -100,9 +100,13 @@ class ServerState:
 
     # ------------------------------------------------------------------
     def track(self, handle: Any) -> None:
-        """Remember an engine request in flight (for shutdown)."""
+        """Remember an engine request in flight (for shutdown) and account it in
+        ``/metrics`` when it finishes, read to the end or not (a client that left
+        mid-stream still had its prompt evaluated and tokens generated)."""
         with self._lock:
             self._inflight.add(handle)
+        request = handle.request
+        handle.on_finish(lambda ev: self.on_finish(request, ev))
 
     def inflight(self) -> list:
         with self._lock:

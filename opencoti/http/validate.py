@@ -14,12 +14,15 @@ reject it.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
-from opencoti.engine.api import CompletionRequest, SamplingParams, sampling_error
+from opencoti.engine.api import CHAIN_NAMES, CompletionRequest, SamplingParams, sampling_error
 from opencoti.http.errors import invalid_request
+
+log = logging.getLogger("opencoti.http")
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
 DEFAULT_SEED = 0xFFFFFFFF
@@ -240,7 +243,8 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int) -> Sam
 
     Fields (llama.cpp names): temperature, top_k, top_p, min_p, typical_p,
     repeat_penalty, repeat_last_n (-1 = the slot's context), presence_penalty,
-    frequency_penalty, seed (-1 or 0xFFFFFFFF = random), n_probs.
+    frequency_penalty, seed (-1 or 0xFFFFFFFF = random), n_probs, top_n_sigma
+    (<= 0 = off), samplers (the chain's order, see ``parse_samplers``).
     Raises 400 on a wrong type or out-of-range value.
     """
     sp = replace(defaults)
@@ -259,7 +263,10 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int) -> Sam
     sp.seed = -1 if seed == DEFAULT_SEED else seed
     sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0, max=1024)
     sp.logit_bias = parse_logit_bias(body.get("logit_bias"))
+    sp.top_n_sigma = get_number(body, "top_n_sigma", sp.top_n_sigma)
     check_unsupported_samplers(body)
+    if body.get("samplers") is not None:
+        sp.samplers = parse_samplers(body["samplers"])
     err = sampling_error(sp)
     if err:
         raise invalid_request(err)
@@ -280,12 +287,62 @@ def check_unsupported_samplers(body: dict) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise invalid_request(f'"{key}" must be a number')
         if v != off:
-            raise invalid_request(f'"{key}" is not supported by this server (sampler chain: '
-                                  "penalties, top_k, typical_p, top_p, min_p, temperature)")
+            raise invalid_request(f'"{key}" is not supported by this server (samplers it runs: '
+                                  f"{', '.join(n for n in CHAIN_NAMES if n not in ('dry', 'xtc'))})")
     samplers = body.get("samplers")
     if samplers is not None and (not isinstance(samplers, (list, str)) or
                                  (isinstance(samplers, list) and not all(isinstance(x, str) for x in samplers))):
         raise invalid_request('"samplers" must be a list of sampler names')
+
+
+# llama.cpp ``common_sampler_type_to_chr``: the one-letter form of ``samplers``
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+# samplers llama.cpp knows that this engine does not have: asking for one is a 400
+UNSUPPORTED_CHAIN = ("infill", "adaptive_p")
+
+
+def _sampler_name_map() -> dict:
+    """Every name llama.cpp's ``common_sampler_types_from_names`` (common/sampling.cpp,
+    current master) matches, lower case, to its canonical name: the canonical names,
+    their kebab-case (``top-k``) and no-underscore (``topk``) forms, and ``nucleus``,
+    ``temp``, ``typ``."""
+    out = {}
+    for name in CHAIN_NAMES + UNSUPPORTED_CHAIN:
+        if "_" in name:
+            out[name.replace("_", "-")] = name
+            out[name.replace("_", "")] = name
+    out.update(nucleus="top_p", temp="temperature", typ="typ_p")
+    out.update({n: n for n in CHAIN_NAMES + UNSUPPORTED_CHAIN})
+    return out
+
+
+SAMPLER_NAMES = _sampler_name_map()
+
+
+def parse_samplers(value) -> tuple:
+    """The ``samplers`` request field as the chain to run (tuple of ``CHAIN_NAMES``):
+    a list of names, or a string of letters (``SAMPLER_CHARS``), as llama.cpp's
+    ``common_sampler_types_from_names`` / ``common_sampler_types_from_chars``: names
+    match case-insensitively, with their aliases (``SAMPLER_NAMES``: ``Top-K``,
+    ``topk``, ``temp``, ``nucleus`` ...); a name or letter it does not know is dropped
+    with a WARN in the server log (the request runs without it). 400 for a wrong type,
+    or for ``infill`` / ``adaptive_p`` (known to llama.cpp, not here)."""
+    if isinstance(value, str):
+        items, what = [SAMPLER_CHARS.get(c, c) for c in value], "char"
+        unknown = [c for c in value if c not in SAMPLER_CHARS]
+    elif isinstance(value, list) and all(isinstance(x, str) for x in value):
+        items, what = [SAMPLER_NAMES.get(x.lower(), x.lower()) for x in value], "name"
+        unknown = [x.lower() for x in value if x.lower() not in SAMPLER_NAMES]
+    else:
+        raise invalid_request('"samplers" must be a list of sampler names or a string of sampler letters')
+    for u in unknown:
+        log.warning("samplers: unable to match sampler by %s %r; it is left out of the chain", what, u)
+    bad = [x for x in items if x in UNSUPPORTED_CHAIN]
+    if bad:
+        raise invalid_request(f'sampler "{bad[0]}" in "samplers" is not supported by this server '
+                              f"(chain samplers: {', '.join(CHAIN_NAMES)})")
+    return tuple(x for x in items if x in CHAIN_NAMES)
 
 
 def parse_logit_bias(value) -> dict:

@@ -195,18 +195,29 @@ def load_hparams(md: dict, path: str = "<gguf>", supported: tuple[str, ...] = ()
             return _scalar(_req(md, key, path))
         return _scalar(md.get(key, default))
 
-    n_embd = int(k("embedding_length", required=True))
-    n_head = int(k("attention.head_count", required=True))
-    n_head_kv = int(k("attention.head_count_kv", n_head))
-    head_k = int(k("attention.key_length", n_embd // n_head))
-    head_v = int(k("attention.value_length", n_embd // n_head))
-    n_layer = int(k("block_count", required=True))
+    def positive(name: str, value: int) -> int:
+        # a nonsense size (a bad file, or --override-kv KEY=int:0) is named here, not left to
+        # fail as a division by zero or a negative array shape deep in the loader
+        if value <= 0:
+            raise GGUFError(f"{path}: {arch}.{name} = {value}: must be a positive integer "
+                            f"(from the file or --override-kv)")
+        return value
+
+    n_embd = positive("embedding_length", int(k("embedding_length", required=True)))
+    n_head = positive("attention.head_count", int(k("attention.head_count", required=True)))
+    n_head_kv = positive("attention.head_count_kv", int(k("attention.head_count_kv", n_head)))
+    if n_head % n_head_kv:
+        raise GGUFError(f"{path}: {arch}.attention.head_count = {n_head} is not a multiple of "
+                        f"{arch}.attention.head_count_kv = {n_head_kv}")
+    head_k = positive("attention.key_length", int(k("attention.key_length", n_embd // n_head)))
+    head_v = positive("attention.value_length", int(k("attention.value_length", n_embd // n_head)))
+    n_layer = positive("block_count", int(k("block_count", required=True)))
     tokens = md.get("tokenizer.ggml.tokens")
     n_vocab = int(k("vocab_size", len(tokens) if tokens is not None else 0))
     hp = HParams(
         arch=arch,
         n_vocab=n_vocab,
-        n_ctx_train=int(k("context_length", 2048)),
+        n_ctx_train=positive("context_length", int(k("context_length", 2048))),
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=n_head,

@@ -8,7 +8,10 @@ As llama.cpp (``common/common.cpp`` ``string_parse_kv_override``,
 the flag may be repeated. Keys are at most 127 characters, ``str`` values at
 most 127 bytes (llama.cpp's ``char[128]`` fields). An override of a key that
 the file has must match its type (``int`` for every integer type); a key the
-file lacks is added. Overrides apply to the metadata before hparams, the
+file lacks is added (as llama.cpp, where the loader finds an override for any
+key it asks for, so an optional key the file omits can be supplied); a key that
+is neither in the file nor read while loading matched nothing and gets a WARN
+at boot naming it (``unmatched_overrides``). Overrides apply to the metadata before hparams, the
 tokenizer and the chat template are read, e.g.
 ``gemma4.context_length=int:1048576``.
 
@@ -19,6 +22,7 @@ Stricter than llama.cpp on purpose: a value that does not parse as its type
 from __future__ import annotations
 
 import csv
+import difflib
 import numbers
 from dataclasses import dataclass
 from typing import Iterable, Union
@@ -121,3 +125,40 @@ def apply_kv_overrides(metadata: dict, overrides: Iterable[KVOverride], path: st
                                       f"the file has {have}, the override is {o.type}")
         md[o.key] = o.value
     return md
+
+
+class ReadTracker(dict):
+    """A metadata dict that records every key looked up (``[]``, ``get``, ``in``) in
+    ``read``, so the loader can tell which overrides anything asked for."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.read: set = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def unmatched_overrides(overrides: Iterable[KVOverride], file_metadata: dict, read: set) -> list[str]:
+    """One warning line per override that matched nothing: its key is not in the
+    file (``file_metadata``, before overrides) and was never looked up while
+    loading (``read``, from ``ReadTracker``), so it has no effect. A close file key,
+    if any, is suggested (a likely misspelling)."""
+    out = []
+    for o in overrides:
+        if o.key in file_metadata or o.key in read:
+            continue
+        near = difflib.get_close_matches(o.key, list(file_metadata), n=1, cutoff=0.8)
+        hint = f" (did you mean {near[0]!r}?)" if near else " (check the key's spelling)"
+        out.append(f"--override-kv {o}: key {o.key!r} is not in the model file and nothing reads it; "
+                   f"the override has no effect{hint}")
+    return out

@@ -6,6 +6,7 @@ its backend (``Model.network``), which dequantizes or uploads them once.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -13,7 +14,9 @@ from typing import Optional
 from opencoti.engine.arch import ARCHITECTURES, arch_class
 from opencoti.model.gguf_file import GGUFError, GGUFFile
 from opencoti.model.hparams import HParams
-from opencoti.model.kv_override import apply_kv_overrides
+from opencoti.model.kv_override import ReadTracker, apply_kv_overrides, unmatched_overrides
+
+log = logging.getLogger("opencoti.model")
 
 
 @dataclass
@@ -35,11 +38,13 @@ class Model:
     _networks: dict = field(default_factory=dict, repr=False)
 
     def network(self, backend):
-        """The architecture network with weights on ``backend`` (built once per backend)."""
-        net = self._networks.get(backend.name)
+        """The architecture network with weights on ``backend`` (built once per backend), or
+        split over a ``LayerSplit``'s backends (built once per split: ``-ngl``)."""
+        key = getattr(backend, "key", backend.name)
+        net = self._networks.get(key)
         if net is None:
             net = arch_class(self.hparams.arch)(self.gguf, self.hparams, backend)
-            self._networks[backend.name] = net
+            self._networks[key] = net
         return net
 
 
@@ -47,7 +52,9 @@ def load_model(path: Optional[str], params=None, with_tokenizer: bool = True) ->
     """Open ``path`` (None -> the embedded default model) and read its header.
 
     ``params.kv_overrides`` (``--override-kv``) replace metadata values first
-    (``Model.metadata`` is the overridden copy; the file is not modified).
+    (``Model.metadata`` is the overridden copy; the file is not modified); an
+    override whose key is neither in the file nor read while loading gets a
+    WARN naming it (it has no effect).
     Raises ``GGUFError`` for a corrupt/truncated file or an unsupported
     architecture (the message names the problem), ``FileNotFoundError`` if the
     file does not exist.
@@ -62,7 +69,7 @@ def load_model(path: Optional[str], params=None, with_tokenizer: bool = True) ->
     md = gguf.metadata
     overrides = getattr(params, "kv_overrides", None)
     if overrides:  # --override-kv: before hparams, tokenizer and template are read
-        md = apply_kv_overrides(md, overrides, path)
+        md = ReadTracker(apply_kv_overrides(md, overrides, path))
     arch = md.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: missing general.architecture")
@@ -77,7 +84,12 @@ def load_model(path: Optional[str], params=None, with_tokenizer: bool = True) ->
 
         tok = Tokenizer.from_metadata(md)
     name = md.get("general.name") or os.path.basename(path)
+    chat_template_source = md.get("tokenizer.chat_template")
+    if isinstance(md, ReadTracker):
+        for line in unmatched_overrides(overrides, gguf.metadata, md.read):
+            log.warning("%s: %s", path, line)
+        md = dict(md)
     return Model(
         path=path, name=str(name), gguf=gguf, metadata=md, hparams=hp, tokenizer=tok,
-        chat_template_source=md.get("tokenizer.chat_template"),
+        chat_template_source=chat_template_source,
     )

@@ -7,7 +7,9 @@ source hash each was built from) are committed and shipped as package data, so
 users need no shader compiler; ``tests/test_vulkan.py`` fails when one is stale.
 
 Quantized-weight shaders come in one variant per ggml type (``QTYPE`` = the
-ggml type id, see ``quants.glsl``); KV shaders in one per KV storage type.
+ggml type id, see ``quants.glsl``); KV shaders in one per KV storage type for
+f16 / f32 K and V, plus ``kv_store`` (scalar tiers) / ``kv_rot`` (rotated tiers) /
+``attn_any``, which take each half's KV tier (``kv_quant.glsl``) as a push constant.
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ def variants() -> dict[str, tuple[str, dict[str, str]]]:
     for tid, qn in QTYPE_NAMES.items():
         for src in ("mul_mat_vec", "mul_mm", "get_rows"):
             out[f"{src}_{qn}"] = (f"{src}.comp", {"QTYPE": str(tid)})
+        out[f"mul_mat_vec_id_{qn}"] = ("mul_mat_vec.comp", {"QTYPE": str(tid), "MUL_MAT_ID": "1"})  # experts
     for kv in KV_NAMES:
         d = {"KV_F16": "1"} if kv == "f16" else {}
         out[f"kv_write_{kv}"] = ("kv_write.comp", d)
         out[f"attn_{kv}"] = ("attn.comp", d)
-    for src in ("copy_rows", "rms_norm", "rope", "unary", "binary", "attn_merge"):
+    out["attn_any"] = ("attn.comp", {"KV_ANY": "1"})  # any KV tier per half (kv_quant.glsl codes)
+    out["moe_route"] = ("moe.comp", {"MOE_ROUTE": "1"})
+    out["moe_combine"] = ("moe.comp", {})
+    out["ssm_conv"] = ("recurrent.comp", {"SSM_CONV": "1"})
+    out["gated_delta_net"] = ("recurrent.comp", {})
+    for src in ("copy_rows", "rms_norm", "rope", "unary", "binary", "attn_merge", "kv_store", "kv_rot"):
         out[src] = (f"{src}.comp", {})
     return out
 

@@ -17,8 +17,20 @@
 // dims over the tile. n_split == 1 writes normalised rows out[T, n_head, D];
 // otherwise unnormalised partials out[(r, h, sp), D] and (m, l) pairs at ml_off,
 // merged by attn_merge.comp (log-sum-exp, Dao et al., flash-decoding).
-// KV_F16: K/V are f16 pairs in 32-bit words; else f32. D even, <= 512.
+// KV_F16: K/V are f16 pairs in 32-bit words; KV_ANY: K and V each in the tier whose
+// code (kv_quant.glsl) is tk / tv, rows of rbk / rbv bytes, dequantized in registers
+// (blocks of 32 values for the q* tiers: D % 32 == 0); else f32. D even, <= 512.
+// Rotated tiers (turbo*, *_tcq; D a power of two): their rows hold y = R x per 64-value
+// block (kv_tiers/turbo.py); since R is orthonormal, q . k = (R q) . y_k and
+// sum_c p_c x_c = R^T sum_c p_c y_c. So with K rotated, each head's q is rotated once in
+// shared memory (sign flips, butterfly, * rs) and scored against the dequantized y; with V
+// rotated, the (partial) output is accumulated in the rotated domain and un-rotated once
+// per head before it is written (linear, so split-K partials merge as before). Levels come
+// from the tables buffer (binding 6, kv_quant.glsl).
 #include "common.glsl"
+#ifdef KV_ANY
+#include "kv_quant.glsl"
+#endif
 
 layout(local_size_x = 128) in;
 layout(binding = 0) readonly buffer QB { float qs[]; };
@@ -27,10 +39,17 @@ layout(binding = 2) readonly buffer VB { uint V[]; };
 layout(binding = 3) readonly buffer MB { int meta[]; };
 layout(binding = 4) readonly buffer PB { int qpos[]; };
 layout(binding = 5) writeonly buffer OB { float outs[]; };
+#ifdef KV_ANY
+layout(binding = 6) readonly buffer TB { float tab[]; };
+#endif
 layout(push_constant) uniform PC {
     uint n_head, n_kv, D, G, n_split, n_gsub;
     float scale; int n_swa; float softcap;
     uint rv_off, vo_off, cl_off, cp_off, qp_off, ml_off;
+#ifdef KV_ANY
+    uint tk, tv, rbk, rbv;
+    float rs;  // float32(1 / sqrt(D)): the rotation's scale
+#endif
 } p;
 
 #define MAXG 8u
@@ -44,7 +63,99 @@ shared float sp[MAXG * TC];
 shared float sm[MAXG], sl[MAXG], scr[MAXG];
 shared int scell[TC];
 
-vec2 kv_pair(uint w, bool is_k) {  // dims 2j, 2j+1 at word index w (f16) or 2w (f32)
+#ifdef KV_ANY
+uint kvw(bool is_k, uint w) { return is_k ? K[w] : V[w]; }
+uint kvb(bool is_k, uint b) { return (kvw(is_k, b >> 2) >> ((b & 3u) << 3)) & 0xFFu; }
+float kvh(bool is_k, uint b) { return unpackHalf2x16((kvw(is_k, b >> 2) >> ((b & 2u) << 3)) & 0xFFFFu).x; }
+
+// dims 2j, 2j+1 of KV row `row` (cell * n_kv + kv head), as kv_tiers/scalar.py dequantizes
+vec2 kv_pair(uint row, uint j, bool is_k) {
+    uint t = is_k ? p.tk : p.tv;
+    uint rb = row * (is_k ? p.rbk : p.rbv);
+    if (t == KVT_F32) {
+        uint w = (rb >> 2) + 2u * j;
+        return vec2(uintBitsToFloat(kvw(is_k, w)), uintBitsToFloat(kvw(is_k, w + 1u)));
+    }
+    if (t == KVT_F16) return unpackHalf2x16(kvw(is_k, (rb >> 2) + j));
+    if (t == KVT_BF16) {
+        uint w = kvw(is_k, (rb >> 2) + j);
+        return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xFFFF0000u));
+    }
+    if (kvt_rotated(t)) {  // values 2j, 2j+1 of the rotated row: scale * level
+        uint i = 2u * j, m = i & 63u, nb = kvt_block_bytes(t), bits = kvt_bits(t);
+        uint bb = rb + (i >> 6) * nb;
+        float d = kvh(is_k, bb);
+        uint lev = KVT_LEV(t);
+        uint c0, c1;
+        if (kvt_tcq(t)) {  // the 8-bit window of the circular stream starting at bit m * k
+            uint nbits = 64u * bits;
+            uint p0 = m * bits, p1 = p0 + bits;
+            uint w0 = kvb(is_k, bb + 2u + (p0 >> 3)) | (kvb(is_k, bb + 2u + (((p0 >> 3) + 1u) % (nbits >> 3))) << 8);
+            uint w1 = kvb(is_k, bb + 2u + (p1 >> 3)) | (kvb(is_k, bb + 2u + (((p1 >> 3) + 1u) % (nbits >> 3))) << 8);
+            c0 = (w0 >> (p0 & 7u)) & 255u;
+            c1 = (w1 >> (p1 & 7u)) & 255u;
+        } else if (bits == 8u) {
+            c0 = kvb(is_k, bb + 2u + m);
+            c1 = kvb(is_k, bb + 3u + m);
+        } else if (bits == 4u) {
+            uint b = kvb(is_k, bb + 2u + (m >> 1));  // m even: the pair shares a byte
+            c0 = b & 15u;
+            c1 = b >> 4;
+        } else {
+            uint b = kvb(is_k, bb + 2u + (m >> 2)) >> (2u * (m & 3u));  // m even: same byte
+            c0 = b & 3u;
+            c1 = (b >> 2) & 3u;
+            if (bits == 3u) {
+                uint hb = kvb(is_k, bb + 18u + (m >> 3)) >> (m & 7u);
+                c0 |= (hb & 1u) << 2;
+                c1 |= ((hb >> 1) & 1u) << 2;
+            }
+        }
+        return vec2(tab[lev + c0] * d, tab[lev + c1] * d);
+    }
+    uint i = 2u * j, k = i & 31u;                  // value k, k + 1 of block i / 32
+    uint bb = rb + (i >> 5) * kvt_block_bytes(t);  // the block's first byte
+    float d = kvh(is_k, bb);
+    if (t == KVT_Q8_0) {
+        int q0 = int(kvb(is_k, bb + 2u + k) << 24) >> 24, q1 = int(kvb(is_k, bb + 3u + k) << 24) >> 24;
+        return vec2(float(q0) * d, float(q1) * d);
+    }
+    uint qs0 = t == KVT_Q6_0 ? 10u : (t == KVT_Q5_1 ? 8u : (t == KVT_Q5_0 ? 6u : 2u));
+    uint sh = k < 16u ? 0u : 4u;
+    uint q0 = (kvb(is_k, bb + qs0 + (k & 15u)) >> sh) & 15u, q1 = (kvb(is_k, bb + qs0 + (k & 15u) + 1u) >> sh) & 15u;
+    if (t == KVT_Q4_0) return vec2(float(int(q0) - 8) * d, float(int(q1) - 8) * d);
+    if (t == KVT_Q6_0) {  // high 2 bits: h_m = qh[m % 8] >> 4 (m / 8), bits 0-1 for k < 16, 2-3 above
+        uint m = k & 15u, hs = k < 16u ? 0u : 2u;
+        uint h0 = (kvb(is_k, bb + 2u + (m & 7u)) >> (4u * (m >> 3))) >> hs;
+        uint h1 = (kvb(is_k, bb + 2u + ((m + 1u) & 7u)) >> (4u * ((m + 1u) >> 3))) >> hs;
+        q0 |= (h0 & 3u) << 4;
+        q1 |= (h1 & 3u) << 4;
+        return vec2(float(int(q0) - 32) * d, float(int(q1) - 32) * d);
+    }
+    uint qh0 = bb + (t == KVT_Q5_1 ? 4u : 2u);     // bit k of the uint32 qh = bit 4 of value k
+    q0 |= ((kvb(is_k, qh0 + (k >> 3)) >> (k & 7u)) & 1u) << 4;
+    q1 |= ((kvb(is_k, qh0 + ((k + 1u) >> 3)) >> ((k + 1u) & 7u)) & 1u) << 4;
+    if (t == KVT_Q5_0) return vec2(float(int(q0) - 16) * d, float(int(q1) - 16) * d);
+    precise vec2 r = vec2(float(q0), float(q1)) * d + kvh(is_k, bb + 2u);  // q5_1: q * d + m
+    return r;
+}
+// in-place butterfly (unnormalized Walsh-Hadamard) over rows g < ng of sq; ends with a barrier
+void fwht_sq(uint tid, uint ng, uint D) {
+    for (uint h = 1u; h < D; h <<= 1) {
+        barrier();
+        for (uint e = tid; e < ng * (D >> 1); e += 128u) {
+            uint g = e / (D >> 1), q = e % (D >> 1);
+            uint i = g * DMAX + (q / h) * 2u * h + (q % h);
+            float a = sq[i], b = sq[i + h];
+            sq[i] = a + b;
+            sq[i + h] = a - b;
+        }
+    }
+    barrier();
+}
+#else
+vec2 kv_pair(uint row, uint j, bool is_k) {  // dims 2j, 2j+1 of KV row `row` (cell * n_kv + kv head)
+    uint w = row * (p.D >> 1) + j;
 #ifdef KV_F16
     return unpackHalf2x16(is_k ? K[w] : V[w]);
 #else
@@ -52,6 +163,7 @@ vec2 kv_pair(uint w, bool is_k) {  // dims 2j, 2j+1 at word index w (f16) or 2w 
                 : vec2(uintBitsToFloat(V[2u * w]), uintBitsToFloat(V[2u * w + 1u]));
 #endif
 }
+#endif
 
 void main() {
     uint r = gl_WorkGroupID.x, kh = gl_WorkGroupID.y;
@@ -70,6 +182,13 @@ void main() {
         uint g = e / D, d = e % D;
         sq[g * DMAX + d] = qs[(r * p.n_head + h0 + g) * D + d] * p.scale;
     }
+#ifdef KV_ANY
+    if (kvt_rotated(p.tk)) {  // q -> R q per head: sign flips and rs, then the butterfly
+        barrier();
+        for (uint e = tid; e < ng * D; e += 128u) sq[(e / D) * DMAX + e % D] *= tab[e % D] * p.rs;
+        fwht_sq(tid, ng, D);
+    }
+#endif
     if (tid < MAXG) { sm[tid] = NEG; sl[tid] = 0.0; scr[tid] = 0.0; }
     float acc[MAXG][2 * PPT];
     for (uint g = 0u; g < MAXG; g++)
@@ -88,9 +207,9 @@ void main() {
         float s[MAXG];
         for (uint g = 0u; g < MAXG; g++) s[g] = 0.0;
         if (cell >= 0) {
-            uint kb = (uint(cell) * p.n_kv + kh) * hp;
+            uint krow = uint(cell) * p.n_kv + kh;
             for (uint j = 0u; j < hp; j++) {
-                vec2 k2 = kv_pair(kb + j, true);
+                vec2 k2 = kv_pair(krow, j, true);
                 for (uint g = 0u; g < MAXG; g++) {
                     if (g < ng) s[g] += sq[g * DMAX + 2u * j] * k2.x + sq[g * DMAX + 2u * j + 1u] * k2.y;
                 }
@@ -132,7 +251,7 @@ void main() {
             for (uint j = 0u; j < TC; j++) {
                 int c = scell[j];
                 if (c < 0) continue;
-                vec2 v2 = kv_pair((uint(c) * p.n_kv + kh) * hp + j2, false);
+                vec2 v2 = kv_pair(uint(c) * p.n_kv + kh, j2, false);
                 for (uint g = 0u; g < MAXG; g++) {
                     if (g < ng) {
                         float pr = sp[g * TC + j];
@@ -145,6 +264,31 @@ void main() {
         barrier();
     }
 
+#ifdef KV_ANY
+    if (kvt_rotated(p.tv)) {  // acc -> R^T acc per head, through sq (free now)
+        for (uint g = 0u; g < MAXG; g++) {
+            if (g < ng) {
+                for (uint k = 0u; k < PPT; k++) {
+                    uint j2 = tid + 128u * k;
+                    if (j2 >= hp) break;
+                    sq[g * DMAX + 2u * j2] = acc[g][2u * k];
+                    sq[g * DMAX + 2u * j2 + 1u] = acc[g][2u * k + 1u];
+                }
+            }
+        }
+        fwht_sq(tid, ng, D);
+        for (uint g = 0u; g < MAXG; g++) {
+            if (g < ng) {
+                for (uint k = 0u; k < PPT; k++) {
+                    uint j2 = tid + 128u * k;
+                    if (j2 >= hp) break;
+                    acc[g][2u * k] = sq[g * DMAX + 2u * j2] * p.rs * tab[2u * j2];
+                    acc[g][2u * k + 1u] = sq[g * DMAX + 2u * j2 + 1u] * p.rs * tab[2u * j2 + 1u];
+                }
+            }
+        }
+    }
+#endif
     for (uint g = 0u; g < ng; g++) {
         uint h = h0 + g;
         for (uint k = 0u; k < PPT; k++) {

@@ -1,5 +1,6 @@
 #version 450
-// Elementwise y = f(x) over n floats: op 0 scale (x * s), 1 gelu_tanh, 2 silu.
+// Elementwise y = f(x) over n floats: op 0 scale (x * s), 1 gelu_tanh, 2 silu,
+// 3 sigmoid (0.5 (1 + tanh(x / 2)), overflow-free), 4 softplus (max(x, 0) + ln(1 + e^-|x|)).
 #include "common.glsl"
 
 layout(local_size_x = 256) in;
@@ -11,5 +12,11 @@ void main() {
     uint i = wg_index() * 256u + gl_LocalInvocationID.x;
     if (i >= p.n) return;
     float v = xs[i];
-    ys[i] = p.op == 0u ? v * p.s : (p.op == 1u ? gelu_tanh_f(v) : silu_f(v));
+    float y;
+    if (p.op == 0u) y = v * p.s;
+    else if (p.op == 1u) y = gelu_tanh_f(v);
+    else if (p.op == 2u) y = silu_f(v);
+    else if (p.op == 3u) y = 0.5 * (1.0 + tanh_safe(0.5 * v));
+    else y = max(v, 0.0) + log(1.0 + exp(-abs(v)));
+    ys[i] = y;
 }

@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from opencoti.engine.backend.offload import LayerSplit, transfer
 from opencoti.engine.batch import UBatch
 from opencoti.engine.kv_cache import KVCacheSet
 from opencoti.model.gguf_file import GGUFError, GGUFFile
@@ -74,6 +75,8 @@ class DecoderModel:
         ffn_act: "silu" or "gelu_tanh" (gated FFN activation).
         scale_embeddings: multiply embeddings by sqrt(n_embd) (Gemma).
     and may override ``adjust_hparams``.
+
+    ``backend`` is one backend or a ``LayerSplit`` (partial offload, ``-ngl``): see ``place``.
     """
 
     arch_names: tuple[str, ...] = ()
@@ -95,26 +98,26 @@ class DecoderModel:
 
     def __init__(self, gguf: GGUFFile, hp: HParams, backend):
         self.hp = hp
-        self.backend = backend
         self.gguf = gguf
-        require_rope_yarn(backend, hp)
+        self.place(backend)
+        for b in self.backends:
+            require_rope_yarn(b, hp)
 
         def req(name: str):
             if name not in gguf.tensors:
                 raise GGUFError(f"{gguf.path}: missing tensor {name!r} for architecture {hp.arch}")
-            return backend.load_weight(gguf, name)
+            return self.load_weight(name)
 
         def opt(name: str):
-            return backend.load_weight(gguf, name) if name in gguf.tensors else None
+            return self.load_weight(name) if name in gguf.tensors else None
 
         self.tok_embd = req("token_embd.weight")
         if self.tok_embd.shape[0] != hp.n_vocab:
             hp.n_vocab = self.tok_embd.shape[0]
         self.output_norm = req("output_norm.weight")
-        out = opt("output.weight")
-        hp.tie_embeddings = out is None
-        self.output = self.tok_embd if out is None else out
+        self.output = self.output_weight(opt("output.weight"))
         self.rope_freqs = opt("rope_freqs.weight")
+        self.replicate("rope_freqs", "rope_freqs.weight")
         self.layers: list[LayerWeights] = []
         for il in range(hp.n_layer):
             p = f"blk.{il}."
@@ -140,26 +143,134 @@ class DecoderModel:
                 )
             )
 
+    # -- placement (partial offload, -ngl) --------------------------------------------
+    def place(self, backend) -> None:
+        """Say where the model runs: ``backend`` is one backend, or a ``LayerSplit``
+        (``backend/offload.py``) putting each repeating layer on the CPU or the GPU.
+
+        Sets ``layer_backends`` (one per layer), ``backend_in`` (token embeddings),
+        ``backend_out`` (final norm, vocabulary projection), ``backends`` (the distinct
+        ones) and ``backend``: the backend of the ops being run, which the layer hooks
+        (``attention``, ``ffn``, ...) read; ``forward`` switches it at a split's boundaries
+        (``use``). Call before loading weights (``load_weight`` routes by tensor name)."""
+        split = backend if isinstance(backend, LayerSplit) else None
+        self.split = split
+        self.layer_backends = [split.layer(il) if split else backend for il in range(self.hp.n_layer)]
+        self.backend_in = split.input if split else backend
+        self.backend_out = split.output if split else backend
+        self.backends = split.backends if split else (backend,)
+        self.backend = self.backend_in
+        self._replicas: dict = {}  # attribute -> {id(backend): tensor} for tensors every layer reads
+        self._kv_copies: dict = {}  # (layer, id(backend)) -> (k, v) copied this ubatch (kv_store)
+
+    def layer_backend(self, il: int):
+        """The backend of layer ``il`` (layers past ``n_layer``, e.g. MTP heads: the output's)."""
+        return self.layer_backends[il] if il < len(self.layer_backends) else self.backend_out
+
+    def backend_of(self, name: str):
+        """The backend holding GGUF tensor ``name``: ``blk.{il}.*`` layer ``il``'s,
+        ``output*`` the output's, anything else (token and per-layer embeddings) the input's."""
+        if name.startswith("blk."):
+            return self.layer_backend(int(name.split(".")[1]))
+        if name.startswith("output"):
+            return self.backend_out
+        return self.backend_in
+
+    def load_weight(self, name: str):
+        """Tensor ``name`` loaded by (and living on) ``backend_of(name)``."""
+        return self.backend_of(name).load_weight(self.gguf, name)
+
+    def output_weight(self, out):
+        """The vocabulary projection: ``out`` (``output.weight``), or, when the file ties it
+        to ``token_embd.weight`` (``out`` None, sets ``hp.tie_embeddings``), the embeddings,
+        loaded once more on the output backend when that is not the input's (llama.cpp
+        duplicates the tied tensor the same way)."""
+        self.hp.tie_embeddings = out is None
+        if out is not None:
+            return out
+        if self.backend_out is self.backend_in:
+            return self.tok_embd
+        return self.backend_out.load_weight(self.gguf, "token_embd.weight")
+
+    def replicate(self, attr: str, name: str) -> None:
+        """Keep a copy of tensor ``name`` (held in ``self.<attr>``, loaded on the input
+        backend; None = absent) on every backend of a split, for a tensor that layers on
+        both sides read (``rope_freqs``); ``use`` swaps the attribute. No-op without a split."""
+        if self.split is None or getattr(self, attr) is None:
+            return
+        self._replicas[attr] = {id(b): (getattr(self, attr) if b is self.backend_in
+                                        else b.load_weight(self.gguf, name)) for b in self.backends}
+
+    def use(self, B):
+        """Make ``B`` the current backend (``self.backend`` and the replicated tensors); returns it."""
+        if B is not self.backend:
+            self.backend = B
+            for attr, copies in self._replicas.items():
+                setattr(self, attr, copies[id(B)])
+        return B
+
+    def begin_ubatch(self, ub: UBatch):
+        """Start a ubatch on every backend in use (they upload its index arrays); returns the
+        input backend, now current."""
+        for b in self.backends:
+            b.begin_ubatch(ub)
+        self._kv_copies = {}
+        return self.use(self.backend_in)
+
+    def kv_store(self, cache, src: int) -> tuple:
+        """Layer ``src``'s K and V storage (``cache.k[src]``, ``cache.v[src]``) as the current
+        backend can read it. A KV-sharing layer (Gemma-4 E-series) whose source layer lives
+        on the other side of a split reads a copy, made once per ubatch after the source
+        wrote its cells (``src`` precedes every layer that reuses it); otherwise the
+        storage itself."""
+        k, v = cache.k[src], cache.v[src]
+        owner = self.layer_backend(src)
+        if owner is self.backend:
+            return k, v
+        key = (src, id(self.backend))
+        if key not in self._kv_copies:
+            self._kv_copies[key] = (transfer(k, owner, self.backend), transfer(v, owner, self.backend))
+        return self._kv_copies[key]
+
+    def cross(self, B, *xs):
+        """Move activations ``xs`` from the current backend to ``B`` (``offload.transfer``: a
+        host <-> device copy; None stays None) and make ``B`` current. Returns the moved
+        tensors as a tuple."""
+        src = self.backend
+        moved = tuple(None if x is None else transfer(x, src, B) for x in xs)
+        self.use(B)
+        return moved
+
     # -- forward ----------------------------------------------------------------------
     def forward(self, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         """Run one ubatch whose cells are already planned and applied
         (``ub.plans``). Returns logits float32 ``[len(ub.out_rows), n_vocab]``."""
-        B, hp = self.backend, self.hp
+        hp = self.hp
         eps = hp.f_norm_rms_eps
-        B.begin_ubatch(ub)
+        B = self.begin_ubatch(ub)
         x = B.get_rows(self.tok_embd, ub.tokens)
         if self.scale_embeddings:
             x = x * np.float32(np.sqrt(hp.n_embd))
-        h = B.rms_norm(x, self.layers[0].attn_norm, eps)
+        h = None  # the next layer's normed input, when fused into the previous residual step
+        n_layer = len(self.layers)
         for il, L in enumerate(self.layers):
+            if self.layer_backends[il] is not B:  # a split's boundary: the residual stream moves
+                (x,) = self.cross(self.layer_backends[il], x)
+                B, h = self.backend, None
+            if h is None:
+                h = B.rms_norm(x, L.attn_norm, eps)
             h = self.attention(il, L, h, ub, kv)
             x, h = B.add_rms_norm(x, h, L.post_attention_norm, L.ffn_norm, eps)
             h = self.ffn(L, h)
-            nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else None
+            nxt = (self.layers[il + 1].attn_norm
+                   if il + 1 < n_layer and self.layer_backends[il + 1] is B else None)
             x, h = B.add_rms_norm(x, h, L.post_ffw_norm, nxt, eps)
         if len(ub.out_rows) == 0:  # a prefill chunk that is not a prompt's end: no logits wanted
             return np.zeros((0, hp.n_vocab), dtype=np.float32)
         x = B.get_rows(x, ub.out_rows)
+        if self.backend_out is not B:
+            (x,) = self.cross(self.backend_out, x)
+            B = self.backend
         x = B.rms_norm(x, self.output_norm, eps)
         logits = B.to_host(B.mul_mat(x, self.output))
         if hp.final_logit_softcapping > 0:
@@ -178,8 +289,9 @@ class DecoderModel:
         """Rotate cached K of ``cells`` by ``delta`` positions in every layer of
         ``cache`` (RoPE angles add: R(p + d) = R(d) R(p); llama.cpp ``build_k_shift``).
         A quantized K tier goes dequantize -> rotate -> quantize (``KVCache.store_k``)."""
-        hp, B = self.hp, self.backend
+        hp = self.hp
         for il in cache.layers:
+            B = self.use(self.layer_backend(il))  # the layer's K lives on its backend
             base, scale = self.rope_params(il)
             k = cache.read_k(il, stream, cells)
             k = B.rope(k, delta, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, **self.rope_ext_shift)

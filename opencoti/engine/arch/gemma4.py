@@ -214,8 +214,8 @@ class Gemma4(DecoderModel):
     # -- weights ------------------------------------------------------------------------
     def __init__(self, gguf: GGUFFile, hp: HParams, backend):  # noqa: C901 - one tensor table
         self.hp = hp
-        self.backend = backend
         self.gguf = gguf
+        self.place(backend)  # one backend, or a LayerSplit (-ngl): weights go to their layer's backend
 
         used: set[str] = set()
 
@@ -226,15 +226,16 @@ class Gemma4(DecoderModel):
             if shape is not None and gguf.tensors[name].shape != shape:
                 raise GGUFError(f"{gguf.path}: tensor {name!r} has shape {gguf.tensors[name].shape}, "
                                 f"expected {shape}")
-            return backend.load_weight(gguf, name)
+            return self.load_weight(name)
 
         def opt(name: str, shape: Optional[tuple] = None):
             return req(name, shape) if name in gguf.tensors else None
 
         n_embd, n_layer = hp.n_embd, hp.n_layer
-        if any(n.endswith(".ffn_gate_inp.weight") for n in gguf.tensors) and not hasattr(backend, "moe_ffn_gate_up"):
-            raise NotImplementedError(f"{gguf.path}: {ARCH} MoE (routed experts) is not supported on the "
-                                      f"{backend.name} backend (no moe_ffn_gate_up op)")
+        for b in self.backends:
+            if any(n.endswith(".ffn_gate_inp.weight") for n in gguf.tensors) and not hasattr(b, "moe_ffn_gate_up"):
+                raise NotImplementedError(f"{gguf.path}: {ARCH} MoE (routed experts) is not supported on the "
+                                          f"{b.name} backend (no moe_ffn_gate_up op)")
         self.tok_embd = req("token_embd.weight")
         if self.tok_embd.shape[1] != n_embd:
             raise GGUFError(f"{gguf.path}: token_embd.weight has {self.tok_embd.shape[1]} columns, "
@@ -242,9 +243,7 @@ class Gemma4(DecoderModel):
         if self.tok_embd.shape[0] != hp.n_vocab:
             hp.n_vocab = self.tok_embd.shape[0]
         self.output_norm = req("output_norm.weight", (n_embd,))
-        out = opt("output.weight", (hp.n_vocab, n_embd))
-        hp.tie_embeddings = out is None
-        self.output = self.tok_embd if out is None else out
+        self.output = self.output_weight(opt("output.weight", (hp.n_vocab, n_embd)))
 
         n_pl = hp.n_embd_per_layer
         self.per_layer_tok_embd = self.per_layer_model_proj = self.per_layer_proj_norm = None
@@ -255,6 +254,7 @@ class Gemma4(DecoderModel):
 
         # proportional RoPE of the global layers (one tensor shared by all of them)
         self.rope_freqs = (opt if all(hp.swa_layers) else req)("rope_freqs.weight", (hp.n_embd_head_k // 2,))
+        self.replicate("rope_freqs", "rope_freqs.weight")
 
         self.layers: list[Gemma4Layer] = []
         for il in range(n_layer):
@@ -308,12 +308,15 @@ class Gemma4(DecoderModel):
     # -- forward ------------------------------------------------------------------------
     def forward(self, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         """Run one planned ubatch. Returns logits float32 ``[len(ub.out_rows), n_vocab]``."""
-        B, hp = self.backend, self.hp
+        hp = self.hp
         eps = hp.f_norm_rms_eps
-        B.begin_ubatch(ub)
+        B = self.begin_ubatch(ub)
         x = B.get_rows(self.tok_embd, ub.tokens) * np.float32(math.sqrt(hp.n_embd))
         pl = self.per_layer_inputs(x, ub.tokens) if self.per_layer_tok_embd is not None else None
         for il, L in enumerate(self.layers):
+            if self.layer_backends[il] is not B:  # a split's boundary (-ngl): the stream moves
+                x, pl = self.cross(self.layer_backends[il], x, pl)
+                B = self.backend
             h = B.rms_norm(x, L.attn_norm, eps)
             h = self.attention(il, L, h, ub, kv)
             x = x + B.rms_norm(h, L.post_attention_norm, eps)
@@ -329,7 +332,11 @@ class Gemma4(DecoderModel):
                 x = x * L.out_scale
         if len(ub.out_rows) == 0:
             return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = B.rms_norm(B.get_rows(x, ub.out_rows), self.output_norm, eps)
+        x = B.get_rows(x, ub.out_rows)
+        if self.backend_out is not B:
+            (x,) = self.cross(self.backend_out, x)
+            B = self.backend
+        x = B.rms_norm(x, self.output_norm, eps)
         logits = B.to_host(B.mul_mat(x, self.output))
         if hp.final_logit_softcapping > 0:
             c = np.float32(hp.final_logit_softcapping)
@@ -381,15 +388,16 @@ class Gemma4(DecoderModel):
             k = B.rope(k, ub.pos, n_rot, base, scale, self.rope_type, ff)
             B.kv_write(cache, il, plan, k, v)
         n_swa = hp.n_swa if hp.swa_layers[il] else 0
-        out = B.attention_cells(q, ub.pos, cache.k[src], cache.v[src], plan, hp.attention_scale, n_swa,
-                                hp.attn_logit_softcapping)
+        k_store, v_store = self.kv_store(cache, src)  # a copy when src is across a split (-ngl)
+        out = B.attention_cells(q, ub.pos, k_store, v_store, plan, hp.attention_scale, n_swa,
+                                hp.attn_logit_softcapping, type_k=cache.tier_k, type_v=cache.tier_v)
         return B.mul_mat(out, L.wo)
 
     def shift_k(self, cache, stream: int, cells: np.ndarray, delta: np.ndarray) -> None:
         """Re-rotate cached K of ``cells`` by ``delta`` positions (per-layer RoPE dims and factors)."""
-        B = self.backend
         for il in cache.layers:
+            B = self.use(self.layer_backend(il))  # the layer's K lives on its backend
             n_rot, base, scale, ff = self.rope_layer(il)
-            k = cache.k[il][stream, cells].astype(np.float32)
+            k = cache.read_k(il, stream, cells)
             k = B.rope(k, delta, n_rot, base, scale, self.rope_type, ff)
-            cache.k[il][stream, cells] = k.astype(cache.k[il].dtype)
+            cache.store_k(il, stream, cells, k)

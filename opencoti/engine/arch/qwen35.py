@@ -176,28 +176,27 @@ class Qwen35(DecoderModel):
 
     def __init__(self, gguf: GGUFFile, hp: HParams, backend):
         self.hp = hp
-        self.backend = backend
         self.gguf = gguf
-        require_rope_yarn(backend, hp)
-        require_backend_ops(backend, hp.arch, "the gated delta-net (recurrent state) layers", GDN_OPS)
-        if hp.n_expert:
-            require_backend_ops(backend, hp.arch, "the mixture-of-experts FFN", ("moe_ffn",))
+        self.place(backend)  # one backend, or a LayerSplit (-ngl): weights go to their layer's backend
+        for b in self.backends:
+            require_rope_yarn(b, hp)
+            require_backend_ops(b, hp.arch, "the gated delta-net (recurrent state) layers", GDN_OPS)
+            if hp.n_expert:
+                require_backend_ops(b, hp.arch, "the mixture-of-experts FFN", ("moe_ffn",))
 
         def req(name: str):
             if name not in gguf.tensors:
                 raise GGUFError(f"{gguf.path}: missing tensor {name!r} for architecture {hp.arch}")
-            return backend.load_weight(gguf, name)
+            return self.load_weight(name)
 
         def opt(name: str):
-            return backend.load_weight(gguf, name) if name in gguf.tensors else None
+            return self.load_weight(name) if name in gguf.tensors else None
 
         self.tok_embd = req("token_embd.weight")
         if self.tok_embd.shape[0] != hp.n_vocab:
             hp.n_vocab = self.tok_embd.shape[0]
         self.output_norm = req("output_norm.weight")
-        out = opt("output.weight")
-        hp.tie_embeddings = out is None
-        self.output = self.tok_embd if out is None else out
+        self.output = self.output_weight(opt("output.weight"))
         self.rope_freqs = None
         self.layers = [self._load_block(il, req, opt, hp.recurrent_layers[il]) for il in range(hp.n_layer)]
         self.nextn: list[NextNLayer] = []
@@ -247,12 +246,15 @@ class Qwen35(DecoderModel):
     # -- forward ----------------------------------------------------------------------
     def forward(self, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         """Run one planned ubatch; logits float32 ``[len(ub.out_rows), n_vocab]``."""
-        B, hp = self.backend, self.hp
+        hp = self.hp
         eps = hp.f_norm_rms_eps
-        B.begin_ubatch(ub)
+        B = self.begin_ubatch(ub)
         rs_plan = kv.rs_plan(ub.plans)
         x = B.get_rows(self.tok_embd, ub.tokens)
         for il, L in enumerate(self.layers):
+            if self.layer_backends[il] is not B:  # a split's boundary (-ngl): the stream moves
+                (x,) = self.cross(self.layer_backends[il], x)
+                B = self.backend
             h = B.rms_norm(x, L.attn_norm, eps)
             if hp.recurrent_layers[il]:
                 h = self.linear_attention(il, L, h, kv, rs_plan)
@@ -262,7 +264,11 @@ class Qwen35(DecoderModel):
             x = x + self.ffn(L, B.rms_norm(x, L.attn_post_norm, eps))
         if len(ub.out_rows) == 0:
             return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = B.rms_norm(B.get_rows(x, ub.out_rows), self.output_norm, eps)
+        x = B.get_rows(x, ub.out_rows)
+        if self.backend_out is not B:
+            (x,) = self.cross(self.backend_out, x)
+            B = self.backend
+        x = B.rms_norm(x, self.output_norm, eps)
         return B.to_host(B.mul_mat(x, self.output))
 
     def beta_alpha(self, L: HybridLayer, h: np.ndarray):
@@ -310,7 +316,8 @@ class Qwen35(DecoderModel):
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]
         B.kv_write(cache, il, plan, k, v)
-        out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan, hp.attention_scale, 0, 0.0)
+        out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan, hp.attention_scale, 0, 0.0,
+                                type_k=cache.tier_k, type_v=cache.tier_v)
         return B.mul_mat(out * B.sigmoid(gate), L.wo)
 
     def ffn(self, L: HybridLayer, h: np.ndarray) -> np.ndarray:

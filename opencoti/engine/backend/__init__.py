@@ -85,8 +85,9 @@ def select_backend(gpu: str = "auto", n_gpu_layers: int = -1, main_gpu: int = 0,
     then CPU devices such as Mesa's lavapipe) or ``BackendUnavailable``.
     ``auto`` -> CUDA when it works, else a Vulkan GPU, else CPU: a Vulkan device
     that is itself a CPU (lavapipe, SwiftShader) is passed over, because the NumPy
-    backend is faster on the same cores. ``-ngl`` is all-or-nothing for now: any
-    value other than 0 offloads every layer. ``apple`` has no backend
+    backend is faster on the same cores. Any ``-ngl`` other than 0 answers the GPU
+    backend; a partial ``-ngl`` (``0 < N <= n_layer``) is applied by ``ModelRunner``,
+    which splits the layers (``offload.make_split``). ``apple`` has no backend
     (``BackendUnavailable``). The decision for ``auto`` is written to ``log``
     (default stderr).
     """

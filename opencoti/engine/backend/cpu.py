@@ -34,6 +34,12 @@ class CPUBackend:
         return x
 
     @staticmethod
+    def asarray(a, dtype=None) -> np.ndarray:
+        """A host array as this backend's tensor (a contiguous NumPy array; no copy when it
+        is one already): the receiving end of ``offload.transfer``."""
+        return np.ascontiguousarray(a, dtype=dtype)
+
+    @staticmethod
     def free_memory():
         """Bytes the host can still hand out (``MemAvailable`` of /proc/meminfo), None if unknown."""
         try:

@@ -13,7 +13,11 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 - ``attention_cells``: split-K online-softmax attention that reads K/V through the cache
   plan's per-sequence cell lists (``attention.cu``): f16 K/V in the f16 kernels, every other
   KV tier (``-ctk`` / ``-ctv``, any pair) in the tier-generic kernel, which dequantizes the
-  tier's blocks in registers (``cuda_kv.py``, ``kv_tiers.cuh``).
+  tier's blocks in registers (``cuda_kv.py``, ``kv_tiers.cuh``). A plan with PolyKV
+  shared-prefix groups (``plan.groups``, f16 KV) reads each group's prefix once for all its
+  sharers' query rows (``shared_prefix.cu``: tensor-core tiles, f32-accurate through f16
+  hi/lo operand splits) and merges with each row's private cells by log-sum-exp
+  (``_attention_groups``; ``OPENCOTI_CUDA_SHARED_PREFIX=0`` turns it off).
 - ``rms_norm``, ``rope`` (norm/neox, freq factors, YaRN), activations, ``kv_write`` (quantizes
   into the cache's tiers on the device, the same bytes as the CPU tiers, ``kv_write.cu``),
   ``kv_read`` / ``kv_store`` (a quantized K through float32 for the context shift).
@@ -56,6 +60,10 @@ from opencoti.model.gguf_file import GGUFFile
 
 GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
 GEMV_TILE = 8
+# one-token GEMV over weights of at least this many elements: two rows per warp (gemv1r2_*),
+# the x loads shared by both rows; measured on the H200: 7B ffn_up 818 -> 1,141 GB/s, q/o
+# 611 -> 710, while the small matrices of a 270m model lose (fewer warps, longer chains)
+GEMV_RPW2_MIN_ELEMENTS = 4 << 20
 # From this many activation rows, mul_mat dequantizes the weight to f16 in a scratch buffer
 # and multiplies with cuBLAS (f16 inputs, f32 accumulate and output: tensor cores) instead of
 # the tiled GEMV, whose activation loads grow with the rows. Measured on the H200 (eager f16
@@ -76,6 +84,21 @@ _OP_N, _OP_T, _PTR_MODE_HOST = 0, 1, 0  # cublasOperation_t, cublasPointerMode_t
 SSM_MAX_CONV = 8  # ssm_conv kernel taps (recurrent.cu SSM_MAXK)
 GDN_MAX_DK = 256  # gated_delta_net key head dim (recurrent.cu: 32 * largest MAXR)
 GDN_COLS = 32  # value columns per gated_delta_net block (GDN_NW * GDN_CW)
+# shared-prefix attention (shared_prefix.cu): head dim -> cells per K/V tile; queries per block
+SP_TILE = {32: 64, 64: 64, 128: 64, 256: 32}
+SP_QT = 64
+SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
+
+
+def _sp_smem(d: int) -> int:
+    """Dynamic shared memory bytes of ``sp_attn_d<d>`` (shared_prefix.cu ``SP_SMEM``)."""
+    ct = SP_TILE[d]
+    return (2 * SP_QT + 2 * ct) * (d + 8) * 2 + 4 * (ct + SP_QT)
+
+
+def _bucket(n: int) -> int:
+    """Cell-list capacity of a graph key: a power of two >= 256."""
+    return max(256, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _warps_per_row(rows: int, cols: int) -> int:
@@ -170,7 +193,7 @@ class CUDABackend:
         self.device = cp.cuda.Device(device)
         self.device.use()
         self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu"),
-                      "r": load_module("recurrent.cu")}
+                      "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu")}
         self._fns: dict = {}
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
@@ -200,6 +223,11 @@ class CUDABackend:
     def zeros(self, shape, dtype):
         """Zero-filled device array (KV storage)."""
         return self.cp.zeros(shape, dtype=dtype)
+
+    def asarray(self, a, dtype=None):
+        """Upload a host array (``dtype`` converts first): the receiving end of
+        ``offload.transfer`` (partial offload, ``-ngl``)."""
+        return self.cp.asarray(a, dtype=dtype)
 
     def free_memory(self) -> int:
         """Free bytes on the device (``cudaMemGetInfo``), for auto-tier's KV budget."""
@@ -306,9 +334,11 @@ class CUDABackend:
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
         y = cp.empty((n, rows), dtype=cp.float32)
-        fn = self._qfn("gemv1" if n == 1 else "gemv8", w)
-        wpr = _warps_per_row(rows, cols)
-        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (rows * wpr + 7) // 8), (256,),
+        rpw = 2 if n == 1 and rows * cols >= GEMV_RPW2_MIN_ELEMENTS else 1  # a warp's rows share x loads
+        fn = self._qfn("gemv8" if n > 1 else "gemv1r2" if rpw == 2 else "gemv1", w)
+        groups = (rows + rpw - 1) // rpw
+        wpr = _warps_per_row(groups, cols)
+        fn(((n + GEMV_TILE - 1) // GEMV_TILE, (groups * wpr + 7) // 8), (256,),
            (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
         return y
 
@@ -680,19 +710,7 @@ class CUDABackend:
         hit = self._meta.get(id(plan))
         if hit is not None and hit[0] is plan:
             return hit[1]
-        T = len(plan.cell)
-        row_view = np.zeros(T, dtype=np.int32)
-        off = [0]
-        cells, cpos = [], []
-        for i, v in enumerate(plan.views):
-            row_view[v.rows] = i
-            cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
-            cpos.append(v.cell_pos)
-            off.append(off[-1] + len(v.cells))
-        cells_a = np.concatenate(cells) if cells else np.zeros(0, np.int64)
-        cpos_a = np.concatenate(cpos) if cpos else np.zeros(0, np.int32)
-        write = plan.stream * n_cells + plan.cell
-        parts = [write, row_view, np.asarray(off), cells_a, cpos_a]
+        parts = plan.flat(n_cells)
         dev = self.cp.asarray(np.concatenate(parts).astype(np.int32))
         o = np.cumsum([0] + [len(p) for p in parts])
         m = {"write": dev[o[0]:o[1]], "row_view": dev[o[1]:o[2]], "view_off": dev[o[2]:o[3]],
@@ -703,21 +721,75 @@ class CUDABackend:
 
     @staticmethod
     def _plan_host(plan, n_cells: int, cap: int):
-        """Host int32 arrays of a plan's metadata, cells padded to ``cap``."""
-        T = len(plan.cell)
-        row_view = np.zeros(T, dtype=np.int64)
-        off = [0]
-        cells, cpos = [], []
-        for i, v in enumerate(plan.views):
-            row_view[v.rows] = i
-            cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
-            cpos.append(np.asarray(v.cell_pos, dtype=np.int64))
-            off.append(off[-1] + len(v.cells))
-        pad = cap - off[-1]
-        cells.append(np.zeros(pad, np.int64))
-        cpos.append(np.zeros(pad, np.int64))
-        write = plan.stream * n_cells + plan.cell
-        return [write, row_view, np.asarray(off), np.concatenate(cells), np.concatenate(cpos)]
+        """Host arrays of a plan's metadata (``CachePlan.flat``), cells padded to ``cap``."""
+        return plan.flat(n_cells, cap)
+
+    # -- shared-prefix groups (PolyKV) ------------------------------------------------------
+    _GROUP_PARTS = ("p_off", "p_cells", "p_pos", "row_slot", "g_rows", "g_len", "g_cells", "g_pos")
+
+    @staticmethod
+    def _group_caps(plan, exact: bool) -> tuple:
+        """``(pcap, scaps)``: capacity of the private cell lists (all views together) and of
+        each group's shared list; exact lengths (eager) or ``_bucket``s (graph keys)."""
+        grouped = {i for g in plan.groups for i in g.views}
+        n_priv = sum(len(v.private) if i in grouped else len(v.cells) for i, v in enumerate(plan.views))
+        f = (lambda n: n) if exact else _bucket
+        return f(n_priv), tuple(f(len(g.cells)) for g in plan.groups)
+
+    @classmethod
+    def _group_host(cls, plan, n_cells: int, pcap: int, scaps: tuple) -> tuple[list, dict]:
+        """Host arrays of a plan's shared-prefix groups (``kv_cache.SharedGroup``), in
+        ``_GROUP_PARTS`` order: ``p_off [n_views + 1]`` / ``p_cells`` / ``p_pos`` (``pcap``):
+        per view the cells attention reads besides a shared prefix (a grouped view's
+        ``private`` cells, every other view's ``cells``); ``row_slot [T]``: a row's index
+        among all groups' rows (-1 outside groups); ``g_rows``: each group's rows (its
+        views' rows in order); ``g_len [n_groups]``: shared cells per group; ``g_cells`` /
+        ``g_pos``: each group's shared cells padded to its ``scaps`` entry. Cells are flat
+        (``stream * n_cells + cell``). Also returns ``{"R": rows per group, "pcap", "scaps",
+        "p_max": longest private list}``."""
+        views = plan.views
+        row_slot = np.full(len(plan.cell), -1, dtype=np.int64)
+        grouped: set = set()
+        g_rows, g_cells, g_pos, R = [], [], [], []
+        for g, cap in zip(plan.groups, scaps):
+            rows = np.concatenate([np.asarray(views[i].rows, dtype=np.int64) for i in g.views])
+            row_slot[rows] = sum(R) + np.arange(len(rows))
+            R.append(len(rows))
+            g_rows.append(rows)
+            grouped.update(g.views)
+            pad = cap - len(g.cells)
+            g_cells.append(np.concatenate([g.stream * n_cells + np.asarray(g.cells, np.int64), np.zeros(pad, np.int64)]))
+            g_pos.append(np.concatenate([np.asarray(g.cell_pos, np.int64), np.zeros(pad, np.int64)]))
+        off, p_cells, p_pos = [0], [], []
+        for i, v in enumerate(views):
+            c, cpos = (v.private, v.private_pos) if i in grouped else (v.cells, v.cell_pos)
+            p_cells.append(v.stream * n_cells + np.asarray(c, dtype=np.int64))
+            p_pos.append(np.asarray(cpos, dtype=np.int64))
+            off.append(off[-1] + len(c))
+        pad = pcap - off[-1]
+        p_cells.append(np.zeros(pad, np.int64))
+        p_pos.append(np.zeros(pad, np.int64))
+        parts = [np.asarray(off), np.concatenate(p_cells), np.concatenate(p_pos), row_slot, np.concatenate(g_rows),
+                 np.asarray([len(g.cells) for g in plan.groups]), np.concatenate(g_cells), np.concatenate(g_pos)]
+        p_max = int(np.diff(off).max()) if len(off) > 1 else 0
+        return parts, {"R": R, "pcap": pcap, "scaps": scaps, "p_max": p_max}
+
+    def _group_views(self, dev, parts: list, info: dict) -> dict:
+        """Name the slices of ``dev`` (the concatenated ``parts``) as ``_GROUP_PARTS``."""
+        o = np.cumsum([0] + [len(a) for a in parts])
+        m = {n: dev[o[i]:o[i + 1]] for i, n in enumerate(self._GROUP_PARTS)}
+        m.update(info)
+        return m
+
+    def _group_meta(self, plan, n_cells: int) -> dict:
+        """Device arrays of ``plan.groups`` (``_group_host``), uploaded on first use per
+        ubatch (eager) or staged by ``run_graph`` with bucketed capacities."""
+        m = self._plan_meta(plan, n_cells)
+        if "grp" not in m:
+            pcap, scaps = self._group_caps(plan, exact=True)
+            parts, info = self._group_host(plan, n_cells, pcap, scaps)
+            m["grp"] = self._group_views(self.cp.asarray(np.concatenate(parts).astype(np.int32)), parts, info)
+        return m["grp"]
 
     # -- CUDA graphs ----------------------------------------------------------------------
     def run_graph(self, ub, caches, forward, graphs: dict):
@@ -728,9 +800,12 @@ class CUDABackend:
         cell lists, the recurrent plan's rows and state slots) is copied into buffers
         fixed per graph key before replay, in one host->device copy; kernels read them
         through pointers. The key is (n_tokens, n_out, per KV cache: views, cell-list
-        bucket, per recurrent plan: views): cell lists are padded to a power of two >=
-        256, and attention's split count follows the bucket, so one graph serves every
-        step until a sequence outgrows its bucket. ``caches``: the KV caches, whose
+        bucket, per recurrent plan: views, per KV cache: its shared-prefix group layout or
+        None): cell lists are padded to a power of two >= 256, and attention's split count
+        follows the bucket, so one graph serves every step until a sequence outgrows its
+        bucket. A group layout is the private-cell bucket and, per group, the shared-cell
+        bucket and its number of query rows (``_group_host`` stages the group arrays after
+        the others); it changes only when sessions attach, leave or join the ubatch. ``caches``: the KV caches, whose
         plans lead ``ub.plans`` (a hybrid model's ``RSPlan`` follows them).
         ``graphs``: the caller's graph store (one per runner: a graph holds that
         network's weights, KV and recurrent-state addresses, so it must never serve
@@ -753,13 +828,22 @@ class CUDABackend:
         ncells = [c.k[c.layers[0]].shape[1] for c in caches]
         tot = [sum(len(v.cells) for v in p.views) for p in kv_plans]
         caps = [max(256, 1 << (t - 1).bit_length()) for t in tot]
+        gcaps = [self._group_caps(p, exact=False) if p.groups else None for p in kv_plans]
         key = (T, len(ub.out_rows), tuple((len(p.views), cap) for p, cap in zip(kv_plans, caps)),
-               tuple(len(p.views) for p in rs_plans))
+               tuple(len(p.views) for p in rs_plans),
+               tuple(None if gc is None else (gc, tuple(sum(len(p.views[i].rows) for i in g.views) for g in p.groups))
+                     for p, gc in zip(kv_plans, gcaps)))
         host = [ub.tokens, ub.pos, ub.out_rows]
         for p, n, cap in zip(kv_plans, ncells, caps):
             host += self._plan_host(p, n, cap)
         for p in rs_plans:
             host += self._rs_host(p)
+        grp = []  # (plan index, first part, parts, info) of the shared-prefix groups, staged last
+        for i, (p, n, gc) in enumerate(zip(kv_plans, ncells, gcaps)):
+            if gc is not None:
+                parts, info = self._group_host(p, n, *gc)
+                grp.append((i, len(host), parts, info))
+                host += parts
         flat = np.concatenate(host).astype(np.int32)
         g = graphs.get(key)
         if g is None:
@@ -781,6 +865,8 @@ class CUDABackend:
             j = 3 + 5 * n_kv + 3 * i
             self._meta[id(p)] = (p, {"view_off": buf[o[j]:o[j + 1]], "rows": buf[o[j + 1]:o[j + 2]],
                                      "slots": buf[o[j + 2]:o[j + 3]]})
+        for i, j, parts, info in grp:
+            self._meta[id(kv_plans[i])][1]["grp"] = self._group_views(buf[o[j]:o[j + len(parts)]], parts, info)
         self._staged = True
         try:
             if g is None:
@@ -941,6 +1027,9 @@ class CUDABackend:
         g = next((x for x in groups if x >= G), groups[-1])
         n_hg = (G + g - 1) // g
         meta = self._plan_meta(plan, k_store.shape[1])
+        if (getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and k_store.dtype == np.float16
+                and v_store.dtype == np.float16):
+            return self._attention_groups(q, q_pos, k_store, v_store, plan, scale, n_swa, softcap, g, n_hg)
         out = cp.empty((T, H * D), dtype=cp.float32)
         base = T * n_kv * n_hg
         n_split = 1
@@ -960,3 +1049,75 @@ class CUDABackend:
             self._fn("a", "attn_merge")((T, H), (min(256, D),),
                                         (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))
         return out
+
+    def _attention_groups(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int, softcap: float,
+                          g: int, n_hg: int):
+        """``attention_cells`` for a plan with shared-prefix groups (``plan.groups``), f16 K/V.
+
+        1. Private part: ``attn_partial`` (attention.cu) over each view's private cells (a
+           grouped view) or all its cells (any other view), always as split partials.
+        2. Shared part: per group, ``sp_attn_d<D>`` (shared_prefix.cu) reads the prefix's K/V
+           tiles once into shared memory for all the group's rows x the query heads of a kv
+           head (tensor-core MMA on f16 hi/lo splits, f32 accumulation), as split partials.
+        3. ``sp_merge`` combines both by log-sum-exp per (row, head).
+        Graph-safe: every launch shape follows the plan's group layout and cell buckets,
+        which ``run_graph`` puts in its key. Returns ``[T, n_head * d]`` float32, equal to the
+        per-sequence path up to float32 summation order."""
+        cp = self.cp
+        T, H, D = q.shape
+        n_kv = k_store.shape[2]
+        G = H // n_kv
+        gm = self._group_meta(plan, k_store.shape[1])
+        qp = self._idx(q_pos)
+        f32 = cp.float32
+        # 1. private cells (partials even for one split, so the merge below sees one format)
+        base = T * n_kv * n_hg
+        n_sp = 2
+        if base < 2 * self.n_sm:
+            p_len = gm["pcap"] if self._staged else gm["p_max"]
+            n_sp = int(max(2, min(p_len // 128, (2 * self.n_sm + base - 1) // base, 64)))
+        p_acc = cp.empty((T * H * n_sp * D,), dtype=f32)
+        p_ml = cp.empty((T * H * n_sp * 2,), dtype=f32)
+        self._fn("a", f"attn_partial_d{D}_g{g}")(
+            (T, n_kv * n_hg, n_sp), (128,),
+            (q, qp, self._plan_meta(plan, k_store.shape[1])["row_view"], gm["p_off"], gm["p_cells"], gm["p_pos"],
+             k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
+             np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml))
+        # 2. shared prefix of each group
+        R = gm["R"]
+        s_len = gm["scaps"] if self._staged else [int(n) for n in (len(gr.cells) for gr in plan.groups)]
+        blocks = sum(-(-r * G // SP_QT) for r in R) * n_kv
+        n_ss = int(max(1, min(max(s_len) // 256, -(-4 * self.n_sm // blocks), 64)))
+        r_tot = sum(R)
+        s_acc = cp.empty((r_tot * H * n_ss * D,), dtype=f32)
+        s_ml = cp.empty((r_tot * H * n_ss * 2,), dtype=f32)
+        fn = self._sp_fn(D)
+        r0 = c0 = 0
+        for i, (r, cap) in enumerate(zip(R, gm["scaps"])):
+            fn((-(-r * G // SP_QT), n_kv, n_ss), (128,),
+               (q, qp, gm["g_rows"][r0:r0 + r], gm["g_cells"][c0:c0 + cap], gm["g_pos"][c0:c0 + cap],
+                gm["g_len"][i:i + 1], k_store, v_store, np.int32(r), np.int32(H), np.int32(n_kv),
+                np.float32(scale), np.int32(n_swa), np.float32(softcap), np.int32(n_ss),
+                s_acc[r0 * H * n_ss * D:], s_ml[r0 * H * n_ss * 2:]), shared_mem=_sp_smem(D))
+            r0 += r
+            c0 += cap
+        # 3. merge
+        out = cp.empty((T, H * D), dtype=f32)
+        self._fn("s", "sp_merge")((T, H), (min(256, D),),
+                                  (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss), gm["row_slot"], out,
+                                   np.int32(H), np.int32(D)))
+        return out
+
+    def _sp_fn(self, d: int):
+        """``sp_attn_d<d>`` with its dynamic shared memory limit raised (once) to what it uses."""
+        name = f"sp_attn_d{d}"
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fn("s", name)
+            smem = _sp_smem(d)
+            if smem > 48 * 1024:
+                if hasattr(f, "max_dynamic_shared_size_bytes"):  # cupy.RawKernel (RawModule.get_function)
+                    f.max_dynamic_shared_size_bytes = smem
+                else:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+                    self.cp.cuda.driver.funcSetAttribute(f.ptr, 8, smem)
+        return f

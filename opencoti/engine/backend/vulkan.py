@@ -14,16 +14,33 @@ live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
   drivers, where the GEMV (8 rows per workgroup) is faster at any count. Types: F32,
   F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 - ``attention_cells``: split-K online-softmax attention reading the KV storage
-  (f16 or f32) through the cache plan's per-sequence cell lists (``attn.comp``);
-  causal and sliding-window masks, softcap, GQA, head size up to 512.
+  through the cache plan's per-sequence cell lists (``attn.comp``); causal and
+  sliding-window masks, softcap, GQA, head size up to 512. KV tiers (``kv_types``):
+  f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8, turbo4, turbo3, turbo2,
+  turbo3_tcq, turbo2_tcq, any per half: f16 or f32 K and V of one type use their
+  own variants; every other choice ``attn_any``, which dequantizes each half's tier
+  in registers (rotated tiers: q rotated once per head, the output un-rotated once,
+  see ``attn.comp``). ``kv_write`` quantizes on the device to exactly the bytes of
+  the tier's reference ``quantize`` (``kv_store.comp`` for the scalar tiers,
+  ``kv_rot.comp`` for the rotated ones: the Walsh-Hadamard butterfly, pairwise block
+  sums, Lloyd-Max codes or the trellis Viterbi search, in the float32 operations
+  ``kv_tiers/turbo.py`` fixes; division by integer long division, a correctly
+  rounded sqrt, expressions without contraction).
 - ``rope`` (norm / neox, freq base and scale, freq factors, per-layer bases,
   YaRN, the fused per-head q/k norm) rotates with a (cos, sin) table the host
   computes in float64 per ubatch, as the CPU backend does; ``rms_norm``,
-  ``add_rms_norm``, ``gelu_tanh``, ``silu``, gated FFN, add / mul / scale,
-  ``kv_write`` (rounding to f16 as NumPy does).
-- Architectures: llama, qwen2 (incl. YaRN), qwen3, gemma3, gemma4 dense and
-  E-series. Models that need ops this backend lacks (routed-expert MoE, the
-  gated delta-net of Qwen3.5 / Qwen3-next) are refused at load, naming them.
+  ``add_rms_norm``, ``l2_norm``, ``gelu_tanh``, ``silu``, ``sigmoid``, ``softplus``,
+  gated FFN, add / mul / scale.
+- Mixture of experts (``moe_ffn``, ``moe_ffn_gate_up``): 3-D expert tensors stay in
+  their block format (``QExperts``); routing (softmax, top-k) and the weighted sum
+  run on the device (``moe.comp``), every (token, slot) pair through an expert GEMV
+  that reads its expert by the routed id (``mul_mat_vec.comp`` MUL_MAT_ID): no host
+  sync, so decode graphs hold MoE layers; a prefill runs T*k GEMV rows (no grouped GEMM).
+- Gated delta-net layers of the hybrid models (``ssm_conv``, ``gated_delta_net``,
+  ``recurrent.comp``), per-sequence states on the device, updated in place, one
+  token after another per sequence.
+- Architectures: llama, qwen2 (incl. YaRN), qwen3, gemma3, gemma4 dense, E-series
+  and MoE, qwen35, qwen35moe, qwen3next.
 
 Activations are ``VkTensor`` (float32, row-major ``[n_tokens, n]``) and stay on
 the device; the arithmetic the architectures write (``x + h``, ``x * c``,
@@ -31,12 +48,16 @@ the device; the arithmetic the architectures write (``x + h``, ``x * c``,
 one command buffer and submitted when the logits are read (``to_host``).
 KV storage (``zeros``) is a ``VkTensor`` too; indexing it with
 ``[stream, cells]`` reads those cells back to the host and assigning writes them
-(the rare K-shift and cross-stream ``seq_cp`` paths).
+(the rare K-shift and cross-stream ``seq_cp`` paths; cells of a quantized tier
+whose rows end mid-word go through a host copy of the layer). ``t[i]`` is a view
+of row i (recurrent state slots: zeroed, copied on the device); ``t[..., a:b]``
+copies a column range (the hybrid models' fused projections).
 
 Decode steps (ubatches of up to ``GEMV_MAX_TOKENS`` rows) are recorded once per
 shape into a reusable command buffer and replayed (``run_graph``, as the CUDA
 backend's graphs): per step only the inputs are written (token ids, positions,
-cell lists padded to a power-of-two bucket >= 256, rope tables) and the buffer
+cell lists padded to a power-of-two bucket >= 256, rope tables, a hybrid model's
+recurrent plan: rows and state slots) and the buffer
 is submitted, so the Python cost of recording ~370 dispatches is paid once per
 shape. ``OPENCOTI_VK_GRAPHS=0`` turns this off.
 
@@ -45,7 +66,8 @@ its complete cell list (``view.cells``), which is exact.
 
 Errors: ``VulkanUnavailable`` from the registry's creator when the package,
 loader, driver or device is missing; ``NotImplementedError`` for a weight type,
-head size or shape without a shader; ``ValueError`` for mismatched shapes.
+head size or shape without a shader; ``ValueError`` for mismatched shapes and
+for a KV tier outside ``kv_types`` (the runner checks that at boot).
 """
 
 from __future__ import annotations
@@ -68,12 +90,23 @@ ATTN_MAX_HEAD_DIM = 512
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _KV_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
+# KV tiers with kernels here -> their code in kv_quant.glsl (kv_store.comp, attn.comp KV_ANY)
+KV_TIER_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q6_0": 4, "q5_1": 5, "q5_0": 6, "q4_0": 7,
+                 "turbo8": 8, "turbo4": 9, "turbo3": 10, "turbo2": 11, "turbo3_tcq": 12, "turbo2_tcq": 13}
+_KV_ROTATED = 8  # codes from here on: rotated tiers (kv_rot.comp writes them)
 _OP_ADD, _OP_MUL, _OP_GELU_MUL, _OP_SILU_MUL = 0, 1, 2, 3
-_U_SCALE, _U_GELU, _U_SILU = 0, 1, 2
+_U_SCALE, _U_GELU, _U_SILU, _U_SIGMOID, _U_SOFTPLUS = 0, 1, 2, 3, 4
+SSM_MAX_CONV = 8  # ssm_conv kernel taps (recurrent.comp KMAX)
+GDN_MAX_DK = 256  # gated_delta_net key head size (recurrent.comp DKMAX)
 
 
 def _u32(*v) -> bytes:
     return struct.pack(f"<{len(v)}I", *v)
+
+
+def _is_rs(plan) -> bool:
+    """Whether a ubatch plan is a recurrent-state plan (``recurrent_state.RSPlan``), not a KV one."""
+    return hasattr(plan, "fresh")
 
 
 class _NotCapturable(RuntimeError):
@@ -195,19 +228,55 @@ class VkTensor:
     def _flat_cells(self) -> "VkTensor":
         return self.reshape((self.shape[0] * self.shape[1],) + self.shape[2:])
 
+    def _word_rows(self) -> bool:
+        """Whether a cell row (``shape[2:]``) is a whole number of 32-bit words (the copy shader's unit)."""
+        return (math.prod(self.shape[2:]) * self.dtype.itemsize) % 4 == 0
+
     def __getitem__(self, key):
         if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and self.ndim == 3
                 and isinstance(key[1], (int, np.integer))):
             return self.be.select_mid(self, int(key[1]))  # t[:, i] of [A, B, C]: a device tensor [A, C]
+        if isinstance(key, (int, np.integer)):
+            return self._row_view(int(key))
+        if isinstance(key, tuple) and self.ndim >= 2 and (key[0] is Ellipsis or key[0] == slice(None)) \
+                and len(key) == (2 if key[0] is Ellipsis else self.ndim) and isinstance(key[-1], slice) \
+                and all(k == slice(None) for k in key[1:-1]):
+            return self.be.slice_last(self, key[-1])  # t[..., a:b] / t[:, a:b]: a new device tensor
         rows = self._cells(key)
+        if not self._word_rows():  # rows of a quantized tier that end mid-word: through the host
+            return self.get()[int(key[0]), rows % self.shape[1]]
         return self.be.gather_rows(self._flat_cells(), rows).get()
 
+    def _row_view(self, i: int) -> "VkTensor":
+        """``t[i]``: a view (no copy) of row ``i`` along the first axis."""
+        if not 0 <= i < self.shape[0]:
+            raise IndexError(f"index {i} out of range for axis 0 of size {self.shape[0]}")
+        step = self.nbytes // self.shape[0]
+        return VkTensor(self.be, self.alloc, self.shape[1:], self.dtype, self.offset + i * step)
+
     def __setitem__(self, key, value) -> None:
+        if isinstance(key, (int, np.integer)):  # t[i] = tensor / array / scalar (recurrent state slots)
+            dst = self._row_view(int(key))
+            if isinstance(value, VkTensor):
+                if value.nbytes != dst.nbytes:
+                    raise ValueError(f"cannot assign {value.shape} to {dst.shape}")
+                self.be.rt.copy(value.alloc, value.offset, dst.alloc, dst.offset, dst.nbytes)
+            elif np.isscalar(value) and float(value) == 0.0 and dst.nbytes % 4 == 0 and dst.offset % 4 == 0:
+                self.be.rt.fill(dst.alloc, dst.offset, dst.nbytes, 0)
+            else:
+                a = np.ascontiguousarray(np.broadcast_to(np.asarray(value, dtype=self.dtype), dst.shape))
+                self.be.rt.upload(dst.alloc, dst.offset, a)
+            return
         rows = self._cells(key)
         row_shape = self.shape[2:]
         if isinstance(value, VkTensor):
             value = value.get()
         value = np.broadcast_to(np.asarray(value, dtype=self.dtype), (len(rows),) + row_shape)
+        if not self._word_rows():  # rows of a quantized tier that end mid-word: the whole tensor via the host
+            host = self.get().copy()
+            host[int(key[0]), rows % self.shape[1]] = value
+            self.be.rt.upload(self.alloc, self.offset, host)
+            return
         self.be.scatter_rows(self._flat_cells(), rows, np.ascontiguousarray(value))
 
 
@@ -232,6 +301,69 @@ class QTensor:
     @property
     def nbytes(self) -> int:
         return self.shape[0] * self.row_bytes
+
+    def reshape(self, *shape) -> "QTensor":
+        """The same weight when ``shape`` is its own (``(1, -1)`` of a one-row matrix); other
+        shapes raise ``NotImplementedError`` (blocks do not reshape)."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if len(shape) == 2 and shape.count(-1) <= 1:
+            n = math.prod(self.shape)
+            want = tuple(n // max(1, math.prod(v for v in shape if v != -1)) if v == -1 else v for v in shape)
+            if want == self.shape:
+                return self
+        raise NotImplementedError(f"QTensor {self.shape} cannot be reshaped to {shape}")
+
+
+class _VkXp:
+    """``tile`` / ``repeat`` over the head axis of ``[T, n, d]`` device tensors (what the hybrid
+    models' head broadcast needs of an array module)."""
+
+    def __init__(self, be):
+        self.be = be
+
+    def tile(self, x, reps):
+        if len(reps) != 3 or reps[0] != 1 or reps[2] != 1:
+            raise NotImplementedError(f"tile {reps}: only (1, r, 1)")
+        return self.be.tile_heads(x, int(reps[1]), False)
+
+    def repeat(self, x, r: int, axis: int):
+        if axis != 1:
+            raise NotImplementedError("repeat: only axis 1")
+        return self.be.tile_heads(x, int(r), True)
+
+
+class QExperts:
+    """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the device in its block format.
+
+    ``parts``: ``[(e0, n_e, Alloc)]``, consecutive expert ranges, each small enough for one
+    storage-buffer binding (expert e of a part at byte ``(e - e0) * expert_bytes``, its row r
+    at ``+ r * row_bytes``); ``row0`` / ``shape[1]``: the rows this object covers inside each
+    expert, so ``x[:, a:b]`` (the gate or up half of a fused ``gate_up``) is a view sharing
+    the parts. The expert GEMV (``mul_mat_vec.comp`` with ``MUL_MAT_ID``) reads it.
+    """
+
+    def __init__(self, parts, ggml_type: int, shape, row_bytes: int, expert_bytes: int, row0: int = 0):
+        self.parts = parts
+        self.ggml_type = int(ggml_type)
+        self.shape = tuple(int(v) for v in shape)
+        self.row_bytes = int(row_bytes)
+        self.expert_bytes = int(expert_bytes)
+        self.row0 = int(row0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.expert_bytes
+
+    def __getitem__(self, key):
+        n_exp, rows, cols = self.shape
+        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
+                and key[1].step in (None, 1)):
+            a, b, _ = key[1].indices(rows)
+            b = max(a, b)
+            return QExperts(self.parts, self.ggml_type, (n_exp, b - a, cols), self.row_bytes, self.expert_bytes,
+                            self.row0 + a)
+        raise TypeError(f"QExperts supports [:, row_slice], not {key!r}")
 
 
 class VulkanBackend:
@@ -262,6 +394,7 @@ class VulkanBackend:
         self._ub_dev: dict = {}
         self._meta: dict = {}
         self._rope: dict = {}
+        self._kv_tab = None  # the rotated KV tiers' tables (_kv_tables), uploaded on first use
         # graphs (run_graph): mode None (eager), "capture", "replay", "done" (after the logits)
         self.graphs = os.environ.get("OPENCOTI_VK_GRAPHS", "1") != "0"
         self.graph_min_cells = 256  # smallest cell-list bucket of a graph
@@ -356,6 +489,8 @@ class VulkanBackend:
                 host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
             elif kind == "meta":
                 host = self._meta_host(ub.plans[slot[1]], slot[2], slot[3])[0]
+            elif kind == "rs":
+                host = self._rs_host(ub.plans[slot[1]])
             else:
                 host = self._rope_host(ub.pos, *slot[1:])
             if host.nbytes != t.nbytes:
@@ -378,8 +513,10 @@ class VulkanBackend:
         T = ub.n_tokens
         if not self.graphs or T > GEMV_MAX_TOKENS or len(ub.out_rows) == 0 or self._mode is not None:
             return forward()
-        tot = [sum(len(v.cells) for v in p.views) for p in ub.plans]
-        caps = [max(self.graph_min_cells, 1 << max(0, t - 1).bit_length()) for t in tot]
+        # KV plans: cell lists padded to a bucket; a recurrent plan (hybrid models): cap 0 (its
+        # index arrays have a fixed size for a given row and view count)
+        tot = [sum(len(v.cells) for v in p.views) if not _is_rs(p) else -1 for p in ub.plans]
+        caps = [max(self.graph_min_cells, 1 << max(0, t - 1).bit_length()) if t >= 0 else 0 for t in tot]
         key = (T, len(ub.out_rows), tuple((len(p.views), c) for p, c in zip(ub.plans, caps)),
                self.gemv_lanes, self.gemv_max_tokens, self.attn_target_groups)
         g = graphs.get(key)
@@ -441,21 +578,45 @@ class VulkanBackend:
 
     # -- weights --------------------------------------------------------------------------
     def load_weight(self, gguf: GGUFFile, name: str):
-        """A matrix as a ``QTensor`` (raw GGUF blocks on the device); a vector (norm
-        weights, biases, rope factors) as a float32 ``VkTensor`` (with a host copy)."""
+        """A matrix as a ``QTensor`` (raw GGUF blocks on the device); a 3-D expert tensor as a
+        ``QExperts``; a vector (norm weights, biases, rope factors) as a float32 ``VkTensor``
+        (with a host copy)."""
         info = gguf.tensors[name]
         if len(info.ne) == 1:
             a = gguf.dequantize(name, np.float32)
             t = self.asarray(a)
             t.host = a
             return t
-        if len(info.ne) != 2:
+        if len(info.ne) not in (2, 3):
             raise NotImplementedError(f"Vulkan backend: {name} has {len(info.ne)} dims")
         tid = int(info.ggml_type)
         if tid not in QTYPES:
             raise NotImplementedError(f"Vulkan backend: {name} has unsupported type {info.ggml_type.name}")
         rows, cols = int(info.ne[1]), int(info.ne[0])
+        if len(info.ne) == 3:
+            return self.upload_experts(gguf.raw(name), tid, int(info.ne[2]), rows, cols, name)
         return self.upload_weight(gguf.raw(name), tid, rows, cols, name)
+
+    def upload_experts(self, raw: np.ndarray, ggml_type: int, n_exp: int, rows: int, cols: int,
+                       name: str = "experts") -> QExperts:
+        """``raw``: uint8 ``[n_exp * rows, row_bytes]`` GGUF blocks of ``ggml_type`` (expert-major)
+        -> ``QExperts``, in parts of whole experts. ``NotImplementedError`` when ``cols`` is not
+        a multiple of 32 or one expert exceeds a storage-buffer binding."""
+        if cols % 32:
+            raise NotImplementedError(f"Vulkan backend: {name}: expert rows of {cols} (not a multiple of 32)")
+        raw = np.ascontiguousarray(raw).reshape(n_exp, -1)
+        expert_bytes = raw.shape[1]
+        limit = min(self.rt.max_range, self.rt.max_alloc, 1 << 30) - 4096
+        if expert_bytes > limit:
+            raise NotImplementedError(f"Vulkan backend: {name}: one expert ({expert_bytes} bytes) exceeds a binding")
+        per = max(1, limit // expert_bytes)
+        parts = []
+        for e0 in range(0, n_exp, per):
+            e1 = min(n_exp, e0 + per)
+            a = self.rt.alloc((e1 - e0) * expert_bytes + 4)
+            self.rt.upload(a, 0, raw[e0:e1])
+            parts.append((e0, e1 - e0, a))
+        return QExperts(parts, ggml_type, (n_exp, rows, cols), expert_bytes // rows, expert_bytes)
 
     def upload_weight(self, raw: np.ndarray, ggml_type: int, rows: int, cols: int, name: str = "weight") -> QTensor:
         """``raw``: uint8 ``[rows, row_bytes]`` GGUF blocks of ``ggml_type`` -> ``QTensor``."""
@@ -542,6 +703,92 @@ class VulkanBackend:
         u = self.mul_mat(x, up)
         return self._binary(g, u, _OP_GELU_MUL if act == "gelu_tanh" else _OP_SILU_MUL)
 
+    # -- mixture of experts -------------------------------------------------------------
+    @_taped
+    def moe_ffn(self, x, gate_inp, up_exps, gate_exps, down_exps, n_expert_used: int, norm_w: bool = True,
+                act: str = "silu", w_scale: float = 0.0):
+        """Routed experts, Qwen layout (``CPUBackend.moe_ffn``): ``x [T, n_embd]`` float32;
+        ``gate_inp [n_expert, n_embd]`` (router); ``up_exps`` / ``gate_exps`` ``QExperts
+        [n_expert, n_ff_exp, n_embd]``; ``down_exps [n_expert, n_embd, n_ff_exp]``. Softmax over
+        ``x @ gate_inp.T``, top ``n_expert_used`` (ties: lower id), weights renormalised when
+        ``norm_w``, times ``w_scale`` when non-zero. Returns ``[T, n_embd]`` float32."""
+        logits = self.mul_mat(x, gate_inp)
+        return self._moe(x, logits, gate_exps, up_exps, down_exps, n_expert_used, act, norm_w, w_scale, None)
+
+    @_taped
+    def moe_ffn_gate_up(self, x, logits, gate_up_exps, down_exps, n_expert_used: int, act: str = "gelu_tanh",
+                        norm_w: bool = True, down_scale=None):
+        """Routed experts, Gemma-4 layout (``CPUBackend.moe_ffn_gate_up``): router ``logits
+        [T, n_expert]``; fused ``gate_up_exps [n_expert, 2 n_ff_exp, n_embd]`` (gate rows
+        first); ``down_exps [n_expert, n_embd, n_ff_exp]``; ``down_scale [n_expert]`` float32
+        or None. Returns ``[T, n_embd]`` float32."""
+        f = gate_up_exps.shape[1] // 2
+        return self._moe(x, logits, gate_up_exps[:, :f], gate_up_exps[:, f:], down_exps, n_expert_used, act,
+                         norm_w, 0.0, down_scale)
+
+    def _moe(self, x, logits, gate: QExperts, up: QExperts, down: QExperts, k: int, act: str, norm_w: bool,
+             w_scale: float, down_scale):
+        """Route on the device (``moe_route``: ``sel`` int32 / ``w`` float32 ``[T, k]``), run
+        every (token, slot) pair's expert through the expert GEMV (gate, up, gated act,
+        down: ``[T*k, n_embd]``; no host sync, so graphs can hold it), and sum the pairs
+        weighted (``moe_combine``). Every token count takes this path (a prefill runs
+        ``T*k`` GEMV rows rather than per-expert GEMMs)."""
+        x, logits = self._f32(x), self._f32(logits)
+        T, n_embd = x.shape
+        n_exp, n_ff, _ = gate.shape
+        if not all(isinstance(e, QExperts) for e in (gate, up, down)):
+            raise TypeError("moe: expert tensors must be QExperts (load_weight of a 3-D tensor)")
+        if (tuple(up.shape) != tuple(gate.shape) or (gate.shape[0], gate.shape[2]) != (n_exp, n_embd)
+                or tuple(down.shape) != (n_exp, n_embd, n_ff) or tuple(logits.shape) != (T, n_exp)):
+            raise ValueError(f"moe: shapes do not fit: x {x.shape}, logits {logits.shape}, gate {gate.shape}, "
+                             f"up {up.shape}, down {down.shape}")
+        if not 0 < k <= min(n_exp, 32):
+            raise ValueError(f"moe: {k} experts per token of {n_exp} (at most 32)")
+        out = self.empty((T, n_embd))
+        if T == 0:
+            return out
+        sel = self.empty((T, k), np.int32)
+        w = self.empty((T, k))
+        lb, lo = self._bind(logits)
+        self.rt.dispatch("moe_route", [lb, self._bind(sel)[0], self._bind(w)[0]],
+                         _u32(T, n_exp, k, 1 if norm_w else 0) + struct.pack("<f", w_scale) + _u32(lo),
+                         self.rt.groups_1d(-(-T // 64)), writes=(1, 2))
+        g = self._gemv_id(gate, sel, x, k)
+        u = self._gemv_id(up, sel, x, k)
+        h = self._binary(g, u, _OP_GELU_MUL if act == "gelu_tanh" else _OP_SILU_MUL)
+        y = self._gemv_id(down, sel, h, 1)
+        ds = self._f32(down_scale) if down_scale is not None else w
+        self.rt.dispatch("moe_combine", [self._bind(y)[0], self._bind(w)[0], self._bind(sel)[0], self._bind(ds)[0],
+                                         self._bind(out)[0]], _u32(T, k, n_embd, 1 if down_scale is not None else 0),
+                         self.rt.groups_1d(-(-T * n_embd // 256)), writes=(4,))
+        return out
+
+    def _gemv_id(self, w: QExperts, ids: VkTensor, x: VkTensor, x_div: int) -> VkTensor:
+        """Pair p of ``ids`` (int32, ``P`` entries): ``w[ids[p]] @ x[p // x_div]`` -> ``[P, rows]``
+        float32 (``mul_mat_vec_id_<type>``), per expert part, in windows of <= 65535 pairs."""
+        P = ids.size
+        n_exp, rows, cols = w.shape
+        y = self.empty((P, rows))
+        xb, xo = self._bind(x)
+        ib, io = self._bind(ids)
+        if xo or io:
+            raise ValueError("moe: unaligned tensor")
+        lanes = self.gemv_lanes
+        rpi = 4 if lanes == 1 else 1
+        gx, gy, _ = self.rt.groups_1d(-(-rows * lanes // (128 * rpi)))
+        shader = "mul_mat_vec_id_" + QTYPE_NAMES[w.ggml_type]
+        for e0, n_e, a in w.parts:
+            wb = (a, 0, min(a.size, -(-(n_e * w.expert_bytes) // 4) * 4 + 4))
+            step = 65535 - 65535 % x_div  # windows start at a token's first pair
+            for p0 in range(0, P, step):
+                p1 = min(P, p0 + step)
+                yb, yo = self._bind(y, p0 * rows * 4, p1 * rows * 4)
+                push = _u32(cols, rows, w.row_bytes, p1 - p0, xo + p0 // x_div * cols, yo, rows, 0,
+                            w.expert_bytes, w.row0 * w.row_bytes, p0, x_div, e0, n_e)
+                self.rt.dispatch(shader, [wb, xb, yb, ib], push, (gx, gy, p1 - p0), writes=(2,),
+                                 spec=(lanes, 1, rpi))
+        return y
+
     @_taped
     def get_rows(self, table, ids):
         """Rows ``ids`` of ``table`` (a ``QTensor``, dequantized on the fly, or a float32
@@ -621,6 +868,14 @@ class VulkanBackend:
     @_taped
     def rms_norm(self, x, w, eps: float):
         """RMSNorm over the last axis, times ``w`` if given (same shape as ``x``)."""
+        return self._norm(x, w, eps, 0)
+
+    @_taped
+    def l2_norm(self, x, eps: float):
+        """``x / max(||x||_2, eps)`` over the last axis (ggml_l2_norm)."""
+        return self._norm(x, None, eps, 1)
+
+    def _norm(self, x, w, eps: float, l2: int):
         x = self._f32(x)
         n = x.shape[-1]
         rows = x.size // n
@@ -630,7 +885,7 @@ class VulkanBackend:
         yb, yo = self._bind(y)
         if xo or yo:
             raise ValueError("rms_norm: unaligned tensor")
-        push = _u32(n, rows, 1 if w is not None else 0) + struct.pack("<f", eps)
+        push = _u32(n, rows, 1 if w is not None else 0) + struct.pack("<f", eps) + _u32(l2)
         self.rt.dispatch("rms_norm", [xb, self._bind(wt)[0], yb], push, self.rt.groups_1d(rows), writes=(2,))
         return y
 
@@ -655,6 +910,9 @@ class VulkanBackend:
     def _binary(self, a, b, op: int):
         a, b = self._f32(a), self._f32(b)
         n, m = a.size, b.size
+        div = 1
+        if b.ndim >= 2 and b.shape[-1] == 1 and a.ndim == b.ndim and a.shape[:-1] == b.shape[:-1] and a.shape[-1] > 1:
+            div = a.shape[-1]  # b [..., 1]: one value per row of a
         if m == 0 or n % m:
             raise ValueError(f"cannot broadcast {b.shape} over {a.shape}")
         y = self.empty(a.shape)
@@ -662,7 +920,7 @@ class VulkanBackend:
         bb, bo = self._bind(b)
         if ao or bo:
             raise ValueError("unaligned tensor")
-        self.rt.dispatch("binary", [ab, bb, self._bind(y)[0]], _u32(n, m, op),
+        self.rt.dispatch("binary", [ab, bb, self._bind(y)[0]], _u32(n, m, op, div),
                          self.rt.groups_1d(-(-n // 256)), writes=(2,))
         return y
 
@@ -692,6 +950,47 @@ class VulkanBackend:
     def silu(self, x):
         """x * sigmoid(x)."""
         return self._unary(x, _U_SILU)
+
+    @_taped
+    def sigmoid(self, x):
+        """Logistic function (ggml_sigmoid), overflow-free."""
+        return self._unary(x, _U_SIGMOID)
+
+    @_taped
+    def softplus(self, x):
+        """``ln(1 + e^x)`` (ggml_softplus), overflow-free."""
+        return self._unary(x, _U_SOFTPLUS)
+
+    @_taped
+    def slice_last(self, x: VkTensor, sl: slice) -> VkTensor:
+        """``x[..., a:b]`` (step 1) as a new contiguous tensor (the column split of the hybrid
+        models' fused projections)."""
+        n = x.shape[-1]
+        a, b, step = sl.indices(n)
+        if step != 1:
+            raise NotImplementedError("VkTensor slices need step 1")
+        b = max(a, b)
+        rows = x.size // max(n, 1)
+        out = self.empty(x.shape[:-1] + (b - a,), x.dtype)
+        if rows and b > a:
+            src = VkTensor(self, x.alloc, (x.size - a,), x.dtype, x.offset + a * x.dtype.itemsize)
+            self._copy_rows(src, out, b - a, rows, None, None, n, b - a)
+        return out
+
+    @_taped
+    def tile_heads(self, x: VkTensor, r: int, grouped: bool) -> VkTensor:
+        """``x [T, n, d]`` -> ``[T, n * r, d]``: head j is head ``j % n`` (NumPy ``tile(x, (1, r,
+        1))``) or, ``grouped``, head ``j // r`` (``repeat(x, r, axis=1)``)."""
+        T, n, d = x.shape
+        j = np.arange(n * r)
+        src = (np.arange(T)[:, None] * n + (j // r if grouped else j % n)[None, :]).astype(np.int32).reshape(-1)
+        return self.gather_rows(x.reshape(T * n, d), self.asarray(src)).reshape(T, n * r, d)
+
+    @property
+    def xp(self):
+        """The two array functions the architectures call on activations (``tile``,
+        ``repeat`` along the head axis), for device tensors."""
+        return _VkXp(self)
 
     # -- rope -----------------------------------------------------------------------------
     @staticmethod
@@ -755,6 +1054,117 @@ class VulkanBackend:
                          self.rt.groups_1d(-(-(T * H * (D // 2)) // 256)), writes=(2,))
         return y
 
+    # -- recurrent layers (gated delta-net) --------------------------------------------------
+    @staticmethod
+    def _rs_host(plan) -> np.ndarray:
+        """A recurrent-state plan (``recurrent_state.RSPlan``) as int32: ``view_off [n_views +
+        1]``, the views' rows concatenated, ``slots [n_views]``."""
+        off = np.zeros(len(plan.views) + 1, dtype=np.int64)
+        off[1:] = np.cumsum([len(v.rows) for v in plan.views])
+        rows = (np.concatenate([np.asarray(v.rows, dtype=np.int64) for v in plan.views]) if plan.views
+                else np.zeros(0, np.int64))
+        slots = np.asarray([v.slot for v in plan.views], dtype=np.int64)
+        return np.concatenate([off, rows, slots, np.zeros(1, np.int64)]).astype(np.int32)
+
+    def _rs_meta(self, plan):
+        """Device copy of ``_rs_host(plan)`` (once per ubatch; a graph input while recording)
+        and the offsets of its three parts: ``(tensor, vo_off, rw_off, sl_off)`` in elements."""
+        hit = self._meta.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        host = self._rs_host(plan)
+        if self._mode == "capture":
+            idx = next((i for i, q in enumerate(self._ub.plans) if q is plan), None) if self._ub else None
+            if idx is None:
+                raise _NotCapturable("a recurrent plan outside the ubatch")
+            buf = self._input(host, ("rs", idx))
+        else:
+            buf = self.asarray(host)
+        nv = len(plan.views)
+        nr = int(sum(len(v.rows) for v in plan.views))
+        m = (buf, 0, nv + 1, nv + 1 + nr)
+        self._meta[id(plan)] = (plan, m)
+        return m
+
+    def _state(self, a, what: str) -> VkTensor:
+        if not isinstance(a, VkTensor) or a.dtype != np.float32:
+            raise ValueError(f"{what}: the recurrent state must be a float32 device tensor")
+        return a
+
+    @_taped
+    def ssm_conv(self, x, conv_states, w, plan):
+        """Short causal depthwise convolution with a per-sequence carry (``CPUBackend.ssm_conv``).
+
+        x: ``[T, C]`` float32; conv_states: the layer's store float32 ``[n_seq_max, K-1, C]``,
+        updated in place; w: ``[C, K]`` (a float ``VkTensor``, or the F32 ``QTensor`` that
+        ``load_weight`` makes of it, rows zero-padded; K <= ``SSM_MAX_CONV``); plan:
+        ``recurrent_state.RSPlan``. One invocation per (sequence, channel) walks that
+        sequence's rows in order. Returns y ``[T, C]`` float32 (no activation)."""
+        x = self._f32(x)
+        self._state(conv_states, "ssm_conv")
+        T, C = x.shape
+        if isinstance(w, QTensor):
+            if w.ggml_type != 0 or len(w.parts) != 1:
+                raise NotImplementedError("ssm_conv: the conv weight must be F32")
+            K, stride = w.shape[1], w.kpad
+            wt = VkTensor(self, w.parts[0][2], (w.shape[0], w.kpad), np.float32)
+        else:
+            wt = self._f32(w)
+            K, stride = wt.shape[1], wt.shape[1]
+        if w.shape[0] != C or not 1 <= K <= SSM_MAX_CONV or tuple(conv_states.shape[1:]) != (K - 1, C):
+            raise ValueError(f"ssm_conv: x {x.shape}, w {w.shape}, state {conv_states.shape} do not fit "
+                             f"(at most {SSM_MAX_CONV} taps)")
+        y = self.empty((T, C))
+        if T == 0 or not plan.views:
+            return y
+        mt, vo, rw, sl = self._rs_meta(plan)
+        mb, mo = self._bind(mt)
+        xb, xo = self._bind(x)
+        sb, so = self._bind(conv_states)
+        wb, wo = self._bind(wt)
+        yb, yo = self._bind(y)
+        if yo:
+            raise ValueError("ssm_conv: unaligned output")
+        self.rt.dispatch("ssm_conv", [xb, sb, wb, mb, yb],
+                         _u32(C, K, stride, vo + mo, rw + mo, sl + mo, xo, wo, so),
+                         (len(plan.views), -(-C // 128), 1), writes=(1, 4))
+        return y
+
+    @_taped
+    def gated_delta_net(self, q, k, v, g, beta, ssm_states, plan, scale: float):
+        """Gated delta rule over each sequence of the ubatch (``CPUBackend.gated_delta_net``).
+
+        q, k: ``[T, H, d_k]`` float32 (L2-normalised; d_k <= ``GDN_MAX_DK``); v: ``[T, H, d_v]``;
+        g (log decay), beta: ``[T, H]``; ssm_states: the layer's store float32 ``[n_seq_max,
+        H, d_k, d_v]``, updated in place; plan: ``RSPlan``. Sequential over each sequence's
+        tokens (workgroups: sequence x head x 64 value columns, a state column per
+        invocation in registers): the CPU's chunked form gives the same result up to
+        rounding. Returns ``[T, H, d_v]`` float32."""
+        q, k, v, g, beta = (self._f32(a) for a in (q, k, v, g, beta))
+        self._state(ssm_states, "gated_delta_net")
+        T, H, dk = q.shape
+        dv = v.shape[-1]
+        if (tuple(k.shape) != tuple(q.shape) or tuple(v.shape[:2]) != (T, H) or g.size != T * H
+                or beta.size != T * H or tuple(ssm_states.shape[1:]) != (H, dk, dv)):
+            raise ValueError(f"gated_delta_net: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+                             f"beta {beta.shape}, state {ssm_states.shape} do not fit")
+        if dk > GDN_MAX_DK:
+            raise NotImplementedError(f"gated_delta_net: key head dim {dk} > {GDN_MAX_DK}")
+        out = self.empty((T, H, dv))
+        if T == 0 or not plan.views:
+            return out
+        mt, vo, rw, sl = self._rs_meta(plan)
+        mb, mo = self._bind(mt)
+        bq, bk, bv, bg, bb, bs = (self._bind(a) for a in (q, k, v, g, beta, ssm_states))
+        ob, oo = self._bind(out)
+        if oo:
+            raise ValueError("gated_delta_net: unaligned output")
+        push = _u32(H, dk, dv, vo + mo, rw + mo, sl + mo, bq[1], bk[1], bv[1], bg[1], bb[1], bs[1]) \
+            + struct.pack("<f", scale)
+        self.rt.dispatch("gated_delta_net", [bq[0], bk[0], bv[0], bg[0], bb[0], bs[0], mb, ob], push,
+                         (len(plan.views), H, -(-dv // 64)), writes=(5, 7))
+        return out
+
     # -- KV cache + attention ---------------------------------------------------------------
     @staticmethod
     def _meta_host(plan, n_cells: int, cap: int | None = None):
@@ -762,24 +1172,9 @@ class VulkanBackend:
         ``stream * n_cells + cell``), row -> view, view offsets, the views' flat cell
         lists and their positions; cell lists padded to ``cap`` entries when given.
         Returns (array, offsets of the five parts, longest view)."""
-        T = len(plan.cell)
-        row_view = np.zeros(T, dtype=np.int64)
-        off = [0]
-        cells, cpos = [], []
-        for i, v in enumerate(plan.views):
-            row_view[v.rows] = i
-            cells.append(v.stream * n_cells + np.asarray(v.cells, dtype=np.int64))
-            cpos.append(np.asarray(v.cell_pos, dtype=np.int64))
-            off.append(off[-1] + len(v.cells))
-        if cap is not None:
-            if off[-1] > cap:
-                raise _NotCapturable("cell lists outgrew the graph's bucket")
-            cells.append(np.zeros(cap - off[-1], np.int64))
-            cpos.append(np.zeros(cap - off[-1], np.int64))
-        write = np.asarray(plan.stream, dtype=np.int64) * n_cells + np.asarray(plan.cell, dtype=np.int64)
-        parts = [write, row_view, np.asarray(off, dtype=np.int64),
-                 np.concatenate(cells) if cells else np.zeros(0, np.int64),
-                 np.concatenate(cpos) if cpos else np.zeros(0, np.int64)]
+        if cap is not None and sum(len(v.cells) for v in plan.views) > cap:
+            raise _NotCapturable("cell lists outgrew the graph's bucket")
+        parts = plan.flat(n_cells, cap)
         o = np.cumsum([0] + [len(p) for p in parts]).tolist()
         host = np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32)
         return host, o, max((len(v.cells) for v in plan.views), default=0)
@@ -806,10 +1201,41 @@ class VulkanBackend:
         self._meta[id(plan)] = (plan, m)  # the plan stays referenced, so its id is not reused meanwhile
         return m
 
-    def _kv_check(self, store: VkTensor) -> str:
-        kind = _KV_DTYPES.get(store.dtype)
-        if kind is None or kind not in KV_NAMES:
-            raise ValueError(f"the Vulkan backend stores KV as f16 or f32, not {store.dtype}")
+    kv_types = tuple(KV_TIER_CODES)  # the runner refuses other -ctk / -ctv values at boot
+
+    def _kv_tables(self) -> VkTensor:
+        """The rotated tiers' tables on the device (uploaded once; layout in kv_quant.glsl):
+        float32 [512 signs, then per code 8..13: 256 levels, 256 midpoints]."""
+        t = self._kv_tab
+        if t is None:
+            from opencoti.engine.kv_tiers import get_tier
+            from opencoti.engine.kv_tiers.turbo import SIGNS
+
+            host = np.zeros(512 * (1 + len(KV_TIER_CODES) - _KV_ROTATED), np.float32)
+            host[:512] = SIGNS[:512]
+            for name, code in KV_TIER_CODES.items():
+                if code >= _KV_ROTATED:
+                    tier = get_tier(name)
+                    o = 512 * (code - _KV_ROTATED + 1)
+                    host[o:o + len(tier.levels)] = tier.levels
+                    thr = getattr(tier, "thresholds", None)  # turbo: float32 (c[i] + c[i+1]) / 2
+                    if thr is not None:
+                        host[o + 256:o + 256 + len(thr)] = thr
+            t = self._kv_tab = self.empty(host.shape, np.float32)
+            self.rt.upload_prologue(t.alloc, 0, host)  # in the main command buffer even while a graph records
+        return t
+
+    def _kv_tier(self, store: VkTensor, tier) -> str:
+        """The KV tier name of ``store`` (``tier``: a ``KVTier``; None = a float array, f16 or f32)."""
+        if tier is None:
+            kind = _KV_DTYPES.get(store.dtype)
+            if kind is None:
+                raise ValueError(f"KV storage of dtype {store.dtype} needs its tier (type_k / type_v)")
+        else:
+            kind = tier.name
+            if kind not in KV_TIER_CODES:
+                raise ValueError(f"the Vulkan backend supports KV cache types {', '.join(self.kv_types)}, "
+                                 f"not {kind}")
         if store.nbytes > self.rt.max_range:
             raise NotImplementedError(f"a layer's KV ({store.nbytes / 2**20:.0f} MiB) exceeds the device's "
                                       f"storage-buffer range ({self.rt.max_range / 2**20:.0f} MiB): lower -c")
@@ -817,40 +1243,75 @@ class VulkanBackend:
 
     @_taped
     def kv_write(self, cache, il: int, plan, k, v) -> None:
-        """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells (f16 or f32 storage)."""
+        """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells, in the cache's
+        tiers (``cache.tier_k`` / ``tier_v``): f16 (rounded to nearest even, as NumPy) or f32
+        K and V of one type in one dispatch (``kv_write.comp``); any other tier, or a mix, one
+        dispatch per half (``kv_store.comp``; the rotated tiers ``kv_rot.comp``, a workgroup
+        per (token, head) row), quantizing to the bytes of the tier's reference ``quantize``
+        (``kv_tiers/scalar.py``, ``turbo.py``, ``tcq.py``)."""
         K, V = cache.k[il], cache.v[il]
-        kind = self._kv_check(K)
-        if self._kv_check(V) != kind:
-            raise ValueError("the Vulkan backend needs K and V of one type")
+        tk = self._kv_tier(K, getattr(cache, "tier_k", None))
+        tv = self._kv_tier(V, getattr(cache, "tier_v", None))
         k, v = self._f32(k), self._f32(v)
         T = k.shape[0]
         if T == 0:
             return
         kw, vw = k.size // T, v.size // T
-        if kind == "f16" and (kw % 2 or vw % 2):
-            raise NotImplementedError("f16 KV needs an even row size")
         meta = self._plan_meta(plan, K.shape[1])
         mb, mo = self._bind(meta["buf"])
-        words = max(kw, vw) // (2 if kind == "f16" else 1)
-        self.rt.dispatch(f"kv_write_{kind}", [self._bind(k)[0], self._bind(v)[0], self._bind(K)[0],
-                                              self._bind(V)[0], mb],
-                         _u32(T, kw, vw, meta["write"] + mo), self.rt.groups_1d(-(-(T * words) // 256)),
-                         writes=(2, 3))
+        if tk == tv and tk in KV_NAMES:
+            kind = tk
+            if kind == "f16" and (kw % 2 or vw % 2):
+                raise NotImplementedError("f16 KV needs an even row size")
+            words = max(kw, vw) // (2 if kind == "f16" else 1)
+            self.rt.dispatch(f"kv_write_{kind}", [self._bind(k)[0], self._bind(v)[0], self._bind(K)[0],
+                                                  self._bind(V)[0], mb],
+                             _u32(T, kw, vw, meta["write"] + mo), self.rt.groups_1d(-(-(T * words) // 256)),
+                             writes=(2, 3))
+            return
+        for x, store, name, n in ((k, K, tk, kw), (v, V, tv, vw)):
+            code = KV_TIER_CODES[name]
+            if code >= _KV_ROTATED:
+                n_kv, d = store.shape[2], n // store.shape[2]
+                if d < 64 or d > 512 or d & (d - 1) or n != n_kv * d:
+                    raise NotImplementedError(f"KV type {name}: head size {d} is not a power of two in [64, 512]")
+                cell_bytes = store.nbytes // (store.shape[0] * store.shape[1])
+                xb, xo = self._bind(x)
+                sb, so = self._bind(store)
+                if so:
+                    raise ValueError("kv_write: unaligned KV storage")
+                self.rt.dispatch("kv_rot", [xb, sb, mb, self._bind(self._kv_tables())[0]],
+                                 _u32(T, n_kv, d, code, meta["write"] + mo, xo, cell_bytes)
+                                 + struct.pack("<f", np.float32(1.0 / np.sqrt(d))),
+                                 self.rt.groups_1d(T * n_kv), writes=(1,))
+                continue
+            unit = 1 if code == 0 else (2 if code <= 2 else 32)
+            if n % unit:
+                raise NotImplementedError(f"KV type {name}: {n} values per cell is not a multiple of {unit}")
+            cell_bytes = store.nbytes // (store.shape[0] * store.shape[1])
+            xb, xo = self._bind(x)
+            sb, so = self._bind(store)
+            if so:
+                raise ValueError("kv_write: unaligned KV storage")
+            self.rt.dispatch("kv_store", [xb, sb, mb], _u32(T, n, code, meta["write"] + mo, xo, cell_bytes),
+                             self.rt.groups_1d(-(-(T * n // unit) // 128)), writes=(1,))
 
     @_taped
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, type_k=None, type_v=None):
         """Attention of the ubatch's queries ``q [T, n_head, d]`` over each row's sequence
         cells in the plan (``plan.views``), reading ``k_store`` / ``v_store``
-        ``[n_stream, n_cells, n_head_kv, d]`` (f16 or f32). Masks as ``CPUBackend.attention``.
-        Returns ``[T, n_head * d]`` float32."""
+        ``[n_stream, n_cells, n_head_kv, row]`` in the tiers ``type_k`` / ``type_v``
+        (``KVTier``; None = a float array, f16 or f32), dequantized in registers.
+        Masks as ``CPUBackend.attention``. Returns ``[T, n_head * d]`` float32."""
         q = self._f32(q)
         T, H, D = q.shape
-        kind = self._kv_check(k_store)
-        if self._kv_check(v_store) != kind:
-            raise ValueError("the Vulkan backend needs K and V of one type")
-        n_kv, dv = k_store.shape[2], v_store.shape[3]
-        if dv != D or k_store.shape[3] != D:
+        tk, tv = self._kv_tier(k_store, type_k), self._kv_tier(v_store, type_v)
+        kind = tk if tk == tv and tk in KV_NAMES else "any"
+        n_kv = k_store.shape[2]
+        dk = type_k.dim_of(k_store.shape[3]) if type_k is not None else k_store.shape[3]
+        dv = type_v.dim_of(v_store.shape[3]) if type_v is not None else v_store.shape[3]
+        if dv != D or dk != D:
             raise NotImplementedError("Vulkan attention needs d_k == d_v == the query head size")
         if D % 2 or D > ATTN_MAX_HEAD_DIM or H % n_kv:
             raise NotImplementedError(f"Vulkan attention: head_dim {D} (even, <= {ATTN_MAX_HEAD_DIM}), "
@@ -870,18 +1331,25 @@ class VulkanBackend:
             n_split = int(max(1, min(meta["max_len"] // self.attn_split_cells, -(-self.attn_target_groups // base),
                                      64)))
         kb, vb = self._bind(k_store)[0], self._bind(v_store)[0]
+        extra = b"" if kind != "any" else (_u32(KV_TIER_CODES[tk], KV_TIER_CODES[tv],
+                                                     k_store.shape[3] * k_store.dtype.itemsize,
+                                                     v_store.shape[3] * v_store.dtype.itemsize)
+                                                + struct.pack("<f", np.float32(1.0 / np.sqrt(D))))
+        rot = KV_TIER_CODES[tk] >= _KV_ROTATED or KV_TIER_CODES[tv] >= _KV_ROTATED
+        if rot and (D < 64 or D & (D - 1)):
+            raise NotImplementedError(f"rotated KV tiers need a power-of-two head size >= 64, not {D}")
+        binds = [self._bind(q)[0], kb, vb, mb, pb]
+        tab = [self._bind(self._kv_tables())[0]] if kind == "any" else []
         pc = lambda ml_off: (_u32(H, n_kv, D, G, n_split, n_gsub) + struct.pack("<fif", scale, int(n_swa), softcap)  # noqa: E731
                              + _u32(meta["row_view"] + mo, meta["view_off"] + mo, meta["cells"] + mo,
-                                    meta["cell_pos"] + mo, po + po2, ml_off))
+                                    meta["cell_pos"] + mo, po + po2, ml_off) + extra)
         groups = (T, n_kv, n_split * n_gsub)
         if n_split == 1:
-            self.rt.dispatch(f"attn_{kind}", [self._bind(q)[0], kb, vb, mb, pb, self._bind(out)[0]], pc(0),
-                             groups, writes=(5,))
+            self.rt.dispatch(f"attn_{kind}", binds + [self._bind(out)[0]] + tab, pc(0), groups, writes=(5,))
             return out
         n_acc = T * H * n_split * D
         part = self.empty((n_acc + T * H * n_split * 2,))
-        self.rt.dispatch(f"attn_{kind}", [self._bind(q)[0], kb, vb, mb, pb, self._bind(part)[0]], pc(n_acc),
-                         groups, writes=(5,))
+        self.rt.dispatch(f"attn_{kind}", binds + [self._bind(part)[0]] + tab, pc(n_acc), groups, writes=(5,))
         self.rt.dispatch("attn_merge", [self._bind(part)[0], self._bind(out)[0]], _u32(H, D, n_split, n_acc),
                          (T, H, 1), writes=(1,))
         return out

@@ -16,9 +16,8 @@ Rotation (head size ``d`` a power of two, 64 <= d <= 512)::
 ``s`` are the shipped signs (``_tables.SIGNS_HEX``); ``H_d`` is the Sylvester Hadamard
 matrix in natural order, which is what the in-place butterfly fast WHT computes (stages
 h = 1, 2, 4, ..., d/2: ``(a, b) -> (a + b, a - b)`` for element pairs ``(i, i + h)``),
-followed by the scale ``1/sqrt(d)`` (``rotate`` fixes that float32 order, and block norms
-and scales sum by ``tree_sum``, so the CUDA write kernels store the same bytes). ``R`` is
-orthonormal, so ``x = R^T y = diag(s) H_d y / sqrt(d)`` and ``q . k = (R q) . (R k)``: attention may score queries against keys in the
+followed by the scale ``1/sqrt(d)``. ``R`` is orthonormal, so ``x = R^T y = diag(s) H_d y /
+sqrt(d)`` and ``q . k = (R q) . (R k)``: attention may score queries against keys in the
 rotated domain (rotate q once per head, dot with the dequantized but not un-rotated K
 rows) and un-rotate only the attention output for V (``o = R^T sum_c p_c y_c``), so no
 per-cell inverse transform is needed. ``dequantize_rotated`` returns that domain.
@@ -29,6 +28,15 @@ RMS and each ``u_j`` is coded as the index of the nearest level of ``LLOYD_MAX[b
 the least-squares gain ``scale = sum_j y_j c_j / sum_j c_j^2`` (rounded to f16), which
 minimizes the block's error for those indices; decoding is ``y_j = scale * c[idx_j]``.
 A zero block stores scale 0.
+
+Arithmetic (fixed, so any device reproduces the bytes; ``kv_rot.comp`` does): everything is
+float32 with one IEEE rounding per operation. ``y = fwht(x * s) * f32(1/sqrt(d))`` (the
+butterfly above, stage by stage); ``n = sqrt(block_sum(y * y))`` (correctly rounded);
+``u = y * (8 / n)``; codes compare ``u`` with the float32 midpoints ``(c[i] + c[i+1]) / 2``;
+``scale = block_sum(y * c) / block_sum(c * c)``, then rounded to f16 (nearest even).
+``block_sum`` adds a block's 64 values pairwise: element j += element j + h for h = 32,
+16, ..., 1. (A BLAS product or NumPy's SIMD reductions would have a library- and
+CPU-dependent summation order.)
 
 Bytes per 64-value block (little-endian; ``idx_j`` for j = 0..63)::
 
@@ -73,54 +81,72 @@ def hadamard(d: int) -> np.ndarray:
 
 
 def rotation(d: int) -> np.ndarray:
-    """The orthonormal ``R^T`` as float32 ``[d, d]`` (so ``y = x @ rotation(d)``), cached per d."""
+    """The orthonormal ``R^T`` as float32 ``[d, d]`` (so ``y = x @ rotation(d)`` up to float32
+    rounding), cached per d. The tiers themselves use ``rotate`` / ``unrotate`` (butterfly)."""
     r = _ROT.get(d)
     if r is None:
         r = _ROT[d] = np.ascontiguousarray((SIGNS[:d, None] * hadamard(d) / np.sqrt(d)).astype(np.float32))
     return r
 
 
-def rotate(x: np.ndarray) -> np.ndarray:
-    """``y = R x`` over the last axis: float32 ``[..., d]`` -> float32 ``[..., d]``.
+def inv_sqrt(d: int) -> np.float32:
+    """``1/sqrt(d)`` rounded once to float32 (the rotation's scale; exact for d = 64, 256)."""
+    return np.float32(1.0 / np.sqrt(d))
 
-    Computed in a fixed float32 order that a GPU kernel repeats bit for bit (the CUDA KV
-    write kernels, ``cuda_src/kv_tiers.cuh``): sign flip, the butterfly stages h = 1, 2,
-    ..., d/2 (``(a, b) -> (a + b, a - b)`` on the pairs ``(i, i + h)``, i with bit h
-    clear), then one multiply by float32 ``1/sqrt(d)``."""
-    x = np.asarray(x, dtype=np.float32)
-    d = x.shape[-1]
-    lead = x.shape[:-1]
-    v = (x * SIGNS[:d]).reshape(-1, d)
+
+def fwht(x: np.ndarray) -> np.ndarray:
+    """Unnormalized fast Walsh-Hadamard transform ``H_d x`` over the last axis, float32
+    ``[..., d]`` -> float32 ``[..., d]`` (d a power of two): the in-place butterfly, stages
+    h = 1, 2, ..., d/2, each ``(a, b) -> (a + b, a - b)`` on pairs ``(i, i + h)``, every
+    addition rounded to float32. The order is fixed, so the result is bit-reproducible (the
+    Vulkan write shader ``kv_rot.comp`` computes the same operations)."""
+    y = np.asarray(x, dtype=np.float32)
+    d = y.shape[-1]
+    lead = y.shape[:-1]
     h = 1
     while h < d:
-        p = v.reshape(len(v), d // (2 * h), 2, h)
-        a, b = p[:, :, 0], p[:, :, 1]
-        v = np.stack([a + b, a - b], axis=2).reshape(len(v), d)
+        v = y.reshape(*lead, d // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        y = np.stack([a + b, a - b], axis=-2).reshape(*lead, d)
         h *= 2
-    return (v * np.float32(1.0 / np.sqrt(d))).reshape(*lead, d)
+    return y
 
 
-def tree_sum(p: np.ndarray) -> np.ndarray:
-    """Sum of float32 ``p [N, 2^m]`` over axis 1 by halving (``p[:, :h] + p[:, h:]`` for
-    h = 2^(m-1), ..., 1): a fixed order a GPU reduction repeats exactly. -> ``[N]``."""
-    p = np.asarray(p, dtype=np.float32)
-    while p.shape[1] > 1:
-        h = p.shape[1] // 2
-        p = p[:, :h] + p[:, h:]
-    return p[:, 0]
+def rotate(x: np.ndarray) -> np.ndarray:
+    """``y = R x`` over the last axis: float32 ``[..., d]`` -> float32 ``[..., d]``, computed as
+    ``fwht(x * s) * inv_sqrt(d)`` in float32 (sign flips exact, then the butterfly, then one
+    rounded multiply): bit-reproducible, unlike a BLAS product whose summation order
+    depends on the library and the CPU."""
+    x = np.asarray(x, dtype=np.float32)
+    d = x.shape[-1]
+    return fwht(x * SIGNS[:d]) * inv_sqrt(d)
 
 
 def unrotate(y: np.ndarray) -> np.ndarray:
-    """``x = R^T y`` over the last axis (inverse of ``rotate``)."""
+    """``x = R^T y = s * fwht(y) / sqrt(d)`` over the last axis (inverse of ``rotate``)."""
     y = np.asarray(y, dtype=np.float32)
-    return y @ rotation(y.shape[-1]).T
+    d = y.shape[-1]
+    return fwht(y) * inv_sqrt(d) * SIGNS[:d]
+
+
+def block_sum(p: np.ndarray) -> np.ndarray:
+    """Sum of each row of float32 ``[N, 64]`` -> float32 ``[N, 1]``, pairwise in a fixed order:
+    for h = 32, 16, ..., 1 element j (j < h) becomes ``p[j] + p[j + h]``, each addition
+    rounded to float32 (so the device computes bit-identical sums; NumPy's own reductions
+    have a SIMD-width-dependent order)."""
+    p = np.asarray(p, dtype=np.float32)
+    h = p.shape[1] // 2
+    while h >= 1:
+        p = p[:, :h] + p[:, h:2 * h]
+        h //= 2
+    return p
 
 
 def normalize_blocks(y: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
     """Rotated rows ``[..., d]`` -> (blocks float32 ``[N, 64]``, unit-RMS blocks ``u = b * 8 / |b|``
     (zero where ``|b| = 0``), leading shape)."""
     b = np.ascontiguousarray(y.reshape(-1, BLOCK), dtype=np.float32)
-    n = np.sqrt(tree_sum(b * b))[:, None]
+    n = np.sqrt(block_sum(b * b))  # float32, correctly rounded
     with np.errstate(divide="ignore", invalid="ignore"):
         u = np.where(n > 0, b * (np.float32(np.sqrt(BLOCK)) / n), np.float32(0)).astype(np.float32)
     return b, u, y.shape[:-1]
@@ -128,11 +154,12 @@ def normalize_blocks(y: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
 
 def ls_scale(b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """Least-squares gain of reconstruction levels ``c`` for blocks ``b`` (both ``[N, 64]``):
-    ``sum b c / sum c^2`` as float32 ``[N, 1]`` (0 where ``c`` is all zero); sums by ``tree_sum``."""
-    num = tree_sum(b * c)
-    den = tree_sum(c * c)
+    ``sum b c / sum c^2`` as float32 ``[N, 1]`` (0 where ``c`` is all zero); products,
+    ``block_sum``s and the quotient each rounded to float32."""
+    num = block_sum(b * c)
+    den = block_sum(c * c)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / den, 0).astype(np.float32)[:, None]
+        return np.where(den > 0, num / den, np.float32(0)).astype(np.float32)
 
 
 class TurboTier(KVTier):

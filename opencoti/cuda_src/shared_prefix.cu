@@ -1,0 +1,267 @@
+// Shared-prefix attention for PolyKV groups (issue 5): the pool's prefix cells are read
+// once for every sharer's query rows, then merged with each row's private-suffix partials.
+//
+// sp_attn_d<D>: one group of sequences that share `cells` (flat indices into the f16 K/V
+// storage [n_cells_total, n_kv, D], positions `cell_pos`, count *n_cells_p). The group's
+// query rows are rows[0..R); with G = n_head / n_kv query heads per kv head, the R * G
+// (row, head) pairs of kv head kh form the query matrix of that kv head, ordered
+// row-major (pair i = row i / G, head kh * G + i % G). Grid (ceil(R*G / SP_QT), n_kv,
+// n_split), 4 warps: the block stages SP_QT queries (scaled) in shared memory and walks
+// its split of the cells in tiles of CT; each K/V tile is loaded into shared memory once
+// and applied to all SP_QT queries (16 per warp, one m16 tile) with tensor-core MMA
+// (mma.sync m16n8k16, f16 inputs, f32 accumulation). To keep float32 accuracy the f32
+// operands are split into two f16 terms (x = hi + lo, hi = f16(x), lo = f16(x - hi);
+// K and V are f16 already, so hi*k and lo*k are exact products): S = Qhi K^T + Qlo K^T
+// and O += Phi V + Plo V, relative error ~2^-22 instead of f16's 2^-11. (The same
+// split-operand idea as 3xTF32 emulation in CUTLASS; Markidis et al. 2018.)
+// Online softmax per query row (Milakov & Gimelshein 2018), S fragments reused as the P
+// operand of the second MMA in registers (the FlashAttention-2 layout, Dao 2023).
+// Masks by position exactly as attention.cu: a cell is visible when cell_pos <= q_pos
+// and, with n_swa > 0, q_pos - cell_pos < n_swa; softcap as there.
+// Output: unnormalised partials part_acc[(i * n_head + h) * n_split + sp][D] and
+// part_ml[.. * 2] = (running max, sum of exp) for group row i, the format of attn_partial.
+// Precondition: |q * scale| < 65504 (the f16 range of the hi term).
+//
+// sp_merge: out[r, h] = log-sum-exp merge of the row's private partials (n_sp splits,
+// from attention.cu's attn_partial over the private cell lists) and, when
+// row_slot[r] >= 0, the shared partials of that group row (n_ss splits).
+#include "quants.cuh"
+
+#define SP_NW 4
+#define SP_QT (16 * SP_NW)
+#define SP_NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ u16 sp_f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// (hi, lo) f16x2 pairs of two floats (a in the low half: the lower column index)
+__device__ __forceinline__ void sp_split2(float a, float b, u32& hi, u32& lo) {
+    u16 ah = sp_f2h(a), bh = sp_f2h(b);
+    u16 al = sp_f2h(a - h2f(ah)), bl = sp_f2h(b - h2f(bh));
+    hi = (u32)ah | ((u32)bh << 16);
+    lo = (u32)al | ((u32)bl << 16);
+}
+
+__device__ __forceinline__ void sp_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int D, int CT>
+__device__ __forceinline__ void sp_attn_impl(
+    const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ rows,
+    const int* __restrict__ cells, const int* __restrict__ cell_pos, const int* __restrict__ n_cells_p,
+    const u16* __restrict__ K, const u16* __restrict__ V, int R, int n_head, int n_kv, float scale, int n_swa,
+    float softcap, int n_split, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int LD = D + 8;  // halves per shared row: 16-byte aligned, bank-conflict-free fragments
+    constexpr int NT = CT / 8;  // n8 tiles of scores per warp
+    constexpr int ND = D / 8;   // n8 tiles of output dims
+    extern __shared__ __align__(16) unsigned char sp_smem[];
+    u16* s_qh = (u16*)sp_smem;            // [SP_QT][LD]
+    u16* s_ql = s_qh + SP_QT * LD;        // [SP_QT][LD]
+    u16* s_k = s_ql + SP_QT * LD;         // [CT][LD]
+    u16* s_v = s_k + CT * LD;             // [CT][LD]
+    int* s_cpos = (int*)(s_v + CT * LD);  // [CT]
+    int* s_qpos = s_cpos + CT;            // [SP_QT]
+
+    const int G = n_head / n_kv;
+    const int kh = blockIdx.y, sp = blockIdx.z;
+    const int nq = R * G, q0 = blockIdx.x * SP_QT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int len = *n_cells_p;
+    const int chunk = (len + n_split - 1) / n_split;
+    const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
+
+    for (int i = threadIdx.x; i < SP_QT * D; i += blockDim.x) {
+        int qi = i / D, d = i % D, qg = q0 + qi;
+        float x = 0.f;
+        if (qg < nq) x = q[((long long)rows[qg / G] * n_head + kh * G + qg % G) * D + d] * scale;
+        u16 h = sp_f2h(x);
+        s_qh[qi * LD + d] = h;
+        s_ql[qi * LD + d] = sp_f2h(x - h2f(h));
+    }
+    for (int i = threadIdx.x; i < SP_QT; i += blockDim.x) {
+        int qg = q0 + i;
+        s_qpos[i] = qg < nq ? q_pos[rows[qg / G]] : -1;  // -1: sees nothing
+    }
+    __syncthreads();
+
+    const int mr = warp * 16;  // this warp's first query of the block
+    const bool active = q0 + mr < nq;
+    const int qp[2] = {s_qpos[mr + gid], s_qpos[mr + gid + 8]};
+    float m[2] = {SP_NEG_INF, SP_NEG_INF}, l[2] = {0.f, 0.f};
+    float o[ND][4];
+#pragma unroll
+    for (int nd = 0; nd < ND; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+
+    for (int t0 = c0; t0 < c1; t0 += CT) {
+        const int n = min(CT, c1 - t0);
+        __syncthreads();  // the previous tile is consumed
+        for (int i = threadIdx.x; i < CT * (D / 8); i += blockDim.x) {
+            int c = i / (D / 8), u = i % (D / 8);
+            uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
+            if (c < n) {
+                long long base = ((long long)cells[t0 + c] * n_kv + kh) * D;
+                kw = ((const uint4*)(K + base))[u];
+                vw = ((const uint4*)(V + base))[u];
+            }
+            *(uint4*)(s_k + c * LD + 8 * u) = kw;
+            *(uint4*)(s_v + c * LD + 8 * u) = vw;
+        }
+        for (int i = threadIdx.x; i < CT; i += blockDim.x) s_cpos[i] = i < n ? cell_pos[t0 + i] : 0x7fffffff;
+        __syncthreads();
+        if (!active) continue;
+
+        // S = Q K^T (16 x CT per warp), Q as hi + lo
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const u16* qa = s_qh + (mr + gid) * LD + kk * 16 + 2 * tig;
+            const u16* qb = s_ql + (mr + gid) * LD + kk * 16 + 2 * tig;
+            u32 h0 = *(const u32*)qa, h1 = *(const u32*)(qa + 8 * LD), h2 = *(const u32*)(qa + 8),
+                h3 = *(const u32*)(qa + 8 * LD + 8);
+            u32 l0 = *(const u32*)qb, l1 = *(const u32*)(qb + 8 * LD), l2 = *(const u32*)(qb + 8),
+                l3 = *(const u32*)(qb + 8 * LD + 8);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const u16* kb = s_k + (nt * 8 + gid) * LD + kk * 16 + 2 * tig;
+                u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
+                sp_mma(s[nt], h0, h1, h2, h3, b0, b1);
+                sp_mma(s[nt], l0, l1, l2, l3, b0, b1);
+            }
+        }
+        // masks, softcap, online softmax (rows gid and gid + 8 of the warp's tile)
+        float mx[2] = {SP_NEG_INF, SP_NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int cpos = s_cpos[nt * 8 + 2 * tig + (j & 1)], p = qp[j >> 1];
+                bool ok = cpos <= p && !(n_swa > 0 && p - cpos >= n_swa);
+                float v = s[nt][j];
+                if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                s[nt][j] = ok ? v : SP_NEG_INF;
+                mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            float mn = fmaxf(m[r], mx[r]);
+            corr[r] = m[r] == SP_NEG_INF ? 0.f : __expf(m[r] - mn);
+            m[r] = mn;
+            l[r] *= corr[r];
+        }
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+            o[nd][0] *= corr[0]; o[nd][1] *= corr[0];
+            o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float v = s[nt][j];
+                float p = v == SP_NEG_INF ? 0.f : __expf(v - m[j >> 1]);
+                s[nt][j] = p;
+                l[j >> 1] += p;
+            }
+        }
+        // O += P V: the S fragments of cells 16kc..16kc+15 are the A operand (P as hi + lo);
+        // V's B fragments come transposed from shared memory (ldmatrix .trans, two n8 tiles each)
+#pragma unroll
+        for (int kc = 0; kc < CT / 16; kc++) {
+            u32 ph0, pl0, ph1, pl1, ph2, pl2, ph3, pl3;
+            sp_split2(s[2 * kc][0], s[2 * kc][1], ph0, pl0);
+            sp_split2(s[2 * kc][2], s[2 * kc][3], ph1, pl1);
+            sp_split2(s[2 * kc + 1][0], s[2 * kc + 1][1], ph2, pl2);
+            sp_split2(s[2 * kc + 1][2], s[2 * kc + 1][3], ph3, pl3);
+            const u16* vrow = s_v + (kc * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+#pragma unroll
+            for (int nd = 0; nd < ND; nd += 2) {
+                u32 b0, b1, b2, b3;
+                u32 addr = (u32)__cvta_generic_to_shared(vrow + nd * 8);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
+                sp_mma(o[nd], ph0, ph1, ph2, ph3, b0, b1);
+                sp_mma(o[nd], pl0, pl1, pl2, pl3, b0, b1);
+                sp_mma(o[nd + 1], ph0, ph1, ph2, ph3, b2, b3);
+                sp_mma(o[nd + 1], pl0, pl1, pl2, pl3, b2, b3);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    if (!active) return;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int qg = q0 + mr + gid + 8 * r;
+        if (qg >= nq) continue;
+        long long pi = ((long long)(qg / G) * n_head + kh * G + qg % G) * n_split + sp;
+        float* dst = part_acc + pi * D + 2 * tig;
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) *(float2*)(dst + nd * 8) = make_float2(o[nd][2 * r], o[nd][2 * r + 1]);
+        if (tig == 0) { part_ml[2 * pi] = m[r]; part_ml[2 * pi + 1] = l[r]; }
+    }
+}
+
+// shared memory bytes of sp_attn_d<D> (cuda.py SP_SMEM mirrors this)
+#define SP_SMEM(D, CT) ((2 * SP_QT + 2 * (CT)) * ((D) + 8) * 2 + 4 * ((CT) + SP_QT))
+
+#define DEF_SP(D, CT)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) sp_attn_d##D(                                           \
+        const float* q, const int* q_pos, const int* rows, const int* cells, const int* cell_pos,            \
+        const int* n_cells_p, const u16* K, const u16* V, int R, int n_head, int n_kv, float scale, int n_swa, \
+        float softcap, int n_split, float* part_acc, float* part_ml) {                                       \
+        sp_attn_impl<D, CT>(q, q_pos, rows, cells, cell_pos, n_cells_p, K, V, R, n_head, n_kv, scale, n_swa, \
+                            softcap, n_split, part_acc, part_ml); }
+DEF_SP(32, 64) DEF_SP(64, 64) DEF_SP(128, 64) DEF_SP(256, 32)
+
+// grid (T, n_head), min(D, 256) threads
+extern "C" __global__ void sp_merge(const float* __restrict__ p_acc, const float* __restrict__ p_ml, int n_sp,
+                                    const float* __restrict__ s_acc, const float* __restrict__ s_ml, int n_ss,
+                                    const int* __restrict__ row_slot, float* __restrict__ out, int n_head, int D) {
+    const long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
+    const int slot = row_slot[blockIdx.x];
+    const long long sh = slot >= 0 ? (long long)slot * n_head + blockIdx.y : 0;
+    const int nss = slot >= 0 ? n_ss : 0;
+    float M = SP_NEG_INF;
+    for (int s = 0; s < n_sp; s++) M = fmaxf(M, p_ml[2 * (rh * n_sp + s)]);
+    for (int s = 0; s < nss; s++) M = fmaxf(M, s_ml[2 * (sh * n_ss + s)]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float L = 0.f, A = 0.f;
+        if (M != SP_NEG_INF) {
+            for (int s = 0; s < n_sp; s++) {
+                long long pi = rh * n_sp + s;
+                float ms = p_ml[2 * pi];
+                if (ms == SP_NEG_INF) continue;
+                float f = __expf(ms - M);
+                L += p_ml[2 * pi + 1] * f;
+                A += p_acc[pi * D + d] * f;
+            }
+            for (int s = 0; s < nss; s++) {
+                long long pi = sh * n_ss + s;
+                float ms = s_ml[2 * pi];
+                if (ms == SP_NEG_INF) continue;
+                float f = __expf(ms - M);
+                L += s_ml[2 * pi + 1] * f;
+                A += s_acc[pi * D + d] * f;
+            }
+        }
+        out[rh * D + d] = L > 0.f ? A / L : 0.f;
+    }
+}
