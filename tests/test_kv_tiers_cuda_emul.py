@@ -179,6 +179,304 @@ def test_turbo_rotate_is_the_orthonormal_rotation():
         np.testing.assert_allclose(_fwht(turbo.rotate(x), inverse=True), x, rtol=1e-5, atol=1e-5)
 
 
+# ---- the write kernels of the rotated tiers (kv_write.cu kv_quant_turbo / kv_quant_tcq), ported
+# op by op to NumPy float32. Every float operation of those kernels is an IEEE round-to-nearest
+# PTX instruction without .ftz (add/sub/mul/div/sqrt .rn, setp/min/max without .ftz, sign flips on
+# the bit pattern; test_kv_write_ptx_float_ops_exact checks the PTX), which is exactly what NumPy's
+# float32 scalar/array operations compute, so the port computes the kernels' bytes. The tables
+# come from the CUDA source (tables_prefix), not from the Python tiers.
+
+def _prefix_tables():
+    src = cuda_kv.tables_prefix()
+    c = _consts(src)
+    words = re.search(r"KV_SIGNS\[16\] = \{([^}]*)\}", src).group(1)
+    w = np.array([int(x.strip().rstrip("u"), 16) for x in words.split(",")], dtype=np.uint32)
+    c["neg"] = (((w[:, None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(-1) == 1)
+    c["isqrt"] = {d: np.float32(float.fromhex(re.search(rf"d == {d} \? (\S+)f", src).group(1)))
+                  for d in cuda_kv.KV_HEAD_DIMS}
+    return c
+
+
+_TAB = _prefix_tables()
+
+
+def _emu_fwht_fwd(x):
+    """fwht_shared<D>(v, rows, inverse=false, exact=true) over rows ``x [R, D]``: per thread t of
+    a stage, i = (u / h) * 2h + u % h: (v[i], v[i+h]) <- (v[i] + v[i+h], v[i] - v[i+h])."""
+    v = np.array(x, dtype=np.float32)
+    D = v.shape[1]
+    neg = _TAB["neg"][:D]
+    v.view(np.uint32)[:, neg] ^= np.uint32(0x80000000)  # xneg: the sign bit
+    u = np.arange(D // 2)
+    h = 1
+    while h < D:
+        i = (u // h) * 2 * h + (u % h)
+        a, b = v[:, i].copy(), v[:, i + h].copy()
+        v[:, i] = a + b  # xadd
+        v[:, i + h] = a - b  # xsub
+        h *= 2
+    return v * _TAB["isqrt"][D]  # xmul(v, kv_isqrt(D))
+
+
+def _emu_tree64(p):
+    """tree64 over p [R, n] (n a multiple of 64; thread tid, j = tid & 63): for h = 32..1,
+    p[tid] = p[tid] + p[tid + h] where j < h. The block sums land at p[:, 64 b]."""
+    p = np.array(p, dtype=np.float32)
+    tid = np.arange(p.shape[1])
+    for h in (32, 16, 8, 4, 2, 1):
+        t = tid[(tid & 63) < h]
+        p[:, t] = p[:, t] + p[:, t + h]
+    return p
+
+
+def _emu_f2h(v):
+    """st16(dst, f2h(v)): cvt.rn.f16.f32 (round to nearest even; overflow to inf) as two
+    little-endian bytes."""
+    return np.ascontiguousarray(np.asarray(v, dtype=np.float32).astype(np.float16)).view(np.uint8).reshape(-1, 2)
+
+
+def _emu_norm(y):
+    """n = xsqrt(tree64(y * y)[b0]); u = 0 < n ? y * (8 / n) : 0 -> (y, u) [R, n]."""
+    p = _emu_tree64(y * y)
+    n = np.sqrt(np.repeat(p[:, 0::64], 64, axis=1))  # sqrt.rn (NumPy's float32 sqrt is IEEE)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(np.float32(0) < n, y * (np.float32(8) / n), np.float32(0)).astype(np.float32)
+
+
+def _emu_scale(y, c):
+    """num = tree64(y c), den = tree64(c c) per block; scale = 0 < den ? num / den : 0."""
+    num, den = _emu_tree64(y * c)[:, 0::64], _emu_tree64(c * c)[:, 0::64]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(np.float32(0) < den, num / den, np.float32(0)).astype(np.float32)
+
+
+def _emu_search(u, th):
+    """The kernel's binary search: lo = 0, hi = NT - 1; while lo < hi: mid = (lo + hi) >> 1;
+    if !(u <= th[mid]) lo = mid + 1 else hi = mid."""
+    lo = np.zeros(u.shape, np.int64)
+    hi = np.full(u.shape, len(th), np.int64)
+    while (lo < hi).any():
+        act = lo < hi
+        mid = (lo + hi) >> 1
+        up = ~(u <= th[np.minimum(mid, len(th) - 1)])
+        lo = np.where(act & up, mid + 1, lo)
+        hi = np.where(act & ~up, mid, hi)
+    return lo
+
+
+def _emu_quant_turbo(bits, x):
+    """kv_quant_turbo<KTurbo<bits>, D> over rows x [R, D] -> bytes [R, D / 64 * BB]."""
+    R, D = x.shape
+    y = _emu_fwht_fwd(x)
+    u = _emu_norm(y)
+    idx = _emu_search(u, _TAB[f"KV_TH{bits}"])
+    c = _TAB[f"KV_LM{bits}"][idx]
+    scale = _emu_scale(y, c).reshape(-1)
+    BB = 2 + 64 * bits // 8
+    idx = idx.reshape(-1, 64)
+    out = np.zeros((len(idx), BB), np.uint8)
+    out[:, :2] = _emu_f2h(scale)
+    for m in range(BB - 2):  # turbo_pack<BITS>(idx + b0, m), thread j = m
+        if bits == 8:
+            v = idx[:, m]
+        elif bits == 4:
+            v = idx[:, 2 * m] | (idx[:, 2 * m + 1] << 4)
+        elif m < 16:
+            v = (idx[:, 4 * m] & 3) | ((idx[:, 4 * m + 1] & 3) << 2) | ((idx[:, 4 * m + 2] & 3) << 4) | (
+                (idx[:, 4 * m + 3] & 3) << 6)
+        else:
+            v = sum(((idx[:, 8 * (m - 16) + r] >> 2) & 1) << r for r in range(8))
+        out[:, 2 + m] = v
+    return out.reshape(R, -1)
+
+
+def _emu_viterbi(ys, cb, K, first_low=None, last_high=None):
+    """viterbi<K> (kv_write.cu) for rows ys [R, n]: thread s = state; costs with xsub/xmul/xadd,
+    the first of the K-group's minima by strict xlt, the final tree reduction by (xlt, or xeq and a
+    lower index), back-tracking by thread 0. Returns the state path int64 [R, n]."""
+    R, n = ys.shape
+    G, KK = 1 << (8 - K), 1 << K
+    s = np.arange(256)
+    d = ys[:, :1] - cb[None, :]
+    cost = d * d
+    if first_low is not None:
+        cost = np.where((s[None, :] & (G - 1)) != first_low[:, None], np.float32(np.inf), cost)
+    back = np.zeros((R, n, G), np.int64)
+    pred = (s & (G - 1))[:, None] * KK + np.arange(KK)[None, :]  # thread s reads cost[g * KK + jj]
+    for t in range(1, n):
+        cand = cost[:, pred]  # [R, 256, KK]
+        best, bj = cand[:, :, 0].copy(), np.zeros((R, 256), np.int64)
+        for jj in range(1, KK):
+            lt = cand[:, :, jj] < best
+            best = np.where(lt, cand[:, :, jj], best)
+            bj = np.where(lt, jj, bj)
+        back[:, t, :] = bj[:, :G]  # threads s < G
+        d = ys[:, t:t + 1] - cb[None, :]
+        cost = (d * d + best).astype(np.float32)
+    c = cost
+    if last_high is not None:
+        c = np.where((s[None, :] >> K) != last_high[:, None], np.float32(np.inf), c)
+    rv, ri = c.copy(), np.broadcast_to(s, c.shape).copy()
+    o = 128
+    while o:
+        ov, oi = rv[:, o:2 * o], ri[:, o:2 * o]
+        take = (ov < rv[:, :o]) | ((ov == rv[:, :o]) & (oi < ri[:, :o]))
+        rv[:, :o] = np.where(take, ov, rv[:, :o])
+        ri[:, :o] = np.where(take, oi, ri[:, :o])
+        o //= 2
+    path = np.zeros((R, n), np.int64)
+    st = ri[:, 0]
+    rows = np.arange(R)
+    path[:, n - 1] = st
+    for t in range(n - 1, 0, -1):
+        g = st & (G - 1)
+        st = g * KK + back[rows, t, g]
+        path[:, t - 1] = st
+    return path
+
+
+def _emu_quant_tcq(k, x):
+    """kv_quant_tcq<KTcq<k>, D> over rows x [R, D] (one CUDA block per 64-value block) ->
+    bytes [R, D / 64 * BB]."""
+    R, D = x.shape
+    W, G = 8, 1 << (8 - k)
+    cb = _TAB[f"KV_TCQ{k}"]
+    yb = _emu_fwht_fwd(x).reshape(-1, 64)
+    u = _emu_norm(yb)
+    yw = np.concatenate([u[:, 64 - W:], u[:, :W]], axis=1)
+    shared = _emu_viterbi(yw, cb, k)[:, W] & (G - 1)
+    path = _emu_viterbi(u, cb, k, shared, shared)
+    scale = _emu_scale(yb, cb[path]).reshape(-1)
+    out = np.zeros((len(yb), 2 + 8 * k), np.uint8)
+    out[:, :2] = _emu_f2h(scale)
+    for m in range(8 * k):  # thread m: stream byte m
+        byte = np.zeros(len(yb), np.int64)
+        for bt in range(8):
+            i = 8 * m + bt
+            byte |= ((path[:, i // k] >> (i % k)) & 1) << bt
+        out[:, 2 + m] = byte
+    return out.reshape(R, -1)
+
+
+def _adversarial_rows(d: int, rng) -> np.ndarray:
+    """Rows exercising the corners of the write arithmetic: scales from subnormal (1e-42) through
+    the range where y * y underflows into subnormals (1e-20 .. 1e-24) to 1e16 (no overflow of
+    the block sums), all-zero rows and blocks, one-hot rows (every rotated value of one
+    magnitude: equal-cost trellis paths and equal codes), exact dyadic values, sparse rows,
+    powers of two and signed zeros."""
+    rows = []
+    for sc in (1e-42, 1e-38, 1e-24, 1e-22, 1e-20, 1e-12, 1e-4, 1.0, 3.0, 1e4, 1e12, 1e16):
+        rows.append(rng.standard_normal((3, d)) * sc)
+    rows.append(rng.standard_normal((4, d)) * 10.0 ** rng.uniform(-30, 16, (4, 1)))
+    z = np.zeros((6, d))
+    z[1, :64] = rng.standard_normal(64)                     # one non-zero block, the rest zero
+    z[2, 5] = 1.0                                           # one-hot: |R x| constant
+    z[3, d - 1] = -3.0
+    z[4, ::7] = 2.0 ** rng.integers(-20, 20, len(z[4, ::7]))  # powers of two
+    z[5] = -0.0                                             # negative zeros
+    rows.append(z)
+    r = np.round(rng.standard_normal((2, d)) * 4) / 4       # dyadic values (exact sums)
+    rows.append(r)
+    sp = rng.standard_normal((2, d)) * (rng.uniform(0, 1, (2, d)) > 0.9)  # sparse
+    rows.append(sp)
+    return np.concatenate(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["turbo8", "turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq"])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_write_kernel_port_equals_cpu_bytes(name, d):
+    """The op-by-op port of the CUDA write kernel gives exactly the CPU tier's ``quantize``
+    bytes (main's turbo.py arithmetic: butterfly FWHT, pairwise block sums, correctly rounded
+    sqrt and division, midpoint codes / tail-biting Viterbi, f16 round to nearest even) on
+    random rows and adversarial ones (_adversarial_rows)."""
+    t = get_tier(name)
+    rng = np.random.default_rng(d + len(name))
+    x = np.concatenate([rng.standard_normal((24 if d < 512 else 8, d)).astype(np.float32),
+                        _adversarial_rows(d, rng)])
+    want = t.quantize(x)
+    with np.errstate(over="ignore"):
+        got = _emu_quant_turbo(t.bits, x) if t.family == "turbo" else _emu_quant_tcq(t.k, x)
+    bad = np.nonzero((got != want).any(axis=1))[0]
+    assert len(bad) == 0, f"{name} d={d}: rows {bad[:10]} differ"
+    assert (want.reshape(-1, t.block_bytes)[:, :2] == 0).all(axis=1).any()  # zero blocks were there
+
+
+def _bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("d", [64, 512])
+def test_write_kernel_port_float32_intermediates(d):
+    """Stronger than the bytes (an f16 scale hides most 1-ulp differences): the port's float32
+    rotation, unit-RMS values and least-squares scales are bit-identical to main's turbo.py
+    (rotate, normalize_blocks, ls_scale) on random and adversarial rows. Controls show the test
+    has teeth: a sequential block sum, or flushing subnormals to zero (what --use_fast_math's
+    .ftz instructions would do), changes those intermediates on these rows."""
+    t = get_tier("turbo3")
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rng.standard_normal((16, d)).astype(np.float32), _adversarial_rows(d, rng)])
+    y = _emu_fwht_fwd(x)
+    np.testing.assert_array_equal(_bits(y), _bits(turbo.rotate(x)))
+    b, u_cpu, _ = turbo.normalize_blocks(turbo.rotate(x))
+    yb = y.reshape(-1, 64)
+    u = _emu_norm(yb)
+    np.testing.assert_array_equal(_bits(u), _bits(u_cpu))
+    c = t.levels[t.codes(u_cpu)]
+    np.testing.assert_array_equal(_bits(_emu_scale(yb, c)), _bits(turbo.ls_scale(b, c)))
+
+    def seq_sum(p):  # control: left-to-right block sums
+        p = np.array(p, dtype=np.float32)
+        for blk in range(0, p.shape[1], 64):
+            acc = p[:, blk].copy()
+            for j in range(1, 64):
+                acc = acc + p[:, blk + j]
+            p[:, blk] = acc
+        return p
+
+    assert (_bits(seq_sum(yb * yb)[:, :1]) != _bits(_emu_tree64(yb * yb)[:, :1])).any()
+
+    def ftz(a):  # control: subnormals flushed (sign kept)
+        a = np.array(a, dtype=np.float32)
+        a[np.abs(a) < np.float32(2.0 ** -126)] *= np.float32(0)
+        return a
+
+    yf = ftz(_emu_fwht_fwd(ftz(x)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        flushed = ftz(_emu_tree64(ftz(yf * yf)))
+    assert (_bits(yf) != _bits(y)).any()  # subnormal rotated values
+    assert (_bits(flushed[:, 0::64]) != _bits(_emu_tree64(y * y)[:, 0::64])).any()  # subnormal squares / sums
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_write_kernel_code_search_ties(bits):
+    """The kernel's code search on u exactly at every midpoint (a tie takes the lower level,
+    NumPy searchsorted side='left'), one ulp either side, +-0, subnormals, +-inf and NaN equals
+    ``TurboTier.codes``."""
+    t = get_tier(f"turbo{bits}")
+    th = t.thresholds
+    u = np.concatenate([th, np.nextafter(th, np.float32(np.inf)), np.nextafter(th, np.float32(-np.inf)),
+                        np.array([0.0, -0.0, 1e-45, -1e-45, 1e-39, -1e-39, np.inf, -np.inf, np.nan, 100, -100])
+                        ]).astype(np.float32)
+    np.testing.assert_array_equal(_emu_search(u, _TAB[f"KV_TH{bits}"]), t.codes(u))
+
+
+def test_write_kernel_port_viterbi_equals_trellis():
+    """The kernel's Viterbi (thread per state, strict-less group minimum, index-ordered final
+    reduction) picks trellis.py's path, constrained and not, including all-equal targets where
+    every path of a group costs the same."""
+    from opencoti.engine.kv_tiers.trellis import _viterbi
+
+    rng = np.random.default_rng(5)
+    for k in (2, 3):
+        cb = get_tier(f"turbo{k}_tcq").levels
+        G = 1 << (8 - k)
+        y = np.concatenate([rng.standard_normal((40, 64)), np.zeros((2, 64)), np.ones((2, 64)),
+                            np.tile(cb[:64], (2, 1))]).astype(np.float32)
+        np.testing.assert_array_equal(_emu_viterbi(y, cb, k), _viterbi(y, cb, k, 8))
+        fix = rng.integers(0, G, len(y))
+        np.testing.assert_array_equal(_emu_viterbi(y, cb, k, fix, fix), _viterbi(y, cb, k, 8, fix, fix))
+
+
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 
 
@@ -213,3 +511,75 @@ def test_kv_write_no_byte_store_of_f16_convert(tmp_path):
     stores = re.findall(r"\bst(?:\.\w+)*\.[usb]8\s+\[[^\]]*\]\s*,\s*(%?\w+)", ptx)
     assert stores, "no byte store found in the write module"
     assert not halves & set(stores), sorted(halves & set(stores))
+
+
+def _ptx_entries(ptx: str) -> dict:
+    return {e.split("(")[0]: e for e in re.split(r"\.visible \.entry ", ptx)[1:]}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_kv_write_ptx_float_ops_exact(tmp_path):
+    """The premise of the NumPy port above: in every quantize kernel (kv_quant_*) of the write
+    module, compiled with the backend's options (--use_fast_math), each float operation is an
+    IEEE round-to-nearest one that keeps subnormals: add/sub/mul/div/sqrt .rn, setp/min/max
+    without .ftz, selp (a bit copy), f32 -> f16 by cvt.rn; no fma, no .approx, no .ftz except float -> integer
+    truncation (cvt.rzi.ftz.s32.f32, where a flushed subnormal and the subnormal both give 0)."""
+    f = tmp_path / "m.cu"
+    f.write_text(cuda_kv.write_source())
+    r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-ptx", "-o", str(tmp_path / "m.ptx"),
+                        str(f)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ents = {k: v for k, v in _ptx_entries((tmp_path / "m.ptx").read_text()).items() if k.startswith("kv_quant_")}
+    assert len(ents) == 8 + 6 * len(cuda_kv.KV_HEAD_DIMS)
+    allowed = {"add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32", "setp.lt.f32", "setp.le.f32",
+               "setp.eq.f32", "selp.f32", "max.f32", "min.f32", "cvt.rn.f16.f32", "cvt.rzi.f32.f32", "cvt.rzi.ftz.s32.f32"}
+    for name, body in ents.items():
+        ops = set(re.findall(r"\b((?:add|sub|mul|div|sqrt|fma|rcp|ex2|lg2|neg|abs|min|max|setp|cvt|mad|testp|selp)"
+                             r"(?:\.\w+)*\.f(?:16|32|64)(?:\.\w+)*)\b", body))
+        assert ops <= allowed, (name, sorted(ops - allowed))
+    turbo = ents["kv_quant_KTurbo3_d128"]
+    assert "sqrt.rn.f32" in turbo and "div.rn.f32" in turbo and "setp.le.f32" in turbo
+
+
+CUOBJDUMP = shutil.which("cuobjdump") or os.environ.get("OPENCOTI_CUOBJDUMP")
+
+
+def _sass_byte_stores_from_converts(sass: str) -> list:
+    """(function, store, register, defining op) for each byte store (ST*.U8 / .S8) whose data
+    register was last written by an F2I ... F16 or F2FP (half) convert."""
+    bad, fn, last = [], None, {}
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            fn, last = m.group(1), {}
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s+([^;]*);", line)
+        if not m:
+            continue
+        op, args = m.group(2), [a.strip() for a in m.group(3).split(",")]
+        if op.startswith("ST") and (".U8" in op or ".S8" in op):
+            d = last.get(args[-1])
+            if d and ((d.startswith("F2I") and "F16" in d) or d.startswith("F2FP")):
+                bad.append((fn, op, args[-1], d))
+        if args and re.match(r"R\d+$", args[0]) and not op.startswith("ST"):
+            last[args[0]] = op
+    return bad
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc / cuobjdump not installed")
+@pytest.mark.parametrize("what", ["write", ("q8_0", "turbo3", 256), ("turbo3_tcq", "q5_1", 128)])
+def test_kv_sass_no_numeric_f16_byte_store(tmp_path, what):
+    """SASS (sm_90, the backend's options): no F2I.*.F16 instruction and no byte store fed
+    directly by an f32 -> f16 convert in the KV modules (the H200 bug: F2I.U8.F16.TRUNC stored
+    the half's integer value instead of its low byte). The checker flags the pre-fix source."""
+    src = cuda_kv.write_source() if what == "write" else cuda_kv.attention_source(*what)
+    f = tmp_path / "m.cu"
+    f.write_text(src)
+    r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"),
+                        str(f)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(tmp_path / "m.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    assert "Function : " in sass
+    assert not re.findall(r"F2I[A-Z0-9_.]*\.F16", sass)
+    assert not _sass_byte_stores_from_converts(sass)

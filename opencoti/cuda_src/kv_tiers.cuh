@@ -26,12 +26,27 @@ __device__ __forceinline__ float xsub(float a, float b) { float r; asm("sub.rn.f
 __device__ __forceinline__ float xmul(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float xdiv(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float xsqrt(float a) { float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
+// comparisons, min/max/abs and negation without .ftz: --use_fast_math makes the C operators
+// flush subnormal operands to zero (setp.lt.ftz, max.ftz, abs.ftz, neg.ftz), NumPy does not
+__device__ __forceinline__ bool xlt(float a, float b) {
+    u32 r; asm("{ .reg .pred p; setp.lt.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b)); return r != 0u;
+}
+__device__ __forceinline__ bool xle(float a, float b) {
+    u32 r; asm("{ .reg .pred p; setp.le.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b)); return r != 0u;
+}
+__device__ __forceinline__ bool xeq(float a, float b) {
+    u32 r; asm("{ .reg .pred p; setp.eq.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b)); return r != 0u;
+}
+__device__ __forceinline__ float xmax(float a, float b) { float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float xmin(float a, float b) { float r; asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float xabs(float a) { return __uint_as_float(__float_as_uint(a) & 0x7FFFFFFFu); }
+__device__ __forceinline__ float xneg(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
 // C roundf (halves away from zero), as scalar.py's _roundf
 __device__ __forceinline__ float xround(float v) {
     float t = truncf(v);
-    return fabsf(xsub(v, t)) >= 0.5f ? xadd(t, copysignf(1.f, v)) : t;
+    return xle(0.5f, xabs(xsub(v, t))) ? xadd(t, copysignf(1.f, v)) : t;
 }
-__device__ __forceinline__ float kv_sign(int i) { return (KV_SIGNS[i >> 5] >> (i & 31)) & 1u ? -1.f : 1.f; }
+__device__ __forceinline__ bool kv_neg(int i) { return (KV_SIGNS[i >> 5] >> (i & 31)) & 1u; }  // sign s_i = -1
 
 // ---- register segments: NB bytes at an A-aligned address as little-endian u32 words
 template <int NB, int A>
@@ -94,27 +109,27 @@ struct KBF16 {
 // ---- warp helpers of the scalar encoders (one warp = one 32-value block, lane j = value j)
 __device__ __forceinline__ float wmax(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = xmax(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 __device__ __forceinline__ float wmin(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = xmin(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 // the value of largest magnitude, the first one on ties (scalar.py _signed_absmax)
 __device__ __forceinline__ float wsabsmax(float v, int lane) {
-    float a = fabsf(v);
+    float a = xabs(v);
     int i = lane;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         float oa = __shfl_xor_sync(0xffffffffu, a, o);
         int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (oa > a || (oa == a && oi < i)) { a = oa; i = oi; }
+        if (xlt(a, oa) || (xeq(oa, a) && oi < i)) { a = oa; i = oi; }
     }
     return __shfl_sync(0xffffffffu, v, i);
 }
-__device__ __forceinline__ float xinv(float d) { return d != 0.f ? xdiv(1.f, d) : 0.f; }
+__device__ __forceinline__ float xinv(float d) { return !xeq(d, 0.f) ? xdiv(1.f, d) : 0.f; }
 // a block's f16 field as one 16-bit store (p 2-aligned, as ldh; see f2h in quants.cuh for why not bytes)
 __device__ __forceinline__ void st16(u8* p, u16 h) { *(u16*)p = h; }
 // qs[j] = (q_j & 15) | (q_{j+16} & 15) << 4, written by lanes j < 16
@@ -139,7 +154,7 @@ struct KQ8_0 {
         return h2f(ldh(b)) * (float)(i8)b[2 + (i & 31)];
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q8_0_ref
-        float d = xdiv(wmax(fabsf(v)), 127.f), id = xinv(d);
+        float d = xdiv(wmax(xabs(v)), 127.f), id = xinv(d);
         dst[2 + lane] = (u8)(i8)(int)xround(xmul(v, id));
         if (lane == 0) st16(dst, f2h(d));
     }
@@ -311,7 +326,7 @@ template <int D>
 __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, bool exact) {
     const int nt = blockDim.x, tid = threadIdx.x;
     if (!inverse) {
-        for (int i = tid; i < n_rows * D; i += nt) v[i] = kv_sign(i % D) < 0.f ? -v[i] : v[i];
+        for (int i = tid; i < n_rows * D; i += nt) v[i] = kv_neg(i % D) ? xneg(v[i]) : v[i];  // x * s, exact
         __syncthreads();
     }
 #pragma unroll 1
@@ -327,7 +342,7 @@ __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, 
     }
     for (int i = tid; i < n_rows * D; i += nt) {
         float y = exact ? xmul(v[i], kv_isqrt(D)) : v[i] * kv_isqrt(D);
-        v[i] = inverse && kv_sign(i % D) < 0.f ? -y : y;
+        v[i] = inverse && kv_neg(i % D) ? xneg(y) : y;
     }
     __syncthreads();
 }

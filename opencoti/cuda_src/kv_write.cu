@@ -30,7 +30,7 @@ __device__ __forceinline__ void kv_quant_scalar(const float* __restrict__ x, u8*
         kv_quant_scalar<T>(x, store, cell, n_rows, n_kv, D); }
 DEF_QS(KF32) DEF_QS(KF16) DEF_QS(KBF16) DEF_QS(KQ8_0) DEF_QS(KQ6_0) DEF_QS(KQ5_1) DEF_QS(KQ5_0) DEF_QS(KQ4_0)
 
-// sum of p[0..64) into p[0] by halving (turbo.tree_sum's order); all threads of the block call it,
+// sum of p[0..64) into p[0] by halving (turbo.block_sum's order: p[j] += p[j + h], h = 32, ..., 1); all threads of the block call it,
 // threads with j = threadIdx.x & 63 < 64 of block base b0 own p[b0 + j]
 __device__ __forceinline__ void tree64(float* p, int tid, int j, bool active) {
 #pragma unroll
@@ -66,12 +66,12 @@ __device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* 
     __syncthreads();
     tree64(p, tid, j, true);
     const float n = xsqrt(p[b0]);
-    const float u = n > 0.f ? xmul(y, xdiv(8.f, n)) : 0.f;
+    const float u = xlt(0.f, n) ? xmul(y, xdiv(8.f, n)) : 0.f;
     const float* th = T::thr();
-    int lo = 0, hi = T::NT - 1;  // searchsorted(thresholds, u, side="left")
+    int lo = 0, hi = T::NT - 1;  // searchsorted(thresholds, u, side="left"): the thresholds below u
     while (lo < hi) {
         int mid = (lo + hi) >> 1;
-        if (th[mid] < u) lo = mid + 1; else hi = mid;
+        if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;  // th < u (a NaN u counts all, as NumPy sorts it last)
     }
     const float c = T::tab()[lo];
     idx[tid] = lo;
@@ -82,7 +82,7 @@ __device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* 
     tree64(p, tid, j, true);
     tree64(p2, tid, j, true);
     const float num = p[b0], den = p2[b0];
-    const float scale = den > 0.f ? xdiv(num, den) : 0.f;
+    const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
     const int t = r / n_kv, h = r % n_kv;
     u8* dst = store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB) + (long long)(tid >> 6) * T::BB;
     if (j == 0) st16(dst, f2h(scale));
@@ -110,7 +110,7 @@ __device__ __forceinline__ void viterbi(const float* ys, int n, int first_low, i
 #pragma unroll
         for (int jj = 1; jj < KK; jj++) {
             float c = cost[cur][g * KK + jj];
-            if (c < best) { best = c; bj = jj; }
+            if (xlt(c, best)) { best = c; bj = jj; }
         }
         if (s < G) back[t * G + s] = (u8)bj;
         float d = xsub(ys[t], cb[s]);
@@ -127,7 +127,7 @@ __device__ __forceinline__ void viterbi(const float* ys, int n, int first_low, i
         if (s < o) {
             float ov = rv[s + o];
             int oi = ri[s + o];
-            if (ov < rv[s] || (ov == rv[s] && oi < ri[s])) { rv[s] = ov; ri[s] = oi; }
+            if (xlt(ov, rv[s]) || (xeq(ov, rv[s]) && oi < ri[s])) { rv[s] = ov; ri[s] = oi; }
         }
         __syncthreads();
     }
@@ -161,7 +161,7 @@ __device__ __forceinline__ void kv_quant_tcq(const float* __restrict__ x, u8* __
     __syncthreads();
     tree64(p, tid, j, act);
     const float n = xsqrt(p[0]);
-    if (act) u[j] = n > 0.f ? xmul(yb[j], xdiv(8.f, n)) : 0.f;
+    if (act) u[j] = xlt(0.f, n) ? xmul(yb[j], xdiv(8.f, n)) : 0.f;
     __syncthreads();
     if (tid < 2 * W) yw[tid] = tid < W ? u[64 - W + tid] : u[tid - W];
     __syncthreads();
@@ -174,7 +174,7 @@ __device__ __forceinline__ void kv_quant_tcq(const float* __restrict__ x, u8* __
     tree64(p, tid, j, act);
     tree64(p2, tid, j, act);
     const float num = p[0], den = p2[0];
-    const float scale = den > 0.f ? xdiv(num, den) : 0.f;
+    const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
     const int t = r / n_kv, h = r % n_kv;
     u8* dst = store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB) + (long long)blk * T::BB;
     if (tid == 0) st16(dst, f2h(scale));

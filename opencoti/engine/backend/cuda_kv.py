@@ -11,9 +11,13 @@ module is compiled with that prefix, so the GPU and the CPU always share one tab
 
 Byte layouts and rounding are the CPU tiers' (``opencoti/engine/kv_tiers``): the write
 kernels store the same bytes as ``KVTier.quantize`` -- bit for bit for every tier (the
-scalar tiers follow ggml's reference rounding; the rotated tiers repeat ``turbo.rotate``'s
-butterfly order and ``turbo.tree_sum``'s summation order with IEEE round-to-nearest PTX
-arithmetic, and the trellis tiers run the same Viterbi search with the same tie-breaking).
+scalar tiers follow ggml's reference rounding; the rotated tiers repeat ``turbo.py``'s fixed
+float32 arithmetic -- ``fwht`` stage by stage, ``block_sum``'s pairwise order, correctly
+rounded sqrt and division -- with IEEE round-to-nearest PTX instructions that keep subnormals
+(no .ftz / .approx / fma despite --use_fast_math), and the trellis tiers run ``trellis.py``'s
+Viterbi search with the same tie-breaking). Proven on the CPU by an op-by-op NumPy port of the
+write kernels and a PTX check (tests/test_kv_tiers_cuda_emul.py); valid for finite inputs whose
+block sums of squares do not overflow.
 """
 
 from __future__ import annotations
