@@ -1135,3 +1135,84 @@ def test_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant):
                 assert isinstance(r.kv.recurrent.conv[il], want_type), (ngl, il)
             assert isinstance(r.net.layers[il].attn_norm, want_type), (ngl, il)
 
+
+# ---------------------------------------------------------------------------------------
+# KV tiers with main's features: -ngl splits and shared-prefix groups (-k kv_tier)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,variant,tk,tv", [("gemma3", None, "q8_0", "turbo3"), ("llama", None, "turbo3_tcq", "q4_0"),
+                                                ("gemma4", "e_series", "q8_0", "q8_0")])
+def test_kv_tier_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant, tk, tv):
+    """-ngl 1 and n_layer - 1 with quantized -ctk/-ctv: each CUDA layer's K/V is the tier's uint8
+    storage on the device (KVCache zeros_for) whose reads / requantizes go through the CUDA
+    backend (kv_ops_for: kv_read / kv_store), each CPU layer's is NumPy with the tier's NumPy
+    code; the logits (teacher-forced on the CPU's greedy tokens, prefill in ubatches of 16, 4
+    single-token steps, a context shift for gemma3/llama) match the CPU backend with the same
+    tiers (max |dlogit| < 5e-2 of the largest logit; greedy equal where the CPU's top-2 margin
+    exceeds twice that error). gemma4 E-series: a KV-sharing layer across the split reads a
+    copy of its source's quantized bytes."""
+    pytest.importorskip("transformers")
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / f"ngl-tier-{arch}.gguf"
+    if arch == "gemma4":
+        sg.write_random_model(arch, path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
+    else:
+        sg.write_random_model(arch, path, "Q8_0", seed=3, hidden_size=256, intermediate_size=512, head_dim=64)
+    model = load_model(str(path), with_tokenizer=False)
+    n = model.hparams.n_layer
+    prompt = [(i * 37 + 11) % 300 for i in range(20)]
+    shift = arch in ("gemma3", "llama")
+
+    def run(backend, ngl, feed=None):
+        r = ModelRunner(model, backend, n_ctx=64, n_ubatch=16, n_gpu_layers=ngl, type_k=tk, type_v=tv)
+        out = [np.concatenate([lg for _, lg in iter_logits(r, prompt)])]
+        toks = []
+        for i in range(4):
+            toks.append(int(np.argmax(out[-1][-1])) if feed is None else feed[i])
+            out.append(r.decode(UBatch.build([toks[-1]], [len(prompt) + i], [0], [0])))
+        if shift:
+            r.kv.seq_rm(0, 2, 6)
+            r.seq_add(0, 6, len(prompt) + 4, -4)
+            out.append(r.decode(UBatch.build([5], [len(prompt)], [0], [0])))
+        return r, toks, np.concatenate(out)
+
+    _, want_toks, want = run(cpu, -1)
+    top2 = np.sort(want, axis=1)[:, -2:]
+    for ngl in (1, n - 1):
+        r, _, got = run(gpu, ngl, feed=want_toks)
+        assert r.split is not None and r.split.i_gpu_start == n - ngl
+        for il in range(n):
+            c = r.kv.layer_cache[il]
+            if c is None or il not in c.k:
+                continue
+            on_gpu = il >= n - ngl
+            for a, t in ((c.k[il], tk), (c.v[il], tv)):
+                assert isinstance(a, cp.ndarray if on_gpu else np.ndarray), (ngl, il)
+                assert a.dtype == get_tier(t).dtype, (ngl, il, a.dtype)
+            assert (c.kv_ops[il] is gpu) if on_gpu else (c.kv_ops[il] is None), (ngl, il)
+        err = float(np.max(np.abs(got - want)))
+        assert err < 5e-2 * max(1.0, float(np.max(np.abs(want)))), (ngl, err)
+        sure = (top2[:, 1] - top2[:, 0]) > 2 * err
+        assert (np.argmax(got, 1) == np.argmax(want, 1))[sure].all(), ngl
+
+
+@pytest.mark.parametrize("tk,tv", [("q8_0", "turbo3"), ("turbo3_tcq", "turbo3_tcq"), ("f16", "q4_0")])
+def test_kv_tier_shared_prefix_groups_fall_back(gpu, cpu, monkeypatch, tk, tv):
+    """A plan with shared-prefix groups over quantized K/V (any pair but f16/f16) does not take
+    the shared-prefix kernel: the per-sequence tier kernel reads every view's cells, and the
+    result equals the CPU's attention over the same bytes with the same groups."""
+    rng = np.random.default_rng(23)
+    d, n_head, n_kv = 128, 8, 2
+    cc, plan, ub_pos = _shared_prefix_plan(n_kv, d, 300, 4, 2, rng)
+    assert plan.groups
+    kq, vq = _tier_stores(rng, cc, tk, tv)
+    q = rng.standard_normal((len(ub_pos), n_head, d)).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    Tk, Tv = get_tier(tk), get_tier(tv)
+    want = cpu.attention_cells(q, ub_pos, kq, vq, plan, scale, 0, 0.0, type_k=Tk, type_v=Tv)
+    monkeypatch.setattr(gpu, "_attention_groups", lambda *a, **kw: pytest.fail("shared-prefix path taken"))
+    gpu._meta = {}
+    got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan, scale,
+                                         0, 0.0, type_k=Tk, type_v=Tv))
+    np.testing.assert_allclose(got, want, **KV_TOL)

@@ -362,9 +362,10 @@ __device__ __forceinline__ void attn_kv_impl(
                 m[g] = mn;
             }
         }
-        while (mask) {
-            int j = __ffs(mask) - 1;
-            mask &= mask - 1;
+        // PV over the tile's 32 cells in a fixed-count loop, as the f16 kernel (masked cells: p = 0
+        // and a valid cell index, 0 past the list's end)
+#pragma unroll 8
+        for (int j = 0; j < 32; j++) {
             int cj = __shfl_sync(0xffffffffu, cell, j);
             float vf[E];
             kv_pv_vals<TV, E>(V + ((long long)cj * n_kv + kh) * RBV, lane, s_tv, vf);

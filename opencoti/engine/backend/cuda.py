@@ -1027,8 +1027,9 @@ class CUDABackend:
         g = next((x for x in groups if x >= G), groups[-1])
         n_hg = (G + g - 1) // g
         meta = self._plan_meta(plan, k_store.shape[1])
-        if (getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and k_store.dtype == np.float16
-                and v_store.dtype == np.float16):
+        # shared-prefix groups: f16 / f16 only; any other tier pair reads every view's cells (the
+        # groups' shared cells included) through the per-sequence tier kernel below
+        if getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and not quant:
             return self._attention_groups(q, q_pos, k_store, v_store, plan, scale, n_swa, softcap, g, n_hg)
         out = cp.empty((T, H * D), dtype=cp.float32)
         base = T * n_kv * n_hg
