@@ -26,38 +26,14 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from opencoti.engine.batch import UBatch  # noqa: E402
 from opencoti.engine.runner import ModelRunner  # noqa: E402
 from opencoti.model.gguf_file import GGUFFile  # noqa: E402
 from opencoti.model.loader import load_model  # noqa: E402
+from common import llama_cpp_refs, prefill, timed, token  # noqa: E402
 from opencoti.tools.decode_bytes import H200_BW_TBS, gguf_decode_bytes  # noqa: E402
-
-LLAMA_CPP_H200 = {"pp512": 49823, "pp4096": 39022, "tg128": 939, "tg128 @ d8192": 844,
-                  "decode x1": 825, "decode x8": 3987, "decode x32": 7561, "decode x64": 9391}
-# Qwen2.5-7B Q4_K_M (synthetic, same shapes and types) on the same H200 (BENCHMARKS.md)
-LLAMA_CPP_H200_7B = {"pp512": 9467, "tg128": 251, "decode x1": 244, "decode x8": 971, "decode x32": 3398}
-
-
-def _prefill(runner, n, seq=0, pos0=0, seed=0):
-    toks = np.random.default_rng(seed).integers(100, 20000, n)
-    for s in range(0, n, runner.n_ubatch):
-        c = toks[s:s + runner.n_ubatch]
-        m = len(c)
-        runner.decode(UBatch.build(c, np.arange(pos0 + s, pos0 + s + m), [seq] * m, [m - 1]))
-
-
-def _timed(fn, reps):
-    out = []
-    for r in range(reps + 1):
-        v = fn()
-        if r:
-            out.append(v)
-    return out
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,19 +54,19 @@ def main() -> None:
         def pp(n=n):
             runner.kv.clear()
             t = time.perf_counter()
-            _prefill(runner, n)
+            prefill(runner, n)
             return n / (time.perf_counter() - t)
-        rows.append((f"pp{n}", _timed(pp, a.repetitions)))
+        rows.append((f"pp{n}", timed(pp, a.repetitions)))
     for d in [int(x) for x in a.depths.split(",") if x]:
         def tg(d=d):
             runner.kv.clear()
             if d:
-                _prefill(runner, d)
+                prefill(runner, d)
             t = time.perf_counter()
             for i in range(128):
-                runner.decode(UBatch.build([1000 + i], [d + i], [0], [0]))
+                runner.decode(UBatch.build([token(runner, i)], [d + i], [0], [0]))
             return 128 / (time.perf_counter() - t)
-        rows.append(("tg128" + (f" @ d{d}" if d else ""), _timed(tg, a.repetitions)))
+        rows.append(("tg128" + (f" @ d{d}" if d else ""), timed(tg, a.repetitions)))
     runner = None  # free the KV before the aggregate runs
 
     for ns in [int(x) for x in a.seqs.split(",") if x]:
@@ -99,13 +75,13 @@ def main() -> None:
         def agg(r=r, ns=ns):
             r.kv.clear()
             for s in range(ns):
-                _prefill(r, 512, seq=s, seed=s)
+                prefill(r, 512, seq=s, seed=s)
             t = time.perf_counter()
             for i in range(128):
-                r.decode(UBatch.build([1000 + i + s for s in range(ns)], [512 + i] * ns, list(range(ns)),
+                r.decode(UBatch.build([token(r, i + s) for s in range(ns)], [512 + i] * ns, list(range(ns)),
                                       list(range(ns))))
             return ns * 128 / (time.perf_counter() - t)
-        rows.append((f"decode x{ns}", _timed(agg, max(1, a.repetitions - 1))))
+        rows.append((f"decode x{ns}", timed(agg, max(1, a.repetitions - 1))))
         r = None
 
     from opencoti.engine.backend import get_backend
@@ -119,7 +95,7 @@ def main() -> None:
           f"{db.experts / 2**20:,.1f}, embedding row {db.embd_rows / 2**10:,.1f} KiB, output head "
           f"{db.output / 2**20:,.1f}, rest {db.other / 2**20:,.1f}; KV not counted) -> "
           f"{bound:,.0f} tok/s at {a.bw:g} TB/s\n")
-    refs = LLAMA_CPP_H200_7B if "7B" in model.name else LLAMA_CPP_H200 if "270m" in model.name.lower() else {}
+    refs = llama_cpp_refs(model.name)
     print("| test | opencoti t/s | llama.cpp t/s (H200) | ratio | bound t/s | of bound |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, vals in rows:

@@ -24,35 +24,13 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from opencoti.engine.backend import get_backend  # noqa: E402
 from opencoti.engine.batch import UBatch  # noqa: E402
 from opencoti.engine.runner import ModelRunner  # noqa: E402
 from opencoti.model.loader import load_model  # noqa: E402
-
-LLAMA_CPP_H200 = {"pp512": 49823, "pp4096": 39022, "tg128": 939, "tg128 @ d8192": 844,
-                  "decode x1": 825, "decode x8": 3987, "decode x32": 7561, "decode x64": 9391}
-
-
-def _prefill(runner, n, seq=0, pos0=0, seed=0):
-    toks = np.random.default_rng(seed).integers(100, 20000, n)
-    for s in range(0, n, runner.n_ubatch):
-        c = toks[s:s + runner.n_ubatch]
-        m = len(c)
-        runner.decode(UBatch.build(c, np.arange(pos0 + s, pos0 + s + m), [seq] * m, [m - 1]))
-
-
-def _timed(fn, reps):
-    out = []
-    for r in range(reps + 1):
-        v = fn()
-        if r:  # the first run warms up (pipelines, descriptor sets, allocations)
-            out.append(v)
-    return out
-
+from common import llama_cpp_refs, prefill, timed, token  # noqa: E402
 
 def run_tests(model, backend, a) -> dict:
     """``{test name: [tokens/s per run]}`` on ``backend``."""
@@ -66,20 +44,20 @@ def run_tests(model, backend, a) -> dict:
         def pp(n=n, runner=runner):
             runner.kv.clear()
             t = time.perf_counter()
-            _prefill(runner, n)
+            prefill(runner, n)
             return n / (time.perf_counter() - t)
-        rows[f"pp{n}"] = _timed(pp, a.repetitions)
+        rows[f"pp{n}"] = timed(pp, a.repetitions)
     runner = ModelRunner(model, backend, n_ctx=max(depths + [0]) + a.tg + 256, n_ubatch=512)
     for d in depths:
         def tg(d=d, runner=runner):
             runner.kv.clear()
             if d:
-                _prefill(runner, d)
+                prefill(runner, d)
             t = time.perf_counter()
             for i in range(a.tg):
-                runner.decode(UBatch.build([1000 + i], [d + i], [0], [0]))
+                runner.decode(UBatch.build([token(runner, i)], [d + i], [0], [0]))
             return a.tg / (time.perf_counter() - t)
-        rows[f"tg{a.tg}" + (f" @ d{d}" if d else "")] = _timed(tg, a.repetitions)
+        rows[f"tg{a.tg}" + (f" @ d{d}" if d else "")] = timed(tg, a.repetitions)
     del runner
     for ns in [int(x) for x in a.seqs.split(",") if x]:
         r = ModelRunner(model, backend, n_ctx=ns * 640 + 256, n_seq_max=ns, kv_unified=True, n_ubatch=512)
@@ -87,13 +65,13 @@ def run_tests(model, backend, a) -> dict:
         def agg(r=r, ns=ns):
             r.kv.clear()
             for s in range(ns):
-                _prefill(r, 512, seq=s, seed=s)
+                prefill(r, 512, seq=s, seed=s)
             t = time.perf_counter()
             for i in range(128):
-                r.decode(UBatch.build([1000 + i + s for s in range(ns)], [512 + i] * ns, list(range(ns)),
+                r.decode(UBatch.build([token(r, i + s) for s in range(ns)], [512 + i] * ns, list(range(ns)),
                                       list(range(ns))))
             return ns * 128 / (time.perf_counter() - t)
-        rows[f"decode x{ns}"] = _timed(agg, max(1, a.repetitions - 1))
+        rows[f"decode x{ns}"] = timed(agg, max(1, a.repetitions - 1))
         del r
     return rows
 
@@ -129,11 +107,11 @@ def main() -> None:
 
     # dispatches recorded and submits of a first and a second decode step (graphs record once)
     r = ModelRunner(model, vk, n_ctx=512, n_ubatch=512)
-    _prefill(r, 64)
+    prefill(r, 64)
     per_step = []
     for i in range(2):
         d0, s0 = vk.rt.n_dispatches, vk.rt.n_submits
-        r.decode(UBatch.build([1000 + i], [64 + i], [0], [0]))
+        r.decode(UBatch.build([token(r, i)], [64 + i], [0], [0]))
         per_step.append((vk.rt.n_dispatches - d0, vk.rt.n_submits - s0))
 
     print(f"\nopencoti bench: Vulkan device {a.main_gpu}: {vk.device_name}; model {model.name}, "
@@ -143,8 +121,9 @@ def main() -> None:
     cols = ["vulkan"] + (["cuda"] if a.cuda else [])
     print("| test | " + " | ".join(f"opencoti {c} t/s" for c in cols) + " | llama.cpp CUDA t/s (H200) |")
     print("| --- | " + " | ".join("---:" for _ in cols) + " | ---: |")
+    refs = llama_cpp_refs(model.name)
     for name in res["vulkan"]:
-        ref = LLAMA_CPP_H200.get(name)
+        ref = refs.get(name)
         print(f"| {name} | " + " | ".join(_fmt(res[c].get(name)) for c in cols)
               + f" | {f'{ref:,}' if ref else ''} |")
 

@@ -103,14 +103,7 @@ class DecoderModel:
         for b in self.backends:
             require_rope_yarn(b, hp)
 
-        def req(name: str):
-            if name not in gguf.tensors:
-                raise GGUFError(f"{gguf.path}: missing tensor {name!r} for architecture {hp.arch}")
-            return self.load_weight(name)
-
-        def opt(name: str):
-            return self.load_weight(name) if name in gguf.tensors else None
-
+        req, opt = self.require, self.optional
         self.tok_embd = req("token_embd.weight")
         if self.tok_embd.shape[0] != hp.n_vocab:
             hp.n_vocab = self.tok_embd.shape[0]
@@ -179,6 +172,27 @@ class DecoderModel:
     def load_weight(self, name: str):
         """Tensor ``name`` loaded by (and living on) ``backend_of(name)``."""
         return self.backend_of(name).load_weight(self.gguf, name)
+
+    def require(self, name: str, shape: tuple | None = None):
+        """Tensor ``name`` of the file, loaded on its backend (``load_weight``). Raises
+        ``GGUFError`` when the file lacks it or, with ``shape``, when its shape differs."""
+        self.tensors_read.add(name)
+        t = self.gguf.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"{self.gguf.path}: missing tensor {name!r} for architecture {self.hp.arch}")
+        if shape is not None and t.shape != shape:
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {t.shape}, expected {shape}")
+        return self.load_weight(name)
+
+    @property
+    def tensors_read(self) -> set:
+        """Names ``require`` / ``optional`` loaded so far (an architecture that must use every
+        tensor of its file compares them with ``gguf.tensors``)."""
+        return self.__dict__.setdefault("_tensors_read", set())
+
+    def optional(self, name: str, shape: tuple | None = None):
+        """``require(name, shape)`` when the file has tensor ``name``, else None."""
+        return self.require(name, shape) if name in self.gguf.tensors else None
 
     def output_weight(self, out):
         """The vocabulary projection: ``out`` (``output.weight``), or, when the file ties it

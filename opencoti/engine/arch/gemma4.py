@@ -217,19 +217,7 @@ class Gemma4(DecoderModel):
         self.gguf = gguf
         self.place(backend)  # one backend, or a LayerSplit (-ngl): weights go to their layer's backend
 
-        used: set[str] = set()
-
-        def req(name: str, shape: Optional[tuple] = None):
-            used.add(name)
-            if name not in gguf.tensors:
-                raise GGUFError(f"{gguf.path}: missing tensor {name!r} for architecture {ARCH}")
-            if shape is not None and gguf.tensors[name].shape != shape:
-                raise GGUFError(f"{gguf.path}: tensor {name!r} has shape {gguf.tensors[name].shape}, "
-                                f"expected {shape}")
-            return self.load_weight(name)
-
-        def opt(name: str, shape: Optional[tuple] = None):
-            return req(name, shape) if name in gguf.tensors else None
+        req, opt = self.require, self.optional
 
         n_embd, n_layer = hp.n_embd, hp.n_layer
         for b in self.backends:
@@ -300,7 +288,7 @@ class Gemma4(DecoderModel):
                 L.proj = req(p + "proj.weight", (n_embd, n_pl))
                 L.post_norm = req(p + "post_norm.weight", (n_embd,))
             self.layers.append(L)
-        extra = sorted(set(gguf.tensors) - used)
+        extra = sorted(set(gguf.tensors) - self.tensors_read)
         if extra:  # llama.cpp: "wrong number of tensors"; a feature this graph does not have
             raise GGUFError(f"{gguf.path}: {ARCH}: {len(extra)} tensor(s) of features this architecture does "
                             f"not support, e.g. {', '.join(extra[:4])}")

@@ -184,13 +184,7 @@ class Qwen35(DecoderModel):
             if hp.n_expert:
                 require_backend_ops(b, hp.arch, "the mixture-of-experts FFN", ("moe_ffn",))
 
-        def req(name: str):
-            if name not in gguf.tensors:
-                raise GGUFError(f"{gguf.path}: missing tensor {name!r} for architecture {hp.arch}")
-            return self.load_weight(name)
-
-        def opt(name: str):
-            return self.load_weight(name) if name in gguf.tensors else None
+        req, opt = self.require, self.optional
 
         self.tok_embd = req("token_embd.weight")
         if self.tok_embd.shape[0] != hp.n_vocab:
