@@ -7,8 +7,9 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 - ``mul_mat`` with few activation rows: a GEMV that dequantizes the weight's
   blocks in registers (warps per output row, coalesced units as ggml-cuda
   ``mul_mat_vec_q``), over tiles of ``GEMV_TILE`` rows; from ``F16_GEMM_MIN_ROWS``
-  rows (batched decode) the weight is dequantized to f16 in a scratch buffer and
-  multiplied by cuBLAS ``gemmEx`` (f32 accumulate); prefill: the weight is dequantized to
+  rows (batched decode) a quantized / f16 / bf16 weight is dequantized to f16 in a scratch
+  buffer and multiplied by cuBLAS ``gemmEx`` (f32 accumulate; float32 weights stay in the
+  float32 GEMV); prefill: the weight is dequantized to
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
 - ``attention_cells``: split-K online-softmax attention that reads f16 K/V through the cache
   plan's per-sequence cell lists (``attention.cu``). A plan with PolyKV shared-prefix groups
@@ -321,8 +322,10 @@ class CUDABackend:
         rows, cols = w.shape
         if k != cols:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
+        # float32 weights (MoE routers, small projections) are never rounded to f16, as in
+        # llama.cpp: a router's near-tied experts flip under f16 inputs (the qwen3next finding)
         if (F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL)
-                and cols % 32 == 0 and self._f16_ok and not self._capturing):
+                and cols % 32 == 0 and w.ggml_type != 0 and self._f16_ok and not self._capturing):
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
