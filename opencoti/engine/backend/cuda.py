@@ -51,6 +51,7 @@ import numpy as np
 
 from opencoti.engine.backend.cpu import yarn_corr_dims
 from opencoti.engine.backend.cuda_kernels import load_module
+from opencoti.engine.backend.experts import ExpertRows
 from opencoti.model.gguf_file import GGUFFile
 
 GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
@@ -125,7 +126,7 @@ class QTensor:
         return int(self.data.nbytes)
 
 
-class QExperts:
+class QExperts(ExpertRows):
     """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the GPU in its block format.
 
     ``data``: uint8 CuPy array of the whole tensor's bytes (expert e at ``e *
@@ -137,12 +138,8 @@ class QExperts:
 
     def __init__(self, data, ggml_type: int, shape: tuple[int, int, int], row_bytes: int, expert_bytes: int,
                  row0: int = 0):
+        super().__init__(ggml_type, shape, row_bytes, expert_bytes, row0)
         self.data = data
-        self.ggml_type = int(ggml_type)
-        self.shape = tuple(int(v) for v in shape)
-        self.row_bytes = int(row_bytes)
-        self.expert_bytes = int(expert_bytes)
-        self.row0 = int(row0)
 
     @property
     def nbytes(self) -> int:
@@ -161,12 +158,9 @@ class QExperts:
                 raise IndexError(f"expert {e} out of range [0, {n_exp})")
             a = e * self.expert_bytes + self.row0 * self.row_bytes
             return QTensor(self.data[a:a + rows * self.row_bytes], self.ggml_type, (rows, cols), self.row_bytes)
-        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
-                and key[1].step in (None, 1)):
-            a, b, _ = key[1].indices(rows)
-            b = max(a, b)
-            return QExperts(self.data, self.ggml_type, (n_exp, b - a, cols), self.row_bytes, self.expert_bytes,
-                            self.row0 + a)
+        view = self.row_slice(key)
+        if view is not None:
+            return view
         raise TypeError(f"QExperts supports [expert] and [:, row_slice], not {key!r}")
 
 
@@ -715,11 +709,6 @@ class CUDABackend:
         self._meta[id(plan)] = (plan, m)  # the plan is kept alive so its id cannot be reused meanwhile
         return m
 
-    @staticmethod
-    def _plan_host(plan, n_cells: int, cap: int):
-        """Host arrays of a plan's metadata (``CachePlan.flat``), cells padded to ``cap``."""
-        return plan.flat(n_cells, cap)
-
     # -- shared-prefix groups (PolyKV) ------------------------------------------------------
     _GROUP_PARTS = ("p_off", "p_cells", "p_pos", "row_slot", "g_rows", "g_len", "g_cells", "g_pos")
 
@@ -831,7 +820,7 @@ class CUDABackend:
                      for p, gc in zip(kv_plans, gcaps)))
         host = [ub.tokens, ub.pos, ub.out_rows]
         for p, n, cap in zip(kv_plans, ncells, caps):
-            host += self._plan_host(p, n, cap)
+            host += p.flat(n, cap)
         for p in rs_plans:
             host += self._rs_host(p)
         grp = []  # (plan index, first part, parts, info) of the shared-prefix groups, staged last
