@@ -80,7 +80,10 @@ def run_all(engine, prompts, n_gen, **kw):
     # tokens before t_all would inflate the rate of staggered joins)
     t_stop = min(st[-1] for st in stamps)  # until the first session finishes
     n_window = sum(1 for st in stamps for t in st if t_all < t <= t_stop)
-    decode_tps = n_window / (t_stop - t_all) if t_stop > t_all and n_window else float("nan")
+    # tokens are stamped when a reader thread takes them, so a window shorter than about two
+    # decode steps of every session measures thread wake-ups, not decoding: nan (raise --gen)
+    ok = t_stop > t_all and n_window >= 2 * len(handles)
+    decode_tps = n_window / (t_stop - t_all) if ok else float("nan")
     return join, decode_tps, fins, tokens
 
 

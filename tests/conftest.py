@@ -56,3 +56,31 @@ def synth128_path(tmp_path_factory) -> str:
     from opencoti.tools.kv_tier_quality import write_synth128
 
     return write_synth128(tmp_path_factory.mktemp("synth128") / "synth128.gguf")
+
+
+# -- Vulkan test modules (they skip first through vk_guard.vulkan_devices) ----------------
+@pytest.fixture(scope="module")
+def vk():
+    from vk_guard import DEVICE
+
+    from opencoti.engine.backend import get_backend
+
+    return get_backend("vulkan", DEVICE)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    from opencoti.engine.backend.cpu import CPUBackend
+
+    return CPUBackend()
+
+
+@pytest.fixture
+def gpu_paths(vk):
+    """Force the code paths a GPU takes (32 lanes per GEMV row, tiled GEMM past 8
+    tokens, split-K attention, here from 16 cells per split) on whatever device runs
+    the tests; restored after."""
+    saved = (vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells)
+    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = 32, 8, 512, 16
+    yield vk
+    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = saved

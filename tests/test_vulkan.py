@@ -31,11 +31,7 @@ import numpy as np
 import pytest
 from gemma_refs import load_refs, logprobs
 from quant_blocks import random_blocks, ref_dequant
-
-from opencoti.engine.backend import get_backend
-from opencoti.engine.backend.cpu import CPUBackend
-
-from vk_guard import DEVICE, vulkan_devices  # noqa: E402
+from vk_guard import DEVICE, vulkan_devices
 
 _DEVS = vulkan_devices()
 
@@ -61,31 +57,6 @@ IS_CPU_DEVICE = _DEVS[DEVICE].is_cpu if DEVICE < len(_DEVS) else False
 # type-independent logic (reduction, tiling) on three types, to keep CI short.
 MM_CASES = [(q, "cpu" if IS_CPU_DEVICE else "gpu") for q in QNAMES]
 MM_CASES += [(q, "gpu") for q in ("F16", "Q8_0", "Q4_K")] if IS_CPU_DEVICE else [(q, "cpu") for q in ("F16", "Q8_0", "Q4_K")]
-
-
-@pytest.fixture(scope="module")
-def vk():
-    return get_backend("vulkan", DEVICE)
-
-
-@pytest.fixture(scope="module")
-def cpu():
-    return CPUBackend()
-
-
-@pytest.fixture
-def gpu_paths(vk):
-    """Force the code paths a GPU takes (32 lanes per GEMV row, tiled GEMM past 8
-    tokens, split-K attention, here from 16 cells per split) on whatever device runs
-    the tests; restored after."""
-    saved = (vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells)
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = 32, 8, 512, 16
-    yield vk
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = saved
-
-
-
-
 
 
 def upload(vk, raw, qname, cols):

@@ -20,14 +20,9 @@ of 45 after a K shift whose requantization may round one code differently).
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-
-from opencoti.engine.backend import get_backend
-from opencoti.engine.backend.cpu import CPUBackend
-
-from vk_guard import DEVICE, vulkan_devices  # noqa: E402
+from vk_guard import vulkan_devices
 
 vulkan_devices()
 
@@ -42,25 +37,6 @@ from opencoti.engine.runner import ModelRunner, iter_logits  # noqa: E402
 pytestmark = pytest.mark.vulkan
 
 ROTATED_TIERS = ("turbo8", "turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")
-
-
-@pytest.fixture(scope="module")
-def vk():
-    return get_backend("vulkan", DEVICE)
-
-
-@pytest.fixture(scope="module")
-def cpu():
-    return CPUBackend()
-
-
-@pytest.fixture
-def gpu_paths(vk):
-    """The GPU code paths (32 lanes per GEMV row, split-K attention from 16 cells) on any device."""
-    saved = (vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells)
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = 32, 8, 512, 16
-    yield vk
-    vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = saved
 
 
 def _close(got, want, what=""):

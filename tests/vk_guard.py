@@ -1,4 +1,5 @@
-"""Whether a Vulkan device exists, for the Vulkan test modules: without one they skip, unless
+"""Whether a Vulkan device exists, for the Vulkan test modules (their shared fixtures
+``vk`` and ``gpu_paths`` are in ``conftest.py``): without one they skip, unless
 ``OPENCOTI_REQUIRE_VULKAN=1`` (set by ``.ci/run``, which installs Mesa's lavapipe) turns the
 missing device into a failure. ``OPENCOTI_VK_DEVICE`` picks the device index (default 0)."""
 
@@ -28,3 +29,4 @@ def vulkan_devices(module_level: bool = True) -> list:
         if os.environ.get("OPENCOTI_REQUIRE_VULKAN", "0") not in ("", "0"):
             raise RuntimeError(f"OPENCOTI_REQUIRE_VULKAN is set but Vulkan is unavailable: {e}") from None
         pytest.skip(f"no Vulkan device ({e})", allow_module_level=module_level)
+

@@ -17,6 +17,7 @@
 // normalized output is written directly, else (max, sum, acc) partials that
 // attn_merge combines by log-sum-exp (Dao et al., flash-decoding).
 #include "quants.cuh"
+#include "lse_merge.cuh"
 
 #define NWARP 4
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -208,20 +209,10 @@ DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
 extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                       float* __restrict__ out, int n_head, int D, int n_split) {
     long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
-    float M = NEG_INF;
-    for (int s = 0; s < n_split; s++) M = fmaxf(M, part_ml[2 * (rh * n_split + s)]);
+    const float M = lse_max(part_ml, rh * n_split, n_split, NEG_INF);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float L = 0.f, A = 0.f;
-        if (M != NEG_INF) {
-            for (int s = 0; s < n_split; s++) {
-                long long pi = rh * n_split + s;
-                float ms = part_ml[2 * pi];
-                if (ms == NEG_INF) continue;
-                float f = __expf(ms - M);
-                L += part_ml[2 * pi + 1] * f;
-                A += part_acc[pi * D + d] * f;
-            }
-        }
+        if (M != NEG_INF) lse_add(part_acc, part_ml, rh * n_split, n_split, D, d, M, L, A);
         out[rh * D + d] = L > 0.f ? A / L : 0.f;
     }
 }

@@ -26,6 +26,7 @@
 // from attention.cu's attn_partial over the private cell lists) and, when
 // row_slot[r] >= 0, the shared partials of that group row (n_ss splits).
 #include "quants.cuh"
+#include "lse_merge.cuh"
 
 #define SP_NW 4
 #define SP_QT (16 * SP_NW)
@@ -239,28 +240,12 @@ extern "C" __global__ void sp_merge(const float* __restrict__ p_acc, const float
     const int slot = row_slot[blockIdx.x];
     const long long sh = slot >= 0 ? (long long)slot * n_head + blockIdx.y : 0;
     const int nss = slot >= 0 ? n_ss : 0;
-    float M = SP_NEG_INF;
-    for (int s = 0; s < n_sp; s++) M = fmaxf(M, p_ml[2 * (rh * n_sp + s)]);
-    for (int s = 0; s < nss; s++) M = fmaxf(M, s_ml[2 * (sh * n_ss + s)]);
+    const float M = lse_max(s_ml, sh * n_ss, nss, lse_max(p_ml, rh * n_sp, n_sp, SP_NEG_INF));
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float L = 0.f, A = 0.f;
         if (M != SP_NEG_INF) {
-            for (int s = 0; s < n_sp; s++) {
-                long long pi = rh * n_sp + s;
-                float ms = p_ml[2 * pi];
-                if (ms == SP_NEG_INF) continue;
-                float f = __expf(ms - M);
-                L += p_ml[2 * pi + 1] * f;
-                A += p_acc[pi * D + d] * f;
-            }
-            for (int s = 0; s < nss; s++) {
-                long long pi = sh * n_ss + s;
-                float ms = s_ml[2 * pi];
-                if (ms == SP_NEG_INF) continue;
-                float f = __expf(ms - M);
-                L += s_ml[2 * pi + 1] * f;
-                A += s_acc[pi * D + d] * f;
-            }
+            lse_add(p_acc, p_ml, rh * n_sp, n_sp, D, d, M, L, A);
+            lse_add(s_acc, s_ml, sh * n_ss, nss, D, d, M, L, A);
         }
         out[rh * D + d] = L > 0.f ? A / L : 0.f;
     }

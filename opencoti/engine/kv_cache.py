@@ -754,11 +754,12 @@ class KVCacheSet:
         for c in self.caches:
             if c.n_swa <= 0:
                 continue
-            ids = [int(s) for s in seq_ids if c.seq_pos_max(int(s)) >= 0]
+            last = {int(s): c.seq_pos_max(int(s)) for s in seq_ids}
+            ids = [s for s, p in last.items() if p >= 0]
             if not ids:
                 continue
             before = c.n_used()
-            c.prune_swa(np.array(ids, dtype=np.int64), np.array([c.seq_pos_max(s) for s in ids], dtype=np.int64))
+            c.prune_swa(np.array(ids, dtype=np.int64), np.array([last[s] for s in ids], dtype=np.int64))
             freed += before - c.n_used()
         return freed
 

@@ -179,23 +179,8 @@ class CPUBackend:
         if norm is not None:
             x = CPUBackend.rms_norm(x, norm, eps)
         half = n_rot // 2
-        inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
-        if freq_factors is not None:
-            inv = inv / freq_factors[:half].astype(np.float64)
-        theta_e = pos.astype(np.float64)[:, None] * inv[None, :]  # [T, half]
-        mscale = 1.0
-        if yarn is not None and yarn.ext_factor != 0.0:
-            lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
-            ramp = 1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo), 0.0, 1.0)
-            mix = ramp * yarn.ext_factor
-            theta = theta_e * freq_scale * (1.0 - mix) + theta_e * mix
-            mscale = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
-        else:
-            theta = theta_e * freq_scale
-            if yarn is not None:
-                mscale = yarn.attn_factor
-        cos = (np.cos(theta) * mscale).astype(np.float32)[:, None, :]
-        sin = (np.sin(theta) * mscale).astype(np.float32)[:, None, :]
+        cos, sin = rope_cos_sin(pos, n_rot, base, freq_scale, freq_factors, yarn)
+        cos, sin = cos[:, None, :], sin[:, None, :]
         out = x.copy()
         if mode == "neox":
             x0 = x[..., :half]
@@ -463,6 +448,31 @@ def _gdn_chunk(q, k, v, g, beta, S):
     tail = np.exp(G[:, -1:] - G)[:, :, None]  # [H, C, 1]
     S = np.exp(G[:, -1])[:, None, None] * S + (kh * tail).transpose(0, 2, 1) @ U
     return O.transpose(1, 0, 2).astype(np.float32), S.astype(np.float32)
+
+
+def rope_cos_sin(pos, n_rot: int, base: float, freq_scale: float, freq_factors=None, yarn=None):
+    """cos and sin of the RoPE angles, float32 ``[T, n_rot/2]`` each, for int positions
+    ``pos [T]``: pair i turns by ``pos * freq_scale * base**(-2i/n_rot) / freq_factors[i]``
+    (float64 angles, as ggml_rope_ext); with ``yarn`` (``hparams.RopeYarn``) YaRN's angle
+    mix and magnitude scale (ggml ``rope_yarn``, see ``CPUBackend.rope``). Shared by the
+    CPU rope and the device backends that build the table on the host."""
+    half = n_rot // 2
+    inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
+    if freq_factors is not None:
+        inv = inv / np.asarray(freq_factors[:half], dtype=np.float64)
+    theta_e = np.asarray(pos).astype(np.float64).reshape(-1)[:, None] * inv[None, :]  # [T, half]
+    mscale = 1.0
+    if yarn is not None and yarn.ext_factor != 0.0:
+        lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
+        ramp = 1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo), 0.0, 1.0)
+        mix = ramp * yarn.ext_factor
+        theta = theta_e * freq_scale * (1.0 - mix) + theta_e * mix
+        mscale = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+    else:
+        theta = theta_e * freq_scale
+        if yarn is not None:
+            mscale = yarn.attn_factor
+    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
 
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float

@@ -7,8 +7,9 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 - ``mul_mat`` with few activation rows: a GEMV that dequantizes the weight's
   blocks in registers (warps per output row, coalesced units as ggml-cuda
   ``mul_mat_vec_q``), over tiles of ``GEMV_TILE`` rows; from ``F16_GEMM_MIN_ROWS``
-  rows (batched decode) the weight is dequantized to f16 in a scratch buffer and
-  multiplied by cuBLAS ``gemmEx`` (f32 accumulate); prefill: the weight is dequantized to
+  rows (batched decode) a quantized / f16 / bf16 weight is dequantized to f16 in a scratch
+  buffer and multiplied by cuBLAS ``gemmEx`` (f32 accumulate; float32 weights stay in the
+  float32 GEMV); prefill: the weight is dequantized to
   float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
 - ``attention_cells``: split-K online-softmax attention that reads K/V through the cache
   plan's per-sequence cell lists (``attention.cu``): f16 K/V in the f16 kernels, every other
@@ -56,6 +57,7 @@ import numpy as np
 from opencoti.engine.backend import cuda_kv
 from opencoti.engine.backend.cpu import yarn_corr_dims
 from opencoti.engine.backend.cuda_kernels import load_module, load_source
+from opencoti.engine.backend.experts import ExpertRows
 from opencoti.model.gguf_file import GGUFFile
 
 GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
@@ -130,7 +132,7 @@ class QTensor:
         return int(self.data.nbytes)
 
 
-class QExperts:
+class QExperts(ExpertRows):
     """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the GPU in its block format.
 
     ``data``: uint8 CuPy array of the whole tensor's bytes (expert e at ``e *
@@ -142,12 +144,8 @@ class QExperts:
 
     def __init__(self, data, ggml_type: int, shape: tuple[int, int, int], row_bytes: int, expert_bytes: int,
                  row0: int = 0):
+        super().__init__(ggml_type, shape, row_bytes, expert_bytes, row0)
         self.data = data
-        self.ggml_type = int(ggml_type)
-        self.shape = tuple(int(v) for v in shape)
-        self.row_bytes = int(row_bytes)
-        self.expert_bytes = int(expert_bytes)
-        self.row0 = int(row0)
 
     @property
     def nbytes(self) -> int:
@@ -166,12 +164,9 @@ class QExperts:
                 raise IndexError(f"expert {e} out of range [0, {n_exp})")
             a = e * self.expert_bytes + self.row0 * self.row_bytes
             return QTensor(self.data[a:a + rows * self.row_bytes], self.ggml_type, (rows, cols), self.row_bytes)
-        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
-                and key[1].step in (None, 1)):
-            a, b, _ = key[1].indices(rows)
-            b = max(a, b)
-            return QExperts(self.data, self.ggml_type, (n_exp, b - a, cols), self.row_bytes, self.expert_bytes,
-                            self.row0 + a)
+        view = self.row_slice(key)
+        if view is not None:
+            return view
         raise TypeError(f"QExperts supports [expert] and [:, row_slice], not {key!r}")
 
 
@@ -328,8 +323,10 @@ class CUDABackend:
         rows, cols = w.shape
         if k != cols:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
+        # float32 weights (MoE routers, small projections) are never rounded to f16, as in
+        # llama.cpp: a router's near-tied experts flip under f16 inputs (the qwen3next finding)
         if (F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL)
-                and cols % 32 == 0 and self._f16_ok and not self._capturing):
+                and cols % 32 == 0 and w.ggml_type != 0 and self._f16_ok and not self._capturing):
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
@@ -719,11 +716,6 @@ class CUDABackend:
         self._meta[id(plan)] = (plan, m)  # the plan is kept alive so its id cannot be reused meanwhile
         return m
 
-    @staticmethod
-    def _plan_host(plan, n_cells: int, cap: int):
-        """Host arrays of a plan's metadata (``CachePlan.flat``), cells padded to ``cap``."""
-        return plan.flat(n_cells, cap)
-
     # -- shared-prefix groups (PolyKV) ------------------------------------------------------
     _GROUP_PARTS = ("p_off", "p_cells", "p_pos", "row_slot", "g_rows", "g_len", "g_cells", "g_pos")
 
@@ -835,7 +827,7 @@ class CUDABackend:
                      for p, gc in zip(kv_plans, gcaps)))
         host = [ub.tokens, ub.pos, ub.out_rows]
         for p, n, cap in zip(kv_plans, ncells, caps):
-            host += self._plan_host(p, n, cap)
+            host += p.flat(n, cap)
         for p in rs_plans:
             host += self._rs_host(p)
         grp = []  # (plan index, first part, parts, info) of the shared-prefix groups, staged last

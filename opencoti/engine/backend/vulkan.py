@@ -79,7 +79,8 @@ import struct
 
 import numpy as np
 
-from opencoti.engine.backend.cpu import yarn_corr_dims
+from opencoti.engine.backend.cpu import rope_cos_sin
+from opencoti.engine.backend.experts import ExpertRows
 from opencoti.engine.backend.vk_runtime import GraphTooLarge, Runtime, describe
 from opencoti.model.gguf_file import GGUFFile
 from opencoti.vk_shaders import KV_NAMES, QTYPE_NAMES
@@ -333,7 +334,7 @@ class _VkXp:
         return self.be.tile_heads(x, int(r), True)
 
 
-class QExperts:
+class QExperts(ExpertRows):
     """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the device in its block format.
 
     ``parts``: ``[(e0, n_e, Alloc)]``, consecutive expert ranges, each small enough for one
@@ -344,25 +345,17 @@ class QExperts:
     """
 
     def __init__(self, parts, ggml_type: int, shape, row_bytes: int, expert_bytes: int, row0: int = 0):
+        super().__init__(ggml_type, shape, row_bytes, expert_bytes, row0)
         self.parts = parts
-        self.ggml_type = int(ggml_type)
-        self.shape = tuple(int(v) for v in shape)
-        self.row_bytes = int(row_bytes)
-        self.expert_bytes = int(expert_bytes)
-        self.row0 = int(row0)
 
     @property
     def nbytes(self) -> int:
         return self.shape[0] * self.expert_bytes
 
     def __getitem__(self, key):
-        n_exp, rows, cols = self.shape
-        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
-                and key[1].step in (None, 1)):
-            a, b, _ = key[1].indices(rows)
-            b = max(a, b)
-            return QExperts(self.parts, self.ggml_type, (n_exp, b - a, cols), self.row_bytes, self.expert_bytes,
-                            self.row0 + a)
+        view = self.row_slice(key)
+        if view is not None:
+            return view
         raise TypeError(f"QExperts supports [:, row_slice], not {key!r}")
 
 
@@ -999,26 +992,10 @@ class VulkanBackend:
         ``CPUBackend.rope`` does (float64 angles; YaRN's angle mix and magnitude scale
         included, ggml ``rope_yarn``)."""
         p = pos.get() if isinstance(pos, VkTensor) else np.asarray(pos)
-        half = n_rot // 2
-        inv = base ** (-np.arange(0, half, dtype=np.float64) * 2.0 / n_rot)
-        if freq_factors is not None:
-            ff = freq_factors.host if isinstance(freq_factors, VkTensor) and freq_factors.host is not None \
-                else np.asarray(freq_factors)
-            inv = inv / np.asarray(ff[:half], dtype=np.float64)
-        theta_e = p.astype(np.float64).reshape(-1)[:, None] * inv[None, :]
-        mscale = 1.0
-        if yarn is not None and yarn.ext_factor != 0.0:
-            lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
-            mix = (1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(0.001, hi - lo), 0.0, 1.0)) \
-                * yarn.ext_factor
-            theta = theta_e * freq_scale * (1.0 - mix) + theta_e * mix
-            mscale = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
-        else:
-            theta = theta_e * freq_scale
-            if yarn is not None:
-                mscale = yarn.attn_factor
-        return np.stack([(np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)],
-                        axis=-1)
+        ff = freq_factors
+        if ff is not None:
+            ff = ff.host if isinstance(ff, VkTensor) and ff.host is not None else np.asarray(ff)
+        return np.stack(rope_cos_sin(p, n_rot, base, freq_scale, ff, yarn), axis=-1)
 
     def _rope_table(self, pos, n_rot: int, base: float, freq_scale: float, freq_factors, yarn=None):
         """Device (cos, sin) table of ``_rope_host``, uploaded once per ubatch and rope setting."""
