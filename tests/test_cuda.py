@@ -25,6 +25,9 @@ wherever the CPU's top-2 margin exceeds twice the observed error).
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -42,7 +45,7 @@ if _N_DEV == 0:
 
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from opencoti.engine.backend import get_backend  # noqa: E402
+from opencoti.engine.backend import cuda_kv, get_backend  # noqa: E402
 from opencoti.engine.backend.cpu import CPUBackend  # noqa: E402
 from opencoti.engine.backend.cuda import QTYPES, QExperts, QTensor  # noqa: E402
 from opencoti.engine.batch import UBatch  # noqa: E402
@@ -1188,3 +1191,113 @@ def test_kv_tier_shared_prefix_groups_fall_back(gpu, cpu, monkeypatch, tk, tv):
     got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan, scale,
                                          0, 0.0, type_k=Tk, type_v=Tv))
     np.testing.assert_allclose(got, want, **KV_TOL)
+
+
+# --- KV tier modules: compile, PTX and SASS checks (need nvcc; cuobjdump for SASS) ---
+
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("what", ["write", ("q8_0", "turbo3", 256), ("turbo3_tcq", "q5_1", 128), ("f16", "bf16", 512)])
+def test_kv_modules_compile_sm90(tmp_path, what):
+    """The exact sources the backend compiles (tables prefix + inlined includes) build for sm_90
+    with the backend's options."""
+    src = cuda_kv.write_source() if what == "write" else cuda_kv.attention_source(*what)
+    f = tmp_path / "m.cu"
+    f.write_text(src)
+    r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"),
+                        str(f)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_kv_write_no_byte_store_of_f16_convert(tmp_path):
+    """No byte store (st.u8) in the write module's PTX takes its register straight from a
+    cvt.rn.f16.f32: ptxas for sm_90 compiles that as a numeric f16 -> u8 conversion
+    (F2I.U8.F16.TRUNC, 0 for a block scale < 1) instead of the half's low 8 bits, which zeroed
+    byte 0 of every quantized block's f16 scale on the H200. The f16 fields go through f2h's
+    32-bit zero-extension and st16's 16-bit store (kv_tiers.cuh / quants.cuh)."""
+    f = tmp_path / "m.cu"
+    f.write_text(cuda_kv.write_source())
+    r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-ptx", "-o", str(tmp_path / "m.ptx"),
+                        str(f)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = (tmp_path / "m.ptx").read_text()
+    halves = set(re.findall(r"cvt\.rn\.f16\.f32\s+(%?\w+)\s*,", ptx))
+    assert halves, "no f16 conversion found in the write module"
+    stores = re.findall(r"\bst(?:\.\w+)*\.[usb]8\s+\[[^\]]*\]\s*,\s*(%?\w+)", ptx)
+    assert stores, "no byte store found in the write module"
+    assert not halves & set(stores), sorted(halves & set(stores))
+
+
+def _ptx_entries(ptx: str) -> dict:
+    return {e.split("(")[0]: e for e in re.split(r"\.visible \.entry ", ptx)[1:]}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+def test_kv_write_ptx_float_ops_exact(tmp_path):
+    """The premise of the NumPy port above: in every quantize kernel (kv_quant_*) of the write
+    module, compiled with the backend's options (--use_fast_math), each float operation is an
+    IEEE round-to-nearest one that keeps subnormals: add/sub/mul/div/sqrt .rn, setp/min/max
+    without .ftz, selp (a bit copy), f32 -> f16 by cvt.rn; no fma, no .approx, no .ftz except float -> integer
+    truncation (cvt.rzi.ftz.s32.f32, where a flushed subnormal and the subnormal both give 0)."""
+    f = tmp_path / "m.cu"
+    f.write_text(cuda_kv.write_source())
+    r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-ptx", "-o", str(tmp_path / "m.ptx"),
+                        str(f)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ents = {k: v for k, v in _ptx_entries((tmp_path / "m.ptx").read_text()).items() if k.startswith("kv_quant_")}
+    assert len(ents) == 8 + 6 * len(cuda_kv.KV_HEAD_DIMS)
+    allowed = {"add.rn.f32", "sub.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32", "setp.lt.f32", "setp.le.f32",
+               "setp.eq.f32", "selp.f32", "max.f32", "min.f32", "cvt.rn.f16.f32", "cvt.rzi.f32.f32", "cvt.rzi.ftz.s32.f32"}
+    for name, body in ents.items():
+        ops = set(re.findall(r"\b((?:add|sub|mul|div|sqrt|fma|rcp|ex2|lg2|neg|abs|min|max|setp|cvt|mad|testp|selp)"
+                             r"(?:\.\w+)*\.f(?:16|32|64)(?:\.\w+)*)\b", body))
+        assert ops <= allowed, (name, sorted(ops - allowed))
+    turbo = ents["kv_quant_KTurbo3_d128"]
+    assert "sqrt.rn.f32" in turbo and "div.rn.f32" in turbo and "setp.le.f32" in turbo
+
+
+CUOBJDUMP = shutil.which("cuobjdump") or os.environ.get("OPENCOTI_CUOBJDUMP")
+
+
+def _sass_byte_stores_from_converts(sass: str) -> list:
+    """(function, store, register, defining op) for each byte store (ST*.U8 / .S8) whose data
+    register was last written by an F2I ... F16 or F2FP (half) convert."""
+    bad, fn, last = [], None, {}
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            fn, last = m.group(1), {}
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s+([^;]*);", line)
+        if not m:
+            continue
+        op, args = m.group(2), [a.strip() for a in m.group(3).split(",")]
+        if op.startswith("ST") and (".U8" in op or ".S8" in op):
+            d = last.get(args[-1])
+            if d and ((d.startswith("F2I") and "F16" in d) or d.startswith("F2FP")):
+                bad.append((fn, op, args[-1], d))
+        if args and re.match(r"R\d+$", args[0]) and not op.startswith("ST"):
+            last[args[0]] = op
+    return bad
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc / cuobjdump not installed")
+@pytest.mark.parametrize("what", ["write", ("q8_0", "turbo3", 256), ("turbo3_tcq", "q5_1", 128)])
+def test_kv_sass_no_numeric_f16_byte_store(tmp_path, what):
+    """SASS (sm_90, the backend's options): no F2I.*.F16 instruction and no byte store fed
+    directly by an f32 -> f16 convert in the KV modules (the H200 bug: F2I.U8.F16.TRUNC stored
+    the half's integer value instead of its low byte). The checker flags the pre-fix source."""
+    src = cuda_kv.write_source() if what == "write" else cuda_kv.attention_source(*what)
+    f = tmp_path / "m.cu"
+    f.write_text(src)
+    r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"),
+                        str(f)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(tmp_path / "m.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    assert "Function : " in sass
+    assert not re.findall(r"F2I[A-Z0-9_.]*\.F16", sass)
+    assert not _sass_byte_stores_from_converts(sass)
