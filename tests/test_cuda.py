@@ -101,10 +101,11 @@ def test_dequantize_matches_gguf(gpu, qname):
 
 
 @pytest.mark.parametrize("qname", QNAMES)
-@pytest.mark.parametrize("n", [1, 3, 8, 13, 40, 64, 65])
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 13, 40, 64, 65])
 def test_mul_mat_matches_reference(gpu, qname, n):
-    """GEMV (few rows), f16 cuBLAS GEMM (F16_GEMM_MIN_ROWS..64 rows) and dequantize + SGEMM
-    (more) against float64 on the dequantized weight."""
+    """GEMV (few rows), the tensor-core mmq kernel (MMQ_MIN_ROWS..64 rows; float32 accuracy
+    through hi/lo f16 splits), the f16 cuBLAS GEMM when OPENCOTI_CUDA_F16_GEMM_MIN_ROWS is set,
+    and dequantize + SGEMM (more rows) against float64 on the dequantized weight."""
     rng = np.random.default_rng(2 + n)
     rows, cols = 300, 768
     raw = random_blocks(qname, rows, cols, rng)
@@ -119,6 +120,39 @@ def test_mul_mat_matches_reference(gpu, qname, n):
     f16 = cu.F16_GEMM_MIN_ROWS and cu.F16_GEMM_MIN_ROWS <= n <= cu.GEMV_MAX_TOKENS
     # f16 GEMM: x and w rounded to f16 (2^-11 relative each), f32 accumulation
     assert rel_err(got, want) < (2e-3 if f16 else 1e-5), rel_err(got, want)
+
+
+def _mmq_case(qname, rows, cols, n, seed):
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(qname, rows, cols, rng)
+    wf = ref_dequant(qname, raw, cols).astype(np.float64)
+    x = (rng.standard_normal((n, cols)) * rng.uniform(0.01, 30, (n, 1))).astype(np.float32)
+    return x, raw, x.astype(np.float64) @ wf.T
+
+
+@pytest.mark.parametrize("qname", ["Q8_0", "Q4_0", "Q5_1", "F16", "BF16", "Q4_K", "Q6_K", "Q3_K"])
+@pytest.mark.parametrize("shape", ["partial_stage", "split_k", "one_split"])
+@pytest.mark.parametrize("n", [9, 24, 64])
+def test_mmq_matches_reference(gpu, qname, shape, n):
+    """mmq.cu on the shapes its bookkeeping distinguishes: a last stage of fewer than 128
+    columns (zero-filled tiles; 32-element-block types), several column splits summed by
+    mmq_reduce (few row blocks), one split (many row blocks), row counts that are not a
+    multiple of the 128-row block, token rows that are not a multiple of 8 (9): float32
+    accuracy against float64 on the dequantized weight, rows scaled 0.01..30."""
+    from opencoti.engine.backend import cuda as cu
+
+    if not cu.MMQ_MIN_ROWS or n < cu.MMQ_MIN_ROWS:
+        pytest.fail("mmq disabled by OPENCOTI_CUDA_MMQ_MIN_ROWS")
+    kq = qname.endswith("_K")
+    rows, cols = {"partial_stage": (300, 1280 if kq else 672), "split_k": (200, 2048),
+                  "one_split": (40000, 256)}[shape]
+    x, raw, want = _mmq_case(qname, rows, cols, n, 50 + n)
+    got = cp.asnumpy(gpu.mul_mat(cp.asarray(x), to_qtensor(raw, qname, cols)))
+    assert got.shape == (n, rows) and np.isfinite(got).all()
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    # each token row alone through the float32 GEMV: the batch changes nothing beyond f32 rounding
+    one = cp.asnumpy(gpu.mul_mat(cp.asarray(x[3:4]), to_qtensor(raw, qname, cols)))
+    assert rel_err(got[3:4], one) < 1e-5
 
 
 @pytest.mark.parametrize("n", [1, 6, 70])
@@ -862,20 +896,38 @@ def test_kv_tier_real_model_greedy_matches_cpu(real_model, refs, tk, tv):
     assert compared >= 8, compared
 
 
+def _kl(p_logits, q_logits):
+    """Per-row KL(p || q) in nats of two logit arrays [n, vocab] (float64)."""
+    a = np.asarray(p_logits, np.float64)
+    b = np.asarray(q_logits, np.float64)
+    la = a - a.max(-1, keepdims=True)
+    la -= np.log(np.exp(la).sum(-1, keepdims=True))
+    lb = b - b.max(-1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
+    return (np.exp(la) * (la - lb)).sum(-1)
+
+
 def test_kv_tier_real_model_context_shift(real_model):
-    """Context shift (seq_rm + seq_add -> shift_k through kv_read / kv_store) with q8_0 K on CUDA:
-    the next steps' logits equal the CPU's with the same tiers (max |dlogit| < 0.05)."""
-    outs = []
-    for be in ("cpu", "cuda"):
-        r = ModelRunner(real_model, be, n_ctx=256, n_ubatch=64, type_k="q8_0", type_v="q8_0")
+    """Context shift (seq_rm + seq_add -> shift_k through kv_read / kv_store) with q8_0 K/V on
+    CUDA: the next steps match the CPU's with the same tiers. Not max |dlogit|: ~2 % of the
+    q8_0 codes differ between the backends (K rounds to the nearer code from float32 values that
+    differ in the last bits), and q8_0's own noise on this model is up to |dlogit| 4.5 against
+    the f16 cache. Measured on the H200: KL(CPU q8_0 || CUDA q8_0) <= 6.3e-3 per step (mean
+    2.6e-3) while KL(f16 || CPU q8_0) is 1.5e-2..2.9e-2; same argmax at every step."""
+    outs = {}
+    for be, tk in (("cpu", "f16"), ("cpu", "q8_0"), ("cuda", "q8_0")):
+        r = ModelRunner(real_model, be, n_ctx=256, n_ubatch=64, type_k=tk, type_v=tk)
         toks = [(i * 53 + 7) % 5000 + 100 for i in range(48)]
         r.decode(UBatch.build(toks, np.arange(48), [0] * 48, [47]))
         r.kv.seq_rm(0, 4, 20)
         r.seq_add(0, 20, 48, -16)
         res = [r.decode(UBatch.build([toks[i]], [32 + i], [0], [0]))[0] for i in range(6)]
-        outs.append(np.stack(res))
-    assert np.max(np.abs(outs[0] - outs[1])) < 0.05
-    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).all()
+        outs[be, tk] = np.stack(res)
+    cpu, cuda, f16 = outs["cpu", "q8_0"], outs["cuda", "q8_0"], outs["cpu", "f16"]
+    assert (cpu.argmax(-1) == cuda.argmax(-1)).all()
+    kl = _kl(cpu, cuda)
+    assert kl.max() < 2e-2 and kl.mean() < 1e-2, kl
+    assert kl.mean() < 0.5 * _kl(f16, cpu).mean(), (kl, _kl(f16, cpu))
 
 
 # ---------------------------------------------------------------------------------------

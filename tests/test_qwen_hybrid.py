@@ -478,9 +478,10 @@ def test_qwen3next_cuda_mismatch_was_f16_gemm_routing_flip(build):
     to f16 moves the MoE router's logits by ~1e-3 and flips a near-tied top-2 choice in
     that ubatch (this random file has one: p_2 - p_3 ~ 2e-4); seq 1's hidden state, KV and
     recurrent state then follow another expert. The CPU emulation of that path
-    (``hybrid_parity.F16GemmCPU``) reproduces the H200 measurement; with the shipped
-    threshold no step of the script takes the f16 path and the emulated error is within the
-    GPU test's float32 bound."""
+    (``hybrid_parity.F16GemmCPU``) reproduces the H200 measurement; the shipped CUDA backend
+    has no f16 GEMM for these batches (mmq.cu keeps float32 accuracy; the f16 GEMM is opt-in,
+    OPENCOTI_CUDA_F16_GEMM_MIN_ROWS) and the emulated error is within the GPU test's float32
+    bound."""
     from opencoti.engine.backend import cuda as cu
     from opencoti.engine.backend.cpu import CPUBackend
 
@@ -498,7 +499,7 @@ def test_qwen3next_cuda_mismatch_was_f16_gemm_routing_flip(build):
     plain = F16GemmCPU(0)  # the emulation's own MoE in float32: the CPU backend's logits
     assert np.abs(run(plain) - want).max() < 1e-5 * amax
     shipped = np.abs(run(F16GemmCPU(cu.F16_GEMM_MIN_ROWS)) - want)
-    if cu.F16_GEMM_MIN_ROWS > 16:  # OPENCOTI_CUDA_F16_GEMM_MIN_ROWS not lowered: the float32 bound holds
+    if not cu.F16_GEMM_MIN_ROWS or cu.F16_GEMM_MIN_ROWS > 16:  # the f16 GEMM off or above 16 rows: float32 bound
         assert shipped.max() < 2e-3 * amax, f"max |dlogit| {shipped.max():.3g} with f16 GEMM from {cu.F16_GEMM_MIN_ROWS} rows"
     f16 = F16GemmCPU(16)
     err = np.abs(run(f16) - want)

@@ -6,11 +6,12 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 
 - ``mul_mat`` with few activation rows: a GEMV that dequantizes the weight's
   blocks in registers (warps per output row, coalesced units as ggml-cuda
-  ``mul_mat_vec_q``), over tiles of ``GEMV_TILE`` rows; from ``F16_GEMM_MIN_ROWS``
-  rows (batched decode) a quantized / f16 / bf16 weight is dequantized to f16 in a scratch
-  buffer and multiplied by cuBLAS ``gemmEx`` (f32 accumulate; float32 weights stay in the
-  float32 GEMV); prefill: the weight is dequantized to
-  float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``).
+  ``mul_mat_vec_q``), for up to ``GEMV_TILE`` rows; from ``MMQ_MIN_ROWS`` to
+  ``GEMV_MAX_TOKENS`` rows (batched decode) a tensor-core kernel that stages each weight tile
+  once in shared memory for all rows (``mmq.cu``: f16 hi/lo operand splits keep float32
+  accuracy; float32 weights stay in the float32 GEMV); prefill: the weight is dequantized to
+  float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``), or to f16 with
+  ``OPENCOTI_CUDA_F16_PREFILL=1``.
 - ``attention_cells``: split-K online-softmax attention that reads K/V through the cache
   plan's per-sequence cell lists (``attention.cu``): f16 K/V in the f16 kernels, every other
   KV tier (``-ctk`` / ``-ctv``, any pair) in the tier-generic kernel, which dequantizes the
@@ -66,13 +67,18 @@ GEMV_TILE = 8
 # the x loads shared by both rows; measured on the H200: 7B ffn_up 818 -> 1,141 GB/s, q/o
 # 611 -> 710, while the small matrices of a 270m model lose (fewer warps, longer chains)
 GEMV_RPW2_MIN_ELEMENTS = 4 << 20
-# From this many activation rows, mul_mat dequantizes the weight to f16 in a scratch buffer
-# and multiplies with cuBLAS (f16 inputs, f32 accumulate and output: tensor cores) instead of
-# the tiled GEMV, whose activation loads grow with the rows. Measured on the H200 (eager f16
-# GEMM vs graph-replayed GEMV tiles): 270m x32 1,250 vs 2,598 tok/s, x64 3,388 vs 1,922; 7B x32
-# 348 vs 424 -> the switch sits between 32 and 64 rows. Prefill (more than GEMV_MAX_TOKENS rows) keeps float32 SGEMM unless
-# OPENCOTI_CUDA_F16_PREFILL=1. OPENCOTI_CUDA_F16_GEMM_MIN_ROWS=0 turns the f16 path off.
-F16_GEMM_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_F16_GEMM_MIN_ROWS", "48"))
+# From this many activation rows (up to GEMV_MAX_TOKENS) mul_mat runs the tensor-core kernel
+# of mmq.cu, which reads the weight once for all rows, instead of the GEMV tiles of GEMV_TILE
+# rows, which read it once per tile. OPENCOTI_CUDA_MMQ_MIN_ROWS=0 turns it off.
+MMQ_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_MMQ_MIN_ROWS", "9"))
+MMQ_BM, MMQ_BK, MMQ_LD = 128, 128, 136  # mmq.cu's MQ_BM, MQ_BK, MQ_LD
+# OPENCOTI_CUDA_F16_GEMM_MIN_ROWS=N (default 0: off): batches of N..GEMV_MAX_TOKENS rows take
+# the f16 cuBLAS GEMM instead (weight dequantized to f16 in a scratch buffer, activations
+# rounded to f16; eager, as cuBLAS is not captured through CuPy). Measured on the H200 before
+# mmq.cu: 270m x32 1,250 vs 2,598 tok/s for graph-replayed GEMV tiles, x64 3,388 vs 1,922.
+# Prefill (more than GEMV_MAX_TOKENS rows) keeps float32 SGEMM unless
+# OPENCOTI_CUDA_F16_PREFILL=1.
+F16_GEMM_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_F16_GEMM_MIN_ROWS", "0"))
 F16_PREFILL = os.environ.get("OPENCOTI_CUDA_F16_PREFILL", "0") == "1"
 ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
@@ -188,7 +194,7 @@ class CUDABackend:
         self.device = cp.cuda.Device(device)
         self.device.use()
         self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu"),
-                      "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu")}
+                      "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"), "m": load_module("mmq.cu")}
         self._fns: dict = {}
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
@@ -325,11 +331,13 @@ class CUDABackend:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
         # float32 weights (MoE routers, small projections) are never rounded to f16, as in
         # llama.cpp: a router's near-tied experts flip under f16 inputs (the qwen3next finding)
-        if (F16_GEMM_MIN_ROWS and n >= F16_GEMM_MIN_ROWS and (n <= GEMV_MAX_TOKENS or F16_PREFILL)
-                and cols % 32 == 0 and w.ggml_type != 0 and self._f16_ok and not self._capturing):
+        f16 = F16_PREFILL if n > GEMV_MAX_TOKENS else bool(F16_GEMM_MIN_ROWS) and n >= F16_GEMM_MIN_ROWS
+        if (f16 and cols % 32 == 0 and w.ggml_type != 0 and self._f16_ok and not self._capturing):
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
+        if MMQ_MIN_ROWS and n >= MMQ_MIN_ROWS and w.ggml_type != 0:
+            return self._mmq(x, w)
         y = cp.empty((n, rows), dtype=cp.float32)
         rpw = 2 if n == 1 and rows * cols >= GEMV_RPW2_MIN_ELEMENTS else 1  # a warp's rows share x loads
         fn = self._qfn("gemv8" if n > 1 else "gemv1r2" if rpw == 2 else "gemv1", w)
@@ -338,6 +346,43 @@ class CUDABackend:
         fn(((n + GEMV_TILE - 1) // GEMV_TILE, (groups * wpr + 7) // 8), (256,),
            (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
         return y
+
+    def _mmq(self, x, w: QTensor):
+        """``x [n, k] @ w.T`` -> ``[n, rows]`` float32 for ``n <= GEMV_MAX_TOKENS`` rows on tensor
+        cores (``mmq.cu``): blocks of ``MMQ_BM`` weight rows, the columns split so that the grid
+        has at least two blocks per SM, partial slabs summed in split order (deterministic).
+        Graph-safe (no host sync, no cuBLAS). Precondition: |x| < 65504 (the f16 range of the
+        operands' high terms)."""
+        cp = self.cp
+        n, cols = x.shape
+        rows = w.shape[0]
+        nb = (rows + MMQ_BM - 1) // MMQ_BM
+        nst = (cols + MMQ_BK - 1) // MMQ_BK
+        sps = (nst + min(nst, max(1, -(-2 * self.n_sm // nb))) - 1) // min(nst, max(1, -(-2 * self.n_sm // nb)))
+        n_split = (nst + sps - 1) // sps
+        f = self._mmq_fn(w.ggml_type)
+        smem = (2 * MMQ_BM + 2 * ((n + 7) & ~7)) * MMQ_LD * 2
+        y = cp.empty((n, rows), dtype=cp.float32)
+        out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
+        f((nb, n_split), (256,), (w.data, np.int64(w.row_bytes), x, out, np.int32(rows), np.int32(cols), np.int32(n),
+                                  np.int32(sps)), shared_mem=smem)
+        if n_split > 1:
+            self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
+                                        (out, y, np.int64(y.size), np.int32(n_split)))
+        return y
+
+    def _mmq_fn(self, ggml_type: int):
+        """``mmq_<type>`` with its dynamic shared memory limit raised (once) to the 64-row maximum."""
+        name = f"mmq_{ggml_type}"
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fn("m", name)
+            smem = (2 * MMQ_BM + 2 * GEMV_MAX_TOKENS) * MMQ_LD * 2
+            if hasattr(f, "max_dynamic_shared_size_bytes"):
+                f.max_dynamic_shared_size_bytes = smem
+            else:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+                self.cp.cuda.driver.funcSetAttribute(f.ptr, 8, smem)
+        return f
 
     def _gemm_f16(self, x, w: QTensor):
         """``x [n, k] @ w.T`` through cuBLAS ``gemmEx``: the weight dequantized to f16 into a
@@ -806,10 +851,10 @@ class CUDABackend:
         A new key runs the forward once eagerly on the capture stream (warm-up: compiles
         CuPy kernels, fills the graph's pool), captures it, and returns the warm-up's
         logits: the step is applied exactly once, which matters for the in-place
-        recurrent-state updates. Falls back to eager execution for ubatches of
-        ``F16_GEMM_MIN_ROWS`` rows or more (their matmuls are cuBLAS, which CuPy refuses
-        inside a stream capture) and over ``GEMV_MAX_TOKENS`` rows (prefill, the host-routed
-        MoE path); every op is graph-safe below that size.
+        recurrent-state updates. Falls back to eager execution over ``GEMV_MAX_TOKENS`` rows
+        (prefill, the host-routed MoE path) and, when ``OPENCOTI_CUDA_F16_GEMM_MIN_ROWS`` is
+        set, from that many rows (their matmuls are cuBLAS, which CuPy refuses inside a stream
+        capture); every op is graph-safe below that size (``mmq.cu`` included).
         """
         cp = self.cp
         T = ub.n_tokens
