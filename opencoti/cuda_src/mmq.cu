@@ -27,7 +27,7 @@
 #define MQ_LD (MQ_BK + 8)      // halves per shared row: conflict-free fragment loads
 #define MQ_MAXT 64             // token rows (8 n8 tiles)
 
-// (hi, lo) f16 pair of one float, hi in the low half of the returned word's... kept as two u16
+// (hi, lo) f16 terms of one float: hi = f16(v), lo = f16(v - hi)
 __device__ __forceinline__ void mq_split(float v, u16& hi, u16& lo) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hi) : "f"(v));
     float r = v - h2f(hi);
