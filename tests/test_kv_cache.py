@@ -217,3 +217,48 @@ def test_plan_flat_index_arrays():
     assert len(padded[3]) == 32 and padded[3][:total].tolist() == cells.tolist() and not padded[3][total:].any()
     with pytest.raises(ValueError):
         plan.flat(64, cap=total - 1)
+
+
+@pytest.mark.parametrize("n_stream,n_swa", [(1, 0), (1, 6), (4, 0), (4, 6)])
+def test_decode_step_arrays_equal_the_definition(n_stream, n_swa):
+    """A decode step (one row per sequence, rows in any seq order, a subset of the
+    sequences) is committed as ``ViewArrays``: its views (built on access) are, per sequence
+    in ascending seq_id, exactly the cells the sequence is a member of with their positions,
+    the ubatch row of the sequence; ``flat`` equals ``flat`` over those views as objects; the
+    cached per-sequence cell lists stay equal to the membership matrix (also after SWA
+    pruning, which drops one cell per sequence per step past the window)."""
+    from opencoti.engine.kv_cache import CachePlan, SeqView
+
+    rng = np.random.default_rng(7)
+    c = KVCache([0], n_cells=128, n_stream=n_stream, n_seq_max=4, n_head_kv=1, d_k=4, d_v=4, n_swa=n_swa)
+    n_past = [5, 9, 3, 7]
+    for s, n in enumerate(n_past):
+        plan = c.prepare(np.full(n, s), np.arange(n))
+        c.apply(plan, np.full(n, s), np.arange(n))
+        assert plan.arrays is None  # several rows per sequence: the general path
+    for step in range(12):
+        seqs = rng.permutation(4)[: rng.integers(1, 5)]
+        pos = np.array([n_past[s] for s in seqs])
+        c.prune_swa(seqs, pos)  # as KVCacheSet.prepare
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+        for s in seqs:
+            n_past[s] += 1
+        assert plan.arrays is not None
+        views = plan.views
+        assert [v.seq_id for v in views] == sorted(seqs.tolist())
+        for v in views:
+            member = np.nonzero(c.seq[v.stream, v.seq_id])[0]
+            assert sorted(v.cells.tolist()) == member.tolist()
+            assert v.cell_pos.tolist() == c.pos[v.stream, v.cells].tolist()
+            assert v.rows.tolist() == np.nonzero(seqs == v.seq_id)[0].tolist()
+            assert v.stream == (0 if n_stream == 1 else v.seq_id)
+            if n_swa:
+                assert c.pos[v.stream, v.cells].min() > n_past[v.seq_id] - 1 - n_swa
+        as_objects = CachePlan(plan.stream, plan.cell, views=[SeqView(v.rows, v.stream, v.cells, v.cell_pos, v.seq_id)
+                                                             for v in views])
+        for a, b in zip(plan.flat(128, cap=512), as_objects.flat(128, cap=512)):
+            assert a.tolist() == b.tolist()
+        assert plan.n_views == as_objects.n_views == len(seqs)
+        for s in range(4):
+            assert sorted(c.cells_of(s).tolist()) == np.nonzero(c.seq[c.stream_of(s), s])[0].tolist()

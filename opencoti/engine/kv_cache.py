@@ -41,7 +41,7 @@ once, when it is written (``write``); ``seq_cp`` across streams copies its bytes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -97,13 +97,64 @@ class SharedGroup:
 
 
 @dataclass
-class CachePlan:
-    """The cells a ubatch writes in one cache: ``stream[t]``, ``cell[t]`` for token row t."""
+class ViewArrays:
+    """A decode step's views as arrays (one row per sequence; ``KVCache.apply``'s fast path):
+    view i is sequence ``seq[i]`` in ``stream[i]``, ubatch row ``row[i]``, its cells
+    ``cells[off[i]:off[i + 1]]`` with positions ``cell_pos[...]``. All int64; views in
+    ascending seq_id order (as ``CachePlan.views``)."""
 
+    row: np.ndarray
     stream: np.ndarray
-    cell: np.ndarray
-    views: list[SeqView] = field(default_factory=list)
-    groups: list[SharedGroup] = field(default_factory=list)
+    seq: np.ndarray
+    off: np.ndarray
+    cells: np.ndarray
+    cell_pos: np.ndarray
+
+
+class CachePlan:
+    """The cells a ubatch writes in one cache: ``stream[t]``, ``cell[t]`` for token row t.
+
+    After ``KVCache.apply``: ``views`` (a ``SeqView`` per sequence of the ubatch, ascending
+    seq_id) and ``groups`` (PolyKV ``SharedGroup``s). A decode step (one row per sequence, no
+    sharers) is committed as ``arrays`` (``ViewArrays``) instead, so a device backend stages it
+    without a Python object per sequence; ``views`` is then built from them on first access."""
+
+    def __init__(self, stream: np.ndarray, cell: np.ndarray, views: list | None = None,
+                 groups: list | None = None):
+        self.stream = stream
+        self.cell = cell
+        self._views = views if views is not None else []
+        self.groups = groups if groups is not None else []
+        self.arrays: ViewArrays | None = None
+
+    @property
+    def views(self) -> list[SeqView]:
+        if self._views is None:
+            a = self.arrays
+            off = a.off.tolist()
+            self._views = [SeqView(a.row[i:i + 1], int(a.stream[i]), a.cells[off[i]:off[i + 1]],
+                                   a.cell_pos[off[i]:off[i + 1]], int(a.seq[i])) for i in range(len(a.seq))]
+        return self._views
+
+    @views.setter
+    def views(self, views: list[SeqView]) -> None:
+        self._views = views
+        self.arrays = None
+
+    def set_arrays(self, arrays: ViewArrays) -> None:
+        """Commit the views as ``arrays`` (``views`` is built from them when read)."""
+        self.arrays = arrays
+        self._views = None
+
+    @property
+    def n_views(self) -> int:
+        return len(self.arrays.seq) if self.arrays is not None else len(self._views)
+
+    def view_lens(self) -> np.ndarray:
+        """Cells per view, int64 ``[n_views]``."""
+        if self.arrays is not None:
+            return np.diff(self.arrays.off)
+        return np.fromiter((len(v.cells) for v in self._views), dtype=np.int64, count=len(self._views))
 
     def flat(self, n_cells: int, cap: int | None = None) -> list[np.ndarray]:
         """The plan as the five int64 index arrays device attention kernels read (cells flat:
@@ -113,9 +164,9 @@ class CachePlan:
         lists and their positions, in view order). ``cap``: pad ``cells`` / ``cell_pos`` with
         zeros to this length (a captured graph's fixed buffer). Raises ``ValueError`` when the
         cell lists are longer than ``cap``."""
-        views = self.views
-        lens = np.fromiter((len(v.cells) for v in views), dtype=np.int64, count=len(views))
-        off = np.zeros(len(views) + 1, dtype=np.int64)
+        lens = self.view_lens()
+        n_views = len(lens)
+        off = np.zeros(n_views + 1, dtype=np.int64)
         np.cumsum(lens, out=off[1:])
         total = int(off[-1])
         if cap is not None and total > cap:
@@ -123,15 +174,21 @@ class CachePlan:
         n = total if cap is None else cap
         cells, cpos = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         row_view = np.zeros(len(self.cell), dtype=np.int64)
-        if views:
-            cells[:total] = np.concatenate([v.cells for v in views])
-            cpos[:total] = np.concatenate([v.cell_pos for v in views])
-            streams = np.fromiter((v.stream for v in views), dtype=np.int64, count=len(views))
+        if n_views:
+            a = self.arrays
+            if a is not None:
+                cells[:total], cpos[:total], streams = a.cells, a.cell_pos, a.stream
+                row_view[a.row] = np.arange(n_views)
+            else:
+                views = self._views
+                cells[:total] = np.concatenate([v.cells for v in views])
+                cpos[:total] = np.concatenate([v.cell_pos for v in views])
+                streams = np.fromiter((v.stream for v in views), dtype=np.int64, count=n_views)
+                n_rows = [len(v.rows) for v in views]
+                row_view[np.concatenate([np.asarray(v.rows, dtype=np.int64) for v in views])] = \
+                    np.repeat(np.arange(n_views), n_rows)
             if streams.any():
                 cells[:total] += np.repeat(streams, lens) * n_cells
-            n_rows = [len(v.rows) for v in views]
-            row_view[np.concatenate([np.asarray(v.rows, dtype=np.int64) for v in views])] = \
-                np.repeat(np.arange(len(views)), n_rows)
         write = np.asarray(self.stream, dtype=np.int64) * n_cells + np.asarray(self.cell, dtype=np.int64)
         return [write, row_view, off, cells, cpos]
 
@@ -374,26 +431,30 @@ class KVCache:
         seqs, p_end = seqs[keep], p_end[keep]
         if len(seqs) == 0:
             return
-        lists = [self.cells_of(s) for s in seqs.tolist()]
-        lens = np.array([len(c) for c in lists])
-        streams = np.array([self.stream_of(s) for s in seqs.tolist()], dtype=np.int64)
+        sl = seqs.tolist()
+        lists = [self.cells_of(s) for s in sl]
+        lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        streams = self._streams(seqs)
         allc = np.concatenate(lists)
-        old = self.pos[np.repeat(streams, lens), allc] < np.repeat(p_end, lens)  # all sequences at once
+        rep_st = np.repeat(streams, lens)
+        old = self.pos[rep_st, allc] < np.repeat(p_end, lens)  # all sequences at once
         if not old.any():
             return
-        n_old = np.add.reduceat(old, np.r_[0, np.cumsum(lens)[:-1]]) if len(allc) else lens * 0
-        starts = np.r_[0, np.cumsum(lens)]
-        touched: dict[int, list[np.ndarray]] = {}
+        n_old = np.bincount(np.repeat(np.arange(len(sl)), lens)[old], minlength=len(sl))
+        self.seq[rep_st[old], np.repeat(seqs, lens)[old], allc[old]] = False
+        kept = allc[~old]
+        koff = np.r_[0, np.cumsum(lens - n_old)].tolist()
         for j in np.nonzero(n_old)[0].tolist():
-            s, st = int(seqs[j]), int(streams[j])
-            o = old[starts[j]:starts[j + 1]]
-            cells = lists[j]
-            gone = cells[o]
-            self.seq[st, s, gone] = False
-            self._cells[s] = cells[~o]
-            touched.setdefault(st, []).append(gone)
-        for st, parts in touched.items():
-            self._gc(st, np.unique(np.concatenate(parts)))
+            self._cells[sl[j]] = kept[koff[j]:koff[j + 1]]
+        for st in np.unique(rep_st[old]).tolist():
+            self._gc(st, np.unique(allc[old & (rep_st == st)]))
+
+    def _streams(self, seq_ids: np.ndarray) -> np.ndarray:
+        """``stream_of`` for an int64 array of seq_ids (``ValueError`` for one out of range)."""
+        if len(seq_ids) and (seq_ids.min() < 0 or seq_ids.max() >= self.n_seq_max):
+            bad = seq_ids[(seq_ids < 0) | (seq_ids >= self.n_seq_max)][0]
+            raise ValueError(f"seq_id {bad} out of range [0, {self.n_seq_max})")
+        return np.zeros(len(seq_ids), dtype=np.int64) if self.n_stream == 1 else seq_ids.astype(np.int64)
 
     def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> CachePlan:
         """Choose free cells for each token of a ubatch; changes nothing.
@@ -402,7 +463,7 @@ class KVCache:
         stream lacks free cells.
         """
         n = len(seq_ids)
-        stream = np.array([self.stream_of(int(s)) for s in seq_ids], dtype=np.int64) if n else np.zeros(0, np.int64)
+        stream = self._streams(np.asarray(seq_ids, dtype=np.int64))
         cell = np.empty(n, dtype=np.int64)
         for st in np.unique(stream):
             rows = np.nonzero(stream == st)[0]
@@ -421,7 +482,11 @@ class KVCache:
         ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
-        if _one_row_each(seq_ids):  # a decode step: row i is sequence seq_ids[i]'s only token
+        one_each = _one_row_each(seq_ids)
+        if one_each and not (share_src and not share_src.keys().isdisjoint(seq_ids.tolist())):
+            self._apply_decode(plan, seq_ids)
+            return
+        if one_each:  # a decode step: row i is sequence seq_ids[i]'s only token
             order = np.argsort(seq_ids, kind="stable")
             seqs, rows_of = seq_ids[order], [order[i:i + 1] for i in range(len(order))]
         else:
@@ -438,6 +503,35 @@ class KVCache:
             cells = self._cells[s] = np.concatenate([self._cells[s], plan.cell[rows]])
             plan.views.append(SeqView(rows, st, cells, self.pos[st, cells], s))
         plan.groups = self._shared_groups(plan.views, share_src or {})
+
+    def _apply_decode(self, plan: CachePlan, seq_ids: np.ndarray) -> None:
+        """``apply`` for one row per sequence and no sharers: every sequence's cell list grows
+        by its one new cell, done on arrays (``ViewArrays``) instead of a ``SeqView`` object
+        per sequence; same cells, positions and order as the general path."""
+        order = np.argsort(seq_ids, kind="stable") if len(seq_ids) > 1 else np.zeros(1, dtype=np.int64)
+        seqs = seq_ids[order]
+        sl = seqs.tolist()
+        lists = [self.cells_of(s) for s in sl]  # the cached lists, before membership changes
+        self.seq[plan.stream, :, plan.cell] = False  # free cells: no members (kept for safety)
+        self.seq[plan.stream, seq_ids, plan.cell] = True
+        streams = np.asarray(plan.stream, dtype=np.int64)[order]
+        new = np.asarray(plan.cell, dtype=np.int64)[order]
+        if len(sl) == 1:  # one sequence (single-stream decode): no insertion bookkeeping
+            cells = np.concatenate((lists[0], new))
+            off = np.array([0, len(cells)], dtype=np.int64)
+            cpos = self.pos[streams[0], cells].astype(np.int64)
+            self._cells[sl[0]] = cells
+        else:
+            lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+            cells = np.insert(np.concatenate(lists).astype(np.int64, copy=False), np.cumsum(lens), new)
+            off = np.zeros(len(sl) + 1, dtype=np.int64)
+            np.cumsum(lens + 1, out=off[1:])
+            cpos = self.pos[np.repeat(streams, lens + 1), cells].astype(np.int64)
+            ol = off.tolist()
+            for i, s in enumerate(sl):
+                self._cells[s] = cells[ol[i]:ol[i + 1]]
+        plan.set_arrays(ViewArrays(order, streams, seqs, off, cells, cpos))
+        plan.groups = []
 
     def _shared_groups(self, views: list[SeqView], share_src: dict) -> list[SharedGroup]:
         """Group the ubatch's sequences that share one pool's prefix (same stream).

@@ -757,7 +757,7 @@ class CUDABackend:
         o = np.cumsum([0] + [len(p) for p in parts])
         m = {"write": dev[o[0]:o[1]], "row_view": dev[o[1]:o[2]], "view_off": dev[o[2]:o[3]],
              "cells": dev[o[3]:o[4]], "cell_pos": dev[o[4]:o[5]],
-             "max_len": max((len(v.cells) for v in plan.views), default=0)}
+             "max_len": int(plan.view_lens().max(initial=0))}
         self._meta[id(plan)] = (plan, m)  # the plan is kept alive so its id cannot be reused meanwhile
         return m
 
@@ -863,10 +863,10 @@ class CUDABackend:
         n_kv = len(caches)
         kv_plans, rs_plans = ub.plans[:n_kv], ub.plans[n_kv:]
         ncells = [c.k[c.layers[0]].shape[1] for c in caches]
-        tot = [sum(len(v.cells) for v in p.views) for p in kv_plans]
+        tot = [int(p.view_lens().sum()) for p in kv_plans]
         caps = [max(256, 1 << (t - 1).bit_length()) for t in tot]
         gcaps = [self._group_caps(p, exact=False) if p.groups else None for p in kv_plans]
-        key = (T, len(ub.out_rows), tuple((len(p.views), cap) for p, cap in zip(kv_plans, caps)),
+        key = (T, len(ub.out_rows), tuple((p.n_views, cap) for p, cap in zip(kv_plans, caps)),
                tuple(len(p.views) for p in rs_plans),
                tuple(None if gc is None else (gc, tuple(sum(len(p.views[i].rows) for i in g.views) for g in p.groups))
                      for p, gc in zip(kv_plans, gcaps)))

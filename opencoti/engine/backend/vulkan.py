@@ -508,9 +508,9 @@ class VulkanBackend:
             return forward()
         # KV plans: cell lists padded to a bucket; a recurrent plan (hybrid models): cap 0 (its
         # index arrays have a fixed size for a given row and view count)
-        tot = [sum(len(v.cells) for v in p.views) if not _is_rs(p) else -1 for p in ub.plans]
+        tot = [int(p.view_lens().sum()) if not _is_rs(p) else -1 for p in ub.plans]
         caps = [max(self.graph_min_cells, 1 << max(0, t - 1).bit_length()) if t >= 0 else 0 for t in tot]
-        key = (T, len(ub.out_rows), tuple((len(p.views), c) for p, c in zip(ub.plans, caps)),
+        key = (T, len(ub.out_rows), tuple((len(p.views) if _is_rs(p) else p.n_views, c) for p, c in zip(ub.plans, caps)),
                self.gemv_lanes, self.gemv_max_tokens, self.attn_target_groups)
         g = graphs.get(key)
         if g is False:
@@ -1149,12 +1149,13 @@ class VulkanBackend:
         ``stream * n_cells + cell``), row -> view, view offsets, the views' flat cell
         lists and their positions; cell lists padded to ``cap`` entries when given.
         Returns (array, offsets of the five parts, longest view)."""
-        if cap is not None and sum(len(v.cells) for v in plan.views) > cap:
+        lens = plan.view_lens()
+        if cap is not None and lens.sum() > cap:
             raise _NotCapturable("cell lists outgrew the graph's bucket")
         parts = plan.flat(n_cells, cap)
         o = np.cumsum([0] + [len(p) for p in parts]).tolist()
         host = np.concatenate(parts + [np.zeros(1, np.int64)]).astype(np.int32)
-        return host, o, max((len(v.cells) for v in plan.views), default=0)
+        return host, o, int(lens.max(initial=0))
 
     def _plan_meta(self, plan, n_cells: int):
         """Device index arrays of a cache plan (``_meta_host``), uploaded once per ubatch.
