@@ -473,3 +473,32 @@ def test_unknown_sampler_name_is_a_settings_error():
         Sampler(params(samplers=("top_k", "nope")), 4)
     with pytest.raises(ValueError, match="top_n_sigma must be a finite number"):
         Sampler(params(top_n_sigma=float("nan")), 4)
+
+
+@pytest.mark.parametrize("n,k", [(262144, 40), (262144, 1), (262144, 4096), (151936, 100), (16384, 256),
+                                 (16383, 40), (1000, 999), (50, 50)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "masked", "sorted"])
+def test_top_k_ids_is_the_exact_top_k_with_low_id_ties(n, k, kind):
+    """``top_k_ids`` returns exactly the k best ids under (value descending, id ascending),
+    grouped "greater than the k-th value" then "equal", each in ascending id — whether the
+    strided-sample threshold narrows the candidates (large n) or not: heavy ties (logits on a
+    coarse grid), a grammar-like mask (most logits -inf, fewer than k finite in some cases)
+    and logits sorted by id (the strided sample then sees a biased subset)."""
+    from opencoti.engine.sampling import top_k_ids
+
+    rng = np.random.default_rng(n + k)
+    x = rng.standard_normal(n).astype(np.float32) * 3
+    if kind == "ties":
+        x = np.round(x * 2) / 2
+    elif kind == "masked":
+        keep = rng.random(n) < (30 / n if k == 40 else 0.01)
+        x = np.where(keep, x, np.float32(-np.inf)).astype(np.float32)
+    elif kind == "sorted":
+        x = np.sort(x)
+    got = top_k_ids(x, k)
+    want = np.lexsort((np.arange(n), -x))[:k]
+    assert got.dtype == np.int64 and len(got) == k
+    assert sorted(got.tolist()) == sorted(want.tolist())
+    kth = x[want[-1]]
+    g = got[x[got] > kth]
+    assert got[:len(g)].tolist() == sorted(g.tolist()) and (np.diff(got[len(g):]) > 0).all()

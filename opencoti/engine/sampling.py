@@ -50,7 +50,8 @@ and run the chain again. ``accept(token)`` then advances the grammar too.
 
 Everything is vectorised over the vocabulary; the caller's logits are never
 modified. With the default parameters one ``sample`` over 262,144 logits costs
-about 0.3 ms on a 2-core machine (one ``np.argpartition`` plus a few small ops);
+about 0.1 ms on a 2-core machine (top_k through ``top_k_ids``: a strided-sample threshold,
+one compare over the logits, a selection over the few hundred that pass);
 with top_k off and a flat distribution top_p may need a full sort (~9 ms).
 """
 
@@ -70,6 +71,33 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 # top_p over an unsorted full vocabulary first tries this many best tokens
 # (llama.cpp's adaptive partial sort in llama_sampler_top_p_apply)
 _TOP_P_PARTIAL = 256
+
+
+def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the ``k`` largest values of ``x`` (float [n], 0 < k <= n), ties at the k-th
+    value broken by lower id; int64 [k], grouped as "greater than the k-th value" then "equal
+    to it", each in ascending id (so a stable sort by value keeps ties in id order).
+
+    For a large vocabulary (n >= 16,384, k <= n / 64) a threshold from a strided 1/64
+    sample (its ~2k/64 + 6 largest) first narrows the candidates to the values at or
+    above it (expected ~2k + 384 of them; exact whenever at least k pass, else the whole
+    array is used): one compare over ``x`` instead of a selection over it, ~5x faster at
+    262,144 logits."""
+    n = x.shape[0]
+    cand = None
+    if n >= 16384 and k * 64 <= n:
+        sample = x[::64]
+        kk = min(sample.size, 2 * (k // 64 + 1) + 4)
+        t = np.partition(sample, sample.size - kk)[sample.size - kk]
+        c = np.flatnonzero(x >= t)
+        if c.size >= k:
+            cand = c
+    sub = x if cand is None else x[cand]
+    kth = np.partition(sub, sub.size - k)[sub.size - k]
+    greater = np.flatnonzero(sub > kth)
+    equal = np.flatnonzero(sub == kth)[:k - greater.size]
+    ids = np.concatenate((greater, equal))
+    return (ids if cand is None else cand[ids]).astype(np.int64, copy=False)
 
 
 def _as_logits(logits: np.ndarray, n_vocab: Optional[int] = None) -> np.ndarray:
@@ -121,7 +149,7 @@ def top_logprobs(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError("logits contain NaN or +inf, or are all -inf")
     lse = _logsumexp(x)
     if n < x.shape[0]:
-        part = np.argpartition(x, x.shape[0] - n)[x.shape[0] - n:]
+        part = top_k_ids(x, n)
     else:
         part = np.arange(x.shape[0])
     # sort by logit descending, then id ascending
@@ -279,7 +307,7 @@ class Sampler:
         # top_k
         k = int(p.top_k)
         if 0 < k < n:
-            ids = np.argpartition(x, n - k)[n - k:]
+            ids = top_k_ids(x, k)  # ties at the k-th logit: lower ids first
             vals = x[ids]
             order = np.argsort(-vals, kind="stable")
             ids, vals, is_sorted = ids[order], vals[order], True
