@@ -20,6 +20,7 @@
 //   Output: y[s][t][r] float32 (n_split partial slabs; mmq_reduce sums them in split order).
 // Columns past ncols (a last partial stage; ncols % 32 == 0) are zero in both tiles.
 #include "gemv_units.cuh"
+#include "mma.cuh"
 
 #define MQ_WARPS 8
 #define MQ_BM (16 * MQ_WARPS)  // weight rows per block
@@ -40,14 +41,6 @@ __device__ __forceinline__ void mq_store4(u16* s_hi, u16* s_lo, int o, float a, 
     mq_split(a, h0, l0); mq_split(b, h1, l1); mq_split(c, h2, l2); mq_split(d, h3, l3);
     *(uint2*)(s_hi + o) = make_uint2((u32)h0 | ((u32)h1 << 16), (u32)h2 | ((u32)h3 << 16));
     *(uint2*)(s_lo + o) = make_uint2((u32)l0 | ((u32)l1 << 16), (u32)l2 | ((u32)l3 << 16));
-}
-
-__device__ __forceinline__ void mq_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 template <class U>
@@ -113,9 +106,9 @@ __device__ __forceinline__ void mmq_impl(const u8* __restrict__ W, long long row
                     const int o = (8 * j + gid) * MQ_LD + ks + 2 * tig;
                     const u32 bh0 = *(const u32*)(s_xh + o), bh1 = *(const u32*)(s_xh + o + 8);
                     const u32 bl0 = *(const u32*)(s_xl + o), bl1 = *(const u32*)(s_xl + o + 8);
-                    mq_mma(acc[j], l0, l1, l2, l3, bh0, bh1);  // small terms first
-                    mq_mma(acc[j], h0, h1, h2, h3, bl0, bl1);
-                    mq_mma(acc[j], h0, h1, h2, h3, bh0, bh1);
+                    mma_m16n8k16(acc[j], l0, l1, l2, l3, bh0, bh1);  // small terms first
+                    mma_m16n8k16(acc[j], h0, h1, h2, h3, bl0, bl1);
+                    mma_m16n8k16(acc[j], h0, h1, h2, h3, bh0, bh1);
                 }
             }
         }

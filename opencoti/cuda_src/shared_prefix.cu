@@ -27,6 +27,7 @@
 // row_slot[r] >= 0, the shared partials of that group row (n_ss splits).
 #include "quants.cuh"
 #include "lse_merge.cuh"
+#include "mma.cuh"
 
 #define SP_NW 4
 #define SP_QT (16 * SP_NW)
@@ -44,14 +45,6 @@ __device__ __forceinline__ void sp_split2(float a, float b, u32& hi, u32& lo) {
     u16 al = sp_f2h(a - h2f(ah)), bl = sp_f2h(b - h2f(bh));
     hi = (u32)ah | ((u32)bh << 16);
     lo = (u32)al | ((u32)bl << 16);
-}
-
-__device__ __forceinline__ void sp_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 template <int D, int CT>
@@ -136,8 +129,8 @@ __device__ __forceinline__ void sp_attn_impl(
             for (int nt = 0; nt < NT; nt++) {
                 const u16* kb = s_k + (nt * 8 + gid) * LD + kk * 16 + 2 * tig;
                 u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
-                sp_mma(s[nt], h0, h1, h2, h3, b0, b1);
-                sp_mma(s[nt], l0, l1, l2, l3, b0, b1);
+                mma_m16n8k16(s[nt], h0, h1, h2, h3, b0, b1);
+                mma_m16n8k16(s[nt], l0, l1, l2, l3, b0, b1);
             }
         }
         // masks, softcap, online softmax (rows gid and gid + 8 of the warp's tile)
@@ -195,10 +188,10 @@ __device__ __forceinline__ void sp_attn_impl(
                 u32 addr = (u32)__cvta_generic_to_shared(vrow + nd * 8);
                 asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                              : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
-                sp_mma(o[nd], ph0, ph1, ph2, ph3, b0, b1);
-                sp_mma(o[nd], pl0, pl1, pl2, pl3, b0, b1);
-                sp_mma(o[nd + 1], ph0, ph1, ph2, ph3, b2, b3);
-                sp_mma(o[nd + 1], pl0, pl1, pl2, pl3, b2, b3);
+                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, b0, b1);
+                mma_m16n8k16(o[nd], pl0, pl1, pl2, pl3, b0, b1);
+                mma_m16n8k16(o[nd + 1], ph0, ph1, ph2, ph3, b2, b3);
+                mma_m16n8k16(o[nd + 1], pl0, pl1, pl2, pl3, b2, b3);
             }
         }
     }

@@ -373,16 +373,7 @@ class CUDABackend:
 
     def _mmq_fn(self, ggml_type: int):
         """``mmq_<type>`` with its dynamic shared memory limit raised (once) to the 64-row maximum."""
-        name = f"mmq_{ggml_type}"
-        f = self._fns.get(name)
-        if f is None:
-            f = self._fn("m", name)
-            smem = (2 * MMQ_BM + 2 * GEMV_MAX_TOKENS) * MMQ_LD * 2
-            if hasattr(f, "max_dynamic_shared_size_bytes"):
-                f.max_dynamic_shared_size_bytes = smem
-            else:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-                self.cp.cuda.driver.funcSetAttribute(f.ptr, 8, smem)
-        return f
+        return self._big_smem_fn("m", f"mmq_{ggml_type}", (2 * MMQ_BM + 2 * GEMV_MAX_TOKENS) * MMQ_LD * 2)
 
     def _gemm_f16(self, x, w: QTensor):
         """``x [n, k] @ w.T`` through cuBLAS ``gemmEx``: the weight dequantized to f16 into a
@@ -1148,11 +1139,14 @@ class CUDABackend:
 
     def _sp_fn(self, d: int):
         """``sp_attn_d<d>`` with its dynamic shared memory limit raised (once) to what it uses."""
-        name = f"sp_attn_d{d}"
+        return self._big_smem_fn("s", f"sp_attn_d{d}", _sp_smem(d))
+
+    def _big_smem_fn(self, mod: str, name: str, smem: int):
+        """Kernel ``name`` of module ``mod`` with its dynamic shared memory limit raised (once,
+        when first fetched) to ``smem`` bytes where that exceeds the default 48 KiB."""
         f = self._fns.get(name)
         if f is None:
-            f = self._fn("s", name)
-            smem = _sp_smem(d)
+            f = self._fn(mod, name)
             if smem > 48 * 1024:
                 if hasattr(f, "max_dynamic_shared_size_bytes"):  # cupy.RawKernel (RawModule.get_function)
                     f.max_dynamic_shared_size_bytes = smem

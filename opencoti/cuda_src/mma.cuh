@@ -1,0 +1,16 @@
+// Tensor-core tile product for sm_80+: c += A B for one m16n8k16 tile, f16 operands, float32
+// accumulators (PTX ISA, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"). Fragments,
+// with gid = lane / 4 and tig = lane % 4 (each u32 holds two f16, the lower column first):
+//   A (16 x 16, row-major): a0 = A[gid][2tig..], a1 = A[gid + 8][2tig..],
+//                           a2 = A[gid][2tig + 8..], a3 = A[gid + 8][2tig + 8..]
+//   B (16 x 8, "col": stored as B^T rows): b0 = B[2tig..][gid], b1 = B[2tig + 8..][gid]
+//   C (16 x 8): c[0], c[1] = C[gid][2tig, 2tig + 1]; c[2], c[3] = C[gid + 8][2tig, 2tig + 1]
+#include "quants.cuh"
+
+__device__ __forceinline__ void mma_m16n8k16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
