@@ -22,7 +22,7 @@ from opencoti.engine.api import SamplingParams
 from opencoti.http.errors import HTTPError, error_body, exceed_context
 from opencoti.http.generate import utf8_complete_len
 from opencoti.http.routes import build_router
-from opencoti.http.server import OpencotiHTTPServer, make_server, start_in_thread, stop_server
+from opencoti.http.server import OpencotiHTTPServer, StopSignal, make_server, start_in_thread, stop_server
 from opencoti.http.sse import ChunkedWriter, ClientDisconnected, sse_event
 from opencoti.http.state import ServerState
 from opencoti.http.validate import get_int, get_number, get_stop, parse_completion
@@ -992,6 +992,53 @@ def test_slots_and_erase(server, port):
 
 # ---------------------------------------------------------------------------
 # the entry point: opencoti --server
+
+
+def _signal_at_line(stop, k: int, timeout: float = 0.3):
+    """Run ``stop.wait(timeout)`` on a thread and call ``stop.handler`` at its k-th traced
+    line (a signal handler runs between any two bytecodes of the main thread). Returns
+    (deadlocked, outcome)."""
+    import signal
+    import sys
+
+    n, out = [0], {}
+
+    def tracer(frame, event, arg):
+        if event == "line":
+            n[0] += 1
+            if n[0] == k:
+                stop.handler(signal.SIGTERM, frame)
+        return tracer
+
+    def run():
+        sys.settrace(tracer)
+        try:
+            out["set"] = stop.wait(timeout)
+        except SystemExit:
+            out["exit"] = True
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(5)
+    return t.is_alive(), out
+
+
+def test_stop_signal_handler_cannot_deadlock():
+    """The server's SIGINT / SIGTERM handler must take no lock: with a ``threading.Event``
+    the handler's ``set()`` deadlocked when the signal landed while the main thread held the
+    Event's lock inside ``wait()`` (a server killed with ``timeout`` + ``kill`` hung for good,
+    still answering /health). A signal at any point of ``wait`` stops it."""
+    for k in range(1, 25):
+        deadlocked, out = _signal_at_line(StopSignal(), k)
+        assert not deadlocked, f"signal handler deadlocked (signal at line event {k})"
+        assert out == {"set": True}, (k, out)
+    stop = StopSignal()
+    stop.handler(15, None)
+    assert stop.is_set() and stop.wait(0)
+    with pytest.raises(SystemExit):  # a second signal leaves at once
+        stop.handler(15, None)
 
 
 def test_serve_entry_point_starts_and_stops_cleanly(model_path, repo_root):

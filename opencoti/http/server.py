@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -450,6 +451,37 @@ def log_kv_layout(engine: Any) -> None:
         _log(line)
 
 
+class StopSignal:
+    """The server's stop request, set by SIGINT / SIGTERM (``handler``); a second signal
+    raises ``SystemExit(1)``. The handler only counts: a Python signal handler runs
+    between any two bytecodes of the main thread, so one that takes a lock
+    (``threading.Event.set``) deadlocks when the signal lands while the main thread holds
+    that lock (inside ``Event.wait``, or inside a first handler's ``set`` when a second
+    signal follows at once, as ``timeout``/process-group kills send)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def handler(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1:  # second Ctrl-C: leave at once
+            _log("Received second interrupt, terminating immediately.")
+            raise SystemExit(1)
+
+    def is_set(self) -> bool:
+        return self.count > 0
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until the stop is requested or ``timeout`` seconds pass; True when requested."""
+        deadline = time.monotonic() + timeout
+        while not self.count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, 0.05))
+        return self.count > 0
+
+
 def serve(params: Params) -> int:
     """Run the server until Ctrl-C or SIGTERM; returns the process exit code.
 
@@ -467,17 +499,11 @@ def serve(params: Params) -> int:
         _log(f"main: couldn't bind HTTP server socket, hostname: {params.host}, port: {params.port}: {e}")
         return 1
     _log(f"main: HTTP server is listening, hostname: {params.host}, port: {httpd.server_address[1]}")
-    stop = threading.Event()
+    stop = StopSignal()
     old_handlers = {}
     if threading.current_thread() is threading.main_thread():
-        def _on_signal(signum, frame):
-            if stop.is_set():  # second Ctrl-C: leave at once
-                _log("Received second interrupt, terminating immediately.")
-                raise SystemExit(1)
-            stop.set()
-
         for sig in (signal.SIGINT, signal.SIGTERM):
-            old_handlers[sig] = signal.signal(sig, _on_signal)
+            old_handlers[sig] = signal.signal(sig, stop.handler)
     http_thread = start_in_thread(httpd)
     engine = None
     try:
