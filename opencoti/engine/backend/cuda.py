@@ -194,7 +194,8 @@ class CUDABackend:
         self.device = cp.cuda.Device(device)
         self.device.use()
         self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu"),
-                      "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"), "m": load_module("mmq.cu")}
+                      "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"),
+                      "m": load_module("mmq.cu")}
         self._fns: dict = {}
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
@@ -358,7 +359,8 @@ class CUDABackend:
         rows = w.shape[0]
         nb = (rows + MMQ_BM - 1) // MMQ_BM
         nst = (cols + MMQ_BK - 1) // MMQ_BK
-        sps = (nst + min(nst, max(1, -(-2 * self.n_sm // nb))) - 1) // min(nst, max(1, -(-2 * self.n_sm // nb)))
+        want = min(nst, max(1, -(-2 * self.n_sm // nb)))  # column splits for >= 2 blocks per SM
+        sps = (nst + want - 1) // want  # stages per split
         n_split = (nst + sps - 1) // sps
         f = self._mmq_fn(w.ggml_type)
         smem = (2 * MMQ_BM + 2 * ((n + 7) & ~7)) * MMQ_LD * 2
