@@ -48,6 +48,41 @@ __device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f)
     }
 }
 
+// Merge the block's NWARP warps' online-softmax partials (per lane: acc[g][0..E) for dims
+// lane * E.., m[g], l[g] of query head g < Gb) through the shared arrays s_acc / s_m / s_l;
+// then emit(g, d, M, L, A) once per (head, dim), spread over the block's threads: M the
+// running max (NEG_INF when no cell was visible), L the sum of exp, A the unnormalised output.
+template <int D, int MAXG, int E, class Emit>
+__device__ __forceinline__ void merge_warps(const float (&acc)[MAXG][E], const float (&m)[MAXG],
+                                            const float (&l)[MAXG], int Gb, int warp, int lane,
+                                            float (*s_acc)[MAXG][D], float (*s_m)[MAXG], float (*s_l)[MAXG],
+                                            Emit emit) {
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        if (g < Gb) {
+#pragma unroll
+            for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
+            if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
+        int g = idx / D, d = idx % D;
+        float M = NEG_INF;
+        for (int w = 0; w < NWARP; w++) M = fmaxf(M, s_m[w][g]);
+        float L = 0.f, A = 0.f;
+        if (M != NEG_INF) {
+            for (int w = 0; w < NWARP; w++) {
+                if (s_m[w][g] == NEG_INF) continue;
+                float f = __expf(s_m[w][g] - M);
+                L += s_l[w][g] * f;
+                A += s_acc[w][g][d] * f;
+            }
+        }
+        emit(g, d, M, L, A);
+    }
+}
+
 template <int D, int MAXG>
 __device__ __forceinline__ void attn_partial_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
@@ -155,31 +190,9 @@ __device__ __forceinline__ void attn_partial_impl(
             }
         }
     }
-    // merge the warps: shared [NWARP][MAXG][D] acc + [NWARP][MAXG] m, l
     __shared__ float s_acc[NWARP][MAXG][D];
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
-#pragma unroll
-    for (int g = 0; g < MAXG; g++) {
-        if (g < Gb) {
-#pragma unroll
-            for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
-            if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
-        }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
-        int g = idx / D, d = idx % D;
-        float M = NEG_INF;
-        for (int w = 0; w < NWARP; w++) M = fmaxf(M, s_m[w][g]);
-        float L = 0.f, A = 0.f;
-        if (M != NEG_INF) {
-            for (int w = 0; w < NWARP; w++) {
-                if (s_m[w][g] == NEG_INF) continue;
-                float f = __expf(s_m[w][g] - M);
-                L += s_l[w][g] * f;
-                A += s_acc[w][g][d] * f;
-            }
-        }
+    merge_warps<D, MAXG, E>(acc, m, l, Gb, warp, lane, s_acc, s_m, s_l, [&](int g, int d, float M, float L, float A) {
         int h = kh * G + g0 + g;
         if (n_split == 1) {
             out[((long long)r * n_head + h) * D + d] = L > 0.f ? A / L : 0.f;
@@ -188,7 +201,7 @@ __device__ __forceinline__ void attn_partial_impl(
             part_acc[pi * D + d] = A;
             if (d == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
         }
-    }
+    });
 }
 
 #ifndef KV_TK  // the f16 module (the tier modules below use its attn_merge)
@@ -372,28 +385,7 @@ __device__ __forceinline__ void attn_kv_impl(
     }
     __shared__ float s_acc[NWARP][MAXG][D];
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
-#pragma unroll
-    for (int g = 0; g < MAXG; g++) {
-        if (g < Gb) {
-#pragma unroll
-            for (int e = 0; e < E; e++) s_acc[warp][g][lane * E + e] = acc[g][e];
-            if (lane == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
-        }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
-        int g = idx / D, d = idx % D;
-        float M = NEG_INF;
-        for (int w = 0; w < NWARP; w++) M = fmaxf(M, s_m[w][g]);
-        float L = 0.f, A = 0.f;
-        if (M != NEG_INF) {
-            for (int w = 0; w < NWARP; w++) {
-                if (s_m[w][g] == NEG_INF) continue;
-                float f = __expf(s_m[w][g] - M);
-                L += s_l[w][g] * f;
-                A += s_acc[w][g][d] * f;
-            }
-        }
+    merge_warps<D, MAXG, E>(acc, m, l, Gb, warp, lane, s_acc, s_m, s_l, [&](int g, int d, float M, float L, float A) {
         int h = kh * G + g0 + g;
         float o = n_split == 1 ? (L > 0.f ? A / L : 0.f) : A;
         if constexpr (TV::ROT) {
@@ -407,7 +399,7 @@ __device__ __forceinline__ void attn_kv_impl(
             long long pi = ((long long)r * n_head + h) * n_split + sp;
             part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L;
         }
-    }
+    });
     if constexpr (TV::ROT) {  // o = R^T y, once per head
         __syncthreads();
         fwht_shared<D>(&s_acc[0][0][0], Gb, true, false);
