@@ -31,6 +31,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from decode_runs import greedy_run, write_ngl_model
 from gemma_refs import load_refs, logprobs
 from hybrid_parity import mixed_run
 from quant_blocks import random_blocks, ref_dequant
@@ -1111,32 +1112,16 @@ def test_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant):
     pytest.importorskip("transformers")
     from opencoti.engine.backend import cuda as cu
     from opencoti.model.loader import load_model
-    from opencoti.tools import synth_gguf as sg
 
     path = tmp_path / f"ngl-{arch}.gguf"
-    if arch == "gemma4":
-        sg.write_random_model(arch, path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
-    elif arch == "qwen35":
-        sg.write_gguf(sg.random_hf_model(arch, seed=3), path, "Q8_0")
-    else:
-        sg.write_random_model(arch, path, "Q8_0", seed=3, hidden_size=256, intermediate_size=512, head_dim=64)
+    write_ngl_model(path, arch, variant)
     model = load_model(str(path), with_tokenizer=False)
     n = model.hparams.n_layer
     prompt = [(i * 37 + 11) % 300 for i in range(20)]
     shift = arch in ("gemma3", "llama")
 
     def run(backend, ngl, feed=None):
-        r = ModelRunner(model, backend, n_ctx=64, n_ubatch=16, n_gpu_layers=ngl)
-        out = [np.concatenate([lg for _, lg in iter_logits(r, prompt)])]
-        toks = []
-        for i in range(4):
-            toks.append(int(np.argmax(out[-1][-1])) if feed is None else feed[i])
-            out.append(r.decode(UBatch.build([toks[-1]], [len(prompt) + i], [0], [0])))
-        if shift:
-            r.kv.seq_rm(0, 2, 6)
-            r.seq_add(0, 6, len(prompt) + 4, -4)
-            out.append(r.decode(UBatch.build([5], [len(prompt)], [0], [0])))
-        return r, toks, np.concatenate(out)
+        return greedy_run(model, backend, prompt, 4, feed=feed, shift=shift, n_gpu_layers=ngl)
 
     _, want_toks, want = run(cpu, -1)
     top2 = np.sort(want, axis=1)[:, -2:]
@@ -1179,30 +1164,16 @@ def test_kv_tier_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant, tk, tv
     copy of its source's quantized bytes."""
     pytest.importorskip("transformers")
     from opencoti.model.loader import load_model
-    from opencoti.tools import synth_gguf as sg
 
     path = tmp_path / f"ngl-tier-{arch}.gguf"
-    if arch == "gemma4":
-        sg.write_random_model(arch, path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
-    else:
-        sg.write_random_model(arch, path, "Q8_0", seed=3, hidden_size=256, intermediate_size=512, head_dim=64)
+    write_ngl_model(path, arch, variant)
     model = load_model(str(path), with_tokenizer=False)
     n = model.hparams.n_layer
     prompt = [(i * 37 + 11) % 300 for i in range(20)]
     shift = arch in ("gemma3", "llama")
 
     def run(backend, ngl, feed=None):
-        r = ModelRunner(model, backend, n_ctx=64, n_ubatch=16, n_gpu_layers=ngl, type_k=tk, type_v=tv)
-        out = [np.concatenate([lg for _, lg in iter_logits(r, prompt)])]
-        toks = []
-        for i in range(4):
-            toks.append(int(np.argmax(out[-1][-1])) if feed is None else feed[i])
-            out.append(r.decode(UBatch.build([toks[-1]], [len(prompt) + i], [0], [0])))
-        if shift:
-            r.kv.seq_rm(0, 2, 6)
-            r.seq_add(0, 6, len(prompt) + 4, -4)
-            out.append(r.decode(UBatch.build([5], [len(prompt)], [0], [0])))
-        return r, toks, np.concatenate(out)
+        return greedy_run(model, backend, prompt, 4, feed=feed, shift=shift, n_gpu_layers=ngl, type_k=tk, type_v=tv)
 
     _, want_toks, want = run(cpu, -1)
     top2 = np.sort(want, axis=1)[:, -2:]

@@ -20,6 +20,7 @@ import pytest
 from opencoti.engine.backend import get_backend, select_backend
 from opencoti.engine.backend.cpu import CPUBackend
 from opencoti.engine.backend.offload import LayerSplit, make_split, offload_message
+from decode_runs import greedy_run, write_ngl_model
 from vk_guard import DEVICE, vulkan_devices
 
 
@@ -83,7 +84,6 @@ def tiny(tmp_path_factory):
     """tiny(arch, **over) -> a random-weight Q8_0 model (cached), as test_vulkan.py's."""
     pytest.importorskip("transformers")
     from opencoti.model.loader import load_model
-    from opencoti.tools import synth_gguf as sg
 
     root, cache = tmp_path_factory.mktemp("ngl"), {}
 
@@ -91,36 +91,15 @@ def tiny(tmp_path_factory):
         key = (arch, variant, tokenizer)
         if key not in cache:
             path = root / f"{arch}-{variant}.gguf"
-            if arch == "gemma4":
-                sg.write_random_model(arch, path, "Q8_0", seed=1, **sg.GEMMA4_VARIANTS[variant])
-            elif arch == "qwen35":
-                sg.write_gguf(sg.random_hf_model(arch, seed=3), path, "Q8_0")
-            else:
-                sg.write_random_model(arch, path, "Q8_0", seed=3, hidden_size=256, intermediate_size=512,
-                                      head_dim=64)
+            write_ngl_model(path, arch, variant)
             cache[key] = load_model(str(path), with_tokenizer=tokenizer)
         return cache[key]
     return get
 
 
-def _run(model, backend, ngl, prompt, n_gen, n_ubatch=16, shift=False):
-    """Prefill ``prompt`` in ubatches of ``n_ubatch``, then ``n_gen`` greedy single-token steps
-    (with ``shift``: then drop 4 positions, shift the rest down, decode once more).
-    Returns (runner, greedy tokens, logits of every step)."""
-    from opencoti.engine.batch import UBatch
-    from opencoti.engine.runner import ModelRunner, iter_logits
-
-    r = ModelRunner(model, backend, n_ctx=64, n_ubatch=n_ubatch, n_gpu_layers=ngl)
-    out = [np.concatenate([lg for _, lg in iter_logits(r, prompt)])]
-    n, toks = len(prompt), []
-    for i in range(n_gen):
-        toks.append(int(np.argmax(out[-1][-1])))
-        out.append(r.decode(UBatch.build([toks[-1]], [n + i], [0], [0])))
-    if shift:
-        r.kv.seq_rm(0, 2, 6)
-        r.seq_add(0, 6, n + n_gen, -4)
-        out.append(r.decode(UBatch.build([5], [n + n_gen - 4], [0], [0])))
-    return r, toks, np.concatenate(out)
+def _run(model, backend, ngl, prompt, n_gen, shift=False):
+    """``greedy_run`` with ``-ngl ngl``: (runner, greedy tokens, logits of every step)."""
+    return greedy_run(model, backend, prompt, n_gen, shift=shift, n_gpu_layers=ngl)
 
 
 def _close(got, want):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from decode_runs import greedy_run
 from vk_guard import vulkan_devices
 
 vulkan_devices()
@@ -156,21 +157,11 @@ def _tiny(tmp_path, arch, qtype, **over):
 
 
 def _greedy(model, backend, prompt, n_gen, type_k="f16", type_v="f16", shift=False):
-    """Prefill ``prompt``, decode ``n_gen`` greedy tokens one at a time (graphs on Vulkan);
-    with ``shift``: then drop 4 positions and shift the rest down (K re-rotated in the
-    tier) and decode once more. Returns (tokens, all logits)."""
-    r = ModelRunner(model, backend, n_ctx=64, n_ubatch=512, type_k=type_k, type_v=type_v)
-    n = len(prompt)
-    out = [r.decode(UBatch.build(prompt, np.arange(n), [0] * n, np.arange(n)))]
-    toks = []
-    for i in range(n_gen):
-        toks.append(int(np.argmax(out[-1][-1])))
-        out.append(r.decode(UBatch.build([toks[-1]], [n + i], [0], [0])))
-    if shift:
-        r.kv.seq_rm(0, 2, 6)
-        r.seq_add(0, 6, n + n_gen, -4)
-        out.append(r.decode(UBatch.build([5], [n + n_gen - 4], [0], [0])))
-    return toks, np.concatenate(out)
+    """``greedy_run`` in one prefill ubatch (graphs on Vulkan) with the KV tiers: (tokens,
+    all logits)."""
+    _, toks, logits = greedy_run(model, backend, prompt, n_gen, shift=shift, n_ubatch=512, type_k=type_k,
+                                 type_v=type_v)
+    return toks, logits
 
 
 @pytest.mark.parametrize("type_k,type_v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q5_1", "f16"),
