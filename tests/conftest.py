@@ -84,3 +84,22 @@ def gpu_paths(vk):
     vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = 32, 8, 512, 16
     yield vk
     vk.gemv_lanes, vk.gemv_max_tokens, vk.attn_target_groups, vk.attn_split_cells = saved
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    """A server on the default model (n_ctx 1024, 2 slots, /metrics on), one per test module,
+    on a free port: ``{"port", "base", "httpd", "engine", "model", "params"}``. Modules that need
+    other settings define their own ``server``."""
+    from opencoti.http.server import make_server, start_in_thread, stop_server
+    from opencoti.model.loader import load_model
+    from opencoti.params import Params
+
+    params = Params(model=model_path, n_ctx=1024, n_parallel=2, port=0, endpoint_metrics=True)
+    model = load_model(model_path, params)
+    httpd, engine = make_server(model, params)
+    start_in_thread(httpd)
+    port = httpd.server_address[1]
+    yield {"port": port, "base": f"http://127.0.0.1:{port}", "httpd": httpd, "engine": engine, "model": model,
+           "params": params}
+    stop_server(httpd, engine)

@@ -22,7 +22,7 @@ from opencoti.engine.api import SamplingParams
 from opencoti.http.errors import HTTPError, error_body, exceed_context
 from opencoti.http.generate import utf8_complete_len
 from opencoti.http.routes import build_router
-from opencoti.http.server import OpencotiHTTPServer, StopSignal, make_server, start_in_thread, stop_server
+from opencoti.http.server import OpencotiHTTPServer, StopSignal, make_server, start_in_thread
 from opencoti.http.sse import ChunkedWriter, ClientDisconnected, sse_event
 from opencoti.http.state import ServerState
 from opencoti.http.validate import get_int, get_number, get_stop, parse_completion
@@ -87,18 +87,6 @@ def exact(shared_dir):
     """Exact float32 math for the same cases (transformers on the dequantized weights)."""
     with open(shared_dir / "data" / "ref" / "gemma3_270m_transformers_f32.json", encoding="utf-8") as f:
         return {c["name"]: c for c in json.load(f)["cases"]}
-
-
-@pytest.fixture(scope="module")
-def server(model_path):
-    from opencoti.model.loader import load_model
-
-    params = Params(model=model_path, n_ctx=1024, n_parallel=2, port=0, endpoint_metrics=True)
-    model = load_model(model_path, params)
-    httpd, engine = make_server(model, params)
-    start_in_thread(httpd)
-    yield {"port": httpd.server_address[1], "httpd": httpd, "engine": engine, "model": model, "params": params}
-    stop_server(httpd, engine)
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,7 @@ import time
 import httpx
 import pytest
 
-from opencoti.http.server import MAX_BODY_BYTES, make_server, start_in_thread, stop_server
-from opencoti.params import Params
-
-
-@pytest.fixture(scope="module")
-def server(model_path):
-    from opencoti.model.loader import load_model
-
-    params = Params(model=model_path, n_ctx=1024, n_parallel=2, port=0, endpoint_metrics=True)
-    model = load_model(model_path, params)
-    httpd, engine = make_server(model, params)
-    start_in_thread(httpd)
-    yield {"port": httpd.server_address[1], "engine": engine, "base": f"http://127.0.0.1:{httpd.server_address[1]}"}
-    stop_server(httpd, engine)
+from opencoti.http.server import MAX_BODY_BYTES
 
 
 def raw_exchange(port: int, data: bytes) -> tuple[bytes, dict, bytes]:
