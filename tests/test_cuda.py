@@ -156,6 +156,34 @@ def test_mmq_matches_reference(gpu, qname, shape, n):
     assert rel_err(got[3:4], one) < 1e-5
 
 
+@pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows,cols", [(300, 512), (40, 2816), (5000, 256)])
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 40, 64])
+def test_gemvi_matches_reference(gpu, qname, rows, cols, n):
+    """gemv_int.cu (integer tensor cores on int8 digit columns) on the cases its bookkeeping
+    distinguishes: 1 / 3 / 6 column tiles per block (2, 8, 16 tokens) with partly filled token
+    groups, rows not a multiple of the 16-row tile, super-blocks per row fewer than the 8 warps
+    (512: 2 warps) and not a multiple of them (2,816 = 11 super-blocks), many row tiles; one
+    activation channel 40x the others (the digits' scale is per 256 elements): float32 accuracy
+    against float64, and the same values through ``mul_mat`` / ``gated_ffn`` where they route
+    here."""
+    from opencoti.engine.backend import cuda as cu
+
+    x, raw, want = _mmq_case(qname, rows, cols, n, 70 + n)
+    x[:, 3] *= 40
+    want = x.astype(np.float64) @ ref_dequant(qname, raw, cols).astype(np.float64).T
+    w = to_qtensor(raw, qname, cols)
+    got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
+    assert got.shape == (n, rows) and np.isfinite(got).all()
+    assert rel_err(got, want) < 5e-6, rel_err(got, want)
+    if n <= cu.IMMA_MAX_ROWS:
+        np.testing.assert_array_equal(cp.asnumpy(gpu.mul_mat(cp.asarray(x), w)), got)
+        gw = to_qtensor(raw[::-1].copy(), qname, cols)
+        g = gpu._gemvi(gpu._digits(cp.asarray(x)), gw)
+        fused = cp.asnumpy(gpu.gated_ffn(cp.asarray(x), gw, w, "silu"))
+        np.testing.assert_allclose(fused, cp.asnumpy(gpu.silu(g)) * got, rtol=1e-6, atol=1e-6 * np.abs(fused).max())
+
+
 @pytest.mark.parametrize("n", [1, 6, 70])
 def test_mul_mat_dense_weight(gpu, n):
     """Dense float32 weights (matrices the loader keeps dense): rows of a multiple of 8 take the
@@ -203,6 +231,20 @@ def test_rms_norm_and_activations(gpu, cpu):
     assert rel_err(cp.asnumpy(gpu.rms_norm(cp.asarray(q), cp.asarray(wq), 1e-6)), cpu.rms_norm(q, wq, 1e-6)) < 1e-6
     assert rel_err(cp.asnumpy(gpu.gelu_tanh(cp.asarray(x))), cpu.gelu_tanh(x)) < 1e-6
     assert rel_err(cp.asnumpy(gpu.silu(cp.asarray(x))), cpu.silu(x)) < 1e-6
+
+
+@pytest.mark.parametrize("n", [640, 3584, 9000])
+def test_row_norms_match_cpu(gpu, cpu, n):
+    """rms_norm and add_rms_norm (post_norm_add_norm) keep a row in registers, 8 values per
+    thread for up to 1,024 threads; 9,000 floats also take the loop over the rest."""
+    rng = np.random.default_rng(n)
+    x, h = (rng.standard_normal((3, n)) * 2).astype(np.float32), rng.standard_normal((3, n)).astype(np.float32)
+    w1, w2 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    assert rel_err(cp.asnumpy(gpu.rms_norm(cp.asarray(x), cp.asarray(w1), 1e-6)), cpu.rms_norm(x, w1, 1e-6)) < 1e-6
+    for wp in (w1, None):
+        got = gpu.add_rms_norm(cp.asarray(x), cp.asarray(h), None if wp is None else cp.asarray(wp), cp.asarray(w2), 1e-6)
+        want = cpu.add_rms_norm(x, h, wp, w2, 1e-6)
+        assert rel_err(cp.asnumpy(got[0]), want[0]) < 1e-6 and rel_err(cp.asnumpy(got[1]), want[1]) < 1e-6
 
 
 @pytest.mark.parametrize("mode", ["norm", "neox"])
@@ -975,7 +1017,7 @@ def test_shared_prefix_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv,
     CPU reference, on scattered prefix cells. n_swa 300 cuts into the 700-cell prefix; 20
     leaves a few prefix cells to sharers with a short history and none to the others (an
     empty shared partial)."""
-    from dataclasses import replace
+    from opencoti.engine.kv_cache import CachePlan
 
     rng = np.random.default_rng(11 + d + n_head + n_swa + rows_per_view)
     cc, plan, ub_pos = _shared_prefix_plan(n_kv, d, 700, 5, rows_per_view, rng)
@@ -991,7 +1033,7 @@ def test_shared_prefix_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv,
     gpu._meta = {}
     got = cp.asnumpy(gpu.attention_cells(*args, plan, scale, n_swa, softcap))
     assert calls, "the group path did not run"
-    plain = replace(plan, groups=[])
+    plain = CachePlan(plan.stream, plan.cell, plan.views, groups=[])
     per_seq = cp.asnumpy(gpu.attention_cells(*args, plain, scale, n_swa, softcap))
     assert len(calls) == 1
     assert got.shape == want.shape == per_seq.shape

@@ -9,8 +9,8 @@
 //
 // attn_partial: grid (T, n_kv * ceil(G / MAXG), n_split), 4 warps; a block serves up
 // to MAXG query heads of one kv head (any G: larger groups take several blocks).
-// The block's (scaled) queries sit in shared memory. Each warp takes tiles of 32
-// cells: a lane per cell computes the scores (K row read with 16-byte loads),
+// The block's (scaled) queries sit in shared memory. Each warp takes tiles of 8
+// cells: 4 lanes per cell compute the scores (each a quarter of the K row, 16-byte loads),
 // the tile's softmax update is one warp max + sum, then the lanes switch to
 // dims and accumulate p * V cell by cell (each V row read coalesced). Split s of a view covers an
 // equal slice of its cells; the online softmax is Milakov & Gimelshein 2018. Warps merge in shared memory; with n_split == 1 the
@@ -116,10 +116,15 @@ __device__ __forceinline__ void attn_partial_impl(
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
     }
-    // tiles of 32 cells per warp: QK with a lane per cell, softmax across the warp, then
-    // PV with the lanes over dims (each cell's V row read coalesced by the whole warp)
-    for (int t0 = c0 + 32 * warp; t0 < c1; t0 += 32 * NWARP) {
-        int i = t0 + lane;
+    // tiles of 8 cells per warp: QK with 4 lanes per cell (each lane a quarter of the dims, the
+    // partial dot products summed over the 4 lanes), softmax across the warp, then PV with the
+    // lanes over dims (each cell's V row read coalesced by the whole warp). A tile is short so
+    // that a block's warps share a split's cells: a decode step is latency-bound, and a warp
+    // that walked 32 cells alone issued one instruction per ~8 cycles for ~20 us (H200, ncu).
+    constexpr int DQ = D / 4;  // dims per lane in QK
+    const int slot = lane >> 2, part = lane & 3;
+    for (int t0 = c0 + 8 * warp; t0 < c1; t0 += 8 * NWARP) {
+        const int i = t0 + slot;
         int cell = 0;
         bool ok = false;
         if (i < c1) {
@@ -127,24 +132,20 @@ __device__ __forceinline__ void attn_partial_impl(
             ok = cp <= qp && !(n_swa > 0 && qp - cp >= n_swa);
             cell = cells[i];
         }
-        unsigned mask = __ballot_sync(0xffffffffu, ok);
-        if (!mask) continue;
+        if (!__any_sync(0xffffffffu, ok)) continue;
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
         if (ok) {
-            const uint4* kr = (const uint4*)(K + ((long long)cell * n_kv + kh) * D);
-#pragma unroll 8
-            for (int c = 0; c < D / 8; c++) {
-                uint4 w = kr[c];
-                u32 ws[4] = {w.x, w.y, w.z, w.w};
-                float kf[8];
+            const u16* kr = K + ((long long)cell * n_kv + kh) * D + part * DQ;
 #pragma unroll
-                for (int j = 0; j < 4; j++) { kf[2 * j] = h2f((u16)(ws[j] & 0xFFFF)); kf[2 * j + 1] = h2f((u16)(ws[j] >> 16)); }
+            for (int c = 0; c < DQ / 8; c++) {
+                float kf[8];
+                load_halves<8>(kr + 8 * c, kf);
 #pragma unroll
                 for (int g = 0; g < MAXG; g++) {
                     if (g < Gb) {
-                        const float4* qq = (const float4*)&s_q[g][8 * c];
+                        const float4* qq = (const float4*)&s_q[g][part * DQ + 8 * c];
                         float4 a = qq[0], b = qq[1];
                         s[g] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3]
                               + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] + b.w * kf[7];
@@ -156,34 +157,36 @@ __device__ __forceinline__ void attn_partial_impl(
 #pragma unroll
         for (int g = 0; g < MAXG; g++) {
             if (g < Gb) {
-                float sg = s[g];
+                float sg = s[g] + __shfl_xor_sync(0xffffffffu, s[g], 1);
+                sg += __shfl_xor_sync(0xffffffffu, sg, 2);
                 if (softcap > 0.f) sg = softcap * tanhf(sg / softcap);
                 float tm = ok ? sg : NEG_INF;
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
+                for (int o = 16; o > 2; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
                 float mn = fmaxf(m[g], tm);
                 float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mn);
                 p[g] = ok ? __expf(sg - mn) : 0.f;
-                l[g] = l[g] * corr + wsum(p[g]);
+                float ps = p[g];  // each cell's p is held by its 4 lanes: sum over the 8 slots
+#pragma unroll
+                for (int o = 16; o > 2; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+                l[g] = l[g] * corr + ps;
 #pragma unroll
                 for (int e = 0; e < E; e++) acc[g][e] *= corr;
                 m[g] = mn;
             }
         }
-        // PV over the tile's 32 cells in a fixed-count loop, so the compiler issues several
-        // cells' V loads before their FMAs (a data-dependent loop serialized one DRAM round
-        // trip per cell: ~40 us per layer at depth 512); masked cells carry p = 0 and a valid
-        // cell index (0 past the list's end), so reading them is harmless
-#pragma unroll 8
-        for (int j = 0; j < 32; j++) {
-            int cj = __shfl_sync(0xffffffffu, cell, j);
+        // PV over the tile's 8 cells (masked cells carry p = 0 and a valid cell index: 0 past
+        // the list's end), all V loads issued before the FMAs
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int cj = __shfl_sync(0xffffffffu, cell, 4 * j);
             const u16* vr = V + ((long long)cj * n_kv + kh) * D + lane * E;
             float vf[E];
             load_halves<E>(vr, vf);
 #pragma unroll
             for (int g = 0; g < MAXG; g++) {
                 if (g < Gb) {
-                    float pj = __shfl_sync(0xffffffffu, p[g], j);
+                    float pj = __shfl_sync(0xffffffffu, p[g], 4 * j);
 #pragma unroll
                     for (int e = 0; e < E; e++) acc[g][e] += pj * vf[e];
                 }

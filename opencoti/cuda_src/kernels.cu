@@ -237,17 +237,34 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     return warp_sum(v);
 }
 
+// Row kernels keep a row's values in registers: element tid + k * blockDim of the row in v[k]
+// (NV per thread; the launch picks blockDim >= n / NV up to 1024, longer rows loop over the
+// rest), so that every load of the row is issued before the first sum needs it (a strided loop
+// waited for each load in turn: ~13 us for one 3,584-float row on the H200).
+#define NV 8
 // y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                     int n, float eps) {
     __shared__ float sh[32];
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
-    float s = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+    const int bd = blockDim.x, t = threadIdx.x;
+    float v[NV], s = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        int i = t + k * bd;
+        v[k] = i < n ? xr[i] : 0.f;
+        s += v[k] * v[k];
+    }
+    for (int i = t + NV * bd; i < n; i += bd) s += xr[i] * xr[i];
     s = block_sum(s, sh);
     float r = rsqrtf(s / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * r * (w ? w[i] : 1.f);
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        int i = t + k * bd;
+        if (i < n) yr[i] = v[k] * r * (w ? w[i] : 1.f);
+    }
+    for (int i = t + NV * bd; i < n; i += bd) yr[i] = xr[i] * r * (w ? w[i] : 1.f);
 }
 
 // x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
@@ -255,21 +272,43 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
                                               const float* __restrict__ w_post, const float* __restrict__ w_next,
                                               float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps) {
     __shared__ float sh[32];
-    long long o = (long long)blockIdx.x * n;
-    float s = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += h[o + i] * h[o + i];
+    const long long o = (long long)blockIdx.x * n;
+    const int bd = blockDim.x, t = threadIdx.x;
+    float hv[NV], xv[NV], s = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        int i = t + k * bd;
+        hv[k] = i < n ? h[o + i] : 0.f;
+        xv[k] = i < n ? x[o + i] : 0.f;
+        s += hv[k] * hv[k];
+    }
+    for (int i = t + NV * bd; i < n; i += bd) s += h[o + i] * h[o + i];
     s = block_sum(s, sh);
-    float r = w_post ? rsqrtf(s / n + eps) : 1.f;
+    const float r = w_post ? rsqrtf(s / n + eps) : 1.f;
     float s2 = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        int i = t + k * bd;
+        if (i < n) {
+            xv[k] += hv[k] * r * (w_post ? w_post[i] : 1.f);
+            x_out[o + i] = xv[k];
+            s2 += xv[k] * xv[k];
+        }
+    }
+    for (int i = t + NV * bd; i < n; i += bd) {
         float v = x[o + i] + h[o + i] * r * (w_post ? w_post[i] : 1.f);
         x_out[o + i] = v;
         s2 += v * v;
     }
     s2 = block_sum(s2, sh);
     if (!h_out) return;
-    float r2 = rsqrtf(s2 / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
+    const float r2 = rsqrtf(s2 / n + eps);
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        int i = t + k * bd;
+        if (i < n) h_out[o + i] = xv[k] * r2 * w_next[i];
+    }
+    for (int i = t + NV * bd; i < n; i += bd) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
 }
 
 // RoPE (ggml_rope_ext) on x [T, H, D]: grid = T*H rows. mode 0 = norm (pairs 2i, 2i+1),

@@ -72,6 +72,15 @@ GEMV_RPW2_MIN_ELEMENTS = 4 << 20
 # rows, which read it once per tile. OPENCOTI_CUDA_MMQ_MIN_ROWS=0 turns it off.
 MMQ_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_MMQ_MIN_ROWS", "9"))
 MMQ_BM, MMQ_BK, MMQ_LD = 128, 128, 136  # mmq.cu's MQ_BM, MQ_BK, MQ_LD
+# Q4_K / Q6_K weights with up to this many activation rows run on the integer tensor cores
+# (gemv_int.cu: activations as three int8 digits per value, float32 accuracy) instead of the
+# float GEMV / mmq.cu. OPENCOTI_CUDA_IMMA_MAX_ROWS=0 turns it off.
+IMMA_MAX_ROWS = int(os.environ.get("OPENCOTI_CUDA_IMMA_MAX_ROWS", "8"))
+IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
+# warps per 16-row tile of gemv_int.cu by MMA column tiles (1: one or two token rows, 3: up to 8,
+# 6: up to 16 per block); measured on the H200 (bench/bench_gemv.py, 7B shapes, weights streamed
+# from memory): one row 8 warps (ffn_up 1,491 GB/s; 4: 1,453, 16: 1,188), 8 rows 4 (1,184; 8: 847)
+IMMA_WARPS = {1: 8, 3: 4, 6: 4}
 # OPENCOTI_CUDA_F16_GEMM_MIN_ROWS=N (default 0: off): batches of N..GEMV_MAX_TOKENS rows take
 # the f16 cuBLAS GEMM instead (weight dequantized to f16 in a scratch buffer, activations
 # rounded to f16; eager, as cuBLAS is not captured through CuPy). Measured on the H200 before
@@ -107,6 +116,12 @@ def _sp_smem(d: int) -> int:
 def _bucket(n: int) -> int:
     """Cell-list capacity of a graph key: a power of two >= 256."""
     return max(256, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _row_threads(n: int) -> int:
+    """Threads of a row kernel (rms_norm, post_norm_add_norm: kernels.cu ``NV`` = 8 values per
+    thread in registers) for rows of ``n`` floats: a multiple of 32 in [32, 1024]."""
+    return min(1024, max(32, -(-n // (8 * 32)) * 32))
 
 
 def _warps_per_row(rows: int, cols: int) -> int:
@@ -195,7 +210,7 @@ class CUDABackend:
         self.device.use()
         self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu"),
                       "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"),
-                      "m": load_module("mmq.cu")}
+                      "m": load_module("mmq.cu"), "i": load_module("gemv_int.cu")}
         self._fns: dict = {}
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
@@ -205,6 +220,7 @@ class CUDABackend:
         self._capturing = False
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self._w16 = None  # f16 scratch of _gemm_f16
+        self._digits_of = (None, None)  # (array, its gemv_int.cu digits): _digits
         self._f16_ok = True  # False while a prefill-size MoE runs its expert GEMMs
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
@@ -337,6 +353,8 @@ class CUDABackend:
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
+        if n <= IMMA_MAX_ROWS and w.ggml_type in IMMA_TYPES:
+            return self._gemvi(self._digits(x), w)
         if MMQ_MIN_ROWS and n >= MMQ_MIN_ROWS and w.ggml_type != 0:
             return self._mmq(x, w)
         y = cp.empty((n, rows), dtype=cp.float32)
@@ -346,6 +364,47 @@ class CUDABackend:
         wpr = _warps_per_row(groups, cols)
         fn(((n + GEMV_TILE - 1) // GEMV_TILE, (groups * wpr + 7) // 8), (256,),
            (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
+        return y
+
+    def _digits(self, x):
+        """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
+        digit columns: ``(xq, xs, xd16, xd32, n, nt)`` (layout in gemv_int.cu's header; ``nt``
+        MMA column tiles per block: 1 for up to 2 rows, 3 up to 8, else 6). The last input's
+        digits are kept (with a reference to the array, so its memory is not reused) and
+        returned again for the same array object: attention's q / k / v projections quantize
+        their input once. Relies on the op set's rule that ops never write their inputs in place."""
+        if x is self._digits_of[0]:
+            return self._digits_of[1]
+        cp = self.cp
+        n, k = x.shape
+        nt = 1 if n <= 2 else 3 if n <= 8 else 6
+        cw = 8 * nt
+        ng = -(-n // (cw // 3))
+        ncp = ng * cw
+        xq = cp.empty((ncp, k), dtype=cp.int8)
+        xs = cp.empty((k // 256, ncp), dtype=cp.float32)
+        xd16 = cp.empty((k // 16, ncp), dtype=cp.int32)
+        xd32 = cp.empty((k // 32, ncp), dtype=cp.int32)
+        self._fn("i", "xq_digits")((k // 256, ng * ((cw + 2) // 3)), (32,),
+                                   (x, xq, xs, xd16, xd32, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp)))
+        self._digits_of = (x, (xq, xs, xd16, xd32, n, nt))
+        return self._digits_of[1]
+
+    def _gemvi(self, digits, w: QTensor):
+        """``x @ w.T`` -> ``[n, rows]`` float32 for a Q4_K / Q6_K ``w`` and ``x`` given as
+        ``_digits(x)``, on the integer tensor cores (gemv_int.cu): 16 weight rows per block,
+        the super-blocks split over up to 8 warps and summed in warp order (deterministic).
+        Relative error ~3e-7 of the largest |x w| term against float64 (float32 level).
+        Graph-safe."""
+        cp = self.cp
+        xq, xs, xd16, xd32, n, nt = digits
+        rows, k = w.shape
+        ks = max(1, min(IMMA_WARPS[nt], k // 256))  # <= gemv_int.cu KS_MAX
+        y = cp.empty((n, rows), dtype=cp.float32)
+        self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")(
+            (xs.shape[1] // (8 * nt), (rows + 15) // 16), (32 * ks,),
+            (w.data, np.int64(w.row_bytes), xq, xs, xd16, xd32, y, np.int32(rows), np.int32(k), np.int32(n),
+             np.int32(xs.shape[1])))
         return y
 
     def _mmq(self, x, w: QTensor):
@@ -414,6 +473,13 @@ class CUDABackend:
         One token with gate and up of one type: a single fused GEMV."""
         cp = self.cp
         a = 1 if act == "gelu_tanh" else 0
+        if (x.shape[0] <= IMMA_MAX_ROWS and isinstance(gate, QTensor) and isinstance(up, QTensor)
+                and gate.ggml_type in IMMA_TYPES and up.ggml_type in IMMA_TYPES):
+            d = self._digits(cp.ascontiguousarray(x, dtype=cp.float32))  # one quantization for both
+            g, u = self._gemvi(d, gate), self._gemvi(d, up)
+            y = cp.empty_like(g)
+            self._fn("k", "gated_act")(((g.size + 255) // 256,), (256,), (g, u, y, np.int64(g.size), np.int32(a)))
+            return y
         if (x.shape[0] == 1 and isinstance(gate, QTensor) and isinstance(up, QTensor)
                 and gate.ggml_type == up.ggml_type and gate.shape == up.shape and gate.row_bytes == up.row_bytes):
             x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -453,7 +519,7 @@ class CUDABackend:
         n = x.shape[-1]
         rows = x.size // n
         y = cp.empty_like(x)
-        self._fn("k", "rms_norm")((rows,), (min(256, (n + 31) // 32 * 32),),
+        self._fn("k", "rms_norm")((rows,), (_row_threads(n),),
                                   (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)))
         return y
 
@@ -467,7 +533,7 @@ class CUDABackend:
         rows = x.size // n
         xo = cp.empty_like(x)
         ho = cp.empty_like(x) if w_next is not None else None
-        self._fn("k", "post_norm_add_norm")((rows,), (min(256, (n + 31) // 32 * 32),),
+        self._fn("k", "post_norm_add_norm")((rows,), (_row_threads(n),),
                                             (x, h, w_post if w_post is not None else _NULL,
                                              w_next if w_next is not None else _NULL, xo,
                                              ho if ho is not None else _NULL, np.int32(n), np.float32(eps)))
@@ -1065,7 +1131,9 @@ class CUDABackend:
         base = T * n_kv * n_hg
         n_split = 1
         if base < 2 * self.n_sm:
-            n_split = int(max(1, min(meta["max_len"] // 128, (2 * self.n_sm + base - 1) // base, 64)))
+            # >= 32 cells per split: the f16 kernel's 4 warps take tiles of 8 (the tier kernel's
+            # of 32 simply leave warps idle on short splits)
+            n_split = int(max(1, min(meta["max_len"] // 32, (2 * self.n_sm + base - 1) // base, 64)))
         if n_split > 1:
             part_acc = cp.empty((T * H * n_split * D,), dtype=cp.float32)
             part_ml = cp.empty((T * H * n_split * 2,), dtype=cp.float32)
@@ -1106,7 +1174,7 @@ class CUDABackend:
         n_sp = 2
         if base < 2 * self.n_sm:
             p_len = gm["pcap"] if self._staged else gm["p_max"]
-            n_sp = int(max(2, min(p_len // 128, (2 * self.n_sm + base - 1) // base, 64)))
+            n_sp = int(max(2, min(p_len // 32, (2 * self.n_sm + base - 1) // base, 64)))
         p_acc = cp.empty((T * H * n_sp * D,), dtype=f32)
         p_ml = cp.empty((T * H * n_sp * 2,), dtype=f32)
         self._fn("a", f"attn_partial_d{D}_g{g}")(

@@ -1,0 +1,129 @@
+"""One quantized matmul on a GPU, per kernel path: GPU time and weight bandwidth (issue 4).
+
+    python bench/bench_gemv.py [--preset qwen2.5-7b] [--rows 1,8,32,64] [--reps 20]
+
+For each weight of the preset's shapes (random valid blocks of the model's quant types)
+and each activation row count it times the CUDA backend's paths inside a captured CUDA
+graph (so Python launch cost does not count): ``float`` (the float32 GEMV units for up to 8
+rows, mmq.cu's tensor-core tiles from 9), ``imma`` (gemv_int.cu: integer tensor cores on
+int8 digit columns, incl. the activation quantization), and prints microseconds per call,
+GB/s of weight bytes, and each path's error against float64 on the dequantized weight
+(max |err| / max |y|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# name -> (ggml type, rows, cols)
+PRESETS = {
+    "qwen2.5-7b": [("attn_q / attn_output", 12, 3584, 3584), ("attn_k", 12, 512, 3584),
+                   ("ffn_up / ffn_gate", 12, 18944, 3584), ("ffn_down", 14, 3584, 18944),
+                   ("output", 14, 152064, 3584)],
+    "gemma-3-270m": [("ffn_down", 12, 640, 2048), ("ffn_down q6", 14, 640, 2048)],
+}
+F16_FIELDS = {12: (144, 256, [0, 2]), 14: (210, 256, [208])}  # block bytes, elements, f16 offsets
+
+
+def random_weight(cp, t: int, rows: int, cols: int):
+    size, blk, offs = F16_FIELDS[t]
+    nb = cols // blk
+    raw = cp.random.randint(0, 256, (rows, nb, size), dtype=cp.int32).astype(cp.uint8)
+    for off in offs:
+        d = cp.random.uniform(0.002, 0.05, (rows, nb)).astype(cp.float16)
+        raw[:, :, off:off + 2] = d.view(cp.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, nb * size)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
+    ap.add_argument("--rows", default="1,8,32,64")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warps", default="0", help="gemv_int.cu warps per row tile to try (comma list; 0: the default)")
+    a = ap.parse_args()
+    import cupy as cp
+
+    from opencoti.engine.backend import cuda as cu
+
+    be = cu.CUDABackend()
+    paths = {"float": lambda x, w: _without_imma(cu, lambda: be.mul_mat(x, w))}
+    for nw in (int(v) for v in a.warps.split(",")):
+        paths[f"imma w{nw}"] = lambda x, w, nw=nw: _imma(cu, be, x, w, nw)
+    print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
+          "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
+    print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name, t, rows, cols in PRESETS[a.preset]:
+        raw = random_weight(cp, t, rows, cols)
+        mb = raw.nbytes / 1e6
+        # copies of the weight cycled through by the graph's calls, >= 150 MB in all (H200 L2:
+        # 60 MB), so every call streams its weight from memory as in a model's decode step
+        ws = [cu.QTensor((raw if i == 0 else raw.copy()).reshape(-1), t, (rows, cols), raw.shape[1])
+              for i in range(min(150, math.ceil(150 / mb)))]
+        reps = max(a.reps, len(ws))
+        w = ws[0]
+        nref = min(rows, 2048)
+        wref = be.dequantize(cu.QTensor(raw[:nref].reshape(-1), t, (nref, cols), raw.shape[1])).astype(cp.float64)
+        for n in (int(v) for v in a.rows.split(",")):
+            x = cp.random.standard_normal((n, cols), dtype=cp.float32)
+            x[:, 7] *= 40.0  # an outlier channel, as real activations have
+            want = x.astype(cp.float64) @ wref.T
+            for pname, fn in paths.items():
+                y = fn(x, w)
+                err = float(cp.abs(y[:, :nref] - want).max() / cp.abs(want).max())
+                it = iter(range(1 << 30))
+                us = _graph_time(cp, lambda: fn(x, ws[next(it) % len(ws)]), reps)
+                print(f"| {name} | {cu.QTYPES[t]} | {mb:,.1f} | {n} | {pname} | {us:,.1f} | {mb * 1e3 / us:,.0f} | "
+                      f"{err:.1e} |", flush=True)
+
+
+def _without_imma(cu, f):
+    keep = cu.IMMA_MAX_ROWS
+    cu.IMMA_MAX_ROWS = 0
+    try:
+        return f()
+    finally:
+        cu.IMMA_MAX_ROWS = keep
+
+
+def _imma(cu, be, x, w, nw: int):
+    keep = cu.IMMA_WARPS
+    if nw:
+        cu.IMMA_WARPS = {k: nw for k in keep}
+    try:
+        be._digits_of = (None, None)  # time the activation quantization as well
+        return be._gemvi(be._digits(x), w)
+    finally:
+        cu.IMMA_WARPS = keep
+
+
+def _graph_time(cp, f, reps: int) -> float:
+    """Microseconds per call of ``f`` replayed ``reps`` times inside one CUDA graph."""
+    s = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()  # as run_graph: a private pool, relaxed capture
+    with cp.cuda.using_allocator(pool.malloc), s:
+        f()
+        s.synchronize()
+        s.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+        for _ in range(reps):
+            f()
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(s)
+        for _ in range(3):
+            g.launch(s)
+        e1.record(s)
+        e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (3 * reps)
+
+
+if __name__ == "__main__":
+    main()
