@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warps", default="0", help="gemv_int.cu warps per row tile to try (comma list; 0: the default)")
+    ap.add_argument("--gemmi-blocks", default="0", help="gemmi blocks per SM variants to try (comma list; 0: the default)")
     a = ap.parse_args()
     import cupy as cp
 
@@ -54,7 +55,8 @@ def main() -> None:
     be = cu.CUDABackend()
     paths = {"float": lambda x, w: _without_imma(cu, lambda: be.mul_mat(x, w))}
     for nw in (int(v) for v in a.warps.split(",")):
-        paths[f"imma w{nw}"] = lambda x, w, nw=nw: _imma(cu, be, x, w, nw)
+        for nb in (int(v) for v in a.gemmi_blocks.split(",")):
+            paths[f"imma w{nw} o{nb}"] = lambda x, w, nw=nw, nb=nb: _imma(cu, be, x, w, nw, nb)
     print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
           "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
@@ -92,15 +94,17 @@ def _without_imma(cu, f):
         cu.IMMA_MAX_ROWS = keep
 
 
-def _imma(cu, be, x, w, nw: int):
-    keep = cu.IMMA_WARPS
+def _imma(cu, be, x, w, nw: int, nb: int):
+    keep = cu.IMMA_WARPS, cu.GEMMI_BLOCKS
     if nw:
-        cu.IMMA_WARPS = {k: nw for k in keep}
+        cu.IMMA_WARPS = {k: nw for k in keep[0]}
+    if nb:
+        cu.GEMMI_BLOCKS = nb
     try:
         be._digits_of = (None, None)  # time the activation quantization as well
         return be._gemvi(be._digits(x), w)
     finally:
-        cu.IMMA_WARPS = keep
+        cu.IMMA_WARPS, cu.GEMMI_BLOCKS = keep
 
 
 def _graph_time(cp, f, reps: int) -> float:

@@ -161,14 +161,14 @@ def test_mmq_matches_reference(gpu, qname, shape, n):
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 40, 64])
 def test_gemvi_matches_reference(gpu, qname, rows, cols, n):
     """gemv_int.cu (integer tensor cores on int8 digit columns) on the cases its bookkeeping
-    distinguishes: 1 / 3 / 6 column tiles per block (2, 8, 16 tokens) with partly filled token
-    groups, rows not a multiple of the 16-row tile, super-blocks per row fewer than the 8 warps
-    (512: 2 warps) and not a multiple of them (2,816 = 11 super-blocks), many row tiles; one
+    distinguishes: 1 / 3 column tiles per block (2, 8 tokens) with partly filled token groups,
+    rows not a multiple of the 16-row tile, super-blocks per row fewer than the 8 warps (512:
+    2 warps) and not a multiple of them (2,816 = 11 super-blocks), many row tiles; from 9 rows
+    the tiled gemmi (16 tokens x 64 rows per block, partial token groups and row blocks, the
+    super-blocks split over 1..11 blocks and summed by mmq_reduce); one
     activation channel 40x the others (the digits' scale is per 256 elements): float32 accuracy
     against float64, and the same values through ``mul_mat`` / ``gated_ffn`` where they route
     here."""
-    from opencoti.engine.backend import cuda as cu
-
     x, raw, want = _mmq_case(qname, rows, cols, n, 70 + n)
     x[:, 3] *= 40
     want = x.astype(np.float64) @ ref_dequant(qname, raw, cols).astype(np.float64).T
@@ -176,7 +176,7 @@ def test_gemvi_matches_reference(gpu, qname, rows, cols, n):
     got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
     assert got.shape == (n, rows) and np.isfinite(got).all()
     assert rel_err(got, want) < 5e-6, rel_err(got, want)
-    if n <= cu.IMMA_MAX_ROWS:
+    if gpu._imma(n, w):
         np.testing.assert_array_equal(cp.asnumpy(gpu.mul_mat(cp.asarray(x), w)), got)
         gw = to_qtensor(raw[::-1].copy(), qname, cols)
         g = gpu._gemvi(gpu._digits(cp.asarray(x)), gw)

@@ -6,7 +6,8 @@
 //   Q4_K: w = d * sc_s * q - dmin * m_s      (q in 0..15, sc_s, m_s in 0..63, 8 sub-blocks of 32)
 //   Q6_K: w = d * sc_g * (q - 32)            (q in 0..63, sc_g in -128..127, 16 groups of 16)
 // so sum_k w_k x_k is d * sum_s sc_s * (sum_{k in s} q_k x_k) (- dmin * sum_s m_s sum_{k in s} x_k):
-// the inner sums are products of small integers with x. xq_digits writes each activation row as
+// the inner sums are products of small integers with x (the minimum's term too: a second MMA
+// whose A holds m_s in every slot of sub-block s; Q6_K's codes enter as signed q - 32). xq_digits writes each activation row as
 // a fixed-point value with one scale per 256 elements, split into three signed base-256 digits,
 //   x = sx * (d0 + d1 / 256 + d2 / 65536),   sx = max|x| / 127 over the 256 elements,
 // (|error| <= sx / 131072, i.e. 2^-24 of the block's largest |x|: float32's own rounding) and
@@ -24,8 +25,6 @@
 //                     B fragment of one MMA is one or two 128-byte lines (a [ncp, K] layout
 //                     made it 8 lines, one per column: the loads were L1-bound)
 //   xs   [K/256, ncp] f32   column scale per super-block
-//   xd16 [K/16, ncp]  int32 digit sums per 16 elements (Q6_K's -32 offset)
-//   xd32 [K/32, ncp]  int32 digit sums per 32 elements (Q4_K's minimum)
 // Weight rows: a block takes 16 (one MMA tile, rows gid and gid + 8 per lane); its warps split
 // the super-blocks of the row (split-K) and are summed in shared memory in warp order
 // (deterministic). grid = (ncp / CW, ceil(nrows / 16)), blockDim = 32 * min(KS_MAX(NT), K / 256).
@@ -40,7 +39,7 @@
 // x [T, K] f32 -> digits (layout above). grid = (K / 256, (ncp / CW) * ceil(CW / 3)), 32 threads:
 // one warp per (super-block, column triple); a lane quantizes 8 consecutive elements.
 extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict__ xq, float* __restrict__ xs,
-                                     int* __restrict__ xd16, int* __restrict__ xd32, int T, int K, int CW, int ncp) {
+                                     int T, int K, int CW, int ncp) {
     const int sb = blockIdx.x, lane = threadIdx.x;
     const int tpb = CW / 3, spg = (CW + 2) / 3, gi = blockIdx.y / spg, js = blockIdx.y % spg;
     const int t = gi * tpb + js, col0 = gi * CW + 3 * js, e0 = sb * 256 + 8 * lane;
@@ -59,7 +58,6 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
     const float inv = m > 0.f ? 8323072.f / m : 0.f;  // 127 * 65536 / max|x|
     u32 dg[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
-    int s[3] = {0, 0, 0};
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int q = __float2int_rn(v[i] * inv);  // |q| <= 127 * 65536
@@ -68,17 +66,12 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
         dg[0][i >> 2] |= (u32)(d0 & 255) << (8 * (i & 3));
         dg[1][i >> 2] |= (u32)(d1 & 255) << (8 * (i & 3));
         dg[2][i >> 2] |= (u32)(d2 & 255) << (8 * (i & 3));
-        s[0] += d0; s[1] += d1; s[2] += d2;
     }
 #pragma unroll
     for (int d = 0; d < 3; d++) {
         if (3 * js + d >= CW) break;  // uniform in the warp
         const long long c = col0 + d;
         *(uint2*)(xq + ((long long)(e0 >> 4) * ncp + c) * 16 + 8 * (lane & 1)) = make_uint2(dg[d][0], dg[d][1]);
-        const int s16 = s[d] + __shfl_xor_sync(FULL, s[d], 1);  // lanes 2i, 2i + 1: 16 elements
-        const int s32 = s16 + __shfl_xor_sync(FULL, s16, 2);
-        if ((lane & 1) == 0) xd16[(long long)(e0 >> 4) * ncp + c] = s16;
-        if ((lane & 3) == 0) xd32[(long long)(e0 >> 5) * ncp + c] = s32;
         if (lane == 0) xs[(long long)sb * ncp + c] = m * (1.f / 127.f) * (d == 0 ? 1.f : d == 1 ? 1.f / 256.f : 1.f / 65536.f);
     }
 }
@@ -123,9 +116,8 @@ __device__ __forceinline__ void scale_min_int(int s, const u32 (&q)[3], int& sc,
 // holds element 64j + i in its low nibble (sub-block 2j) and 64j + 32 + i in its high nibble).
 // Lane tig reads code bytes 32j + 8tig .. + 7 of each row: its MMA k slots 4tig + i and
 // 16 + 4tig + i stand for elements 8tig + i and 8tig + 4 + i of the sub-block (a permutation of
-// k; the B digits are read in the same order, so the dot products are unchanged).
-// One Q4_K super-block of rows w0 / w1 as lane tig reads it: header (d, dmin, 12 scale bytes)
-// and code bytes 32j + 8tig .. + 7 (j = 0..3).
+// k; the B digits are read in the same order, so the dot products are unchanged). Rows w0 / w1
+// (gid, gid + 8 of the lane's tile): the header (d, dmin, 12 scale bytes) and those code bytes.
 struct Q4KRegs { uint4 h0, h1; uint2 q0[4], q1[4]; };
 __device__ __forceinline__ void q4k_load(Q4KRegs& r, const u8* w0, const u8* w1, int sb, int c) {
     const u8* b0 = w0 + 144LL * sb;
@@ -138,67 +130,38 @@ __device__ __forceinline__ void q4k_load(Q4KRegs& r, const u8* w0, const u8* w1,
         r.q1[j] = *(const uint2*)(b1 + 16 + 32 * j + 8 * c);
     }
 }
-
-// Q4_K (144-byte super-blocks: d, dmin (f16), 12 scale bytes, 128 code bytes; code byte 32j + i
-// holds element 64j + i in its low nibble (sub-block 2j) and 64j + 32 + i in its high nibble).
-// Lane tig reads code bytes 32j + 8tig .. + 7 of each row: its MMA k slots 4tig + i and
-// 16 + 4tig + i stand for elements 8tig + i and 8tig + 4 + i of the sub-block (a permutation of
-// k; the B digits are read in the same order, so the dot products are unchanged).
-template <int NT>
-__device__ __forceinline__ void gemvi_q4k(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
-                                          const float* __restrict__ xs, const int* __restrict__ xd32,
-                                          float* __restrict__ y, int nrows, int K, int T, int ncp) {
-    constexpr int CW = 8 * NT;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
-    const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16;
-    const int nsb = K >> 8, sb0 = warp * nsb / ks, sb1 = (warp + 1) * nsb / ks;
-    const u8* w0 = W + (long long)min(row0 + g, nrows - 1) * rb;
-    const u8* w1 = W + (long long)min(row0 + g + 8, nrows - 1) * rb;
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    Q4KRegs cur, nxt;
-    if (sb0 < sb1) q4k_load(cur, w0, w1, sb0, c);
-    for (int sb = sb0; sb < sb1; sb++) {
-        if (sb + 1 < sb1) q4k_load(nxt, w0, w1, sb + 1, c);
-        const u32 sw0[3] = {cur.h0.y, cur.h0.z, cur.h0.w}, sw1[3] = {cur.h1.y, cur.h1.z, cur.h1.w};
-        int cs[NT][4], cm[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) cs[nt][i] = cm[nt][i] = 0;
-#pragma unroll
-        for (int s = 0; s < 8; s++) {
-            const int j = s >> 1, sh = 4 * (s & 1);
-            const u32 a0 = (cur.q0[j].x >> sh) & 0x0F0F0F0Fu, a1 = (cur.q1[j].x >> sh) & 0x0F0F0F0Fu;
-            const u32 a2 = (cur.q0[j].y >> sh) & 0x0F0F0F0Fu, a3 = (cur.q1[j].y >> sh) & 0x0F0F0F0Fu;
-            int s0, m0, s1, m1;
-            scale_min_int(s, sw0, s0, m0);
-            scale_min_int(s, sw1, s1, m1);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const long long grp = 16LL * sb + 2 * s + (c >> 1), col = cb + 8 * nt + g;
-                const uint2 bq = *(const uint2*)(xq + (grp * ncp + col) * 16 + 8 * (c & 1));
-                const int2 xd = *(const int2*)(xd32 + (long long)(8 * sb + s) * ncp + cb + 8 * nt + 2 * c);
-                int cc[4] = {0, 0, 0, 0};
-                imma_k32(cc, a0, a1, a2, a3, bq.x, bq.y);
-                cs[nt][0] += s0 * cc[0]; cs[nt][1] += s0 * cc[1]; cs[nt][2] += s1 * cc[2]; cs[nt][3] += s1 * cc[3];
-                cm[nt][0] += m0 * xd.x; cm[nt][1] += m0 * xd.y; cm[nt][2] += m1 * xd.x; cm[nt][3] += m1 * xd.y;
-            }
-        }
-        const float d0 = h2f((u16)(cur.h0.x & 0xFFFF)), n0 = h2f((u16)(cur.h0.x >> 16));
-        const float d1 = h2f((u16)(cur.h1.x & 0xFFFF)), n1 = h2f((u16)(cur.h1.x >> 16));
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const float2 sx = *(const float2*)(xs + (long long)sb * ncp + cb + 8 * nt + 2 * c);
-            acc[nt][0] += sx.x * (d0 * (float)cs[nt][0] - n0 * (float)cm[nt][0]);
-            acc[nt][1] += sx.y * (d0 * (float)cs[nt][1] - n0 * (float)cm[nt][1]);
-            acc[nt][2] += sx.x * (d1 * (float)cs[nt][2] - n1 * (float)cm[nt][2]);
-            acc[nt][3] += sx.y * (d1 * (float)cs[nt][3] - n1 * (float)cm[nt][3]);
-        }
-        cur = nxt;
-    }
-    gemvi_store<NT>(acc, y, nrows, T);
+// Sub-block s of a loaded super-block: the code fragment a[4], the minimum's fragment (m_s in
+// every slot, unsigned bytes) and the integer scales of both rows.
+struct Q4KStep { u32 a[4], am0, am1; int s0, s1; };
+__device__ __forceinline__ Q4KStep q4k_step(const Q4KRegs& r, int s) {
+    Q4KStep o;
+    const int j = s >> 1, sh = 4 * (s & 1);
+    o.a[0] = (r.q0[j].x >> sh) & 0x0F0F0F0Fu; o.a[1] = (r.q1[j].x >> sh) & 0x0F0F0F0Fu;
+    o.a[2] = (r.q0[j].y >> sh) & 0x0F0F0F0Fu; o.a[3] = (r.q1[j].y >> sh) & 0x0F0F0F0Fu;
+    const u32 sw0[3] = {r.h0.y, r.h0.z, r.h0.w}, sw1[3] = {r.h1.y, r.h1.z, r.h1.w};
+    int m0, m1;
+    scale_min_int(s, sw0, o.s0, m0);
+    scale_min_int(s, sw1, o.s1, m1);
+    o.am0 = (u32)m0 * 0x01010101u;
+    o.am1 = (u32)m1 * 0x01010101u;
+    return o;
+}
+// One column tile: cs += sc * (codes . digits), cm += (m . digits) (the minimum's term summed
+// over the super-block by the MMA itself).
+__device__ __forceinline__ void q4k_mma(const Q4KStep& o, uint2 bq, int (&cs)[4], int (&cm)[4]) {
+    int cc[4] = {0, 0, 0, 0};
+    imma_k32(cc, o.a[0], o.a[1], o.a[2], o.a[3], bq.x, bq.y);
+    imma_k32(cm, o.am0, o.am1, o.am0, o.am1, bq.x, bq.y);
+    cs[0] += o.s0 * cc[0]; cs[1] += o.s0 * cc[1]; cs[2] += o.s1 * cc[2]; cs[3] += o.s1 * cc[3];
+}
+__device__ __forceinline__ void q4k_finish(const Q4KRegs& r, float2 sx, const int (&cs)[4], const int (&cm)[4],
+                                           float (&acc)[4]) {
+    const float d0 = h2f((u16)(r.h0.x & 0xFFFF)), n0 = h2f((u16)(r.h0.x >> 16));
+    const float d1 = h2f((u16)(r.h1.x & 0xFFFF)), n1 = h2f((u16)(r.h1.x >> 16));
+    acc[0] += sx.x * (d0 * (float)cs[0] - n0 * (float)cm[0]);
+    acc[1] += sx.y * (d0 * (float)cs[1] - n0 * (float)cm[1]);
+    acc[2] += sx.x * (d1 * (float)cs[2] - n1 * (float)cm[2]);
+    acc[3] += sx.y * (d1 * (float)cs[3] - n1 * (float)cm[3]);
 }
 
 __device__ __forceinline__ u32 ldw2i(const u8* p) {  // 32-bit word at a 2-aligned address
@@ -206,10 +169,13 @@ __device__ __forceinline__ u32 ldw2i(const u8* p) {  // 32-bit word at a 2-align
     return (u32)q[0] | ((u32)q[1] << 16);
 }
 
-// The words of one Q6_K super-block that lane tig needs, rows w0 and w1 (i = 2n + h): ql at
-// 64n + 16h + 4tig (qa) and 64n + 32 + 16h + 4tig (qb), qh at 128 + 32n + 16h + 4tig, the
-// scales' word i, d. al4: the row bases are 4-byte aligned, so even super-blocks are (one 32-bit
-// load per word there, else two 16-bit loads).
+// Q6_K (210-byte super-blocks, 2-byte aligned: ql[128] low 4 bits, qh[64] high 2 bits, 16 int8
+// scales, d f16). Group (n, q, h) of 16 elements 128n + 32q + 16h + l (l < 16) has scale
+// 8n + 2q + h, low bits in the (q >> 1 ? high : low) nibble of ql[64n + 32(q & 1) + 16h + l] and
+// high bits at bit 2q of qh[32n + 16h + l]. One m16n8k16 MMA per group; lane tig holds l = 4tig..
+// Rows w0 / w1: ql at 64n + 16h + 4tig (qa) and 64n + 32 + 16h + 4tig (qb), qh at
+// 128 + 32n + 16h + 4tig (i = 2n + h), the scales' word i, d. al4: the row bases are 4-byte
+// aligned, so even super-blocks are (one 32-bit load per word there, else two 16-bit loads).
 struct Q6KRegs { u32 qa0[4], qb0[4], qh0[4], sc0[4], qa1[4], qb1[4], qh1[4], sc1[4]; u32 d; };
 template <bool A4>
 __device__ __forceinline__ void q6k_words(Q6KRegs& r, const u8* b0, const u8* b1, int c) {
@@ -235,77 +201,243 @@ __device__ __forceinline__ void q6k_load(Q6KRegs& r, const u8* w0, const u8* w1,
     if (al4 && (sb & 1) == 0) q6k_words<true>(r, b0, b1, c);
     else q6k_words<false>(r, b0, b1, c);
 }
+// q - 32 of four 6-bit codes (bytes 0..63) as signed bytes: flipping bit 5 gives q - 32 in 6-bit
+// two's complement; (bit 5) * 6 = 0xC0 per byte sign-extends it (no carry between bytes).
+__device__ __forceinline__ u32 q6_signed(u32 v) {
+    v ^= 0x20202020u;
+    return v | ((v & 0x20202020u) * 6u);
+}
+// Group (i = 2n + h, q) of a loaded super-block: the signed code fragment of both rows and their scales.
+struct Q6KStep { u32 v0, v1; int s0, s1; };
+__device__ __forceinline__ Q6KStep q6k_step(const Q6KRegs& r, int i, int q) {
+    Q6KStep o;
+    const int gi = 8 * (i >> 1) + 2 * q + (i & 1), sh = 4 * (q >> 1), hs = 2 * q;
+    const u32 l0 = (q & 1) ? r.qb0[i] : r.qa0[i], l1 = (q & 1) ? r.qb1[i] : r.qa1[i];
+    o.v0 = q6_signed(((l0 >> sh) & 0x0F0F0F0Fu) | (((r.qh0[i] >> hs) & 0x03030303u) << 4));
+    o.v1 = q6_signed(((l1 >> sh) & 0x0F0F0F0Fu) | (((r.qh1[i] >> hs) & 0x03030303u) << 4));
+    o.s0 = (int)(signed char)(r.sc0[gi >> 2] >> (8 * (gi & 3)));
+    o.s1 = (int)(signed char)(r.sc1[gi >> 2] >> (8 * (gi & 3)));
+    return o;
+}
+__device__ __forceinline__ void q6k_mma(const Q6KStep& o, u32 bq, int (&cs)[4]) {
+    int cc[4] = {0, 0, 0, 0};
+    imma_k16s(cc, o.v0, o.v1, bq);
+    cs[0] += o.s0 * cc[0]; cs[1] += o.s0 * cc[1]; cs[2] += o.s1 * cc[2]; cs[3] += o.s1 * cc[3];
+}
+__device__ __forceinline__ void q6k_finish(const Q6KRegs& r, float2 sx, const int (&cs)[4], float (&acc)[4]) {
+    const float d0 = h2f((u16)(r.d & 0xFFFF)), d1 = h2f((u16)(r.d >> 16));
+    acc[0] += sx.x * d0 * (float)cs[0];
+    acc[1] += sx.y * d0 * (float)cs[1];
+    acc[2] += sx.x * d1 * (float)cs[2];
+    acc[3] += sx.y * d1 * (float)cs[3];
+}
 
-// Q6_K (210-byte super-blocks, 2-byte aligned: ql[128] low 4 bits, qh[64] high 2 bits, 16 int8
-// scales, d f16). Group (n, q, h) of 16 elements 128n + 32q + 16h + l (l < 16) has scale
-// 8n + 2q + h, low bits in the (q >> 1 ? high : low) nibble of ql[64n + 32(q & 1) + 16h + l] and
-// high bits at bit 2q of qh[32n + 16h + l]. One m16n8k16 MMA per group; lane tig holds l = 4tig..
-// The codes enter unsigned (0..63) and the accumulator starts at -32 * (the column's digit sum
-// over the group), so the MMA returns sum (q - 32) * digit.
-template <int NT>
-__device__ __forceinline__ void gemvi_q6k(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
-                                          const float* __restrict__ xs, const int* __restrict__ xd16,
-                                          float* __restrict__ y, int nrows, int K, int T, int ncp) {
+// The one-token-group GEMV: a block's warps split the super-blocks of its 16 rows (prefetching
+// their next super-block), B fragments straight from the digit array (L1 / L2).
+template <int NT, bool Q6>
+__device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
+                                           const float* __restrict__ xs, float* __restrict__ y, int nrows, int K,
+                                           int T, int ncp) {
     constexpr int CW = 8 * NT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
     const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16;
     const int nsb = K >> 8, sb0 = warp * nsb / ks, sb1 = (warp + 1) * nsb / ks;
     const u8* w0 = W + (long long)min(row0 + g, nrows - 1) * rb;
     const u8* w1 = W + (long long)min(row0 + g + 8, nrows - 1) * rb;
-    const bool al4 = (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;  // then even super-blocks are 4-aligned
+    const bool al4 = (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    Q6KRegs cur, nxt;
-    if (sb0 < sb1) q6k_load(cur, w0, w1, sb0, c, al4);
+    Q4KRegs a4, n4;
+    Q6KRegs a6, n6;
+    if (sb0 < sb1) {
+        if (Q6) q6k_load(a6, w0, w1, sb0, c, al4); else q4k_load(a4, w0, w1, sb0, c);
+    }
     for (int sb = sb0; sb < sb1; sb++) {
-        if (sb + 1 < sb1) q6k_load(nxt, w0, w1, sb + 1, c, al4);
-        const float d0 = h2f((u16)(cur.d & 0xFFFF)), d1 = h2f((u16)(cur.d >> 16));
-        int cs[NT][4];
+        if (sb + 1 < sb1) {
+            if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
+        }
+        int cs[NT][4], cm[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) cs[nt][i] = 0;
+            for (int i = 0; i < 4; i++) cs[nt][i] = cm[nt][i] = 0;
+        if (!Q6) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int n = i >> 1, h = i & 1;
+            for (int s = 0; s < 8; s++) {
+                const Q4KStep o = q4k_step(a4, s);
+                const long long grp = 16LL * sb + 2 * s + (c >> 1);
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int gi = 8 * n + 2 * q + h, sh = 4 * (q >> 1), hs = 2 * q;
-                const u32 l0 = (q & 1) ? cur.qb0[i] : cur.qa0[i], l1 = (q & 1) ? cur.qb1[i] : cur.qa1[i];
-                const u32 v0 = ((l0 >> sh) & 0x0F0F0F0Fu) | (((cur.qh0[i] >> hs) & 0x03030303u) << 4);
-                const u32 v1 = ((l1 >> sh) & 0x0F0F0F0Fu) | (((cur.qh1[i] >> hs) & 0x03030303u) << 4);
-                const int s0 = (int)(signed char)(cur.sc0[gi >> 2] >> (8 * (gi & 3)));
-                const int s1 = (int)(signed char)(cur.sc1[gi >> 2] >> (8 * (gi & 3)));
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const long long col = cb + 8 * nt + g;
-                    const u32 bq = *(const u32*)(xq + ((16LL * sb + gi) * ncp + col) * 16 + 4 * c);
-                    const int2 xd = *(const int2*)(xd16 + (long long)(16 * sb + gi) * ncp + cb + 8 * nt + 2 * c);
-                    int cc[4] = {-32 * xd.x, -32 * xd.y, -32 * xd.x, -32 * xd.y};
-                    imma_k16(cc, v0, v1, bq);
-                    cs[nt][0] += s0 * cc[0]; cs[nt][1] += s0 * cc[1]; cs[nt][2] += s1 * cc[2]; cs[nt][3] += s1 * cc[3];
-                }
+                for (int nt = 0; nt < NT; nt++)
+                    q4k_mma(o, *(const uint2*)(xq + (grp * ncp + cb + 8 * nt + g) * 16 + 8 * (c & 1)), cs[nt], cm[nt]);
             }
-        }
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const float2 sx = *(const float2*)(xs + (long long)sb * ncp + cb + 8 * nt + 2 * c);
-            acc[nt][0] += sx.x * d0 * (float)cs[nt][0];
-            acc[nt][1] += sx.y * d0 * (float)cs[nt][1];
-            acc[nt][2] += sx.x * d1 * (float)cs[nt][2];
-            acc[nt][3] += sx.y * d1 * (float)cs[nt][3];
+            for (int nt = 0; nt < NT; nt++)
+                q4k_finish(a4, *(const float2*)(xs + (long long)sb * ncp + cb + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
+            a4 = n4;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const Q6KStep o = q6k_step(a6, i, q);
+                    const long long grp = 16LL * sb + 8 * (i >> 1) + 2 * q + (i & 1);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+                        q6k_mma(o, *(const u32*)(xq + (grp * ncp + cb + 8 * nt + g) * 16 + 4 * c), cs[nt]);
+                }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                q6k_finish(a6, *(const float2*)(xs + (long long)sb * ncp + cb + 8 * nt + 2 * c), cs[nt], acc[nt]);
+            a6 = n6;
         }
-        cur = nxt;
     }
     gemvi_store<NT>(acc, y, nrows, T);
 }
 
-#define GEMVI_ARGS const u8* W, long long rb, const i8* xq, const float* xs, const int* xd16, const int* xd32, \
-    float* y, int nrows, int K, int T, int ncp
-#define GEMVI(NT)                                                                                            \
-    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { gemvi_q4k<NT>(W, rb, xq, xs, xd32, y, nrows, K, T, ncp); } \
-    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { gemvi_q6k<NT>(W, rb, xq, xs, xd16, y, nrows, K, T, ncp); }
+#define GEMVI_ARGS const u8* W, long long rb, const i8* xq, const float* xs, float* y, int nrows, int K, int T, int ncp
+#define GEMVI(NT)                                                                                                  \
+    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { gemvi_impl<NT, false>(W, rb, xq, xs, y, nrows, K, T, ncp); } \
+    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { gemvi_impl<NT, true>(W, rb, xq, xs, y, nrows, K, T, ncp); }
 GEMVI(1)
 GEMVI(3)
 GEMVI(6)
+
+// ---------------------------------------------------------------------------------------------
+// gemmi: the same integer products for batches of 9..64 token rows (batched decode). A block takes
+// 64 weight rows (4 warps, a 16-row MMA tile each) x 16 tokens (48 digit columns, the NT = 6
+// layout) and walks its split of the super-blocks; each super-block's digit columns (and their
+// sums and scales) are staged once in shared memory with cp.async, double-buffered, and serve all
+// four warps; each warp streams its rows' weight bytes from global memory (next super-block
+// prefetched in registers). grid = (ceil(T / 16), ceil(nrows / 64), n_split), 128 threads;
+// y[z][t][row] partial sums per split z (mmq.cu's mmq_reduce adds them in split order).
+#define GM_CW 48
+#define GM_XQ (16 * GM_CW * 16)  // digit bytes of one super-block
+#define GM_CW 48
+#define GM_XQ (16 * GM_CW * 16)  // digit bytes of one super-block
+struct GmStage {
+    __align__(16) i8 xq[GM_XQ];
+    __align__(16) float xs[GM_CW];
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Stage super-block sb's columns [cb, cb + 48) into st (all threads; 16-byte chunks).
+__device__ __forceinline__ void gm_stage(GmStage& st, const i8* __restrict__ xq, const float* __restrict__ xs, int sb,
+                                         int cb, int ncp) {
+    for (int i = threadIdx.x; i < 16 * 48 + 12; i += blockDim.x) {
+        if (i < 16 * 48) {  // digits: 16 groups x 48 columns x 16 bytes = 48 chunks per group
+            const int gq = i / 48, ch = i % 48;
+            cp_async16(st.xq + gq * GM_CW * 16 + ch * 16, xq + ((16LL * sb + gq) * ncp + cb) * 16 + ch * 16);
+        } else {
+            const int ch = i - 16 * 48;
+            cp_async16(st.xs + 4 * ch, xs + (long long)sb * ncp + cb + 4 * ch);
+        }
+    }
+}
+
+// Sums a token's three digit columns of the block's 64 x 48 tile (acc per warp as in gemvi) and
+// writes y[t, row] for the block's tokens and rows; red: 64 x 49 floats of shared memory.
+__device__ __forceinline__ void gemmi_store(const float (&acc)[6][4], float* red, float* __restrict__ y, int nrows,
+                                            int T) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int r0 = 16 * warp + g;
+#pragma unroll
+    for (int nt = 0; nt < 6; nt++) {
+        red[r0 * 49 + 8 * nt + 2 * c] = acc[nt][0];
+        red[r0 * 49 + 8 * nt + 2 * c + 1] = acc[nt][1];
+        red[(r0 + 8) * 49 + 8 * nt + 2 * c] = acc[nt][2];
+        red[(r0 + 8) * 49 + 8 * nt + 2 * c + 1] = acc[nt][3];
+    }
+    __syncthreads();
+    const int row0 = blockIdx.y * 64, t0 = blockIdx.x * 16;
+    for (int o = threadIdx.x; o < 64 * 16; o += blockDim.x) {
+        const int r = o & 63, tl = o >> 6, t = t0 + tl, row = row0 + r;
+        if (t < T && row < nrows)
+            y[(long long)t * nrows + row] = red[r * 49 + 3 * tl] + red[r * 49 + 3 * tl + 1] + red[r * 49 + 3 * tl + 2];
+    }
+}
+
+template <bool Q6>
+__device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
+                                           const float* __restrict__ xs, float* __restrict__ y, int nrows, int K,
+                                           int T, int ncp) {
+    __shared__ GmStage st[2];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int cb = blockIdx.x * GM_CW, row0 = blockIdx.y * 64 + 16 * warp;
+    const int nsb = K >> 8, ns = gridDim.z, sb0 = blockIdx.z * nsb / ns, sb1 = (blockIdx.z + 1) * nsb / ns;
+    y += (long long)blockIdx.z * T * nrows;
+    const u8* w0 = W + (long long)min(row0 + g, nrows - 1) * rb;
+    const u8* w1 = W + (long long)min(row0 + g + 8, nrows - 1) * rb;
+    const bool al4 = (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;
+    float acc[6][4];
+#pragma unroll
+    for (int nt = 0; nt < 6; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    Q4KRegs a4, n4;
+    Q6KRegs a6, n6;
+    if (sb0 < sb1) {
+        gm_stage(st[0], xq, xs, sb0, cb, ncp);
+        if (Q6) q6k_load(a6, w0, w1, sb0, c, al4); else q4k_load(a4, w0, w1, sb0, c);
+    }
+    cp_async_commit();
+    for (int sb = sb0; sb < sb1; sb++) {
+        const int cur = (sb - sb0) & 1;
+        if (sb + 1 < sb1) {
+            gm_stage(st[cur ^ 1], xq, xs, sb + 1, cb, ncp);
+            if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
+        }
+        cp_async_commit();
+        cp_async_wait1();  // this super-block's stage has landed (the next may be in flight)
+        __syncthreads();
+        const GmStage& S = st[cur];
+        int cs[6][4], cm[6][4];
+#pragma unroll
+        for (int nt = 0; nt < 6; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) cs[nt][i] = cm[nt][i] = 0;
+        if (!Q6) {
+#pragma unroll
+            for (int s = 0; s < 8; s++) {
+                const Q4KStep o = q4k_step(a4, s);
+#pragma unroll
+                for (int nt = 0; nt < 6; nt++)
+                    q4k_mma(o, *(const uint2*)(S.xq + ((2 * s + (c >> 1)) * GM_CW + 8 * nt + g) * 16 + 8 * (c & 1)),
+                            cs[nt], cm[nt]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 6; nt++) q4k_finish(a4, *(const float2*)(S.xs + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
+            a4 = n4;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const Q6KStep o = q6k_step(a6, i, q);
+                    const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
+#pragma unroll
+                    for (int nt = 0; nt < 6; nt++)
+                        q6k_mma(o, *(const u32*)(S.xq + (gi * GM_CW + 8 * nt + g) * 16 + 4 * c), cs[nt]);
+                }
+#pragma unroll
+            for (int nt = 0; nt < 6; nt++) q6k_finish(a6, *(const float2*)(S.xs + 8 * nt + 2 * c), cs[nt], acc[nt]);
+            a6 = n6;
+        }
+        __syncthreads();  // every warp is done with st[cur] before the next iteration refills it
+    }
+    gemmi_store(acc, (float*)st, y, nrows, T);  // 64 x 49 floats fit in the stages
+}
+
+// _o<B>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B))
+#define GEMMI(B)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B(GEMVI_ARGS) {                          \
+        gemmi_impl<false>(W, rb, xq, xs, y, nrows, K, T, ncp); }                                              \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B(GEMVI_ARGS) {                          \
+        gemmi_impl<true>(W, rb, xq, xs, y, nrows, K, T, ncp); }
+GEMMI(2)
+GEMMI(3)
+GEMMI(4)

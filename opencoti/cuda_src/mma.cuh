@@ -15,8 +15,8 @@ __device__ __forceinline__ void mma_m16n8k16(float* c, u32 a0, u32 a1, u32 a2, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Integer tile products (PTX ISA "mma.sync.aligned.m16n8k32 / m16n8k16 .s32.u8.s8.s32"): A
-// unsigned bytes (a quant's codes), B signed bytes (activation digits), exact int32
+// Integer tile products (PTX ISA "mma.sync.aligned.m16n8k32 .s32.u8.s8.s32", "m16n8k16
+// .s32.s8.s8.s32"): A bytes (a quant's codes), B signed bytes (activation digits), exact int32
 // accumulators. Fragments (gid = lane / 4, tig = lane % 4; each u32 holds 4 bytes, lowest k first):
 //   k32: a0 = A[gid][4tig..], a1 = A[gid + 8][4tig..], a2 = A[gid][16 + 4tig..],
 //        a3 = A[gid + 8][16 + 4tig..]; b0 = B[4tig..][gid], b1 = B[16 + 4tig..][gid]
@@ -27,8 +27,8 @@ __device__ __forceinline__ void imma_k32(int* c, u32 a0, u32 a1, u32 a2, u32 a3,
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void imma_k16(int* c, u32 a0, u32 a1, u32 b0) {
-    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+__device__ __forceinline__ void imma_k16s(int* c, u32 a0, u32 a1, u32 b0) {  // A signed bytes
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(b0));
 }

@@ -76,6 +76,13 @@ MMQ_BM, MMQ_BK, MMQ_LD = 128, 128, 136  # mmq.cu's MQ_BM, MQ_BK, MQ_LD
 # (gemv_int.cu: activations as three int8 digits per value, float32 accuracy) instead of the
 # float GEMV / mmq.cu. OPENCOTI_CUDA_IMMA_MAX_ROWS=0 turns it off.
 IMMA_MAX_ROWS = int(os.environ.get("OPENCOTI_CUDA_IMMA_MAX_ROWS", "8"))
+# ... and from IMMA_MAX_ROWS + 1 to GEMV_MAX_TOKENS rows the tiled variant (gemv_int.cu gemmi: 64
+# weight rows x 16 tokens per block, digits staged in shared memory) instead of mmq.cu.
+# OPENCOTI_CUDA_IMMA_BATCH=0 turns that off.
+IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
+# gemmi compiled for 2, 3 or 4 resident blocks per SM (register cap); 3 measured best on the H200
+# (7B ffn_up, 32 rows: 115 / 98 / 105 us; Q6_K the same within 2 %)
+GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # warps per 16-row tile of gemv_int.cu by MMA column tiles (1: one or two token rows, 3: up to 8,
 # 6: up to 16 per block); measured on the H200 (bench/bench_gemv.py, 7B shapes, weights streamed
@@ -353,7 +360,7 @@ class CUDABackend:
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
             return cp.matmul(x, self.dequantize(w).T)
-        if n <= IMMA_MAX_ROWS and w.ggml_type in IMMA_TYPES:
+        if self._imma(n, w):
             return self._gemvi(self._digits(x), w)
         if MMQ_MIN_ROWS and n >= MMQ_MIN_ROWS and w.ggml_type != 0:
             return self._mmq(x, w)
@@ -368,7 +375,7 @@ class CUDABackend:
 
     def _digits(self, x):
         """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
-        digit columns: ``(xq, xs, xd16, xd32, n, nt)`` (layout in gemv_int.cu's header; ``nt``
+        digit columns: ``(xq, xs, n, nt)`` (layout in gemv_int.cu's header; ``nt``
         MMA column tiles per block: 1 for up to 2 rows, 3 up to 8, else 6). The last input's
         digits are kept (with a reference to the array, so its memory is not reused) and
         returned again for the same array object: attention's q / k / v projections quantize
@@ -383,27 +390,47 @@ class CUDABackend:
         ncp = ng * cw
         xq = cp.empty((ncp, k), dtype=cp.int8)
         xs = cp.empty((k // 256, ncp), dtype=cp.float32)
-        xd16 = cp.empty((k // 16, ncp), dtype=cp.int32)
-        xd32 = cp.empty((k // 32, ncp), dtype=cp.int32)
         self._fn("i", "xq_digits")((k // 256, ng * ((cw + 2) // 3)), (32,),
-                                   (x, xq, xs, xd16, xd32, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp)))
-        self._digits_of = (x, (xq, xs, xd16, xd32, n, nt))
+                                   (x, xq, xs, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp)))
+        self._digits_of = (x, (xq, xs, n, nt))
         return self._digits_of[1]
+
+    @staticmethod
+    def _imma(n: int, w) -> bool:
+        """Whether ``n`` activation rows times ``w`` run on the integer tensor cores (gemv_int.cu)."""
+        return (isinstance(w, QTensor) and w.ggml_type in IMMA_TYPES and 0 < n
+                and (n <= IMMA_MAX_ROWS or (IMMA_MAX_ROWS > 0 and IMMA_BATCH and n <= GEMV_MAX_TOKENS)))
 
     def _gemvi(self, digits, w: QTensor):
         """``x @ w.T`` -> ``[n, rows]`` float32 for a Q4_K / Q6_K ``w`` and ``x`` given as
-        ``_digits(x)``, on the integer tensor cores (gemv_int.cu): 16 weight rows per block,
-        the super-blocks split over up to 8 warps and summed in warp order (deterministic).
+        ``_digits(x)``, on the integer tensor cores (gemv_int.cu): up to ``IMMA_MAX_ROWS`` rows 16
+        weight rows per block, the super-blocks split over up to 8 warps and summed in warp order;
+        more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, the
+        super-blocks split over blocks so the grid has >= 2 blocks per SM, partial sums added in
+        split order by ``mmq_reduce``). Deterministic either way.
         Relative error ~3e-7 of the largest |x w| term against float64 (float32 level).
         Graph-safe."""
         cp = self.cp
-        xq, xs, xd16, xd32, n, nt = digits
+        xq, xs, n, nt = digits
         rows, k = w.shape
+        if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
+            nb = -(-n // 16) * -(-rows // 64)
+            n_split = max(1, min(k // 256, -(-2 * self.n_sm // nb)))  # >= 2 blocks per SM
+            y = cp.empty((n, rows), dtype=cp.float32)
+            out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
+            self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}")(
+                (xs.shape[1] // 48, -(-rows // 64), n_split), (128,),
+                (w.data, np.int64(w.row_bytes), xq, xs, out, np.int32(rows), np.int32(k), np.int32(n),
+                 np.int32(xs.shape[1])))
+            if n_split > 1:
+                self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
+                                            (out, y, np.int64(y.size), np.int32(n_split)))
+            return y
         ks = max(1, min(IMMA_WARPS[nt], k // 256))  # <= gemv_int.cu KS_MAX
         y = cp.empty((n, rows), dtype=cp.float32)
         self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")(
             (xs.shape[1] // (8 * nt), (rows + 15) // 16), (32 * ks,),
-            (w.data, np.int64(w.row_bytes), xq, xs, xd16, xd32, y, np.int32(rows), np.int32(k), np.int32(n),
+            (w.data, np.int64(w.row_bytes), xq, xs, y, np.int32(rows), np.int32(k), np.int32(n),
              np.int32(xs.shape[1])))
         return y
 
@@ -473,8 +500,7 @@ class CUDABackend:
         One token with gate and up of one type: a single fused GEMV."""
         cp = self.cp
         a = 1 if act == "gelu_tanh" else 0
-        if (x.shape[0] <= IMMA_MAX_ROWS and isinstance(gate, QTensor) and isinstance(up, QTensor)
-                and gate.ggml_type in IMMA_TYPES and up.ggml_type in IMMA_TYPES):
+        if self._imma(x.shape[0], gate) and self._imma(x.shape[0], up):
             d = self._digits(cp.ascontiguousarray(x, dtype=cp.float32))  # one quantization for both
             g, u = self._gemvi(d, gate), self._gemvi(d, up)
             y = cp.empty_like(g)
