@@ -232,6 +232,46 @@ __device__ __forceinline__ void q6k_finish(const Q6KRegs& r, float2 sx, const in
     acc[3] += sx.y * d1 * (float)cs[3];
 }
 
+// One super-block of a lane's two rows against NT column tiles, added to acc. B fragments are
+// read from xqb: the super-block's 16 groups of 16 elements, group j's columns at
+// xqb + (j * stride + column) * 16 (the global digit array with stride ncp, or a shared stage);
+// xsb: the columns' scales.
+template <int NT, bool Q6>
+__device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6, const i8* __restrict__ xqb,
+                                           long long stride, const float* __restrict__ xsb, int g, int c,
+                                           float (&acc)[NT][4]) {
+    int cs[NT][4], cm[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) cs[nt][i] = cm[nt][i] = 0;
+    if (!Q6) {
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            const Q4KStep o = q4k_step(a4, s);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                q4k_mma(o, *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + 8 * nt + g) * 16 + 8 * (c & 1)),
+                        cs[nt], cm[nt]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) q4k_finish(a4, *(const float2*)(xsb + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const Q6KStep o = q6k_step(a6, i, q);
+                const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    q6k_mma(o, *(const u32*)(xqb + (gi * stride + 8 * nt + g) * 16 + 4 * c), cs[nt]);
+            }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) q6k_finish(a6, *(const float2*)(xsb + 8 * nt + 2 * c), cs[nt], acc[nt]);
+    }
+}
+
 // The one-token-group GEMV: a block's warps split the super-blocks of its 16 rows (prefetching
 // their next super-block), B fragments straight from the digit array (L1 / L2).
 template <int NT, bool Q6>
@@ -257,40 +297,8 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
         if (sb + 1 < sb1) {
             if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
         }
-        int cs[NT][4], cm[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) cs[nt][i] = cm[nt][i] = 0;
-        if (!Q6) {
-#pragma unroll
-            for (int s = 0; s < 8; s++) {
-                const Q4KStep o = q4k_step(a4, s);
-                const long long grp = 16LL * sb + 2 * s + (c >> 1);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    q4k_mma(o, *(const uint2*)(xq + (grp * ncp + cb + 8 * nt + g) * 16 + 8 * (c & 1)), cs[nt], cm[nt]);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                q4k_finish(a4, *(const float2*)(xs + (long long)sb * ncp + cb + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
-            a4 = n4;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const Q6KStep o = q6k_step(a6, i, q);
-                    const long long grp = 16LL * sb + 8 * (i >> 1) + 2 * q + (i & 1);
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-                        q6k_mma(o, *(const u32*)(xq + (grp * ncp + cb + 8 * nt + g) * 16 + 4 * c), cs[nt]);
-                }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                q6k_finish(a6, *(const float2*)(xs + (long long)sb * ncp + cb + 8 * nt + 2 * c), cs[nt], acc[nt]);
-            a6 = n6;
-        }
+        superblock<NT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb, g, c, acc);
+        if (Q6) a6 = n6; else a4 = n4;
     }
     gemvi_store<NT>(acc, y, nrows, T);
 }
@@ -394,39 +402,8 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
         cp_async_commit();
         cp_async_wait1();  // this super-block's stage has landed (the next may be in flight)
         __syncthreads();
-        const GmStage& S = st[cur];
-        int cs[6][4], cm[6][4];
-#pragma unroll
-        for (int nt = 0; nt < 6; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) cs[nt][i] = cm[nt][i] = 0;
-        if (!Q6) {
-#pragma unroll
-            for (int s = 0; s < 8; s++) {
-                const Q4KStep o = q4k_step(a4, s);
-#pragma unroll
-                for (int nt = 0; nt < 6; nt++)
-                    q4k_mma(o, *(const uint2*)(S.xq + ((2 * s + (c >> 1)) * GM_CW + 8 * nt + g) * 16 + 8 * (c & 1)),
-                            cs[nt], cm[nt]);
-            }
-#pragma unroll
-            for (int nt = 0; nt < 6; nt++) q4k_finish(a4, *(const float2*)(S.xs + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
-            a4 = n4;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const Q6KStep o = q6k_step(a6, i, q);
-                    const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
-#pragma unroll
-                    for (int nt = 0; nt < 6; nt++)
-                        q6k_mma(o, *(const u32*)(S.xq + (gi * GM_CW + 8 * nt + g) * 16 + 4 * c), cs[nt]);
-                }
-#pragma unroll
-            for (int nt = 0; nt < 6; nt++) q6k_finish(a6, *(const float2*)(S.xs + 8 * nt + 2 * c), cs[nt], acc[nt]);
-            a6 = n6;
-        }
+        superblock<6, Q6>(a4, a6, st[cur].xq, GM_CW, st[cur].xs, g, c, acc);
+        if (Q6) a6 = n6; else a4 = n4;
         __syncthreads();  // every warp is done with st[cur] before the next iteration refills it
     }
     gemmi_store(acc, (float*)st, y, nrows, T);  // 64 x 49 floats fit in the stages

@@ -4,14 +4,16 @@ Weights stay in their GGUF block format in device memory (``QTensor``: the
 tensor's raw bytes, uploaded once). Kernels from ``opencoti/cuda_src`` are
 compiled with NVRTC on first use and cached (``cuda_kernels.py``):
 
-- ``mul_mat`` with few activation rows: a GEMV that dequantizes the weight's
-  blocks in registers (warps per output row, coalesced units as ggml-cuda
-  ``mul_mat_vec_q``), for up to ``GEMV_TILE`` rows; from ``MMQ_MIN_ROWS`` to
-  ``GEMV_MAX_TOKENS`` rows (batched decode) a tensor-core kernel that stages each weight tile
-  once in shared memory for all rows (``mmq.cu``: f16 hi/lo operand splits keep float32
-  accuracy; float32 weights stay in the float32 GEMV); prefill: the weight is dequantized to
-  float32 in a scratch buffer and multiplied by cuBLAS (``cupy.matmul``), or to f16 with
-  ``OPENCOTI_CUDA_F16_PREFILL=1``.
+- ``mul_mat`` with up to ``GEMV_MAX_TOKENS`` activation rows (decode): Q4_K / Q6_K weights on the
+  integer tensor cores (``gemv_int.cu``: the activations as three int8 digits per value with one
+  scale per 256 elements, the weight's codes as they are, float32 accuracy; a GEMV for up to
+  ``IMMA_MAX_ROWS`` rows, the tiled ``gemmi`` beyond); every other type a GEMV that dequantizes
+  the weight's blocks in registers (warps per output row, coalesced units as ggml-cuda
+  ``mul_mat_vec_q``) for up to ``GEMV_TILE`` rows, and from ``MMQ_MIN_ROWS`` rows a tensor-core
+  kernel that stages each weight tile once in shared memory for all rows (``mmq.cu``: f16 hi/lo
+  operand splits keep float32 accuracy; float32 weights stay in the float32 GEMV); prefill: the
+  weight is dequantized to float32 in a scratch buffer and multiplied by cuBLAS
+  (``cupy.matmul``), or to f16 with ``OPENCOTI_CUDA_F16_PREFILL=1``.
 - ``attention_cells``: split-K online-softmax attention that reads K/V through the cache
   plan's per-sequence cell lists (``attention.cu``): f16 K/V in the f16 kernels, every other
   KV tier (``-ctk`` / ``-ctv``, any pair) in the tier-generic kernel, which dequantizes the
@@ -383,6 +385,8 @@ class CUDABackend:
         if x is self._digits_of[0]:
             return self._digits_of[1]
         cp = self.cp
+        if x.data.ptr % 16:  # xq_digits reads float4s
+            x = x.copy()
         n, k = x.shape
         nt = 1 if n <= 2 else 3 if n <= 8 else 6
         cw = 8 * nt
@@ -397,8 +401,10 @@ class CUDABackend:
 
     @staticmethod
     def _imma(n: int, w) -> bool:
-        """Whether ``n`` activation rows times ``w`` run on the integer tensor cores (gemv_int.cu)."""
-        return (isinstance(w, QTensor) and w.ggml_type in IMMA_TYPES and 0 < n
+        """Whether ``n`` activation rows times ``w`` run on the integer tensor cores (gemv_int.cu;
+        its Q4_K loads are 16-byte vectors, so the weight's bytes must start 16-byte aligned, as
+        every tensor upload and expert / row slice of one does)."""
+        return (isinstance(w, QTensor) and w.ggml_type in IMMA_TYPES and 0 < n and w.data.data.ptr % 16 == 0
                 and (n <= IMMA_MAX_ROWS or (IMMA_MAX_ROWS > 0 and IMMA_BATCH and n <= GEMV_MAX_TOKENS)))
 
     def _gemvi(self, digits, w: QTensor):
