@@ -1,0 +1,71 @@
+"""The f16 decode attention kernel alone on a GPU: microseconds per call by cells and split count.
+
+    python bench/bench_attn.py [--cells 32,128,512,2048,8192] [--reps 20]
+
+One query row (a decode step of one sequence) over N cells of f16 K/V, for two head layouts
+(Qwen2.5-7B: 28 query heads, 4 KV heads, head dim 128; gemma-3-270m: 4 / 1 / 256), timed
+inside a captured CUDA graph (``bench_gemv._graph_time``): ``attn_partial`` for split counts
+1, 2, 4 .. 128 (those with >= 8 cells per split), plus ``attn_merge`` when it splits. Prints one
+row per (layout, N): us per call for each split count; the backend picks its count in
+``CUDABackend.attention_cells`` (>= 32 cells per split, >= 2 blocks per SM, at most 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+LAYOUTS = {"qwen2.5-7b": (28, 4, 128, 8), "gemma-3-270m": (4, 1, 256, 4)}  # heads, kv heads, dim, kernel G
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="32,128,512,2048,8192")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    import cupy as cp
+    from bench_gemv import _graph_time
+
+    from opencoti.engine.backend import cuda as cu
+
+    be = cu.CUDABackend()
+    print(f"\nbench_attn: {be.device_name}, one query row, f16 K/V, {a.reps} calls in one CUDA graph\n")
+    for name, (H, nkv, D, g) in LAYOUTS.items():
+        print(f"{name}: {H} heads, {nkv} kv heads, head dim {D}\n")
+        print("| cells | " + " | ".join(f"s{s}" for s in (1, 2, 4, 8, 16, 32, 64, 128)) + " |")
+        print("| ---: |" + " ---: |" * 8)
+        fn, merge = be._fn("a", f"attn_partial_d{D}_g{g}"), be._fn("a", "attn_merge")
+        for L in (int(v) for v in a.cells.split(",")):
+            q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
+            K = (cp.random.standard_normal((L, nkv, D), dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint16)
+            V = cp.random.standard_normal((L, nkv, D), dtype=cp.float32).astype(cp.float16).view(cp.uint16)
+            qpos, rv, vo = cp.array([L], cp.int32), cp.zeros(1, cp.int32), cp.array([0, L], cp.int32)
+            cells, cpos = cp.arange(L, dtype=cp.int32), cp.arange(L, dtype=cp.int32)
+            row = []
+            for ns in (1, 2, 4, 8, 16, 32, 64, 128):
+                if ns > max(1, L // 8):
+                    row.append("")
+                    continue
+                out = cp.empty((1, H * D), cp.float32)
+                pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
+
+                def call(ns=ns, out=out, pa=pa, pm=pm):
+                    fn((1, nkv, ns), (128,), (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv),
+                                              np.float32(D ** -0.5), np.int32(0), np.float32(0), np.int32(ns), out,
+                                              pa, pm))
+                    if ns > 1:
+                        merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
+
+                row.append(f"{_graph_time(cp, call, a.reps):.1f}")
+            print(f"| {L:,} | " + " | ".join(row) + " |", flush=True)
+        print()
+
+
+if __name__ == "__main__":
+    main()

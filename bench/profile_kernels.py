@@ -1,0 +1,90 @@
+"""Per-kernel GPU time of one decode step, through Nsight Compute (issue 4 measurements).
+
+    ncu --nvtx --nvtx-include step/ --metrics gpu__time_duration.sum \\
+        --cache-control none --clock-control none --csv \\
+        python bench/profile_kernels.py -m model.gguf --seqs 1 > step.csv
+    python bench/profile_kernels.py --summarize step.csv
+
+The first form prefills ``--seqs`` sequences to ``--depth`` tokens on the CUDA backend, runs
+three eager decode steps (CUDA graphs off, so every kernel is its own launch) and a fourth
+inside an NVTX range named ``step``, which the ncu command above profiles kernel by kernel
+(``--cache-control none --clock-control none``: warm caches and real clocks, as in a graph
+replay; ncu's defaults flush the caches and lock the clocks, which inflates small kernels).
+``--summarize`` aggregates such a CSV by kernel name and grid: calls, total and mean
+microseconds, largest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def step(model_path: str, n_seq: int, depth: int) -> None:
+    import cupy as cp
+    from cupy.cuda import nvtx
+
+    from opencoti.engine.batch import UBatch
+    from opencoti.engine.runner import ModelRunner
+    from opencoti.model.loader import load_model
+
+    model = load_model(model_path, with_tokenizer=False)
+    r = ModelRunner(model, "cuda", n_ctx=n_seq * (depth + 64) + 256, n_seq_max=n_seq, n_ubatch=512)
+    r.backend.graphs = False
+    for s in range(n_seq):
+        toks = np.random.default_rng(s).integers(100, 20000, depth)
+        for o in range(0, depth, 512):
+            c = toks[o:o + 512]
+            r.decode(UBatch.build(c, np.arange(o, o + len(c)), [s] * len(c), [len(c) - 1]))
+    for i in range(4):
+        if i == 3:
+            nvtx.RangePush("step")
+        r.decode(UBatch.build([1000 + i + s for s in range(n_seq)], [depth + i] * n_seq, list(range(n_seq)),
+                              list(range(n_seq))))
+        cp.cuda.Device().synchronize()
+        if i == 3:
+            nvtx.RangePop()
+
+
+def summarize(path: str) -> None:
+    rows = [r for r in csv.reader(open(path)) if len(r) > 10]
+    h = rows[0]
+    ki, gi, mi, ui, vi = (h.index(k) for k in ("Kernel Name", "Grid Size", "Metric Name", "Metric Unit",
+                                                "Metric Value"))
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    agg: dict = collections.defaultdict(list)
+    for r in rows[1:]:
+        if r[mi] == "gpu__time_duration.sum":
+            agg[(r[ki].split("(")[0], r[gi])].append(float(r[vi].replace(",", "")) * scale[r[ui]])
+    total = sum(sum(v) for v in agg.values())
+    print(f"\n{sum(len(v) for v in agg.values())} kernels, {total:,.1f} us in all\n")
+    print("| kernel | grid | calls | us | us / call |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for (k, g), v in sorted(agg.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {k} | {g} | {len(v)} | {sum(v):,.1f} | {sum(v) / len(v):.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--depth", type=int, default=512)
+    ap.add_argument("--summarize", metavar="CSV", default=None, help="aggregate an ncu --csv dump instead")
+    a = ap.parse_args()
+    if a.summarize:
+        summarize(a.summarize)
+    elif a.model:
+        step(a.model, a.seqs, a.depth)
+    else:
+        ap.error("-m MODEL (run a step) or --summarize CSV")
+
+
+if __name__ == "__main__":
+    main()
