@@ -219,6 +219,39 @@ def test_plan_flat_index_arrays():
         plan.flat(64, cap=total - 1)
 
 
+def test_stage_parts_places_the_flat_plan():
+    """The CUDA backend stages a step's index arrays (``cuda.stage_parts``) into one reused
+    int32 buffer, the cell lists unpadded in slots of the graph's capacity: every value the
+    kernels read (each part's own length) equals the padded concatenation ``flat(n, cap)`` gave;
+    a second, shorter step into the same buffer leaves only slot tails stale; parts longer than
+    their slot and short buffers are refused."""
+    from opencoti.engine.backend.cuda import stage_parts
+
+    c = KVCache([0], n_cells=64, n_stream=1, n_seq_max=4, n_head_kv=1, d_k=4, d_v=4)
+    for s, n in enumerate([5, 9, 3]):
+        plan = c.prepare(np.full(n, s), np.arange(n))
+        c.apply(plan, np.full(n, s), np.arange(n))
+    buf = np.full(200, -7, dtype=np.int32)
+    for step, seqs in enumerate(([0, 1, 2], [2, 0])):
+        seqs = np.array(seqs)
+        pos = np.array([c.seq_pos_max(s) + 1 for s in seqs])
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+        tokens, out_rows = np.arange(len(seqs)) + 100, np.arange(len(seqs))
+        parts = [tokens, pos, out_rows] + plan.flat(64)
+        slots = [len(tokens), len(pos), len(out_rows), len(seqs), len(seqs), len(seqs) + 1, 32, 32]
+        o = stage_parts(parts, slots, buf)
+        padded = np.concatenate([tokens, pos, out_rows] + plan.flat(64, 32)).astype(np.int32)
+        assert o.tolist() == np.cumsum([0] + slots).tolist()
+        for i, x in enumerate(parts):
+            assert buf[o[i]:o[i] + len(x)].tolist() == padded[o[i]:o[i] + len(x)].tolist() == list(x)
+        assert (buf[o[-1]:] == -7).all()
+    with pytest.raises(ValueError):
+        stage_parts([np.arange(5)], [4], buf)
+    with pytest.raises(ValueError):
+        stage_parts([np.arange(5)], [5], np.zeros(4, dtype=np.int32))
+
+
 @pytest.mark.parametrize("n_stream,n_swa", [(1, 0), (1, 6), (4, 0), (4, 6)])
 def test_decode_step_arrays_equal_the_definition(n_stream, n_swa):
     """A decode step (one row per sequence, rows in any seq order, a subset of the

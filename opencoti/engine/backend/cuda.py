@@ -127,6 +127,25 @@ def _bucket(n: int) -> int:
     return max(256, 1 << (max(n, 1) - 1).bit_length())
 
 
+def stage_parts(parts: list, slots: list[int], out: np.ndarray) -> np.ndarray:
+    """Write int arrays ``parts`` into one int32 buffer ``out`` (``sum(slots)`` long), part i at
+    offset ``sum(slots[:i])``; a part may be shorter than its slot (a plan's cell list in its
+    power-of-two slot), the rest of the slot keeps whatever it held: the kernels read a view's
+    cells only inside its ``view_off`` range. Returns the offsets (``len(slots) + 1``, int64).
+    Raises ``ValueError`` when a part is longer than its slot or the buffer is too short.
+    ``run_graph`` stages a decode step's index arrays this way into a pinned buffer kept per
+    graph (no padded copies, no concatenation, one DMA)."""
+    o = np.zeros(len(slots) + 1, dtype=np.int64)
+    np.cumsum(slots, out=o[1:])
+    if len(parts) != len(slots) or out.size < o[-1]:
+        raise ValueError(f"stage_parts: {len(parts)} parts for {len(slots)} slots, buffer {out.size} < {o[-1]}")
+    for a, b, x in zip(o[:-1].tolist(), o[1:].tolist(), parts):
+        if len(x) > b - a:
+            raise ValueError(f"stage_parts: a part of {len(x)} does not fit its slot of {b - a}")
+        out[a:a + len(x)] = x
+    return o
+
+
 def _row_threads(n: int) -> int:
     """Threads of a row kernel (rms_norm, post_norm_add_norm: kernels.cu ``NV`` = 8 values per
     thread in registers) for rows of ``n`` floats: a multiple of 32 in [32, 1024]."""
@@ -962,25 +981,33 @@ class CUDABackend:
                tuple(None if gc is None else (gc, tuple(sum(len(p.views[i].rows) for i in g.views) for g in p.groups))
                      for p, gc in zip(kv_plans, gcaps)))
         host = [ub.tokens, ub.pos, ub.out_rows]
+        slots = [len(h) for h in host]
         for p, n, cap in zip(kv_plans, ncells, caps):
-            host += p.flat(n, cap)
+            parts = p.flat(n)  # cells / cell_pos unpadded: staged into slots of ``cap``
+            host += parts
+            slots += [len(parts[0]), len(parts[1]), len(parts[2]), cap, cap]
         for p in rs_plans:
-            host += self._rs_host(p)
+            parts = self._rs_host(p)
+            host += parts
+            slots += [len(x) for x in parts]
         grp = []  # (plan index, first part, parts, info) of the shared-prefix groups, staged last
         for i, (p, n, gc) in enumerate(zip(kv_plans, ncells, gcaps)):
             if gc is not None:
                 parts, info = self._group_host(p, n, *gc)
                 grp.append((i, len(host), parts, info))
                 host += parts
-        flat = np.concatenate(host).astype(np.int32)
+                slots += [len(x) for x in parts]
         g = graphs.get(key)
         if g is None:
-            buf = cp.empty(flat.size, dtype=cp.int32)
+            import cupyx
+
+            stage = cupyx.empty_pinned(int(sum(slots)), dtype=np.int32)
+            buf = cp.empty(stage.size, dtype=cp.int32)
         else:
-            buf = g["buf"]
-        buf.set(flat)
+            stage, buf = g["stage"], g["buf"]
+        o = stage_parts(host, slots, stage)
+        buf.set(stage)  # pinned: a synchronous DMA of the whole buffer
         # views of the staged buffer stand in for begin_ubatch / _plan_meta / _rs_meta uploads
-        o = np.cumsum([0] + [len(h) for h in host])
         self._ub = ub
         self._dev = {id(ub.tokens): buf[o[0]:o[1]], id(ub.pos): buf[o[1]:o[2]], id(ub.out_rows): buf[o[2]:o[3]]}
         self._meta = {}
@@ -1014,7 +1041,7 @@ class CUDABackend:
                     out = forward()  # recorded, not executed
                     graph = stream.end_capture()
                 self._capturing = False
-                graphs[key] = {"buf": buf, "graph": graph, "out": out, "pool": pool, "stream": stream}
+                graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream}
                 return self._pinned_host(warm)
             g["graph"].launch(stream=cp.cuda.get_current_stream())
             return self._pinned_host(g["out"])
