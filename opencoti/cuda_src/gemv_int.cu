@@ -7,8 +7,9 @@
 //   Q6_K: w = d * sc_g * (q - 32)            (q in 0..63, sc_g in -128..127, 16 groups of 16)
 // so sum_k w_k x_k is d * sum_s sc_s * (sum_{k in s} q_k x_k) (- dmin * sum_s m_s sum_{k in s} x_k):
 // the inner sums are products of small integers with x (the minimum's term too: a second MMA
-// whose A holds m_s in every slot of sub-block s; Q6_K's codes enter as signed q - 32). xq_digits writes each activation row as
-// a fixed-point value with one scale per 256 elements, split into three signed base-256 digits,
+// whose A holds m_s in every slot of sub-block s; Q6_K's codes enter as signed q - 32).
+// xq_digits writes each activation row as a fixed-point value with one scale per 256 elements,
+// split into three signed base-256 digits,
 //   x = sx * (d0 + d1 / 256 + d2 / 65536),   sx = max|x| / 127 over the 256 elements,
 // (|error| <= sx / 131072, i.e. 2^-24 of the block's largest |x|: float32's own rounding) and
 // each digit of each token is one column of the B matrix. One integer MMA then computes the inner
@@ -28,9 +29,9 @@
 // Weight rows: a block takes 16 (one MMA tile, rows gid and gid + 8 per lane); its warps split
 // the super-blocks of the row (split-K) and are summed in shared memory in warp order
 // (deterministic). grid = (ncp / CW, ceil(nrows / 16)), blockDim = 32 * min(KS_MAX(NT), K / 256).
-// A decode GEMV is latency-bound (a warp waits for its weight bytes, then computes): many warps
-// per row tile (up to 16) and each warp's next super-block loaded while it computes the current
-// one keep more bytes in flight.
+// A decode GEMV is latency-bound (a warp waits for its weight bytes, then computes): several warps
+// per row tile (the launch uses 8 for up to 2 tokens, 4 for 3-16) and each warp's next
+// super-block loaded while it computes the current one keep more bytes in flight.
 #include "quants.cuh"
 #include "mma.cuh"
 
