@@ -482,10 +482,10 @@ class Sampler:
         if p.temperature <= 0.0 and p.typical_p >= 1.0 and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN):
             # greedy: top_k / top_p / min_p always keep the best logit, so skip them
             x = self.apply_penalties(logits)
-            mx = float(np.max(x))
-            if not np.isfinite(mx):
+            i = int(np.argmax(x))  # NumPy's argmax returns the first NaN if there is one
+            if not np.isfinite(x[i]):
                 raise ValueError("logits contain NaN or +inf, or are all -inf")
-            return int(np.argmax(x))
+            return i
         ids, vals = self.candidates(logits)
         u = self._rng.random()
         if ids.size == 1:
