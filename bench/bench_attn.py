@@ -19,7 +19,6 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LAYOUTS = {"qwen2.5-7b": (28, 4, 128, 8), "gemma-3-270m": (4, 1, 256, 4)}  # heads, kv heads, dim, kernel G
 

@@ -27,11 +27,16 @@ PRESETS = {
                    ("output", 14, 152064, 3584)],
     "gemma-3-270m": [("ffn_down", 12, 640, 2048), ("ffn_down q6", 14, 640, 2048)],
 }
-F16_FIELDS = {12: (144, 256, [0, 2]), 14: (210, 256, [208])}  # block bytes, elements, f16 offsets
+F16_FIELDS = {12: [0, 2], 14: [208]}  # byte offsets of the f16 scales in a block (ggml-common.h)
 
 
 def random_weight(cp, t: int, rows: int, cols: int):
-    size, blk, offs = F16_FIELDS[t]
+    """Random valid blocks of ggml type ``t`` ``uint8 [rows, row_bytes]`` on the device (random
+    bits, the f16 scales set to sane values: random f16 bits can be NaN)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    blk, size = GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+    offs = F16_FIELDS[t]
     nb = cols // blk
     raw = cp.random.randint(0, 256, (rows, nb, size), dtype=cp.int32).astype(cp.uint8)
     for off in offs:

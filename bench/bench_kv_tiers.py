@@ -22,9 +22,9 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import prefill  # noqa: E402
 
 from opencoti.engine.batch import UBatch  # noqa: E402
 from opencoti.engine.runner import ModelRunner  # noqa: E402
@@ -46,14 +46,6 @@ def _model_path(a) -> str:
     from opencoti.model.default_model import default_model_path
 
     return str(default_model_path())
-
-
-def _prefill(runner, n: int) -> None:
-    toks = np.random.default_rng(0).integers(100, 20000, n)
-    for s in range(0, n, runner.n_ubatch):
-        c = toks[s:s + runner.n_ubatch]
-        m = len(c)
-        runner.decode(UBatch.build(c, np.arange(s, s + m), [0] * m, [m - 1]))
 
 
 def _decode(runner, depth: int, n: int) -> float:
@@ -85,7 +77,7 @@ def main() -> None:
         for d in depths:
             runner.kv.clear()
             if d:
-                _prefill(runner, d)
+                prefill(runner, d)
             _decode(runner, d, a.steps)  # warm-up: graph capture, module compile
             res[(spec, d)] = [_decode(runner, d, a.steps) for _ in range(a.repetitions)]
             print(f"{spec} @ {d}: {statistics.mean(res[(spec, d)]):,.1f} tok/s", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ per-token event queues: everything a step costs besides the GPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
@@ -59,8 +60,7 @@ def main() -> None:
                    for i in range(n)]
 
         def drain(h):
-            for _ in h.events(timeout=600):
-                pass
+            collections.deque(h.events(timeout=600), maxlen=0)  # consume every event
 
         threads = [threading.Thread(target=drain, args=(h,)) for h in handles]
         for t in threads:

@@ -22,14 +22,14 @@ import csv
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def step(model_path: str, n_seq: int, depth: int) -> None:
     import cupy as cp
     from cupy.cuda import nvtx
+
+    from common import prefill
 
     from opencoti.engine.batch import UBatch
     from opencoti.engine.runner import ModelRunner
@@ -39,10 +39,7 @@ def step(model_path: str, n_seq: int, depth: int) -> None:
     r = ModelRunner(model, "cuda", n_ctx=n_seq * (depth + 64) + 256, n_seq_max=n_seq, n_ubatch=512)
     r.backend.graphs = False
     for s in range(n_seq):
-        toks = np.random.default_rng(s).integers(100, 20000, depth)
-        for o in range(0, depth, 512):
-            c = toks[o:o + 512]
-            r.decode(UBatch.build(c, np.arange(o, o + len(c)), [s] * len(c), [len(c) - 1]))
+        prefill(r, depth, seq=s, seed=s)
     for i in range(4):
         if i == 3:
             nvtx.RangePush("step")

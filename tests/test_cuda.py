@@ -1142,6 +1142,26 @@ def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypat
 # ---------------------------------------------------------------------------------------
 # partial offload (-ngl N): run with -k ngl
 # ---------------------------------------------------------------------------------------
+def _ngl_case(path, cpu, arch, variant, **kv):
+    """The -ngl tests' setup: a small ``arch`` model (``write_ngl_model``) at ``path``,
+    ``run(backend, ngl, feed=None)`` = ``greedy_run`` of a 20-token prompt and 4 steps (a
+    context shift for gemma3 / llama; ``kv``: type_k / type_v), and the CPU's run: greedy
+    tokens, logits and each row's top-2 logits."""
+    pytest.importorskip("transformers")
+    from opencoti.model.loader import load_model
+
+    write_ngl_model(path, arch, variant)
+    model = load_model(str(path), with_tokenizer=False)
+    prompt = [(i * 37 + 11) % 300 for i in range(20)]
+    shift = arch in ("gemma3", "llama")
+
+    def run(backend, ngl, feed=None):
+        return greedy_run(model, backend, prompt, 4, feed=feed, shift=shift, n_gpu_layers=ngl, **kv)
+
+    _, want_toks, want = run(cpu, -1)
+    return model, run, want_toks, want, np.sort(want, axis=1)[:, -2:]
+
+
 @pytest.mark.parametrize("arch,variant", [("gemma3", None), ("llama", None), ("gemma4", "e_series"),
                                           ("qwen35", None)])
 def test_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant):
@@ -1151,22 +1171,10 @@ def test_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant):
     token equal wherever the CPU's top-2 margin exceeds twice the error. A split puts layer
     il's weights and K/V on CUDA iff il >= n_layer - ngl (embeddings and output on the CPU)
     and runs without CUDA graphs; n_layer + 1 is the unchanged all-CUDA runner (graphs)."""
-    pytest.importorskip("transformers")
     from opencoti.engine.backend import cuda as cu
-    from opencoti.model.loader import load_model
 
-    path = tmp_path / f"ngl-{arch}.gguf"
-    write_ngl_model(path, arch, variant)
-    model = load_model(str(path), with_tokenizer=False)
+    model, run, want_toks, want, top2 = _ngl_case(tmp_path / f"ngl-{arch}.gguf", cpu, arch, variant)
     n = model.hparams.n_layer
-    prompt = [(i * 37 + 11) % 300 for i in range(20)]
-    shift = arch in ("gemma3", "llama")
-
-    def run(backend, ngl, feed=None):
-        return greedy_run(model, backend, prompt, 4, feed=feed, shift=shift, n_gpu_layers=ngl)
-
-    _, want_toks, want = run(cpu, -1)
-    top2 = np.sort(want, axis=1)[:, -2:]
     for ngl in (1, 2, n - 1, n + 1):
         r, _, got = run(gpu, ngl, feed=want_toks)
         err = float(np.max(np.abs(got - want)))
@@ -1204,21 +1212,9 @@ def test_kv_tier_ngl_split_matches_cpu(tmp_path, gpu, cpu, arch, variant, tk, tv
     tiers (max |dlogit| < 5e-2 of the largest logit; greedy equal where the CPU's top-2 margin
     exceeds twice that error). gemma4 E-series: a KV-sharing layer across the split reads a
     copy of its source's quantized bytes."""
-    pytest.importorskip("transformers")
-    from opencoti.model.loader import load_model
-
-    path = tmp_path / f"ngl-tier-{arch}.gguf"
-    write_ngl_model(path, arch, variant)
-    model = load_model(str(path), with_tokenizer=False)
+    model, run, want_toks, want, top2 = _ngl_case(tmp_path / f"ngl-tier-{arch}.gguf", cpu, arch, variant,
+                                                  type_k=tk, type_v=tv)
     n = model.hparams.n_layer
-    prompt = [(i * 37 + 11) % 300 for i in range(20)]
-    shift = arch in ("gemma3", "llama")
-
-    def run(backend, ngl, feed=None):
-        return greedy_run(model, backend, prompt, 4, feed=feed, shift=shift, n_gpu_layers=ngl, type_k=tk, type_v=tv)
-
-    _, want_toks, want = run(cpu, -1)
-    top2 = np.sort(want, axis=1)[:, -2:]
     for ngl in (1, n - 1):
         r, _, got = run(gpu, ngl, feed=want_toks)
         assert r.split is not None and r.split.i_gpu_start == n - ngl

@@ -22,12 +22,6 @@
 #define NWARP 4
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ float wsum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // E consecutive f16 values -> float (16-byte loads when E is a multiple of 8, 8-byte for 4)
 template <int E>
 __device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f) {
@@ -80,6 +74,38 @@ __device__ __forceinline__ void merge_warps(const float (&acc)[MAXG][E], const f
             }
         }
         emit(g, d, M, L, A);
+    }
+}
+
+// Online-softmax update for one tile of cells whose lanes hold LPC lanes per cell (each lane's
+// s[g] a partial score of its cell: summed over the cell's LPC lanes first): the tile's max and
+// sum over the warp's cells, the running (m, l) and the accumulators rescaled; p[g] = each lane's
+// cell's exp(score - max) (0 for masked cells, ok false). Softcap as llama.cpp (tanh).
+template <int LPC, int MAXG, int E>
+__device__ __forceinline__ void softmax_tile(const float (&s)[MAXG], bool ok, int Gb, float softcap,
+                                             float (&m)[MAXG], float (&l)[MAXG], float (&acc)[MAXG][E],
+                                             float (&p)[MAXG]) {
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        if (g < Gb) {
+            float sg = s[g];
+#pragma unroll
+            for (int o = 1; o < LPC; o <<= 1) sg += __shfl_xor_sync(0xffffffffu, sg, o);
+            if (softcap > 0.f) sg = softcap * tanhf(sg / softcap);
+            float tm = ok ? sg : NEG_INF;
+#pragma unroll
+            for (int o = 16; o >= LPC; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
+            float mn = fmaxf(m[g], tm);
+            float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mn);
+            p[g] = ok ? __expf(sg - mn) : 0.f;
+            float ps = p[g];  // a cell's p is held by its LPC lanes: sum over one lane per cell
+#pragma unroll
+            for (int o = 16; o >= LPC; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            l[g] = l[g] * corr + ps;
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[g][e] *= corr;
+            m[g] = mn;
+        }
     }
 }
 
@@ -154,27 +180,7 @@ __device__ __forceinline__ void attn_partial_impl(
             }
         }
         float p[MAXG];
-#pragma unroll
-        for (int g = 0; g < MAXG; g++) {
-            if (g < Gb) {
-                float sg = s[g] + __shfl_xor_sync(0xffffffffu, s[g], 1);
-                sg += __shfl_xor_sync(0xffffffffu, sg, 2);
-                if (softcap > 0.f) sg = softcap * tanhf(sg / softcap);
-                float tm = ok ? sg : NEG_INF;
-#pragma unroll
-                for (int o = 16; o > 2; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
-                float mn = fmaxf(m[g], tm);
-                float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mn);
-                p[g] = ok ? __expf(sg - mn) : 0.f;
-                float ps = p[g];  // each cell's p is held by its 4 lanes: sum over the 8 slots
-#pragma unroll
-                for (int o = 16; o > 2; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-                l[g] = l[g] * corr + ps;
-#pragma unroll
-                for (int e = 0; e < E; e++) acc[g][e] *= corr;
-                m[g] = mn;
-            }
-        }
+        softmax_tile<4, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
         // PV over the tile's 8 cells (masked cells carry p = 0 and a valid cell index: 0 past
         // the list's end), all V loads issued before the FMAs
 #pragma unroll
@@ -352,23 +358,7 @@ __device__ __forceinline__ void attn_kv_impl(
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
         if (ok) kv_qk<TK, D, MAXG>(K + ((long long)cell * n_kv + kh) * RBK, s_q, Gb, s_tk, s);
         float p[MAXG];
-#pragma unroll
-        for (int g = 0; g < MAXG; g++) {
-            if (g < Gb) {
-                float sg = s[g];
-                if (softcap > 0.f) sg = softcap * tanhf(sg / softcap);
-                float tm = ok ? sg : NEG_INF;
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
-                float mn = fmaxf(m[g], tm);
-                float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mn);
-                p[g] = ok ? __expf(sg - mn) : 0.f;
-                l[g] = l[g] * corr + wsum(p[g]);
-#pragma unroll
-                for (int e = 0; e < E; e++) acc[g][e] *= corr;
-                m[g] = mn;
-            }
-        }
+        softmax_tile<1, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
         // PV over the tile's 32 cells in a fixed-count loop, as the f16 kernel (masked cells: p = 0
         // and a valid cell index, 0 past the list's end)
 #pragma unroll 8

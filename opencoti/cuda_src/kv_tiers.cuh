@@ -188,20 +188,23 @@ struct KQ6_0 {
         if (lane == 0) st16(dst, f2h(d));
     }
 };
+// 5-bit code j of a q5_0 / q5_1 block: low 4 bits in qs[j & 15] (low nibble for j < 16, else
+// high), bit 4 at bit j & 7 of qh byte j >> 3 (qs = that qs byte, qhb = that qh byte)
+__device__ __forceinline__ u32 q5_code(u32 qs, u32 qhb, int j) {
+    return (j < 16 ? (qs & 15u) : (qs >> 4)) | (((qhb >> (j & 7)) & 1u) << 4);
+}
 struct KQ5_1 {
     static constexpr int BS = 32, BB = 24, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 24 * b)); }
     static __device__ __forceinline__ float mn(const u32* w, int b) { return h2f(wh(w, 24 * b + 2)); }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
-        u32 qs = wb(w, 24 * b + 8 + (j & 15)), hb = (wb(w, 24 * b + 4 + (j >> 3)) >> (j & 7)) & 1u;
-        return (float)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4));
+        return (float)q5_code(wb(w, 24 * b + 8 + (j & 15)), wb(w, 24 * b + 4 + (j >> 3)), j);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 24 * (i >> 5);
         int j = i & 31;
-        u32 qs = b[8 + (j & 15)], hb = (b[4 + (j >> 3)] >> (j & 7)) & 1u;
-        return h2f(ldh(b)) * (float)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4)) + h2f(ldh(b + 2));
+        return h2f(ldh(b)) * (float)q5_code(b[8 + (j & 15)], b[4 + (j >> 3)], j) + h2f(ldh(b + 2));
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_1_ref
         float lo = wmin(v), hi = wmax(v);
@@ -218,14 +221,12 @@ struct KQ5_0 {
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 22 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
-        u32 qs = wb(w, 22 * b + 6 + (j & 15)), hb = (wb(w, 22 * b + 2 + (j >> 3)) >> (j & 7)) & 1u;
-        return (float)((int)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4)) - 16);
+        return (float)((int)q5_code(wb(w, 22 * b + 6 + (j & 15)), wb(w, 22 * b + 2 + (j >> 3)), j) - 16);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 22 * (i >> 5);
         int j = i & 31;
-        u32 qs = b[6 + (j & 15)], hb = (b[2 + (j >> 3)] >> (j & 7)) & 1u;
-        return h2f(ldh(b)) * (float)((int)((j < 16 ? (qs & 15u) : (qs >> 4)) | (hb << 4)) - 16);
+        return h2f(ldh(b)) * (float)((int)q5_code(b[6 + (j & 15)], b[2 + (j >> 3)], j) - 16);
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_0_ref
         float d = xdiv(wsabsmax(v, lane), -16.f), id = xinv(d);

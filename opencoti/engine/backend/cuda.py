@@ -1187,12 +1187,7 @@ class CUDABackend:
         if getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and not quant:
             return self._attention_groups(q, q_pos, k_store, v_store, plan, scale, n_swa, softcap, g, n_hg)
         out = cp.empty((T, H * D), dtype=cp.float32)
-        base = T * n_kv * n_hg
-        n_split = 1
-        if base < 2 * self.n_sm:
-            # >= 32 cells per split: the f16 kernel's 4 warps take tiles of 8 (the tier kernel's
-            # of 32 simply leave warps idle on short splits)
-            n_split = int(max(1, min(meta["max_len"] // 32, (2 * self.n_sm + base - 1) // base, 64)))
+        n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1)
         if n_split > 1:
             part_acc = cp.empty((T * H * n_split * D,), dtype=cp.float32)
             part_ml = cp.empty((T * H * n_split * 2,), dtype=cp.float32)
@@ -1207,6 +1202,16 @@ class CUDABackend:
             self._fn("a", "attn_merge")((T, H), (min(256, D),),
                                         (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))
         return out
+
+    def _attn_splits(self, n_cells: int, base: int, lo: int) -> int:
+        """Split count of ``attn_partial`` over views of up to ``n_cells`` cells when ``base`` blocks
+        (rows x kv heads x head groups) are launched per split: ``lo`` if they already fill two
+        blocks per SM, else enough splits for that, each of >= 32 cells (the f16 kernel's 4 warps
+        take tiles of 8; the tier kernel's tiles of 32 leave warps idle on short splits), 64 at
+        most, ``lo`` at least."""
+        if base >= 2 * self.n_sm:
+            return lo
+        return int(max(lo, min(n_cells // 32, (2 * self.n_sm + base - 1) // base, 64)))
 
     def _attention_groups(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int, softcap: float,
                           g: int, n_hg: int):
@@ -1229,11 +1234,7 @@ class CUDABackend:
         qp = self._idx(q_pos)
         f32 = cp.float32
         # 1. private cells (partials even for one split, so the merge below sees one format)
-        base = T * n_kv * n_hg
-        n_sp = 2
-        if base < 2 * self.n_sm:
-            p_len = gm["pcap"] if self._staged else gm["p_max"]
-            n_sp = int(max(2, min(p_len // 32, (2 * self.n_sm + base - 1) // base, 64)))
+        n_sp = self._attn_splits(gm["pcap"] if self._staged else gm["p_max"], T * n_kv * n_hg, 2)
         p_acc = cp.empty((T * H * n_sp * D,), dtype=f32)
         p_ml = cp.empty((T * H * n_sp * 2,), dtype=f32)
         self._fn("a", f"attn_partial_d{D}_g{g}")(
