@@ -10,8 +10,8 @@ three eager decode steps (CUDA graphs off, so every kernel is its own launch) an
 inside an NVTX range named ``step``, which the ncu command above profiles kernel by kernel
 (``--cache-control none --clock-control none``: warm caches and real clocks, as in a graph
 replay; ncu's defaults flush the caches and lock the clocks, which inflates small kernels).
-``--summarize`` aggregates such a CSV by kernel name and grid: calls, total and mean
-microseconds, largest first.
+``--prefill N`` profiles one N-token prefill ubatch instead. ``--summarize`` aggregates such a
+CSV by kernel name and grid: calls, total and mean microseconds, largest first.
 """
 
 from __future__ import annotations
@@ -50,6 +50,27 @@ def step(model_path: str, n_seq: int, depth: int) -> None:
             nvtx.RangePop()
 
 
+def prefill_step(model_path: str, n: int) -> None:
+    """One prefill ubatch of ``n`` tokens inside the NVTX range ``step`` (after one unprofiled
+    ubatch of the same size: compiles, scratch allocations)."""
+    import cupy as cp
+    from cupy.cuda import nvtx
+
+    from common import prefill
+
+    from opencoti.engine.runner import ModelRunner
+    from opencoti.model.loader import load_model
+
+    model = load_model(model_path, with_tokenizer=False)
+    r = ModelRunner(model, "cuda", n_ctx=2 * n + 256, n_seq_max=2, n_ubatch=n)
+    prefill(r, n, seq=0)
+    cp.cuda.Device().synchronize()
+    nvtx.RangePush("step")
+    prefill(r, n, seq=1, seed=1)
+    cp.cuda.Device().synchronize()
+    nvtx.RangePop()
+
+
 def summarize(path: str) -> None:
     rows = [r for r in csv.reader(open(path)) if len(r) > 10]
     h = rows[0]
@@ -73,10 +94,13 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--depth", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill ubatch instead")
     ap.add_argument("--summarize", metavar="CSV", default=None, help="aggregate an ncu --csv dump instead")
     a = ap.parse_args()
     if a.summarize:
         summarize(a.summarize)
+    elif a.model and a.prefill:
+        prefill_step(a.model, a.prefill)
     elif a.model:
         step(a.model, a.seqs, a.depth)
     else:

@@ -6,8 +6,8 @@
 //   Q4_K: w = d * sc_s * q - dmin * m_s      (q in 0..15, sc_s, m_s in 0..63, 8 sub-blocks of 32)
 //   Q6_K: w = d * sc_g * (q - 32)            (q in 0..63, sc_g in -128..127, 16 groups of 16)
 // so sum_k w_k x_k is d * sum_s sc_s * (sum_{k in s} q_k x_k) (- dmin * sum_s m_s sum_{k in s} x_k):
-// the inner sums are products of small integers with x (the minimum's term too: a second MMA
-// whose A holds m_s in every slot of sub-block s; Q6_K's codes enter as signed q - 32).
+// the inner sums are products of small integers with x (the minimum's term too, through the
+// activation's sub-block sums, see xm below; Q6_K's codes enter as signed q - 32).
 // xq_digits writes each activation row as a fixed-point value with one scale per 256 elements,
 // split into three signed base-256 digits,
 //   x = sx * (d0 + d1 / 256 + d2 / 65536),   sx = max|x| / 127 over the 256 elements,
@@ -26,6 +26,11 @@
 //                     B fragment of one MMA is one or two 128-byte lines (a [ncp, K] layout
 //                     made it 8 lines, one per column: the loads were L1-bound)
 //   xs   [K/256, ncp] f32   column scale per super-block
+//   xm   [K/256, ncp, 16] int8 the column's digit sum S_s over each 32-element sub-block s of a
+//                     super-block as lo_s = S_s & 63 (bytes 0..7) and hi_s = S_s >> 6 (bytes
+//                     8..15): S_s = lo_s + 64 hi_s (|S_s| <= 4096). Q4_K's minimum term
+//                     sum_s m_s S_s is then two m16n8k16 MMAs per super-block (A = m_s in k 0..7,
+//                     resp. 8..15) instead of one m16n8k32 MMA per sub-block.
 // Weight rows: a block takes 16 (one MMA tile, rows gid and gid + 8 per lane); its warps split
 // the super-blocks of the row (split-K) and are summed in shared memory in warp order
 // (deterministic). grid = (ncp / CW, ceil(nrows / 16)), blockDim = 32 * min(KS_MAX(NT), K / 256).
@@ -40,7 +45,7 @@
 // x [T, K] f32 -> digits (layout above). grid = (K / 256, (ncp / CW) * ceil(CW / 3)), 32 threads:
 // one warp per (super-block, column triple); a lane quantizes 8 consecutive elements.
 extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict__ xq, float* __restrict__ xs,
-                                     int T, int K, int CW, int ncp) {
+                                     i8* __restrict__ xm, int T, int K, int CW, int ncp) {
     const int sb = blockIdx.x, lane = threadIdx.x;
     const int tpb = CW / 3, spg = (CW + 2) / 3, gi = blockIdx.y / spg, js = blockIdx.y % spg;
     const int t = gi * tpb + js, col0 = gi * CW + 3 * js, e0 = sb * 256 + 8 * lane;
@@ -59,6 +64,7 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
     const float inv = m > 0.f ? 8323072.f / m : 0.f;  // 127 * 65536 / max|x|
     u32 dg[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
+    int ds[3] = {0, 0, 0};  // the lane's digit sums
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int q = __float2int_rn(v[i] * inv);  // |q| <= 127 * 65536
@@ -67,6 +73,12 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
         dg[0][i >> 2] |= (u32)(d0 & 255) << (8 * (i & 3));
         dg[1][i >> 2] |= (u32)(d1 & 255) << (8 * (i & 3));
         dg[2][i >> 2] |= (u32)(d2 & 255) << (8 * (i & 3));
+        ds[0] += d0; ds[1] += d1; ds[2] += d2;
+    }
+#pragma unroll
+    for (int d = 0; d < 3; d++) {  // sub-block sums: 4 lanes per 32 elements
+        ds[d] += __shfl_xor_sync(FULL, ds[d], 1);
+        ds[d] += __shfl_xor_sync(FULL, ds[d], 2);
     }
 #pragma unroll
     for (int d = 0; d < 3; d++) {
@@ -74,6 +86,11 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
         const long long c = col0 + d;
         *(uint2*)(xq + ((long long)(e0 >> 4) * ncp + c) * 16 + 8 * (lane & 1)) = make_uint2(dg[d][0], dg[d][1]);
         if (lane == 0) xs[(long long)sb * ncp + c] = m * (1.f / 127.f) * (d == 0 ? 1.f : d == 1 ? 1.f / 256.f : 1.f / 65536.f);
+        if ((lane & 3) == 0) {
+            i8* o = xm + ((long long)sb * ncp + c) * 16 + (lane >> 2);
+            o[0] = (i8)(ds[d] & 63);
+            o[8] = (i8)(ds[d] >> 6);
+        }
     }
 }
 
@@ -103,14 +120,16 @@ __device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* __
     }
 }
 
-__device__ __forceinline__ u32 byte_of(const u32 (&w)[3], int k) { return (w[k >> 2] >> (8 * (k & 3))) & 255u; }
-// Q4_K sub-block s's 6-bit scale and minimum from the 12 scale bytes (ggml get_scale_min_k4)
-__device__ __forceinline__ void scale_min_int(int s, const u32 (&q)[3], int& sc, int& mn) {
-    if (s < 4) { sc = byte_of(q, s) & 63; mn = byte_of(q, s + 4) & 63; }
-    else {
-        sc = (byte_of(q, s + 4) & 15) | ((byte_of(q, s - 4) >> 6) << 4);
-        mn = (byte_of(q, s + 4) >> 4) | ((byte_of(q, s) >> 6) << 4);
-    }
+// Q4_K's eight 6-bit scales and minima from the 12 scale bytes w[0..2] (ggml get_scale_min_k4),
+// four per word, one byte each: sc[0] = sub-blocks 0..3, sc[1] = 4..7; the same for mn.
+struct Q4KScales { u32 sc[2], mn[2]; };
+__device__ __forceinline__ Q4KScales q4k_scales(u32 w0, u32 w1, u32 w2) {
+    Q4KScales o;
+    o.sc[0] = w0 & 0x3F3F3F3Fu;
+    o.mn[0] = w1 & 0x3F3F3F3Fu;
+    o.sc[1] = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+    o.mn[1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+    return o;
 }
 
 // Q4_K (144-byte super-blocks: d, dmin (f16), 12 scale bytes, 128 code bytes; code byte 32j + i
@@ -131,29 +150,32 @@ __device__ __forceinline__ void q4k_load(Q4KRegs& r, const u8* w0, const u8* w1,
         r.q1[j] = *(const uint2*)(b1 + 16 + 32 * j + 8 * c);
     }
 }
-// Sub-block s of a loaded super-block: the code fragment a[4], the minimum's fragment (m_s in
-// every slot, unsigned bytes) and the integer scales of both rows.
-struct Q4KStep { u32 a[4], am0, am1; int s0, s1; };
-__device__ __forceinline__ Q4KStep q4k_step(const Q4KRegs& r, int s) {
+// Sub-block s of a loaded super-block: the code fragment a[4] and both rows' integer scales.
+struct Q4KStep { u32 a[4]; int s0, s1; };
+__device__ __forceinline__ Q4KStep q4k_step(const Q4KRegs& r, const Q4KScales& k0, const Q4KScales& k1, int s) {
     Q4KStep o;
     const int j = s >> 1, sh = 4 * (s & 1);
     o.a[0] = (r.q0[j].x >> sh) & 0x0F0F0F0Fu; o.a[1] = (r.q1[j].x >> sh) & 0x0F0F0F0Fu;
     o.a[2] = (r.q0[j].y >> sh) & 0x0F0F0F0Fu; o.a[3] = (r.q1[j].y >> sh) & 0x0F0F0F0Fu;
-    const u32 sw0[3] = {r.h0.y, r.h0.z, r.h0.w}, sw1[3] = {r.h1.y, r.h1.z, r.h1.w};
-    int m0, m1;
-    scale_min_int(s, sw0, o.s0, m0);
-    scale_min_int(s, sw1, o.s1, m1);
-    o.am0 = (u32)m0 * 0x01010101u;
-    o.am1 = (u32)m1 * 0x01010101u;
+    o.s0 = (int)((k0.sc[s >> 2] >> (8 * (s & 3))) & 255u);
+    o.s1 = (int)((k1.sc[s >> 2] >> (8 * (s & 3))) & 255u);
     return o;
 }
-// One column tile: cs += sc * (codes . digits), cm += (m . digits) (the minimum's term summed
-// over the super-block by the MMA itself).
-__device__ __forceinline__ void q4k_mma(const Q4KStep& o, uint2 bq, int (&cs)[4], int (&cm)[4]) {
+// One column tile: cs += sc * (codes . digits).
+__device__ __forceinline__ void q4k_mma(const Q4KStep& o, uint2 bq, int (&cs)[4]) {
     int cc[4] = {0, 0, 0, 0};
     imma_k32(cc, o.a[0], o.a[1], o.a[2], o.a[3], bq.x, bq.y);
-    imma_k32(cm, o.am0, o.am1, o.am0, o.am1, bq.x, bq.y);
     cs[0] += o.s0 * cc[0]; cs[1] += o.s0 * cc[1]; cs[2] += o.s1 * cc[2]; cs[3] += o.s1 * cc[3];
+}
+// The minimum's term of one column tile, sum_s m_s S_s, from the columns' xm bytes bm (this
+// lane's k = 4c..4c+3: lo sums for c < 2, hi sums for c >= 2): ma / mb hold m_s in the lo resp.
+// hi k slots (zero elsewhere), so cm = (m . lo) + 64 (m . hi).
+__device__ __forceinline__ void q4k_min(u32 ma0, u32 ma1, u32 mb0, u32 mb1, u32 bm, int (&cm)[4]) {
+    int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+    imma_k16s(lo, ma0, ma1, bm);
+    imma_k16s(hi, mb0, mb1, bm);
+#pragma unroll
+    for (int i = 0; i < 4; i++) cm[i] = lo[i] + 64 * hi[i];
 }
 __device__ __forceinline__ void q4k_finish(const Q4KRegs& r, float2 sx, const int (&cs)[4], const int (&cm)[4],
                                            float (&acc)[4]) {
@@ -239,24 +261,30 @@ __device__ __forceinline__ void q6k_finish(const Q6KRegs& r, float2 sx, const in
 // xsb: the columns' scales.
 template <int NT, bool Q6>
 __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6, const i8* __restrict__ xqb,
-                                           long long stride, const float* __restrict__ xsb, int g, int c,
-                                           float (&acc)[NT][4]) {
+                                           long long stride, const float* __restrict__ xsb,
+                                           const i8* __restrict__ xmb, int g, int c, float (&acc)[NT][4]) {
     int cs[NT][4], cm[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) cs[nt][i] = cm[nt][i] = 0;
+        for (int i = 0; i < 4; i++) cs[nt][i] = 0;
     if (!Q6) {
+        const Q4KScales k0 = q4k_scales(a4.h0.y, a4.h0.z, a4.h0.w), k1 = q4k_scales(a4.h1.y, a4.h1.z, a4.h1.w);
 #pragma unroll
         for (int s = 0; s < 8; s++) {
-            const Q4KStep o = q4k_step(a4, s);
+            const Q4KStep o = q4k_step(a4, k0, k1, s);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
                 q4k_mma(o, *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + 8 * nt + g) * 16 + 8 * (c & 1)),
-                        cs[nt], cm[nt]);
+                        cs[nt]);
         }
+        const u32 m0 = k0.mn[c & 1], m1 = k1.mn[c & 1];
+        const u32 ma0 = c < 2 ? m0 : 0u, ma1 = c < 2 ? m1 : 0u, mb0 = c < 2 ? 0u : m0, mb1 = c < 2 ? 0u : m1;
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) q4k_finish(a4, *(const float2*)(xsb + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
+        for (int nt = 0; nt < NT; nt++) {
+            q4k_min(ma0, ma1, mb0, mb1, *(const u32*)(xmb + (8 * nt + g) * 16 + 4 * c), cm[nt]);
+            q4k_finish(a4, *(const float2*)(xsb + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
+        }
     } else {
 #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -277,8 +305,8 @@ __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6,
 // their next super-block), B fragments straight from the digit array (L1 / L2).
 template <int NT, bool Q6>
 __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
-                                           const float* __restrict__ xs, float* __restrict__ y, int nrows, int K,
-                                           int T, int ncp) {
+                                           const float* __restrict__ xs, const i8* __restrict__ xm,
+                                           float* __restrict__ y, int nrows, int K, int T, int ncp) {
     constexpr int CW = 8 * NT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
     const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16;
@@ -298,16 +326,18 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
         if (sb + 1 < sb1) {
             if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
         }
-        superblock<NT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb, g, c, acc);
+        superblock<NT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
+                           xm + ((long long)sb * ncp + cb) * 16, g, c, acc);
         if (Q6) a6 = n6; else a4 = n4;
     }
     gemvi_store<NT>(acc, y, nrows, T);
 }
 
-#define GEMVI_ARGS const u8* W, long long rb, const i8* xq, const float* xs, float* y, int nrows, int K, int T, int ncp
+#define GEMVI_ARGS \
+    const u8* W, long long rb, const i8* xq, const float* xs, const i8* xm, float* y, int nrows, int K, int T, int ncp
 #define GEMVI(NT)                                                                                                  \
-    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { gemvi_impl<NT, false>(W, rb, xq, xs, y, nrows, K, T, ncp); } \
-    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { gemvi_impl<NT, true>(W, rb, xq, xs, y, nrows, K, T, ncp); }
+    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); } \
+    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); }
 GEMVI(1)
 GEMVI(3)
 GEMVI(6)
@@ -322,10 +352,9 @@ GEMVI(6)
 // y[z][t][row] partial sums per split z (mmq.cu's mmq_reduce adds them in split order).
 #define GM_CW 48
 #define GM_XQ (16 * GM_CW * 16)  // digit bytes of one super-block
-#define GM_CW 48
-#define GM_XQ (16 * GM_CW * 16)  // digit bytes of one super-block
 struct GmStage {
     __align__(16) i8 xq[GM_XQ];
+    __align__(16) i8 xm[GM_CW * 16];
     __align__(16) float xs[GM_CW];
 };
 
@@ -337,14 +366,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 // Stage super-block sb's columns [cb, cb + 48) into st (all threads; 16-byte chunks).
-__device__ __forceinline__ void gm_stage(GmStage& st, const i8* __restrict__ xq, const float* __restrict__ xs, int sb,
-                                         int cb, int ncp) {
-    for (int i = threadIdx.x; i < 16 * 48 + 12; i += blockDim.x) {
+__device__ __forceinline__ void gm_stage(GmStage& st, const i8* __restrict__ xq, const float* __restrict__ xs,
+                                         const i8* __restrict__ xm, int sb, int cb, int ncp) {
+    for (int i = threadIdx.x; i < 17 * 48 + 12; i += blockDim.x) {
         if (i < 16 * 48) {  // digits: 16 groups x 48 columns x 16 bytes = 48 chunks per group
             const int gq = i / 48, ch = i % 48;
             cp_async16(st.xq + gq * GM_CW * 16 + ch * 16, xq + ((16LL * sb + gq) * ncp + cb) * 16 + ch * 16);
-        } else {
+        } else if (i < 17 * 48) {  // sub-block sums: 48 columns x 16 bytes
             const int ch = i - 16 * 48;
+            cp_async16(st.xm + ch * 16, xm + ((long long)sb * ncp + cb) * 16 + ch * 16);
+        } else {
+            const int ch = i - 17 * 48;
             cp_async16(st.xs + 4 * ch, xs + (long long)sb * ncp + cb + 4 * ch);
         }
     }
@@ -374,8 +406,8 @@ __device__ __forceinline__ void gemmi_store(const float (&acc)[6][4], float* red
 
 template <bool Q6>
 __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
-                                           const float* __restrict__ xs, float* __restrict__ y, int nrows, int K,
-                                           int T, int ncp) {
+                                           const float* __restrict__ xs, const i8* __restrict__ xm,
+                                           float* __restrict__ y, int nrows, int K, int T, int ncp) {
     __shared__ GmStage st[2];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int cb = blockIdx.x * GM_CW, row0 = blockIdx.y * 64 + 16 * warp;
@@ -390,20 +422,20 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
     Q4KRegs a4, n4;
     Q6KRegs a6, n6;
     if (sb0 < sb1) {
-        gm_stage(st[0], xq, xs, sb0, cb, ncp);
+        gm_stage(st[0], xq, xs, xm, sb0, cb, ncp);
         if (Q6) q6k_load(a6, w0, w1, sb0, c, al4); else q4k_load(a4, w0, w1, sb0, c);
     }
     cp_async_commit();
     for (int sb = sb0; sb < sb1; sb++) {
         const int cur = (sb - sb0) & 1;
         if (sb + 1 < sb1) {
-            gm_stage(st[cur ^ 1], xq, xs, sb + 1, cb, ncp);
+            gm_stage(st[cur ^ 1], xq, xs, xm, sb + 1, cb, ncp);
             if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
         }
         cp_async_commit();
         cp_async_wait1();  // this super-block's stage has landed (the next may be in flight)
         __syncthreads();
-        superblock<6, Q6>(a4, a6, st[cur].xq, GM_CW, st[cur].xs, g, c, acc);
+        superblock<6, Q6>(a4, a6, st[cur].xq, GM_CW, st[cur].xs, st[cur].xm, g, c, acc);
         if (Q6) a6 = n6; else a4 = n4;
         __syncthreads();  // every warp is done with st[cur] before the next iteration refills it
     }
@@ -413,9 +445,9 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
 // _o<B>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B))
 #define GEMMI(B)                                                                                              \
     extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B(GEMVI_ARGS) {                          \
-        gemmi_impl<false>(W, rb, xq, xs, y, nrows, K, T, ncp); }                                              \
+        gemmi_impl<false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); }                                              \
     extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B(GEMVI_ARGS) {                          \
-        gemmi_impl<true>(W, rb, xq, xs, y, nrows, K, T, ncp); }
+        gemmi_impl<true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); }
 GEMMI(2)
 GEMMI(3)
 GEMMI(4)

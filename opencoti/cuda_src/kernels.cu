@@ -135,24 +135,43 @@ __device__ __forceinline__ void gemv_gated_impl(const u8* __restrict__ Wg, const
     }
 }
 
-// Dequantize a whole [nrows, ncols] weight to f32 or f16 (prefill GEMMs): one thread per chunk.
-template <class Q, bool HALF>
+// Dequantize a whole [nrows, ncols] weight for a prefill GEMM: one thread per 32-value chunk
+// (chunk i = row i / (ncols / 32)), blockDim 256. A warp's 32 chunks pass through shared memory so
+// that the stores are coalesced (a lane storing its own chunk wrote 32 lines per warp store:
+// ~190 GB/s on the H200).
+// MODE 0: f32 [nrows, ncols]; 1: f16 [nrows, ncols]; 2: the f16 pair of each value,
+// hi = f16(w) and lo = f16((w - hi) * 2^12) (scaled out of the f16 subnormals: |w - hi| <=
+// 2^-11 |w|), as rows [hi(0..ncols), lo(0..ncols)] of 2 ncols (the split-f16 GEMM, cuda.py
+// _gemm_f16x3).
+template <class Q, int MODE>
 __device__ __forceinline__ void dequant_impl(const u8* __restrict__ W, long long row_bytes, void* out, int nrows, int ncols) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    int nch = ncols >> 5;
-    if (i >= (long long)nrows * nch) return;
-    int row = (int)(i / nch), c = (int)(i % nch);
-    float v[32];
-    Q::chunk(W + (long long)row * row_bytes, c, v);
-    long long o = (long long)row * ncols + 32 * c;
-    if (HALF) {
-        u16* p = (u16*)out + o;
+    __shared__ float sv[8][32][33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long i0 = (blockIdx.x * (long long)blockDim.x) + 32 * warp;  // the warp's first chunk
+    const int nch = ncols >> 5;
+    const long long total = (long long)nrows * nch, i = i0 + lane;
+    if (i0 >= total) return;  // uniform in the warp
+    if (i < total) {
+        float v[32];
+        Q::chunk(W + (i / nch) * row_bytes, (int)(i % nch), v);
 #pragma unroll
-        for (int k = 0; k < 32; k++) p[k] = f2h(v[k]);
-    } else {
-        float4* p = (float4*)((float*)out + o);
-#pragma unroll
-        for (int k = 0; k < 8; k++) p[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+        for (int k = 0; k < 32; k++) sv[warp][lane][k] = v[k];
+    }
+    __syncwarp();
+    for (int k = 0; k < 32 && i0 + k < total; k++) {  // chunk i0 + k, value lane
+        const long long ci = i0 + k, row = ci / nch;
+        const int c = (int)(ci % nch);
+        const float x = sv[warp][k][lane];
+        if (MODE == 2) {
+            u16* p = (u16*)out + row * 2 * ncols + 32 * c + lane;
+            const u16 h = f2h(x);
+            p[0] = h;
+            p[ncols] = f2h((x - h2f(h)) * 4096.f);
+        } else if (MODE == 1) {
+            ((u16*)out)[32 * ci + lane] = f2h(x);
+        } else {
+            ((float*)out)[32 * ci + lane] = x;
+        }
     }
 }
 
@@ -217,9 +236,11 @@ __device__ __forceinline__ void gemv_id_gated_impl(const u8* __restrict__ Wg, co
         gemv_id_gated_impl<U>(Wg, Wu, rb, eb, ids, x, x_div, y, nr, nc, act); }
 #define DEF_QKERNELS(ID, Q)                                                                                   \
     extern "C" __global__ void dequant_f32_##ID(const u8* W, long long rb, float* out, int nr, int nc) {     \
-        dequant_impl<Q, false>(W, rb, out, nr, nc); }                                                         \
+        dequant_impl<Q, 0>(W, rb, out, nr, nc); }                                                             \
     extern "C" __global__ void dequant_f16_##ID(const u8* W, long long rb, u16* out, int nr, int nc) {       \
-        dequant_impl<Q, true>(W, rb, out, nr, nc); }                                                          \
+        dequant_impl<Q, 1>(W, rb, out, nr, nc); }                                                             \
+    extern "C" __global__ void dequant_f16x2_##ID(const u8* W, long long rb, u16* out, int nr, int nc) {     \
+        dequant_impl<Q, 2>(W, rb, out, nr, nc); }                                                             \
     extern "C" __global__ void get_rows_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { \
         get_rows_impl<Q>(W, rb, ids, out, nc); }
 
@@ -235,6 +256,36 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     __syncthreads();
     v = l < nw ? sh[l] : 0.f;
     return warp_sum(v);
+}
+
+// The split-f16 GEMM's activations (cuda.py _gemm_f16x3): row t of x [n, k] f32, scaled by a power
+// of two s[t] > max |x[t]| (exact; the f16 range then holds every value), as hi = f16(x / s) and
+// lo = f16((x / s - hi) * 2^12): xa[t] = [lo, hi] (2k halves). One block per row.
+extern "C" __global__ void split_f16_rows(const float* __restrict__ x, u16* __restrict__ xa, float* __restrict__ s,
+                                          int k) {
+    __shared__ float sh[32];
+    const long long t = blockIdx.x;
+    const float* xr = x + t * k;
+    float m = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) m = fmaxf(m, fabsf(xr[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
+    if (l == 0) sh[w] = m;
+    __syncthreads();
+    m = l < nw ? sh[l] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    int e = 0;
+    if (m > 0.f && m <= 3.4028235e38f) frexpf(m, &e);  // m < 2^e (inf / NaN rows: scale 1)
+    const float sc = ldexpf(1.f, e), inv = ldexpf(1.f, -e);
+    if (threadIdx.x == 0) s[t] = sc;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        const float v = xr[i] * inv;
+        const u16 h = f2h(v);
+        xa[t * 2 * k + i] = f2h((v - h2f(h)) * 4096.f);
+        xa[t * 2 * k + k + i] = h;
+    }
 }
 
 // Row kernels keep a row's values in registers: element tid + k * blockDim of the row in v[k]

@@ -12,8 +12,9 @@ compiled with NVRTC on first use and cached (``cuda_kernels.py``):
   ``mul_mat_vec_q``) for up to ``GEMV_TILE`` rows, and from ``MMQ_MIN_ROWS`` rows a tensor-core
   kernel that stages each weight tile once in shared memory for all rows (``mmq.cu``: f16 hi/lo
   operand splits keep float32 accuracy; float32 weights stay in the float32 GEMV); prefill: the
-  weight is dequantized to float32 in a scratch buffer and multiplied by cuBLAS
-  (``cupy.matmul``), or to f16 with ``OPENCOTI_CUDA_F16_PREFILL=1``.
+  weight is dequantized into an f16 hi / lo pair and multiplied by cuBLAS on the f16 tensor
+  cores at float32 accuracy (``_gemm_f16x3``; ``OPENCOTI_CUDA_PREFILL_GEMM`` picks float32
+  SGEMM or a single f16 product instead).
 - ``attention_cells``: split-K online-softmax attention that reads K/V through the cache
   plan's per-sequence cell lists (``attention.cu``): f16 K/V in the f16 kernels, every other
   KV tier (``-ctk`` / ``-ctv``, any pair) in the tier-generic kernel, which dequantizes the
@@ -94,10 +95,21 @@ IMMA_WARPS = {1: 8, 3: 4, 6: 4}
 # the f16 cuBLAS GEMM instead (weight dequantized to f16 in a scratch buffer, activations
 # rounded to f16; eager, as cuBLAS is not captured through CuPy). Measured on the H200 before
 # mmq.cu: 270m x32 1,250 vs 2,598 tok/s for graph-replayed GEMV tiles, x64 3,388 vs 1,922.
-# Prefill (more than GEMV_MAX_TOKENS rows) keeps float32 SGEMM unless
-# OPENCOTI_CUDA_F16_PREFILL=1.
+# Prefill (more than GEMV_MAX_TOKENS rows) of a quantized weight: OPENCOTI_CUDA_PREFILL_GEMM=
+#   f16x3 (default): the split-f16 GEMM (_gemm_f16x3: weight and activations each as an f16
+#         hi + lo pair, three f16 tensor-core products, float32 accuracy);
+#   f32:   the weight dequantized to float32 and cuBLAS SGEMM;
+#   f16:   one f16 product (activations and weight rounded to f16; = OPENCOTI_CUDA_F16_PREFILL=1).
+# Measured on the H200 (bench_cuda pp512, Qwen2.5-7B-shaped Q4_K_M): see bench/CUDA_NOTES.md.
 F16_GEMM_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_F16_GEMM_MIN_ROWS", "0"))
 F16_PREFILL = os.environ.get("OPENCOTI_CUDA_F16_PREFILL", "0") == "1"
+PREFILL_GEMM = "f16" if F16_PREFILL else os.environ.get("OPENCOTI_CUDA_PREFILL_GEMM", "f16x3")
+# f16x3 from this many weight elements (smaller weights keep float32 SGEMM): the split's five
+# launches per product cost more than it saves on small matrices (H200, pp512: gemma-3-270m,
+# 640 x 2,048 weights, 35,783 tok/s with SGEMM vs 18,795 all-f16x3; Qwen2.5-7B 2,864 vs 7,365)
+F16X3_MIN_WEIGHT = int(os.environ.get("OPENCOTI_CUDA_F16X3_MIN_WEIGHT", str(1 << 22)))
+if PREFILL_GEMM not in ("f16x3", "f32", "f16"):
+    raise ValueError(f"OPENCOTI_CUDA_PREFILL_GEMM={PREFILL_GEMM!r}: expected f16x3, f32 or f16")
 ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
@@ -249,8 +261,10 @@ class CUDABackend:
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self._w16 = None  # f16 scratch of _gemm_f16
         self._digits_of = (None, None)  # (array, its gemv_int.cu digits): _digits
+        self._split_of = (None, None)  # (array, its f16 split): _gemm_f16x3
         self._f16_ok = True  # False while a prefill-size MoE runs its expert GEMMs
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
+        self._lo_scale = np.full(1, 2.0 ** -12, np.float32)  # _gemm_f16x3's lo terms
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
 
@@ -380,6 +394,11 @@ class CUDABackend:
         if (f16 and cols % 32 == 0 and w.ggml_type != 0 and self._f16_ok and not self._capturing):
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
+            # (bf16 weights may lie outside the f16 range: float32; small weights: float32, as
+            # the split's extra launches cost more than its arithmetic saves)
+            if (PREFILL_GEMM == "f16x3" and cols % 32 == 0 and w.ggml_type not in (0, 30)
+                    and rows * cols >= F16X3_MIN_WEIGHT):
+                return self._gemm_f16x3(x, w)
             return cp.matmul(x, self.dequantize(w).T)
         if self._imma(n, w):
             return self._gemvi(self._digits(x), w)
@@ -396,7 +415,7 @@ class CUDABackend:
 
     def _digits(self, x):
         """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
-        digit columns: ``(xq, xs, n, nt)`` (layout in gemv_int.cu's header; ``nt``
+        digit columns: ``(xq, xs, xm, n, nt)`` (layout in gemv_int.cu's header; ``nt``
         MMA column tiles per block: 1 for up to 2 rows, 3 up to 8, else 6). The last input's
         digits are kept (with a reference to the array, so its memory is not reused) and
         returned again for the same array object: attention's q / k / v projections quantize
@@ -413,9 +432,10 @@ class CUDABackend:
         ncp = ng * cw
         xq = cp.empty((ncp, k), dtype=cp.int8)
         xs = cp.empty((k // 256, ncp), dtype=cp.float32)
+        xm = cp.empty((k // 256, ncp, 16), dtype=cp.int8)
         self._fn("i", "xq_digits")((k // 256, ng * ((cw + 2) // 3)), (32,),
-                                   (x, xq, xs, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp)))
-        self._digits_of = (x, (xq, xs, n, nt))
+                                   (x, xq, xs, xm, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp)))
+        self._digits_of = (x, (xq, xs, xm, n, nt))
         return self._digits_of[1]
 
     @staticmethod
@@ -436,7 +456,7 @@ class CUDABackend:
         Relative error ~3e-7 of the largest |x w| term against float64 (float32 level).
         Graph-safe."""
         cp = self.cp
-        xq, xs, n, nt = digits
+        xq, xs, xm, n, nt = digits
         rows, k = w.shape
         if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
             nb = -(-n // 16) * -(-rows // 64)
@@ -445,7 +465,7 @@ class CUDABackend:
             out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
             self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}")(
                 (xs.shape[1] // 48, -(-rows // 64), n_split), (128,),
-                (w.data, np.int64(w.row_bytes), xq, xs, out, np.int32(rows), np.int32(k), np.int32(n),
+                (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
                  np.int32(xs.shape[1])))
             if n_split > 1:
                 self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
@@ -455,7 +475,7 @@ class CUDABackend:
         y = cp.empty((n, rows), dtype=cp.float32)
         self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")(
             (xs.shape[1] // (8 * nt), (rows + 15) // 16), (32 * ks,),
-            (w.data, np.int64(w.row_bytes), xq, xs, y, np.int32(rows), np.int32(k), np.int32(n),
+            (w.data, np.int64(w.row_bytes), xq, xs, xm, y, np.int32(rows), np.int32(k), np.int32(n),
              np.int32(xs.shape[1])))
         return y
 
@@ -498,11 +518,7 @@ class CUDABackend:
 
         rows, cols = w.shape
         n = x.shape[0]
-        need = rows * cols
-        if self._w16 is None or self._w16.size < need:
-            mem = cp.cuda.Memory(2 * need)  # raw cudaMalloc: allowed under relaxed stream capture
-            self._w16 = cp.ndarray((need,), dtype=cp.float16, memptr=cp.cuda.MemoryPointer(mem, 0))
-        w16 = self._w16[:need].reshape(rows, cols)
+        w16 = self._scratch16(rows * cols).reshape(rows, cols)
         nch = rows * (cols // 32)
         self._qfn("dequant_f16", w)(((nch + 255) // 256,), (256,),
                                     (w.data, np.int64(w.row_bytes), w16, np.int32(rows), np.int32(cols)))
@@ -518,6 +534,66 @@ class CUDABackend:
                           self._zero.ctypes.data, y.data.ptr, _CUDA_R_32F, rows, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
         finally:
             cublas.setPointerMode(handle, mode)
+        return y
+
+    def _scratch16(self, need: int):
+        """The persistent f16 scratch of the prefill GEMMs, at least ``need`` halves (one per
+        backend, grown to the largest weight seen; raw cudaMalloc, allowed under relaxed stream
+        capture; replays and prefills are serialized on one stream, so sharing it is safe)."""
+        cp = self.cp
+        if self._w16 is None or self._w16.size < need:
+            self._w16 = None
+            mem = cp.cuda.Memory(2 * need)
+            self._w16 = cp.ndarray((need,), dtype=cp.float16, memptr=cp.cuda.MemoryPointer(mem, 0))
+        return self._w16[:need]
+
+    def _gemm_f16x3(self, x, w: QTensor):
+        """``x [n, k] @ w.T`` -> ``[n, rows]`` float32 at float32 accuracy on the f16 tensor cores
+        (the split-f16 scheme: each operand as hi + lo f16 parts, the product as
+        hi.hi + hi.lo + lo.hi; the lo.lo term, ~2^-22 of the product, is dropped). The weight is
+        dequantized into ``[rows, 2k]`` halves ``[hi | lo * 2^12]`` (kernels.cu ``dequant_f16x2``),
+        each row of ``x`` scaled by a power of two into the f16 range and split into
+        ``[lo * 2^12, hi]`` (``split_f16_rows``; the lo parts scaled out of the f16 subnormals);
+        two cuBLAS ``gemmEx`` calls with f32 accumulation: ``y = w_hi . x_hi``, then
+        ``y += 2^-12 [w_hi | w_lo] . [x_lo ; x_hi]``; the rows' scales applied to ``y`` last.
+        The split of the last input is kept for the same array object (as ``_digits``).
+        Error against float64 ~1.3e-6 of sum |x w| on the H200 (test_prefill_gemm_matches_reference;
+        ~6e-8 with exact accumulation: the rest is cuBLAS's f16 tensor-core accumulation). Eager
+        (cuBLAS is not captured through CuPy)."""
+        cp = self.cp
+        from cupy_backends.cuda.libs import cublas
+
+        rows, cols = w.shape
+        n = x.shape[0]
+        w2 = self._scratch16(2 * rows * cols)
+        nch = rows * (cols // 32)
+        self._qfn("dequant_f16x2", w)(((nch + 255) // 256,), (256,),
+                                      (w.data, np.int64(w.row_bytes), w2, np.int32(rows), np.int32(cols)))
+        if x is self._split_of[0]:  # q / k / v and gate / up: one split of their shared input
+            xa, sc = self._split_of[1]
+        else:
+            xa = cp.empty((n, 2 * cols), dtype=cp.float16)
+            sc = cp.empty((n, 1), dtype=cp.float32)
+            self._fn("k", "split_f16_rows")((n,), (256,), (x, xa, sc, np.int32(cols)))
+            self._split_of = (x, (xa, sc))
+        y = cp.empty((n, rows), dtype=cp.float32)
+        handle = cp.cuda.device.get_cublas_handle()
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, _PTR_MODE_HOST)
+        try:
+            # column-major: y^T [rows, n] = (w2's hi halves, [k, rows] of stride 2k)^T @ (xa's hi
+            # halves, [k, n] of stride 2k), then += 2^-12 (w2 as [2k, rows])^T @ (xa as [2k, n])
+            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, cols,
+                          self._one.ctypes.data, w2.data.ptr, _CUDA_R_16F, 2 * cols, xa.data.ptr + 2 * cols,
+                          _CUDA_R_16F, 2 * cols, self._zero.ctypes.data, y.data.ptr, _CUDA_R_32F, rows,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, 2 * cols,
+                          self._lo_scale.ctypes.data, w2.data.ptr, _CUDA_R_16F, 2 * cols, xa.data.ptr, _CUDA_R_16F,
+                          2 * cols, self._one.ctypes.data, y.data.ptr, _CUDA_R_32F, rows, _CUBLAS_COMPUTE_32F,
+                          _CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
+        y *= sc
         return y
 
     def gated_ffn(self, x, gate, up, act: str):
