@@ -938,41 +938,80 @@ def real_model():
     return load_model(path, with_tokenizer=False)
 
 
-def _greedy(runner, prompt, steps):
-    """Greedy tokens and each step's top-2 logit margin of a fresh sequence (one token per step)."""
+def _steps(runner, prompt, steps, forced=None):
+    """Logits ``[steps, vocab]`` (float64) of a fresh sequence: the prompt in one ubatch, then one
+    token per step, the argmax of the last logits (greedy) or ``forced[i]`` (teacher forcing)."""
     runner.kv.clear()
     n = len(prompt)
     lg = runner.decode(UBatch.build(prompt, np.arange(n), [0] * n, [n - 1]))[0]
-    toks, margins = [], []
+    out = []
     for i in range(steps):
-        top2 = np.sort(lg)[-2:]
-        toks.append(int(np.argmax(lg)))
-        margins.append(float(top2[1] - top2[0]))
-        lg = runner.decode(UBatch.build([toks[-1]], [n + i], [0], [0]))[0]
-    return toks, margins
+        out.append(np.asarray(lg, np.float64))
+        t = int(np.argmax(lg)) if forced is None else int(forced[i])
+        lg = runner.decode(UBatch.build([t], [n + i], [0], [0]))[0]
+    return np.array(out)
+
+
+# CUDA vs CPU with the same KV tier on gemma-3-270m, teacher-forced on the CPU's 24 greedy tokens
+# of the 'capital' and 'code' prompts, measured on the H200 (KL(CPU || CUDA) per step, nats):
+#   tier pair        mean KL   max KL   argmax differs at CPU top-2 margins   KL(CPU f16 || CPU tier)
+#   f32              1.4e-10   1.1e-9   -                                     2.0e-7
+#   f16              2.1e-7    7.6e-6   -                                     0
+#   bf16             1.0e-5    3.2e-4   -                                     2.0e-5
+#   q8_0             2.2e-4    4.5e-3   -                                     3.9e-3
+#   turbo8           6.5e-4    1.9e-2   -                                     4.9e-4
+#   q6_0             3.0e-2    1.4      0.012, 0.912                          7.4e-3
+#   q5_1             7.1e-3    6.0e-2   0.106, 0.111, 0.155                   2.4e-2
+#   q5_0             3.1e-3    5.4e-2   0.003                                 5.5e-2
+#   q4_0             2.1e-2    0.70     -                                     4.9e-2
+#   turbo4           1.9e-2    0.22     0.177                                 6.0e-2
+#   turbo3           2.4e-3    1.3e-2   0.0, 0.019, 0.161                     0.24
+#   turbo2           3.8e-2    0.55     -                                     1.33
+#   turbo3_tcq       1.6e-2    0.23     -                                     0.17
+#   turbo2_tcq       5.1e-2    0.37     0.06                                  0.89
+#   q8_0 / turbo3    1.5e-3    1.9e-2   -                                     1.9e-2
+#   f16 / q4_0       3.9e-4    5.5e-3   0.061                                 8.8e-3
+#   turbo4 / t2_tcq  9.6e-2    1.2      0.008 .. 0.855 (7 steps)              0.13
+# Given the same float K/V, kv_write stores the CPU's bytes exactly and the tier attention equals
+# the CPU's (test_kv_tier_write_bytes_equal_cpu, test_kv_tier_attention_cells); the backends'
+# float32 activations differ in the last bits, which flips a code at a rounding boundary now and
+# then, and each flip moves a value by a whole quantization step and the next layers' inputs by
+# far more than the float difference: the gap grows with the step size. The bounds: the mean KL
+# at 3x the measurement, and the greedy token where the CPU's top-2 margin is at least the
+# tier's (0.05 nats for the float tiers and q8_0 / turbo8, 1.0 for the rest: the largest margin
+# seen flipped is 0.91).
+_TIER_KL = {"f32": 1e-9, "f16": 1e-6, "bf16": 3e-5, "q8_0": 1e-3, "turbo8": 2e-3, "q6_0": 0.1, "q5_1": 0.025,
+            "q5_0": 0.01, "q4_0": 0.065, "turbo4": 0.06, "turbo3": 0.008, "turbo2": 0.12, "turbo3_tcq": 0.05,
+            "turbo2_tcq": 0.15, "q8_0/turbo3": 0.005, "f16/q4_0": 0.0012, "turbo4/turbo2_tcq": 0.3}
+_TIER_FINE = ("f32", "f16", "bf16", "q8_0", "turbo8")
 
 
 @pytest.mark.parametrize("tk,tv", [(t, t) for t in TIER_NAMES]
                          + [("q8_0", "turbo3"), ("f16", "q4_0"), ("turbo4", "turbo2_tcq")])
-def test_kv_tier_real_model_greedy_matches_cpu(real_model, refs, tk, tv):
-    """gemma-3-270m with -ctk/-ctv on CUDA (prefill, then graph-replayed decode steps) gives the
-    CPU backend's greedy tokens with the same tiers (every tier, and asymmetric pairs), on the
-    'capital' and 'code' reference
-    prompts, up to the first step where the CPU's top-2 logit margin is under 0.05 (a near-tie
-    that float rounding may flip) or 24 steps."""
+def test_kv_tier_real_model_cuda_matches_cpu(real_model, refs, tk, tv):
+    """gemma-3-270m with -ctk/-ctv on CUDA (prefill, then graph-replayed decode steps) against
+    the CPU backend with the same tiers, every tier and three asymmetric pairs: teacher-forced on
+    the CPU's greedy tokens of the 'capital' and 'code' reference prompts, the same greedy token
+    wherever the CPU's top-2 margin is clear, and the mean per-step KL(CPU || CUDA) within the
+    tier's bound (table above)."""
+    key = tk if tk == tv else f"{tk}/{tv}"
+    margin = 0.05 if tk in _TIER_FINE and tv in _TIER_FINE else 1.0
     g = ModelRunner(real_model, "cuda", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
     c = ModelRunner(real_model, "cpu", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
-    compared = 0
+    kls, compared = [], 0
     for name in ("capital", "code"):
         prompt = refs[1][name]["prompt_tokens"]
-        want, margins = _greedy(c, prompt, 24)
-        got, _ = _greedy(g, prompt, 24)
-        for i, (a, b, m) in enumerate(zip(got, want, margins)):
-            if m < 0.05:
-                break
-            assert a == b, (tk, tv, name, i, got, want)
-            compared += 1
+        want = _steps(c, prompt, 24)
+        toks = want.argmax(1)
+        got = _steps(g, prompt, 24, forced=toks)
+        top2 = np.sort(want, 1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] >= margin
+        bad = np.nonzero((got.argmax(1) != toks) & clear)[0]
+        assert bad.size == 0, (key, name, bad.tolist())
+        compared += int(clear.sum())
+        kls.extend(_kl(want, got))
     assert compared >= 8, compared
+    assert np.mean(kls) < _TIER_KL[key], (key, np.mean(kls), np.max(kls))
 
 
 def _kl(p_logits, q_logits):
