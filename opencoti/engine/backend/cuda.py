@@ -509,31 +509,15 @@ class CUDABackend:
         return self._big_smem_fn("m", f"mmq_{ggml_type}", (2 * MMQ_BM + 2 * GEMV_MAX_TOKENS) * MMQ_LD * 2)
 
     def _gemm_f16(self, x, w: QTensor):
-        """``x [n, k] @ w.T`` through cuBLAS ``gemmEx``: the weight dequantized to f16 into a
-        persistent scratch buffer (one per backend, sized to the largest weight seen; graph
-        replays are serialized on one stream, so sharing it is safe), ``x`` rounded to f16,
-        f32 accumulation (CUBLAS_COMPUTE_32F) and f32 output ``[n, rows]``."""
-        cp = self.cp
-        from cupy_backends.cuda.libs import cublas
-
+        """``x [n, k] @ w.T`` through cuBLAS ``gemmEx``: the weight dequantized to f16 into the
+        persistent scratch (``_scratch16``), ``x`` rounded to f16, f32 accumulation
+        (CUBLAS_COMPUTE_32F) and f32 output ``[n, rows]``."""
         rows, cols = w.shape
         n = x.shape[0]
-        w16 = self._scratch16(rows * cols).reshape(rows, cols)
-        nch = rows * (cols // 32)
-        self._qfn("dequant_f16", w)(((nch + 255) // 256,), (256,),
-                                    (w.data, np.int64(w.row_bytes), w16, np.int32(rows), np.int32(cols)))
-        x16 = x.astype(cp.float16)
-        y = cp.empty((n, rows), dtype=cp.float32)
-        handle = cp.cuda.device.get_cublas_handle()
-        mode = cublas.getPointerMode(handle)
-        cublas.setPointerMode(handle, _PTR_MODE_HOST)
-        try:
-            # column-major: y^T [rows, n] = (w16 as [cols, rows])^T @ (x16 as [cols, n])
-            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, cols,
-                          self._one.ctypes.data, w16.data.ptr, _CUDA_R_16F, cols, x16.data.ptr, _CUDA_R_16F, cols,
-                          self._zero.ctypes.data, y.data.ptr, _CUDA_R_32F, rows, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-        finally:
-            cublas.setPointerMode(handle, mode)
+        w16 = self._dequant_scratch("dequant_f16", w, 1)
+        x16 = x.astype(self.cp.float16)
+        y = self.cp.empty((n, rows), dtype=self.cp.float32)
+        self._gemm_ex(rows, n, cols, self._one, w16.data.ptr, cols, x16.data.ptr, cols, self._zero, y)
         return y
 
     def _scratch16(self, need: int):
@@ -546,6 +530,33 @@ class CUDABackend:
             mem = cp.cuda.Memory(2 * need)
             self._w16 = cp.ndarray((need,), dtype=cp.float16, memptr=cp.cuda.MemoryPointer(mem, 0))
         return self._w16[:need]
+
+    def _dequant_scratch(self, kernel: str, w: QTensor, halves_per_value: int):
+        """``w`` dequantized by kernels.cu's ``kernel`` (``dequant_f16`` / ``dequant_f16x2``) into
+        the f16 scratch: ``halves_per_value * rows * cols`` halves."""
+        rows, cols = w.shape
+        out = self._scratch16(halves_per_value * rows * cols)
+        nch = rows * (cols // 32)
+        self._qfn(kernel, w)(((nch + 255) // 256,), (256,),
+                             (w.data, np.int64(w.row_bytes), out, np.int32(rows), np.int32(cols)))
+        return out
+
+    def _gemm_ex(self, rows: int, n: int, k: int, alpha, a: int, lda: int, b: int, ldb: int, beta, y) -> None:
+        """One cuBLAS ``gemmEx`` in the row-major terms of ``mul_mat``: ``y [n, rows]`` (float32)
+        = alpha * B @ A^T + beta * y, where A is ``[rows, k]`` f16 at device address ``a`` with
+        row stride ``lda`` halves and B ``[n, k]`` f16 at ``b`` with row stride ``ldb``; f32
+        accumulation (CUBLAS_COMPUTE_32F); ``alpha`` / ``beta`` host float32 arrays of one value."""
+        from cupy_backends.cuda.libs import cublas
+
+        handle = self.cp.cuda.device.get_cublas_handle()
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, _PTR_MODE_HOST)
+        try:  # column-major: y^T [rows, n] = (A^T as [k, rows])^T @ (B^T as [k, n])
+            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, k, alpha.ctypes.data, a, _CUDA_R_16F, lda, b, _CUDA_R_16F,
+                          ldb, beta.ctypes.data, y.data.ptr, _CUDA_R_32F, rows, _CUBLAS_COMPUTE_32F,
+                          _CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
 
     def _gemm_f16x3(self, x, w: QTensor):
         """``x [n, k] @ w.T`` -> ``[n, rows]`` float32 at float32 accuracy on the f16 tensor cores
@@ -561,14 +572,9 @@ class CUDABackend:
         ~6e-8 with exact accumulation: the rest is cuBLAS's f16 tensor-core accumulation). Eager
         (cuBLAS is not captured through CuPy)."""
         cp = self.cp
-        from cupy_backends.cuda.libs import cublas
-
         rows, cols = w.shape
         n = x.shape[0]
-        w2 = self._scratch16(2 * rows * cols)
-        nch = rows * (cols // 32)
-        self._qfn("dequant_f16x2", w)(((nch + 255) // 256,), (256,),
-                                      (w.data, np.int64(w.row_bytes), w2, np.int32(rows), np.int32(cols)))
+        w2 = self._dequant_scratch("dequant_f16x2", w, 2)
         if x is self._split_of[0]:  # q / k / v and gate / up: one split of their shared input
             xa, sc = self._split_of[1]
         else:
@@ -577,22 +583,10 @@ class CUDABackend:
             self._fn("k", "split_f16_rows")((n,), (256,), (x, xa, sc, np.int32(cols)))
             self._split_of = (x, (xa, sc))
         y = cp.empty((n, rows), dtype=cp.float32)
-        handle = cp.cuda.device.get_cublas_handle()
-        mode = cublas.getPointerMode(handle)
-        cublas.setPointerMode(handle, _PTR_MODE_HOST)
-        try:
-            # column-major: y^T [rows, n] = (w2's hi halves, [k, rows] of stride 2k)^T @ (xa's hi
-            # halves, [k, n] of stride 2k), then += 2^-12 (w2 as [2k, rows])^T @ (xa as [2k, n])
-            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, cols,
-                          self._one.ctypes.data, w2.data.ptr, _CUDA_R_16F, 2 * cols, xa.data.ptr + 2 * cols,
-                          _CUDA_R_16F, 2 * cols, self._zero.ctypes.data, y.data.ptr, _CUDA_R_32F, rows,
-                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-            cublas.gemmEx(handle, _OP_T, _OP_N, rows, n, 2 * cols,
-                          self._lo_scale.ctypes.data, w2.data.ptr, _CUDA_R_16F, 2 * cols, xa.data.ptr, _CUDA_R_16F,
-                          2 * cols, self._one.ctypes.data, y.data.ptr, _CUDA_R_32F, rows, _CUBLAS_COMPUTE_32F,
-                          _CUBLAS_GEMM_DEFAULT)
-        finally:
-            cublas.setPointerMode(handle, mode)
+        # hi . hi: the first k halves of each weight row and the last k of each activation row
+        self._gemm_ex(rows, n, cols, self._one, w2.data.ptr, 2 * cols, xa.data.ptr + 2 * cols, 2 * cols,
+                      self._zero, y)
+        self._gemm_ex(rows, n, 2 * cols, self._lo_scale, w2.data.ptr, 2 * cols, xa.data.ptr, 2 * cols, self._one, y)
         y *= sc
         return y
 
