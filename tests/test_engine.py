@@ -232,6 +232,28 @@ def test_admission_enforced_refuses_before_prefill(model):
         e.stop()
 
 
+def test_admission_queues_when_no_slot_is_free(model):
+    """One slot (-np 1) running a request that reserves most of the cache: a second request
+    queues for the slot (as llama.cpp) instead of a 429, since its cells come free with it."""
+    import time
+
+    e = Engine(model, Params(n_ctx=256, n_parallel=1, kv_unified=True, n_ubatch=64,
+                             admission_poolless="enforced")).start()
+    try:
+        tok = model.tokenizer.tokenize
+        first = e.submit(CompletionRequest(tok("alpha beta", add_special=True), n_predict=230, sampling=GREEDY,
+                                           ignore_eos=True, cache_prompt=False))
+        time.sleep(0.2)
+        second = tok("gamma " * 30, add_special=True)
+        assert e.kv_headroom() < len(second) + 20  # it does not fit beside the first
+        _, ids, ev = run(e, second, n_predict=20, sampling=GREEDY)
+        assert isinstance(ev, FinishEvent) and len(ids) == 20, ev
+        assert e.n_admissions_refused == 0
+        assert isinstance(list(first.events(timeout=120))[-1], FinishEvent)
+    finally:
+        e.stop()
+
+
 @pytest.mark.parametrize("mode", ["warn", "off"])
 def test_admission_warn_and_off_admit(model, mode):
     import time

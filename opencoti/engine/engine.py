@@ -414,9 +414,12 @@ class Engine:
         (split streams are hard per-slot limits, checked by ``_validate``).
 
         Demand = prompt tokens not served from a cached prefix + ``n_predict``
-        when given (capped at the slot's context, where generation stops). Decided here, on the engine thread, so concurrent arrivals
-        see each other's reservations; the reservation ends when the request
-        binds to a slot.
+        when given (capped at the slot's context, where generation stops). Decided here, on the
+        engine thread, so concurrent arrivals see each other's reservations; the reservation
+        ends when the request binds to a slot. A request that finds no slot free queues for one
+        and is checked against the cells it will find then: today's headroom plus the smallest
+        footprint of the busy slots (one of which must end first), so with ``-np 1`` a second
+        request waits instead of being refused.
         """
         req = h.request
         mode = self.params.admission_poolless
@@ -435,6 +438,10 @@ class Engine:
         # generation stops at the slot's context, so no request needs more than that
         demand = min(len(req.prompt_tokens) + max(req.n_predict, 0), self.n_ctx_slot) - reuse
         headroom = self.kv_headroom()
+        if cand is None and any(s.busy for s in self.slots):
+            # no slot for it now: it waits (as llama.cpp queues it) until a busy slot ends, and
+            # the first to end frees at least the smallest projected footprint
+            headroom += min(s.footprint for s in self.slots if s.busy)
         if demand <= headroom or req.overcommit:
             h.reservation = demand
             return None
