@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from opencoti.engine.api import SamplingParams
-from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
+from opencoti.engine.sampling import Sampler, SamplingParamsError, token_logprob, top_logprobs
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
 
@@ -502,3 +502,21 @@ def test_top_k_ids_is_the_exact_top_k_with_low_id_ties(n, k, kind):
     kth = x[want[-1]]
     g = got[x[got] > kth]
     assert got[:len(g)].tolist() == sorted(g.tolist()) and (np.diff(got[len(g):]) > 0).all()
+
+
+@pytest.mark.parametrize("over", [dict(logit_bias={2: 1e39}), dict(presence_penalty=-1e308),
+                                  dict(repeat_penalty=1e-308), dict(logit_bias={i: -np.inf for i in range(4)})])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_overflowing_bias_or_penalties_are_the_requests_fault(over, temperature):
+    """A bias / penalty that overflows float32 (or bans every token) raises SamplingParamsError
+    (HTTP 400), not the plain ValueError of non-finite model logits (500)."""
+    s = Sampler(params(temperature=temperature, **over), 4)
+    s.accept(1)  # a history for the penalties
+    x = logits_of([0.4, 0.3, 0.2, 0.1]) + np.float32(5)  # positive: repeat_penalty divides them
+    with pytest.raises(SamplingParamsError):
+        s.sample(x)
+    bad = x.copy()
+    bad[0] = np.nan
+    with pytest.raises(ValueError) as ei:
+        Sampler(params(temperature=temperature), 4).sample(bad)
+    assert not isinstance(ei.value, SamplingParamsError)

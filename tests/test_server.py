@@ -479,6 +479,11 @@ def test_error_cases(port):
     status, _, body = call(port, "POST", "/completion", {"prompt": [2] + [9259] * 600})
     assert_error(status, body, 400, "exceed_context_size_error")
     assert body["error"]["n_ctx"] == 512 and body["error"]["n_prompt_tokens"] == 601
+    # sampling values that overflow the logits: the request's fault (400), streamed or not
+    for bad in ({"logit_bias": {"9259": 1e39}}, {"presence_penalty": -1e308}, {"repeat_penalty": 1e-308}):
+        status, _, body = call(port, "POST", "/completion", {"prompt": "hi", "n_predict": 2, **bad})
+        assert_error(status, body, 400, "invalid_request_error")
+        assert "logit_bias / penalties" in body["error"]["message"]
     # unknown route, wrong method
     status, _, body = call(port, "GET", "/no/such/route")
     assert_error(status, body, 404, "not_found_error")

@@ -39,7 +39,7 @@ from opencoti.engine.kv_auto_tier import decide_kv_types
 from opencoti.engine.kv_cache import KVCacheFullError
 from opencoti.engine.polykv import OFF_MESSAGE, PolyKV, Pool, PoolError, PoolRegistry, attach_prefix
 from opencoti.engine.runner import ModelRunner
-from opencoti.engine.sampling import Sampler, token_logprob, top_logprobs
+from opencoti.engine.sampling import Sampler, SamplingParamsError, token_logprob, top_logprobs
 from opencoti.engine.slot import Slot, SlotState
 
 
@@ -667,8 +667,9 @@ class Engine:
                         if s.handle.request.post_sampling_probs and s.handle.request.sampling.n_probs > 0
                         else None)  # -- post_sampling_probs: read before accept --
                 s.sampler.accept(token)  # also advances the grammar
-            except GrammarError as e:  # -- grammar: a dead end fails this request only --
-                s.handle.push(ErrorEvent(400, "invalid_request_error", f"grammar: {e}"))
+            except (GrammarError, SamplingParamsError) as e:  # the request's input: fails it only, 400
+                what = "grammar" if isinstance(e, GrammarError) else "sampling"
+                s.handle.push(ErrorEvent(400, "invalid_request_error", f"{what}: {e}"))
                 s.state, s.handle, s.pending = SlotState.IDLE, None, None
                 continue
             except Exception as e:  # a sampler failure fails this request only, never the others

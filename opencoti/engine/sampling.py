@@ -100,6 +100,22 @@ def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
     return (ids if cand is None else cand[ids]).astype(np.int64, copy=False)
 
 
+class SamplingParamsError(ValueError):
+    """The request's ``logit_bias`` / penalties turned a finite row of logits into NaN, +inf or
+    all -inf (float32 overflow, or every token banned): the request's input, not the model, is
+    at fault (HTTP 400)."""
+
+
+def _nonfinite_error(raw: np.ndarray) -> ValueError:
+    """The error for a row whose logits after bias / penalties have no finite maximum:
+    ``SamplingParamsError`` when the raw row ``raw`` had one, else ValueError (the model's
+    logits themselves are NaN / +inf / all -inf)."""
+    if np.isfinite(float(np.max(np.asarray(raw)))):
+        return SamplingParamsError("logit_bias / penalties made the logits NaN or +inf (float32 overflow) "
+                                   "or banned every token")
+    return ValueError("logits contain NaN or +inf, or are all -inf")
+
+
 def _as_logits(logits: np.ndarray, n_vocab: Optional[int] = None) -> np.ndarray:
     x = np.asarray(logits)
     if x.ndim != 1:
@@ -253,7 +269,8 @@ class Sampler:
             ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
             keep = (ids >= 0) & (ids < x.shape[0])
             x = x.copy()
-            x[ids[keep]] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))[keep]
+            with np.errstate(over="ignore"):  # a bias past float32: +-inf, refused by the chain's check
+                x[ids[keep]] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))[keep]
         return x
 
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
@@ -277,8 +294,9 @@ class Sampler:
         toks, counts = np.unique(hist, return_counts=True)
         x = x.copy()
         v = x[toks]
-        v = np.where(v <= 0, v * np.float32(p.repeat_penalty), v / np.float32(p.repeat_penalty))
-        v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # overflow: the chain's check
+            v = np.where(v <= 0, v * np.float32(p.repeat_penalty), v / np.float32(p.repeat_penalty))
+            v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
         x[toks] = v.astype(np.float32)
         return x
 
@@ -295,7 +313,7 @@ class Sampler:
         x = self.apply_penalties(logits)
         mx = float(np.max(x))
         if not np.isfinite(mx):
-            raise ValueError("logits contain NaN or +inf, or are all -inf")
+            raise _nonfinite_error(logits)
         n = x.shape[0]
 
         # top_n_sigma (off by default): logits below max - n * sigma leave the set
@@ -365,7 +383,7 @@ class Sampler:
         p = self.params
         x = self.apply_bias(logits)
         if not np.isfinite(float(np.max(x))):
-            raise ValueError("logits contain NaN or +inf, or are all -inf")
+            raise _nonfinite_error(logits)
         ids = np.arange(x.shape[0], dtype=np.int64)
         vals = x
         for name in chain:
@@ -463,7 +481,8 @@ class Sampler:
         """Choose the next token from one row of logits (float32 [n_vocab], not modified).
 
         Returns the token id (int). Does not ``accept`` it. Raises ValueError on
-        a wrong shape or NaN/+inf/all -inf logits. With a grammar: the chain's
+        a wrong shape or NaN/+inf/all -inf logits (``SamplingParamsError`` when the request's
+        bias / penalties made them so). With a grammar: the chain's
         choice if the grammar allows it, else a second draw from the chain over
         the grammar-masked logits (llama.cpp ``common_sampler_sample``).
         """
@@ -484,7 +503,7 @@ class Sampler:
             x = self.apply_penalties(logits)
             i = int(np.argmax(x))  # NumPy's argmax returns the first NaN if there is one
             if not np.isfinite(x[i]):
-                raise ValueError("logits contain NaN or +inf, or are all -inf")
+                raise _nonfinite_error(logits)
             return i
         ids, vals = self.candidates(logits)
         u = self._rng.random()
