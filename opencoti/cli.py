@@ -182,8 +182,8 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               help="GGUF model file (default: the embedded gemma-3-270m Q4_K_M).")
 @click.option("-p", "--prompt", envvar=_env("prompt"),
               help="Prompt for one raw completion, streamed to stdout; without it, chat.")
-@click.option("-n", "--n-predict", "--predict", "n_predict", type=int, default=-1, show_default=True,
-              envvar=_env("n_predict"),
+@click.option("-n", "--n-predict", "--predict", "n_predict", type=click.IntRange(min=-2), default=-1,
+              show_default=True, envvar=_env("n_predict"),
               help="Tokens to generate (-1: until end of generation or context full, -2: until context full).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=4096, show_default=True,
               envvar=_env("ctx_size"), help="Context size in tokens (0: the model's training context).")

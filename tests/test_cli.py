@@ -276,6 +276,14 @@ def test_bad_kv_cache_type_is_one_line_exit_2():
     assert r.stderr.count("\n") == 1 and "q9_0" in r.stderr and "turbo3_tcq" in r.stderr
 
 
+def test_n_predict_below_minus_two_is_a_usage_error():
+    """-n takes -1 (until end of generation) and -2 (until the context is full) as the server's
+    n_predict does; anything lower is an error, not an unbounded run."""
+    r = run_cli(["-n", "-5", "-p", "x"])
+    assert r.returncode == 2 and "-5" in r.stderr and "Traceback" not in r.stderr
+    assert build_params(["-n", "-2"]).n_predict == -2
+
+
 def test_command_line_beats_env(clean_env):
     clean_env.setenv("LLAMA_ARG_CTX_SIZE", "2048")
     clean_env.setenv("LLAMA_ARG_KV_UNIFIED", "1")
