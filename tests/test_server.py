@@ -1099,6 +1099,22 @@ def test_serve_entry_point_starts_and_stops_cleanly(model_path, repo_root):
     assert b"1 request(s) in flight ended with 503" in out
 
 
+def test_shutdown_counts_only_unfinished_requests():
+    """fail_inflight (graceful shutdown) fails and counts only the requests without their final
+    event: finished ones still referenced elsewhere (the WeakSet keeps them) are not 'in flight'."""
+    from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, RequestHandle
+
+    state = ServerState(Params(port=0))
+    done, failed, running = (RequestHandle(CompletionRequest([2, 3], n_predict=4)) for _ in range(3))
+    for h in (done, failed, running):
+        state.track(h)
+    done.push(FinishEvent(stop_type="eos"))
+    failed.push(ErrorEvent(400, "invalid_request_error", "bad"))
+    assert state.inflight() == [running]
+    assert state.fail_inflight(503, "unavailable_error", "the server is shutting down") == 1
+    assert running.cancelled and not done.cancelled
+
+
 def test_logit_bias_and_unsupported_samplers(port):
     import json as _json
     import urllib.request

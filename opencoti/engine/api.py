@@ -215,9 +215,12 @@ class RequestHandle:
         self._finish_lock = threading.Lock()
         self._finished: Optional["FinishEvent"] = None
         self._on_finish: Optional[Callable[["FinishEvent"], None]] = None
+        self._done = False
 
     # engine side
     def push(self, event: Event) -> None:
+        if isinstance(event, (FinishEvent, ErrorEvent)):
+            self._done = True
         if isinstance(event, FinishEvent):
             with self._finish_lock:
                 first, fn = self._finished is None, self._on_finish
@@ -242,6 +245,11 @@ class RequestHandle:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    @property
+    def done(self) -> bool:
+        """True once the final event (Finish or Error) has been pushed."""
+        return self._done
 
     # front-end side
     def cancel(self) -> None:

@@ -109,8 +109,9 @@ class ServerState:
         handle.on_finish(lambda ev: self.on_finish(request, ev))
 
     def inflight(self) -> list:
+        """The tracked requests that have not had their final event yet."""
         with self._lock:
-            return list(self._inflight)
+            return [h for h in self._inflight if not h.done]
 
     def on_finish(self, request: Any, fin: Any) -> None:
         """A request finished: count it (``/metrics``) and note it as its slot's last."""
