@@ -275,6 +275,10 @@ def test_released_pool_takes_no_new_sessions_and_is_reclaimed_when_they_leave(mo
         assert e.release_pool(pool["id"]).result(timeout=30) == []  # session A still shares it
         _, ev = run(e, prefix + tok(" Q2", add_special=False), n_predict=1, pool_id=pool["id"], session_id="B")
         assert isinstance(ev, ErrorEvent) and ev.status == 404
+        with pytest.raises(PoolError) as ex:  # a released pool cannot be pinned back to life
+            e.pin_pool(pool["id"], True).result(timeout=30)
+        assert ex.value.status == 409
+        assert e.pin_pool(pool["id"], False).result(timeout=30)["pinned"] is False
         # session A's slot moves on to unrelated work: the pool is reclaimed, its seq_id free again
         run(e, tok("unrelated", add_special=True), n_predict=1, session_id="A", cache_prompt=False)
         assert e.pool_info().result(timeout=30) == []

@@ -478,8 +478,11 @@ class PolyKV:
 
     def pin(self, pool_id: int, pinned: bool) -> dict:
         """Pin or unpin a pool (a pinned pool cannot be released); returns its info.
-        ``PoolError`` 404."""
+        ``PoolError`` 404 (unknown), 409 (pinning a released pool: it takes no sessions and
+        goes when its sharers do; unpinning one is a no-op)."""
         p = self.registry.get(pool_id)
+        if pinned and p.released:
+            raise PoolError(f"pool {pool_id} is released; it cannot be pinned", 409)
         p.pinned = pinned
         return self.registry.info(p, self.attached(), self.cells(p))
 
