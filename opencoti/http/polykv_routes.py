@@ -74,6 +74,8 @@ def _prefix_tokens(state, body: dict) -> list[int]:
     if key == "prompt":
         if not isinstance(val, (str, list)):
             raise invalid_request('"prompt" must be a string or a list of strings and token ids')
+        if not val:  # not a pool of the start token alone (as "tokens": [] is refused)
+            raise invalid_request('"prompt" is empty')
         return tokenize_mixed(state.tokenizer, val, True, True, "prompt")
     if key == "tokens":
         if not isinstance(val, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in val):
