@@ -136,9 +136,9 @@ __device__ __forceinline__ void gemv_gated_impl(const u8* __restrict__ Wg, const
 }
 
 // Dequantize a whole [nrows, ncols] weight for a prefill GEMM: one thread per 32-value chunk
-// (chunk i = row i / (ncols / 32)), blockDim 256. A warp's 32 chunks pass through shared memory so
-// that the stores are coalesced (a lane storing its own chunk wrote 32 lines per warp store:
-// ~190 GB/s on the H200).
+// (thread i: chunk i % (ncols / 32) of row i / (ncols / 32)), blockDim 256. A warp's 32 chunks
+// pass through shared memory so that the stores are coalesced (a lane storing its own chunk
+// wrote 32 lines per warp store: ~190 GB/s on the H200).
 // MODE 0: f32 [nrows, ncols]; 1: f16 [nrows, ncols]; 2: the f16 pair of each value,
 // hi = f16(w) and lo = f16((w - hi) * 2^12) (scaled out of the f16 subnormals: |w - hi| <=
 // 2^-11 |w|), as rows [hi(0..ncols), lo(0..ncols)] of 2 ncols (the split-f16 GEMM, cuda.py
