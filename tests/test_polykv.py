@@ -249,8 +249,13 @@ def test_enforced_pool_admission_gates_new_sessions_only(model):
         deadline = time.time() + 120
         while not any(s.n_decoded >= 2 and s.busy for s in e.slots) and time.time() < deadline:
             time.sleep(0.05)  # wait until session one is decoding (it runs until cancelled)
+        cap = e.call(lambda eng: eng.polykv.capacity(pool["id"], 8, eng.kv_headroom())).result(timeout=30)
         _, ev = run(e, q, n_predict=4, sampling=GREEDY, pool_id=pool["id"], session_id="two")
         assert isinstance(ev, ErrorEvent) and ev.status == 429 and ev.retry_after >= 1
+        # GET .../capacity says the same as the gate (the settle window or the projection)
+        assert cap["can_admit"] is False and cap["headroom_sessions"] == 0
+        assert cap["reason"].split()[0] in ev.message  # "settling" or "projected ... < target"
+        assert cap["settling"] == (cap["settle_remaining_ms"] > 0)
         # overcommit bypasses; the continuing session is never gated
         _, ev = run(e, q, n_predict=2, sampling=GREEDY, pool_id=pool["id"], session_id="three", overcommit=True)
         assert isinstance(ev, FinishEvent)

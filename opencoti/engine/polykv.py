@@ -409,29 +409,42 @@ class PolyKV:
 
     def capacity(self, pool_id: int, expected: int, headroom: int) -> dict:
         """Can a new session of ``expected`` tokens (suffix + generation) join pool
-        ``pool_id`` now, given ``headroom`` free cells (``GET .../capacity``)?
+        ``pool_id`` now, given ``headroom`` free cells (``GET .../capacity``)? Needs a free cell
+        budget, an idle slot and the pool's settled admission (the same decision ``admit``
+        takes: the settle window, the projected rate against the target; ``reason`` is its
+        reason when it refuses or admits over a saturated projection).
         ``PoolError`` 404 for an unknown pool."""
         p = self.registry.get(pool_id)
         busy = [s for s in self.slots if s.busy]
         rates = [r["tps_ewma"] for r in self.session_rates() if r["is_processing"]]
         mean_tps = sum(rates) / len(rates) if rates else 0.0
         idle_slots = len(self.slots) - len(busy)
-        can = expected <= headroom and idle_slots > 0
-        reason = "ok" if can else ("no idle slot" if idle_slots == 0 else "kv pool saturated")
+        # the pool's settled admission, as ``admit`` would decide for a new session now
+        now = time.perf_counter()
+        n_pool, mean_pool, done = self.rates(p.id, now)
+        d = p.gate.decide(n_pool, mean_pool, done, now)
+        settle_ms = p.gate.settle_remaining_ms(now, done) if p.gate.enabled else 0
+        can = expected <= headroom and idle_slots > 0 and d.admit
+        reason = ("no idle slot" if idle_slots == 0 else "kv pool saturated" if expected > headroom
+                  else d.reason if not d.admit or d.saturated else "ok")
+        sessions = min(max(headroom, 0) // expected, idle_slots)
+        if d.sessions_remaining is not None:
+            sessions = min(sessions, d.sessions_remaining)
         n = len(busy)
         return {
             "id": pool_id,
             "expected_tokens": expected,
             "can_admit": can,
             "reason": reason,
-            "headroom_sessions": min(max(headroom, 0) // expected, idle_slots),
+            "headroom_sessions": sessions if can else 0,
             "free_cells": max(headroom, 0),
             "mean_active_tps": mean_tps,
             "compaction_pressure": self.cells_reserved() / max(self.kv.base.n_cells, 1),
-            "settling": False,
-            "settle_remaining_ms": 0,
+            "settling": settle_ms > 0,
+            "settle_remaining_ms": settle_ms,
             "n_warming": sum(1 for s in busy if s.state is SlotState.PROMPT),
-            "projected_mean_tps_next": mean_tps * n / (n + 1) if n else 0.0,
+            "projected_mean_tps_next": (d.projected_tps if p.gate.enabled and n_pool
+                                        else mean_tps * n / (n + 1) if n else 0.0),
             "sessions_attached": self.attached().get(p.id, 0),
         }
 
