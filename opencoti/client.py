@@ -70,6 +70,12 @@ class _Routes:
         return "POST", f"/polykv/pools/{pool_id}/fork", _prefix_body(branch_pos=branch_pos, pin=pin, **kw)
 
 
+def _no_stream(fields: dict) -> None:
+    if fields.get("stream"):
+        raise ValueError("complete() returns one JSON answer: stream=True is not supported here "
+                         "(read /completion's SSE stream with an HTTP client instead)")
+
+
 class PolykvClient:
     """Synchronous client. ``base_url`` like ``http://127.0.0.1:8080``; ``api_key``
     sends ``Authorization: Bearer``; ``timeout`` in seconds."""
@@ -139,7 +145,9 @@ class PolykvClient:
         return self._req("POST", "/tokenize", {"content": content, "add_special": add_special})["tokens"]
 
     def complete(self, prompt, **fields) -> dict:
-        """``POST /completion`` (non-stream) with any llama.cpp fields (pool_id, session_id, n_predict …)."""
+        """``POST /completion`` (non-stream) with any llama.cpp fields (pool_id, session_id, n_predict …).
+        Raises ValueError for ``stream=True`` (one JSON answer here; stream with an SSE client)."""
+        _no_stream(fields)
         return self._req("POST", "/completion", {"prompt": prompt, **fields})
 
     def compact_by_refork(self, old_pool_id: int, ancestor_id: int, summary: str,
@@ -222,6 +230,8 @@ class AsyncPolykvClient:
         return (await self._req("POST", "/tokenize", {"content": content, "add_special": add_special}))["tokens"]
 
     async def complete(self, prompt, **fields):
+        """``PolykvClient.complete``, awaited."""
+        _no_stream(fields)
         return await self._req("POST", "/completion", {"prompt": prompt, **fields})
 
     async def compact_by_refork(self, old_pool_id: int, ancestor_id: int, summary: str,

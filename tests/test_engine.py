@@ -305,6 +305,7 @@ def test_control_tasks_and_erase(engine, model):
     assert engine.slots[2].cache_tokens
     assert engine.erase_slot(2).result(timeout=30) == len(toks) + 1
     assert engine.slots[2].cache_tokens == [] and engine.runner.kv.seq_pos_max(2) == -1
+    assert engine.slots[2].n_past == 0  # /slots shows the erased slot empty
     with pytest.raises(ValueError):
         engine.erase_slot(99).result(timeout=30)
     assert engine.call(lambda e: e.n_slots).result(timeout=30) == 4

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
 import pytest
@@ -314,16 +313,15 @@ def test_auto_tier_decisions(synth, gemma):
     assert "iSWA" in d.reason and "does not apply" in d.reason
 
 
-def test_engine_auto_tier_reads_back_from_the_live_cache(synth, caplog):
+def test_engine_auto_tier_reads_back_from_the_live_cache(synth, capsys):
     budget = _size(synth.hparams, "q6_0", "q5_1", n_ctx=512) / MIB
-    with caplog.at_level(logging.INFO):
-        e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget))
+    e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget))
     kv = kv_props(e)
     assert kv["effective"] == {"type_k": "q6_0", "type_v": "q5_1", "n_cells": 512, "n_cells_resident": 512,
                                "n_layers_spilling": 0, "fully_resident": True, "is_iswa": False}
     assert kv["auto_tier"]["applied"] and kv["auto_tier"]["kv_bytes"] == e.runner.kv.nbytes() <= budget * MIB
-    # the decision is logged once, when made; the KV boot report does not repeat it
-    said = [r.getMessage() for r in caplog.records if "auto-tier: type_k=q6_0 type_v=q5_1" in r.getMessage()]
+    # the decision is a boot line on stderr once, when made; the KV boot report does not repeat it
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "auto-tier: type_k=q6_0 type_v=q5_1" in ln]
     assert len(said) == 1 and said[0].startswith("opencoti: ")
     assert not any("auto-tier" in ln for ln in kv_layout_lines(e)) and kv_layout_lines(e)
     e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget,

@@ -99,13 +99,34 @@ def test_pool_lifecycle_and_attach(server):
 def test_bad_bodies(server):
     base, _ = server
     for body in [{}, {"prompt": "a", "tokens": [1]}, {"tokens": ["x"]}, {"prompt": 5}, {"from_slot": "zero"},
-                 {"prompt": ""}, {"prompt": []}, {"tokens": []}]:
+                 {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"tokens": []}]:
         r = httpx.post(base + "/polykv/pools", json=body, timeout=30)
         assert r.status_code == 400, body
     r = httpx.post(base + "/polykv/pools", json={"from_session": "nobody"}, timeout=30)
     assert r.status_code == 404
     r = httpx.get(base + "/polykv/pools/abc", timeout=30)
     assert r.status_code == 404
+    # settings a request would be refused for are refused when stored (JSON NaN / Infinity too)
+    pid = httpx.post(base + "/polykv/pools", json={"tokens": [2, 818, 5279]}, timeout=120).json()["id"]
+    try:
+        for raw in (b'{"n_predict": -7}', b'{"temperature": NaN}'):
+            r = httpx.post(f"{base}/polykv/pools/{pid}/sampling", content=raw, timeout=30,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 400, raw
+        for raw in (b'{"target_tps_per_session": NaN}', b'{"target_tps_per_session": Infinity}',
+                    b'{"settle_max_ms": 1000000000000000000000000000000}', b'{"settle_tokens": -1}'):
+            r = httpx.post(f"{base}/polykv/pools/{pid}/admission", content=raw, timeout=30,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 400, raw
+        assert httpx.get(f"{base}/polykv/pools/{pid}", timeout=30).status_code == 200
+        r = httpx.get(f"{base}/polykv/pools/{pid}_0", timeout=30)  # int() would read "1_0" as 10
+        assert r.status_code == 404
+        r = httpx.get(base + "/polykv/tps?once=yes", timeout=30)  # not a stream that never ends
+        assert r.status_code == 400
+        with PolykvClient(base) as c, pytest.raises(ValueError):
+            c.complete("hi", pool_id=pid, stream=True)
+    finally:
+        httpx.post(f"{base}/polykv/pools/{pid}/release", timeout=30)
 
 
 def test_async_client_and_429(server):

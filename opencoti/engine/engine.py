@@ -139,9 +139,11 @@ class Engine:
         )
         self._say_offload(getattr(params, "n_gpu_layers", -1))
         self.kv_decision = self.runner.kv_decision
-        if self.kv_decision.enabled:
-            (log.info if self.kv_decision.applied and self.kv_decision.fits else log.warning)(
-                "opencoti: %s", self.kv_decision.reason)  # once: the KV boot report leaves it out
+        if self.kv_decision.enabled:  # once: the KV boot report leaves it out
+            if self.kv_decision.applied and self.kv_decision.fits:
+                print(f"opencoti: {self.kv_decision.reason}", file=sys.stderr)  # a boot line, as the others
+            else:
+                log.warning("opencoti: %s", self.kv_decision.reason)
         self.n_ctx = n_ctx
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own
@@ -217,6 +219,7 @@ class Engine:
             n = len(s.cache_tokens)
             engine.runner.kv.seq_rm(s.seq_id)
             s.cache_tokens = []
+            s.n_past = 0
             s.session_id = None
             s.pool_id, s.n_shared = None, 0
             engine._reclaim_pools()

@@ -19,6 +19,7 @@ carries the status).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Iterator
 
@@ -28,6 +29,7 @@ from opencoti.http.sse import sse_event
 from opencoti.http.validate import tokenize_mixed
 
 WAIT_S = 600  # a pool build is a prefill: allow it the HTTP timeout
+SETTLE_MAX_MS = 3_600_000  # an admission settle window of at most an hour (Retry-After <= 3600 s)
 
 ADMISSION_KEYS = {
     "target_tps_per_session": (int, float), "mode": str, "on_saturation": str,
@@ -58,10 +60,10 @@ def _wait(fut):
 
 
 def _pool_id(req) -> int:
-    try:
-        return int(req.path_params["id"])
-    except ValueError:
-        raise HTTPError(404, "not_found_error", f"no pool {req.path_params['id']!r}") from None
+    raw = req.path_params["id"]
+    if not raw.isascii() or not raw.isdigit():  # int() would take "1_0", " 1", "+1"
+        raise HTTPError(404, "not_found_error", f"no pool {raw!r}")
+    return int(raw)
 
 
 def _prefix_tokens(state, body: dict) -> list[int]:
@@ -74,7 +76,8 @@ def _prefix_tokens(state, body: dict) -> list[int]:
     if key == "prompt":
         if not isinstance(val, (str, list)):
             raise invalid_request('"prompt" must be a string or a list of strings and token ids')
-        if not val:  # not a pool of the start token alone (as "tokens": [] is refused)
+        if all(p == "" for p in (val if isinstance(val, list) else [val])):
+            # not a pool of the start token alone (as "tokens": [] is refused)
             raise invalid_request('"prompt" is empty')
         return tokenize_mixed(state.tokenizer, val, True, True, "prompt")
     if key == "tokens":
@@ -177,13 +180,18 @@ def _store(state, req, attr: str, allowed: dict):
             raise invalid_request(f"unknown {attr} field {k!r} (allowed: {', '.join(sorted(allowed))})")
         if isinstance(v, bool) or not isinstance(v, allowed[k]):
             raise invalid_request(f'"{k}" has the wrong type')
+        if isinstance(v, float) and not math.isfinite(v):
+            raise invalid_request(f'"{k}" must be a finite number')
         if attr == "admission" and isinstance(v, (int, float)) and v < 0:
             raise invalid_request(f'"{k}" must be >= 0')
+        if attr == "admission" and k == "settle_max_ms" and v > SETTLE_MAX_MS:
+            raise invalid_request(f'"settle_max_ms" must be <= {SETTLE_MAX_MS}')
     if attr == "sampling":  # the same range checks a request's own fields get (400 here, not later)
         from opencoti.engine.api import SamplingParams
-        from opencoti.http.validate import parse_sampling
+        from opencoti.http.validate import parse_n_predict, parse_sampling
 
         parse_sampling(body, SamplingParams(), 1)
+        parse_n_predict(body, -1)
     if attr == "admission":
         if body.get("mode", "advisory") not in ("advisory", "enforced"):
             raise invalid_request('"mode" must be "advisory" or "enforced"')
@@ -240,7 +248,10 @@ def get_tps(state, req):
     def snap() -> dict:
         return {"time": time.time(), "sessions": _wait(eng.call(lambda e: e.polykv.session_rates()))}
 
-    if req.query.get("once") in ("1", "true"):
+    once = req.query.get("once", "0").lower()
+    if once not in ("0", "1", "true", "false"):
+        raise invalid_request('"once" must be 1 / true or 0 / false')
+    if once in ("1", "true"):
         return Response(snap())
 
     def stream() -> Iterator[bytes]:
