@@ -140,6 +140,7 @@ def test_error_body_shape():
     ({"min_p": 2}, "min_p", "[0, 1]"),
     ({"min_p": -3}, "min_p", "[0, 1]"),
     ({"repeat_penalty": 0}, "repeat_penalty", "> 0"),
+    ({"session_id": ""}, "session_id", "not be empty"),
 ])
 def test_parse_completion_rejects_wrong_types(body, key, msg):
     with pytest.raises(HTTPError) as ei:

@@ -372,6 +372,14 @@ def parse_logit_bias(value) -> dict:
     return out
 
 
+def _session_id(body: dict) -> Optional[str]:
+    """``session_id``: a non-empty string (an empty one would bind a session named "")."""
+    sid = get_str(body, "session_id", None)
+    if sid == "":
+        raise invalid_request('"session_id" must not be empty')
+    return sid
+
+
 def parse_n_predict(body: dict, default: int) -> int:
     """``n_predict`` over ``max_completion_tokens`` over ``max_tokens`` (llama.cpp's
     precedence); -1 = until end-of-generation (or the context is full), -2 = until
@@ -422,7 +430,7 @@ def parse_completion(
         ignore_eos=get_bool(body, "ignore_eos", False),
         n_keep=get_int(body, "n_keep", 0, min=-1),
         n_discard=get_int(body, "n_discard", 0, min=0),
-        session_id=get_str(body, "session_id", None),
+        session_id=_session_id(body),
         overcommit=get_bool(body, "overcommit", False),
         pool_id=get_int(body, "pool_id", None, min=0),
         shared_pool_slot=get_int(body, "shared_pool_slot", -1, min=-1),
