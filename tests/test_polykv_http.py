@@ -119,6 +119,15 @@ def test_bad_bodies(server):
                            headers={"content-type": "application/json"})
             assert r.status_code == 400, raw
         assert httpx.get(f"{base}/polykv/pools/{pid}", timeout=30).status_code == 200
+        # null puts a setting back to its default
+        r = httpx.post(f"{base}/polykv/pools/{pid}/sampling", json={"temperature": 0.5, "top_k": 7}, timeout=30)
+        assert r.json()["sampling"] == {"temperature": 0.5, "top_k": 7}
+        r = httpx.post(f"{base}/polykv/pools/{pid}/sampling", json={"temperature": None}, timeout=30)
+        assert r.status_code == 200 and r.json()["sampling"] == {"top_k": 7}
+        r = httpx.post(f"{base}/polykv/pools/{pid}/admission", json={"mode": "enforced"}, timeout=30)
+        assert r.json()["admission"]["mode"] == "enforced"
+        r = httpx.post(f"{base}/polykv/pools/{pid}/admission", json={"mode": None}, timeout=30)
+        assert r.status_code == 200 and r.json()["admission"]["mode"] == "advisory"
         r = httpx.get(f"{base}/polykv/pools/{pid}_0", timeout=30)  # int() would read "1_0" as 10
         assert r.status_code == 404
         r = httpx.get(base + "/polykv/tps?once=yes", timeout=30)  # not a stream that never ends

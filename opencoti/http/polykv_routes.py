@@ -178,6 +178,8 @@ def _store(state, req, attr: str, allowed: dict):
     for k, v in body.items():
         if k not in allowed:
             raise invalid_request(f"unknown {attr} field {k!r} (allowed: {', '.join(sorted(allowed))})")
+        if v is None:  # null: back to the default
+            continue
         if isinstance(v, bool) or not isinstance(v, allowed[k]):
             raise invalid_request(f'"{k}" has the wrong type')
         if isinstance(v, float) and not math.isfinite(v):
@@ -186,6 +188,8 @@ def _store(state, req, attr: str, allowed: dict):
             raise invalid_request(f'"{k}" must be >= 0')
         if attr == "admission" and k == "settle_max_ms" and v > SETTLE_MAX_MS:
             raise invalid_request(f'"settle_max_ms" must be <= {SETTLE_MAX_MS}')
+    clear = [k for k, v in body.items() if v is None]
+    body = {k: v for k, v in body.items() if v is not None}
     if attr == "sampling":  # the same range checks a request's own fields get (400 here, not later)
         from opencoti.engine.api import SamplingParams
         from opencoti.http.validate import parse_n_predict, parse_sampling
@@ -201,8 +205,16 @@ def _store(state, req, attr: str, allowed: dict):
 
     def apply(engine):
         p = engine.pools.get(pid)
-        getattr(p, attr).update(body)
-        return {"id": pid, attr: dict(getattr(p, attr))}
+        store = getattr(p, attr)
+        store.update(body)
+        for k in clear:
+            if attr == "admission":  # the gate's settings: back to their defaults
+                from opencoti.engine.pool_admission import DEFAULTS
+
+                store[k] = DEFAULTS[k]
+            else:
+                store.pop(k, None)
+        return {"id": pid, attr: dict(store)}
 
     return Response(_wait(eng.call(apply)))
 
