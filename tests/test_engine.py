@@ -174,6 +174,8 @@ def test_context_shift_keeps_generating(model):
         toks = model.tokenizer.tokenize("Count: 1, 2, 3, 4, 5,", add_special=True)
         _, ids, fin = run(e, toks, n_predict=60, sampling=GREEDY, n_keep=4)
         assert len(ids) == 60 and fin.stop_type == "limit" and fin.truncated
+        # the slot's cache after the shifts (the server's tokens_cached): within the context
+        assert 0 < fin.n_past <= 32 and fin.n_past == len(e.slots[0].cache_tokens)
         # n_predict -2 fills the context and stops even with context shift on
         _, ids, fin = run(e, toks, n_predict=-2, sampling=GREEDY)
         assert len(toks) + len(ids) == 32 and fin.truncated

@@ -176,6 +176,7 @@ class FinishEvent:
     n_predicted: int = 0
     id_slot: int = -1
     timings: dict = field(default_factory=dict)
+    n_past: int = -1  # tokens in the slot's cache at the finish (after any context shift); -1: unknown
 
 
 @dataclass

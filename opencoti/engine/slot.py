@@ -168,6 +168,7 @@ class Slot:
             n_cached=self.n_cached,
             n_predicted=n_gen,
             id_slot=self.id,
+            n_past=self.n_past,
             timings={
                 "cache_n": self.n_cached,
                 "prompt_n": n_prompt_new,

@@ -238,9 +238,9 @@ def completion_final_json(state: ServerState, r: gen.Result, parsed: ParsedCompl
         "truncated": bool(fin.truncated),
         "stop_type": fin.stop_type,
         "stopping_word": fin.stopping_word,
-        # tokens left in the slot's cache: the prompt plus the generated tokens
-        # fed back (the last sampled one is never evaluated)
-        "tokens_cached": n_prompt + max(n_pred - 1, 0),
+        # tokens left in the slot's cache: the prompt plus the generated tokens fed back (the
+        # last sampled one is never evaluated), less what a context shift discarded
+        "tokens_cached": fin.n_past if fin.n_past >= 0 else n_prompt + max(n_pred - 1, 0),
         "timings": gen.timings_json(fin),
     }
     if not stream and r.probs:
