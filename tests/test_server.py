@@ -533,8 +533,20 @@ def test_api_key(server):
         assert status == 200 and body["tokens"] == [9259, 1902]
         status, _, body = call(p, "GET", "/props", headers={"X-Api-Key": "sekrit"})
         assert status == 200
+        assert call(p, "GET", "/props", headers={"Authorization": "bearer sekrit"})[0] == 200  # any case
         # CORS preflight needs no key
         assert call(p, "OPTIONS", "/completion")[0] == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    # a non-ASCII key, sent as UTF-8 bytes (as curl does)
+    httpd, _ = make_server(server["model"], replace(server["params"], api_key="clé"), engine=server["engine"],
+                           host="127.0.0.1", port=0)
+    start_in_thread(httpd)
+    try:
+        p = httpd.server_address[1]
+        assert call(p, "GET", "/props", headers={"Authorization": "Bearer clé".encode()})[0] == 200
+        assert call(p, "GET", "/props", headers={"Authorization": "Bearer cle".encode()})[0] == 401
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -542,6 +554,26 @@ def test_api_key(server):
 
 # ---------------------------------------------------------------------------
 # robustness
+
+
+def test_client_reset_prints_no_traceback(server, capsys):
+    """A client closing its connection (reset, broken pipe) is routine for the server's error
+    hook: no traceback on stderr; other errors keep theirs."""
+    httpd, _ = make_server(server["model"], server["params"], engine=server["engine"], host="127.0.0.1", port=0)
+    try:
+        for exc in (ConnectionResetError(104, "Connection reset by peer"), BrokenPipeError(32, "Broken pipe")):
+            try:
+                raise exc
+            except OSError:
+                httpd.handle_error(None, ("127.0.0.1", 1))
+        assert capsys.readouterr().err == ""
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            httpd.handle_error(None, ("127.0.0.1", 1))
+        assert "ValueError: boom" in capsys.readouterr().err
+    finally:
+        httpd.server_close()
 
 
 def test_dropped_stream_cancels_only_its_request(server, port, ref):

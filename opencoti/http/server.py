@@ -86,6 +86,13 @@ class OpencotiHTTPServer(ThreadingHTTPServer):
         with self._active_cv:
             return self._active_cv.wait_for(lambda: self._active <= 0, timeout)
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that closed its connection (reset, broken pipe) is routine: nothing is
+        printed; anything else gets the stdlib's traceback on stderr."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            return
+        super().handle_error(request, client_address)
+
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
@@ -286,9 +293,14 @@ class _Handler(BaseHTTPRequestHandler):
         if not key or path in PUBLIC_PATHS:
             return
         given = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""
-        if given.startswith("Bearer "):
-            given = given[len("Bearer "):]
-        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        if given[:7].lower() == "bearer ":  # the auth scheme is case-insensitive (RFC 7235)
+            given = given[7:]
+        # http.server decodes header bytes as Latin-1: back to the bytes the client sent (UTF-8)
+        try:
+            raw = given.strip().encode("latin-1")
+        except UnicodeEncodeError:
+            raw = given.strip().encode()
+        if not hmac.compare_digest(raw, key.encode()):
             raise HTTPError(401, "authentication_error", "Invalid API Key")
 
     def _dispatch(self) -> None:
