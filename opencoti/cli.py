@@ -97,6 +97,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "alias": ("LLAMA_ARG_ALIAS",),
     "chat_template": ("LLAMA_ARG_CHAT_TEMPLATE",),
     "chat_template_file": ("LLAMA_ARG_CHAT_TEMPLATE_FILE",),
+    "jinja": ("LLAMA_ARG_JINJA",),
     "system_prompt": ("LLAMA_ARG_SYSTEM_PROMPT",),
     "display_prompt": ("LLAMA_ARG_DISPLAY_PROMPT",),
     "verbose": ("LLAMA_ARG_VERBOSE",),
@@ -274,6 +275,8 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               help="Built-in chat template name or inline Jinja template.")
 @click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False),
               envvar=_env("chat_template_file"), help="Jinja chat template file.")
+@click.option("--jinja/--no-jinja", default=True, envvar=_env("jinja"),
+              help="Accepted for llama.cpp compatibility: chat templates always render with Jinja.")
 @click.option("-sys", "--system-prompt", envvar=_env("system_prompt"), help="System prompt for the chat.")
 @click.option("--display-prompt/--no-display-prompt", default=True, show_default=True,
               envvar=_env("display_prompt"), help="Echo the -p prompt before its completion.")

@@ -219,7 +219,7 @@ def test_env_twins_for_files(clean_env, tmp_path):
 
 def test_every_flag_has_an_env_twin_and_the_cases_cover_them():
     covered = {c[0] for c in ENV_CASES} | {"LLAMA_ARG_MODEL", "LLAMA_ARG_CHAT_TEMPLATE_FILE",
-                                            "LLAMA_ARG_DISPLAY_PROMPT"}
+                                            "LLAMA_ARG_DISPLAY_PROMPT", "LLAMA_ARG_JINJA"}
     declared = {n for names in ENV_NAMES.values() for n in names}
     assert declared == covered
     # llama.cpp's own names (common/arg.cpp set_env) for the flags that have one there
@@ -274,6 +274,13 @@ def test_bad_kv_cache_type_is_one_line_exit_2():
     r = run_cli(["-ctv", "q9_0", "-p", "x"])
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "q9_0" in r.stderr and "turbo3_tcq" in r.stderr
+
+
+def test_jinja_flag_is_accepted(clean_env):
+    """llama.cpp's --jinja (and LLAMA_ARG_JINJA) are accepted: templates always render with Jinja."""
+    assert build_params(["--jinja"]).n_ctx == build_params([]).n_ctx
+    clean_env.setenv("LLAMA_ARG_JINJA", "1")
+    build_params(["--no-jinja"])
 
 
 def test_n_predict_below_minus_two_is_a_usage_error():

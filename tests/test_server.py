@@ -883,6 +883,12 @@ def test_chat_message_shapes_and_tool_calls(server, shared_dir):
         bad = [messages[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": 3}}]}]
         status, _, body = call(p, "POST", "/apply-template", {"messages": bad})
         assert_error(status, body, 400, "invalid_request_error")
+        # tool_choice: "auto" / "none" pass; a call cannot be forced (no tool-call parsing): 400
+        for choice, want in (("auto", 200), ("none", 200), ("required", 400),
+                             ({"type": "function", "function": {"name": "get_weather"}}, 400)):
+            status, _, body = call(p, "POST", "/apply-template",
+                                   {"messages": messages, "tools": tools, "tool_choice": choice})
+            assert status == want, (choice, body)
     finally:
         httpd.shutdown()
         httpd.server_close()

@@ -186,6 +186,11 @@ def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[i
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid_request('"tools" must be an array')
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        # tools reach the template, but output is not parsed into tool_calls: a call cannot be forced
+        raise invalid_request('"tool_choice" supports "auto" and "none": the tools are given to the chat '
+                              'template, tool calls are not parsed from the output')
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise invalid_request('"chat_template_kwargs" must be an object')
