@@ -410,6 +410,13 @@ def test_completion_token_prompt_and_stop_word(port, ref):
     assert body["content"] == want
     assert body["stop_type"] == "word" and body["stopping_word"] == " 9"
     assert body["tokens"] == []  # return_tokens not asked
+    # with n_probs: as llama.cpp, the stop word's tokens have no entries (they are not in content)
+    status, _, body = call(port, "POST", "/completion", {
+        "prompt": case["prompt_tokens"], "temperature": 0, "n_predict": 32, "stop": [" 9"], "n_probs": 1})
+    probs = body["completion_probabilities"]
+    n_stop = len(call(port, "POST", "/tokenize", {"content": " 9"})[2]["tokens"])
+    assert len(probs) == body["tokens_predicted"] - n_stop >= 1
+    assert "".join(p["token"] for p in probs) == want
 
 
 def test_completion_stream_events(port, ref):

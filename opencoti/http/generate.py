@@ -260,6 +260,11 @@ class Collector:
         if isinstance(ev, FinishEvent):
             if ev.text:
                 self._parts.append(ev.text)
+            if ev.stop_type == "word" and ev.stopping_word and self.result.probs:
+                # as llama.cpp (non-streamed): drop the entries of the stop word's tokens, which
+                # are not in the content (its tokens counted by tokenizing the word alone)
+                n = len(self.tokenizer.tokenize(ev.stopping_word, add_special=False))
+                del self.result.probs[max(0, len(self.result.probs) - n):]
             self.result.finish = ev
             self.result.content = "".join(self._parts)
             if self.on_finish is not None:
