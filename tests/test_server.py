@@ -1182,7 +1182,12 @@ def test_logit_bias_and_unsupported_samplers(port):
     assert st == 200 and banned["tokens"][0] != first
     st, banned2 = post({**base, "return_tokens": True, "logit_bias": {str(first): -100}})
     assert st == 200 and banned2["tokens"][0] == banned["tokens"][0]
-    for bad in [{"logit_bias": "x"}, {"logit_bias": [[1, "x"]]}, {"logit_bias": {"hello": 1}},
+    # a text key biases its tokens (llama.cpp tokenizes it): " the" is token 506
+    st, banned3 = post({**base, "return_tokens": True, "logit_bias": {" the": False}})
+    assert st == 200 and banned3["tokens"][0] == banned["tokens"][0]
+    st, pushed = post({**base, "return_tokens": True, "logit_bias": [[" Paris", 30]]})
+    assert st == 200 and pushed["content"] == " Paris"
+    for bad in [{"logit_bias": "x"}, {"logit_bias": [[1, "x"]]}, {"logit_bias": {"": 1}},
                 {"mirostat": 2}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": 0.8}]:
         st, err = post({**base, **bad})
         assert st == 400 and err["error"]["type"] == "invalid_request_error", bad

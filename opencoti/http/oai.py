@@ -292,7 +292,7 @@ def _tokenize_outside_spans(state: ServerState, text: str, spans: list[tuple[int
 def _parse_chat_body(state: ServerState, body: dict) -> tuple[list[int], ParsedCompletion, int]:
     """Validate a chat body; returns (prompt ids, parsed params, top_logprobs count)."""
     parsed = parse_completion(body, *request_defaults(state, body),
-                              state.n_ctx_slot, state.n_slots)
+                              state.n_ctx_slot, state.n_slots, state.tokenizer)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, min=0, max=20)
     if top is not None and not want_logprobs:
@@ -411,7 +411,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         if body.get(p) is not None:
             raise invalid_request(f"Unsupported param: {p}")
     parsed = parse_completion(body, *request_defaults(state, body),
-                              state.n_ctx_slot, state.n_slots)
+                              state.n_ctx_slot, state.n_slots, state.tokenizer)
     lp = get_int(body, "logprobs", None, min=0, max=1024)
     if lp is not None and body.get("n_probs") is None:
         parsed.request.sampling.n_probs = lp

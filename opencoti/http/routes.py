@@ -571,7 +571,7 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
     """
     body = req.json()
     parsed = parse_completion(body, *request_defaults(state, body),
-                              state.n_ctx_slot, state.n_slots)
+                              state.n_ctx_slot, state.n_slots, state.tokenizer)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid_request('"prompt" is required')
     prompts = tokenize_prompts(state.tokenizer, body["prompt"])

@@ -238,13 +238,14 @@ class ParsedCompletion:
     extra: dict = field(default_factory=dict)
 
 
-def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int) -> SamplingParams:
+def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokenizer=None) -> SamplingParams:
     """Read the sampler fields of a request over the server's defaults.
 
     Fields (llama.cpp names): temperature, top_k, top_p, min_p, typical_p,
     repeat_penalty, repeat_last_n (-1 = the slot's context), presence_penalty,
     frequency_penalty, seed (-1 or 0xFFFFFFFF = random), n_probs, top_n_sigma
-    (<= 0 = off), samplers (the chain's order, see ``parse_samplers``).
+    (<= 0 = off), samplers (the chain's order, see ``parse_samplers``), logit_bias
+    (``tokenizer``: text keys allowed, see ``parse_logit_bias``).
     Raises 400 on a wrong type or out-of-range value.
     """
     sp = replace(defaults)
@@ -262,7 +263,7 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int) -> Sam
     seed = get_int(body, "seed", sp.seed, min=-1, max=DEFAULT_SEED)
     sp.seed = -1 if seed == DEFAULT_SEED else seed
     sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0, max=1024)
-    sp.logit_bias = parse_logit_bias(body.get("logit_bias"))
+    sp.logit_bias = parse_logit_bias(body.get("logit_bias"), tokenizer)
     sp.top_n_sigma = get_number(body, "top_n_sigma", sp.top_n_sigma)
     check_unsupported_samplers(body)
     if body.get("samplers") is not None:
@@ -345,10 +346,11 @@ def parse_samplers(value) -> tuple:
     return tuple(x for x in items if x in CHAIN_NAMES)
 
 
-def parse_logit_bias(value) -> dict:
+def parse_logit_bias(value, tokenizer=None) -> dict:
     """``logit_bias`` as llama.cpp / OpenAI send it: ``[[id, bias], …]`` or
-    ``{"id": bias}``; bias ``false`` bans the token (-inf). Ids only (text keys
-    are a 400). Returns ``{id: bias}``."""
+    ``{"id": bias}``; bias ``false`` bans the token (-inf). A key that is text, not a
+    token id, applies the bias to each of its tokens (as llama.cpp's server: tokenized
+    without special tokens; 400 without a ``tokenizer``). Returns ``{id: bias}``."""
     if value is None:
         return {}
     pairs = value.items() if isinstance(value, dict) else value
@@ -362,12 +364,16 @@ def parse_logit_bias(value) -> dict:
         tok, bias = item
         if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
             tok = int(tok)
-        if isinstance(tok, bool) or not isinstance(tok, int):
-            raise invalid_request('"logit_bias" keys must be token ids')
         if bias is False:
             bias = float("-inf")
         elif isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise invalid_request('"logit_bias" values must be numbers or false')
+        if isinstance(tok, str) and tok and tokenizer is not None:
+            for t in tokenizer.tokenize(tok, add_special=False):
+                out[int(t)] = float(bias)
+            continue
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            raise invalid_request('"logit_bias" keys must be token ids or text')
         out[tok] = float(bias)
     return out
 
@@ -395,6 +401,7 @@ def parse_completion(
     n_predict_default: int,
     n_ctx_slot: int,
     n_slots: int,
+    tokenizer=None,
 ) -> ParsedCompletion:
     """Validate the llama.cpp ``/completion`` fields of ``body`` (not the prompt).
 
@@ -412,7 +419,7 @@ def parse_completion(
     silently ignoring them. Unknown fields are ignored.
     """
     require_object(body)
-    sampling = parse_sampling(body, sampling_defaults, n_ctx_slot)
+    sampling = parse_sampling(body, sampling_defaults, n_ctx_slot, tokenizer)
     sampling.grammar = parse_grammar(body)
     n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1), min=1)
     if n_cmpl != 1:
