@@ -83,14 +83,16 @@ def test_pool_lifecycle_and_attach(server):
             c.release(pool["id"])
         assert e.value.status == 409
         c.unpin(pool["id"])
-        assert c.release(pool["id"])["reclaimed"] == []
+        rel = c.release(pool["id"])
+        assert rel["reclaimed"] == [] and rel["held_by"]["children"] == [child["id"]]  # why it stays
         assert c.get_pool(child["id"])["orphaned_pin"] is False
         assert c.set_sampling(child["id"], temperature=0.2)["sampling"] == {"temperature": 0.2}
         assert c.set_admission(child["id"], mode="enforced", target_tps_per_session=10)["admission"]["mode"] == "enforced"
         with pytest.raises(OpencotiHTTPError):
             c.set_admission(child["id"], mode="sometimes")
-        gone = c.release(child["id"])["reclaimed"]
-        assert sorted(gone) == sorted([child["id"]])  # the root stays: session a1 still shares its cells
+        rel = c.release(child["id"])
+        assert sorted(rel["reclaimed"]) == sorted([child["id"]])  # the root stays: session a1 shares its cells
+        assert "held_by" not in rel
         with pytest.raises(OpencotiHTTPError) as e:
             c.get_pool(child["id"])
         assert e.value.status == 404

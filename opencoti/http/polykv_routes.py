@@ -166,8 +166,13 @@ def post_release(state, req):
     from opencoti.http.routes import Response
 
     pid = _pool_id(req)
-    gone = _wait(_engine(state).release_pool(pid))
-    return Response({"id": pid, "released": True, "reclaimed": gone})
+    eng = _engine(state)
+    gone = _wait(eng.release_pool(pid))
+    out = {"id": pid, "released": True, "reclaimed": gone}
+    if pid not in gone:  # what keeps it: live children, sessions sharing its cells
+        info = _wait(eng.pool_info(pid))
+        out["held_by"] = {"children": info["children"], "sessions_attached": info["sessions_attached"]}
+    return Response(out)
 
 
 def _store(state, req, attr: str, allowed: dict):
