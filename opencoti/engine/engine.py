@@ -217,12 +217,8 @@ class Engine:
             if s.busy:
                 raise RuntimeError(f"slot {id_slot} is processing a request")
             n = len(s.cache_tokens)
-            engine.runner.kv.seq_rm(s.seq_id)
-            s.cache_tokens = []
-            s.n_past = 0
+            engine._forget_kv(s)
             s.session_id = None
-            s.pool_id, s.n_shared = None, 0
-            engine._reclaim_pools()
             return n
 
         return self.call(erase)
@@ -625,12 +621,17 @@ class Engine:
         idle = [s for s in self.slots if not s.busy and s.cache_tokens and kv.base.stream_of(s.seq_id) in streams]
         if not idle:
             return False
-        victim = min(idle, key=lambda s: s.t_last_used)
-        kv.seq_rm(victim.seq_id)  # cells it shared with a pool stay: the pool is still a member
-        victim.cache_tokens = []
-        victim.pool_id, victim.n_shared = None, 0
-        self._reclaim_pools()
+        self._forget_kv(min(idle, key=lambda s: s.t_last_used))
         return True
+
+    def _forget_kv(self, s: Slot) -> None:
+        """Drop idle slot ``s``'s KV and what described it (cached tokens, n_past, its pool
+        binding), then reclaim pools it may have held (``erase_slot``, eviction). Cells it
+        shared with a pool stay: the pool is still a member."""
+        self.runner.kv.seq_rm(s.seq_id)
+        s.cache_tokens, s.n_past = [], 0
+        s.pool_id, s.n_shared = None, 0
+        self._reclaim_pools()
 
     def _on_kv_full(self, owners, msg: str) -> None:
         # Nothing was committed. Fail the youngest prompt in the batch so the rest can proceed.

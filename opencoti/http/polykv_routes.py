@@ -24,6 +24,7 @@ import time
 from typing import Any, Iterator
 
 from opencoti.engine.polykv import PoolError
+from opencoti.engine.pool_admission import DEFAULTS as ADMISSION_DEFAULTS
 from opencoti.http.errors import HTTPError, invalid_request
 from opencoti.http.sse import sse_event
 from opencoti.http.validate import tokenize_mixed
@@ -214,9 +215,7 @@ def _store(state, req, attr: str, allowed: dict):
         store.update(body)
         for k in clear:
             if attr == "admission":  # the gate's settings: back to their defaults
-                from opencoti.engine.pool_admission import DEFAULTS
-
-                store[k] = DEFAULTS[k]
+                store[k] = ADMISSION_DEFAULTS[k]
             else:
                 store.pop(k, None)
         return {"id": pid, attr: dict(store)}

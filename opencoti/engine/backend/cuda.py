@@ -102,8 +102,8 @@ IMMA_WARPS = {1: 8, 3: 4, 6: 4}
 #   f16:   one f16 product (activations and weight rounded to f16; = OPENCOTI_CUDA_F16_PREFILL=1).
 # Measured on the H200 (bench_cuda pp512, Qwen2.5-7B-shaped Q4_K_M): see bench/CUDA_NOTES.md.
 F16_GEMM_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_F16_GEMM_MIN_ROWS", "0"))
-F16_PREFILL = os.environ.get("OPENCOTI_CUDA_F16_PREFILL", "0") == "1"
-PREFILL_GEMM = "f16" if F16_PREFILL else os.environ.get("OPENCOTI_CUDA_PREFILL_GEMM", "f16x3")
+PREFILL_GEMM = ("f16" if os.environ.get("OPENCOTI_CUDA_F16_PREFILL", "0") == "1"
+                else os.environ.get("OPENCOTI_CUDA_PREFILL_GEMM", "f16x3"))
 # f16x3 from this many weight elements (smaller weights keep float32 SGEMM): the split's five
 # launches per product cost more than it saves on small matrices (H200, pp512: gemma-3-270m,
 # 640 x 2,048 weights, 35,783 tok/s with SGEMM vs 18,795 all-f16x3; Qwen2.5-7B 2,864 vs 7,365)
@@ -390,7 +390,7 @@ class CUDABackend:
             raise ValueError(f"mul_mat: x has {k} columns, weight {cols}")
         # float32 weights (MoE routers, small projections) are never rounded to f16, as in
         # llama.cpp: a router's near-tied experts flip under f16 inputs (the qwen3next finding)
-        f16 = F16_PREFILL if n > GEMV_MAX_TOKENS else bool(F16_GEMM_MIN_ROWS) and n >= F16_GEMM_MIN_ROWS
+        f16 = PREFILL_GEMM == "f16" if n > GEMV_MAX_TOKENS else bool(F16_GEMM_MIN_ROWS) and n >= F16_GEMM_MIN_ROWS
         if (f16 and cols % 32 == 0 and w.ggml_type != 0 and self._f16_ok and not self._capturing):
             return self._gemm_f16(x, w)
         if n > GEMV_MAX_TOKENS:
@@ -423,6 +423,7 @@ class CUDABackend:
         if x is self._digits_of[0]:
             return self._digits_of[1]
         cp = self.cp
+        key = x  # cached under the caller's array, also when a misaligned one is copied below
         if x.data.ptr % 16:  # xq_digits reads float4s
             x = x.copy()
         n, k = x.shape
@@ -435,7 +436,7 @@ class CUDABackend:
         xm = cp.empty((k // 256, ncp, 16), dtype=cp.int8)
         self._fn("i", "xq_digits")((k // 256, ng * ((cw + 2) // 3)), (32,),
                                    (x, xq, xs, xm, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp)))
-        self._digits_of = (x, (xq, xs, xm, n, nt))
+        self._digits_of = (key, (xq, xs, xm, n, nt))
         return self._digits_of[1]
 
     @staticmethod
@@ -829,7 +830,7 @@ class CUDABackend:
         xs = x[order_d // k]
         ys = cp.empty((P, n_embd), dtype=cp.float32)
         o = 0
-        self._f16_ok = F16_PREFILL  # a prefill: the expert GEMMs follow the prefill precision policy
+        self._f16_ok = PREFILL_GEMM == "f16"  # a prefill: the expert GEMMs follow the prefill precision policy
         try:
             for e in np.nonzero(counts)[0]:
                 c = int(counts[e])
