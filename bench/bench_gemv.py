@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warps", default="0", help="gemv_int.cu warps per row tile to try (comma list; 0: the default)")
     ap.add_argument("--gemmi-blocks", default="0", help="gemmi blocks per SM variants to try (comma list; 0: the default)")
+    ap.add_argument("--digits", default="0", help="digits per activation value to try (comma list of 2, 3; 0: the default)")
     a = ap.parse_args()
     import cupy as cp
 
@@ -61,7 +62,8 @@ def main() -> None:
     paths = {"float": lambda x, w: _without_imma(cu, lambda: be.mul_mat(x, w))}
     for nw in (int(v) for v in a.warps.split(",")):
         for nb in (int(v) for v in a.gemmi_blocks.split(",")):
-            paths[f"imma w{nw} o{nb}"] = lambda x, w, nw=nw, nb=nb: _imma(cu, be, x, w, nw, nb)
+            for nd in (int(v) for v in a.digits.split(",")):
+                paths[f"imma w{nw} o{nb} d{nd}"] = lambda x, w, nw=nw, nb=nb, nd=nd: _imma(cu, be, x, w, nw, nb, nd)
     print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
           "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
@@ -99,17 +101,19 @@ def _without_imma(cu, f):
         cu.IMMA_MAX_ROWS = keep
 
 
-def _imma(cu, be, x, w, nw: int, nb: int):
-    keep = cu.IMMA_WARPS, cu.GEMMI_BLOCKS
+def _imma(cu, be, x, w, nw: int, nb: int, nd: int):
+    keep = cu.IMMA_WARPS, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS
     if nw:
         cu.IMMA_WARPS = {k: nw for k in keep[0]}
     if nb:
         cu.GEMMI_BLOCKS = nb
+    if nd:
+        cu.IMMA_DIGITS = nd
     try:
         be._digits_of = (None, None)  # time the activation quantization as well
         return be._gemvi(be._digits(x), w)
     finally:
-        cu.IMMA_WARPS, cu.GEMMI_BLOCKS = keep
+        cu.IMMA_WARPS, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS = keep
 
 
 def _graph_time(cp, f, reps: int) -> float:

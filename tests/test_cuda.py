@@ -193,7 +193,8 @@ def test_mmq_matches_reference(gpu, qname, shape, n):
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows,cols", [(300, 512), (40, 2816), (5000, 256)])
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 40, 64])
-def test_gemvi_matches_reference(gpu, qname, rows, cols, n):
+@pytest.mark.parametrize("digits", [3, 2])
+def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits):
     """gemv_int.cu (integer tensor cores on int8 digit columns) on the cases its bookkeeping
     distinguishes: 1 / 3 column tiles per block (2, 8 tokens) with partly filled token groups,
     rows not a multiple of the 16-row tile, super-blocks per row fewer than the 8 warps (512:
@@ -201,15 +202,21 @@ def test_gemvi_matches_reference(gpu, qname, rows, cols, n):
     the tiled gemmi (16 tokens x 64 rows per block, partial token groups and row blocks, the
     super-blocks split over 1..11 blocks and summed by mmq_reduce); one
     activation channel 40x the others (the digits' scale is per 256 elements): float32 accuracy
-    against float64, and the same values through ``mul_mat`` / ``gated_ffn`` where they route
-    here."""
+    against float64 with 3 digits per value, and the same values through ``mul_mat`` /
+    ``gated_ffn`` where they route here. With 2 digits (OPENCOTI_CUDA_IMMA_DIGITS=2; 4 / 12 tokens
+    per GEMV block, gemmi's 16 tokens in 32 columns) the bound is the activations' own rounding: a float64 emulation of the
+    2-digit quantization on these cases errs up to 1.6e-4 (the 40x channel coarsens its blocks'
+    step), the integer products being exact."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_DIGITS", digits)
     x, raw, want = _mmq_case(qname, rows, cols, n, 70 + n)
     x[:, 3] *= 40
     want = x.astype(np.float64) @ ref_dequant(qname, raw, cols).astype(np.float64).T
     w = to_qtensor(raw, qname, cols)
     got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
     assert got.shape == (n, rows) and np.isfinite(got).all()
-    assert rel_err(got, want) < 5e-6, rel_err(got, want)
+    assert rel_err(got, want) < (5e-6 if digits == 3 else 3e-4), rel_err(got, want)
     if gpu._imma(n, w):
         np.testing.assert_array_equal(cp.asnumpy(gpu.mul_mat(cp.asarray(x), w)), got)
         gw = to_qtensor(raw[::-1].copy(), qname, cols)

@@ -9,19 +9,21 @@
 // the inner sums are products of small integers with x (the minimum's term too, through the
 // activation's sub-block sums, see xm below; Q6_K's codes enter as signed q - 32).
 // xq_digits writes each activation row as a fixed-point value with one scale per 256 elements,
-// split into three signed base-256 digits,
+// split into D = 3 (or 2) signed base-256 digits,
 //   x = sx * (d0 + d1 / 256 + d2 / 65536),   sx = max|x| / 127 over the 256 elements,
-// (|error| <= sx / 131072, i.e. 2^-24 of the block's largest |x|: float32's own rounding) and
-// each digit of each token is one column of the B matrix. One integer MMA then computes the inner
+// (|error| <= sx / 131072, i.e. 2^-24 of the block's largest |x|: float32's own rounding; with
+// D = 2, x = sx * (d0 + d1 / 256) and |error| <= sx / 512, 2^-16: a third less integer work per
+// token, cuda.py IMMA_DIGITS) and each digit of each token is one column of the B matrix. One integer MMA then computes the inner
 // sums of 16 weight rows for every (token, digit) column exactly in int32, the sub-block scales
 // are applied in int32, and only d, dmin and the column's scale (sx, sx / 256, sx / 65536) in
-// float once per super-block; a token's three digit columns are summed at the end. The dequantize
+// float once per super-block; a token's D digit columns are summed at the end. The dequantize
 // work per weight is one or two bit operations per 4 codes (the float GEMV spends ~6 instructions
 // per weight, which bounds it below memory bandwidth on the H200).
 //
-// Columns: a block computes TPB tokens (CW = 8 * NT columns, TPB = CW / 3: NT = 1 -> 2 tokens,
-// 3 -> 8, 6 -> 16); token t's digit i is column (t / TPB) * CW + 3 * (t % TPB) + i (ncp columns
-// in all, a multiple of CW; columns of no token hold zero digits).
+// Columns: a block computes TPB tokens (CW = 8 * NT columns, TPB = CW / D: with D = 3, NT = 1 -> 2
+// tokens, 3 -> 8, 6 -> 16; with D = 2, 4, 12, 24); token t's digit i is column
+// (t / TPB) * CW + D * (t % TPB) + i (ncp columns in all, a multiple of CW; columns of no token
+// hold zero digits). Every kernel takes D as its last argument.
 //   xq   [K/16, ncp, 16] int8 digits, 16 elements of each column in a row, so that the
 //                     B fragment of one MMA is one or two 128-byte lines (a [ncp, K] layout
 //                     made it 8 lines, one per column: the loads were L1-bound)
@@ -42,13 +44,13 @@
 
 #define FULL 0xffffffffu
 
-// x [T, K] f32 -> digits (layout above). grid = (K / 256, (ncp / CW) * ceil(CW / 3)), 32 threads:
-// one warp per (super-block, column triple); a lane quantizes 8 consecutive elements.
+// x [T, K] f32 -> digits (layout above). grid = (K / 256, (ncp / CW) * ceil(CW / D)), 32 threads:
+// one warp per (super-block, a token's D columns); a lane quantizes 8 consecutive elements.
 extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict__ xq, float* __restrict__ xs,
-                                     i8* __restrict__ xm, int T, int K, int CW, int ncp) {
+                                     i8* __restrict__ xm, int T, int K, int CW, int ncp, int D) {
     const int sb = blockIdx.x, lane = threadIdx.x;
-    const int tpb = CW / 3, spg = (CW + 2) / 3, gi = blockIdx.y / spg, js = blockIdx.y % spg;
-    const int t = gi * tpb + js, col0 = gi * CW + 3 * js, e0 = sb * 256 + 8 * lane;
+    const int tpb = CW / D, spg = (CW + D - 1) / D, gi = blockIdx.y / spg, js = blockIdx.y % spg;
+    const int t = gi * tpb + js, col0 = gi * CW + D * js, e0 = sb * 256 + 8 * lane;
     float v[8];
     if (js < tpb && t < T) {
         const float4 a = *(const float4*)(x + (long long)t * K + e0), b = *(const float4*)(x + (long long)t * K + e0 + 4);
@@ -62,18 +64,21 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
     for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-    const float inv = m > 0.f ? 8323072.f / m : 0.f;  // 127 * 65536 / max|x|
+    // 127 * 256^(D - 1) / max|x|: q = x / sx * 256^(D - 1), |q| <= 127 * 256^(D - 1)
+    const float inv = m > 0.f ? (D == 3 ? 8323072.f : 32512.f) / m : 0.f;
     u32 dg[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
     int ds[3] = {0, 0, 0};  // the lane's digit sums
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const int q = __float2int_rn(v[i] * inv);  // |q| <= 127 * 65536
-        const int d2 = ((q + 128) & 255) - 128, q1 = (q - d2) >> 8;  // balanced digits in -128..127
-        const int d1 = ((q1 + 128) & 255) - 128, d0 = (q1 - d1) >> 8;
-        dg[0][i >> 2] |= (u32)(d0 & 255) << (8 * (i & 3));
-        dg[1][i >> 2] |= (u32)(d1 & 255) << (8 * (i & 3));
-        dg[2][i >> 2] |= (u32)(d2 & 255) << (8 * (i & 3));
-        ds[0] += d0; ds[1] += d1; ds[2] += d2;
+        const int q = __float2int_rn(v[i] * inv);
+        const int lo = ((q + 128) & 255) - 128, q1 = (q - lo) >> 8;  // balanced digits in -128..127
+        const int mid = ((q1 + 128) & 255) - 128, top = (q1 - mid) >> 8;
+        const int dd[3] = {D == 3 ? top : q1, D == 3 ? mid : lo, lo};  // d0, d1 (, d2)
+#pragma unroll
+        for (int d = 0; d < 3; d++) {
+            dg[d][i >> 2] |= (u32)(dd[d] & 255) << (8 * (i & 3));
+            ds[d] += dd[d];
+        }
     }
 #pragma unroll
     for (int d = 0; d < 3; d++) {  // sub-block sums: 4 lanes per 32 elements
@@ -82,7 +87,7 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
     }
 #pragma unroll
     for (int d = 0; d < 3; d++) {
-        if (3 * js + d >= CW) break;  // uniform in the warp
+        if (d >= D || D * js + d >= CW) break;  // uniform in the warp
         const long long c = col0 + d;
         *(uint2*)(xq + ((long long)(e0 >> 4) * ncp + c) * 16 + 8 * (lane & 1)) = make_uint2(dg[d][0], dg[d][1]);
         if (lane == 0) xs[(long long)sb * ncp + c] = m * (1.f / 127.f) * (d == 0 ? 1.f : d == 1 ? 1.f / 256.f : 1.f / 65536.f);
@@ -98,8 +103,10 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
 // and a token's three digit columns; writes y[t, row] for the block's tokens and rows.
 #define KS_MAX(NT) ((NT) <= 3 ? 16 : 8)  // warps per block (shared memory of gemvi_store)
 template <int NT>
-__device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* __restrict__ y, int nrows, int T) {
-    constexpr int CW = 8 * NT, TPB = CW / 3;
+__device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* __restrict__ y, int nrows, int T,
+                                            int D) {
+    constexpr int CW = 8 * NT;
+    const int TPB = CW / D;
     __shared__ float red[KS_MAX(NT)][16][CW + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
 #pragma unroll
@@ -115,7 +122,8 @@ __device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* __
         const int r = o & 15, tl = o >> 4, t = t0 + tl, row = row0 + r;
         if (t >= T || row >= nrows) continue;
         float sum = 0.f;
-        for (int w = 0; w < ks; w++) sum += red[w][r][3 * tl] + red[w][r][3 * tl + 1] + red[w][r][3 * tl + 2];
+        for (int w = 0; w < ks; w++)
+            for (int d = 0; d < D; d++) sum += red[w][r][D * tl + d];
         y[(long long)t * nrows + row] = sum;
     }
 }
@@ -306,7 +314,7 @@ __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6,
 template <int NT, bool Q6>
 __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
-                                           float* __restrict__ y, int nrows, int K, int T, int ncp) {
+                                           float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
     constexpr int CW = 8 * NT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
     const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16;
@@ -330,32 +338,33 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
                            xm + ((long long)sb * ncp + cb) * 16, g, c, acc);
         if (Q6) a6 = n6; else a4 = n4;
     }
-    gemvi_store<NT>(acc, y, nrows, T);
+    gemvi_store<NT>(acc, y, nrows, T, D);
 }
 
-#define GEMVI_ARGS \
-    const u8* W, long long rb, const i8* xq, const float* xs, const i8* xm, float* y, int nrows, int K, int T, int ncp
+#define GEMVI_ARGS                                                                                      \
+    const u8* W, long long rb, const i8* xq, const float* xs, const i8* xm, float* y, int nrows, int K, int T, \
+        int ncp, int D
 #define GEMVI(NT)                                                                                                  \
-    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); } \
-    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); }
+    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); } \
+    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 GEMVI(1)
 GEMVI(3)
 GEMVI(6)
 
 // ---------------------------------------------------------------------------------------------
 // gemmi: the same integer products for batches of 9..64 token rows (batched decode). A block takes
-// 64 weight rows (4 warps, a 16-row MMA tile each) x 16 tokens (48 digit columns, the NT = 6
-// layout) and walks its split of the super-blocks; each super-block's digit columns (and their
-// sums and scales) are staged once in shared memory with cp.async, double-buffered, and serve all
-// four warps; each warp streams its rows' weight bytes from global memory (next super-block
-// prefetched in registers). grid = (ceil(T / 16), ceil(nrows / 64), n_split), 128 threads;
-// y[z][t][row] partial sums per split z (mmq.cu's mmq_reduce adds them in split order).
-#define GM_CW 48
-#define GM_XQ (16 * GM_CW * 16)  // digit bytes of one super-block
+// 64 weight rows (4 warps, a 16-row MMA tile each) x 16 tokens (CW = 16 D digit columns: NT = 2 D
+// column tiles, 6 with 3 digits, 4 with 2) and walks its split of the super-blocks; each
+// super-block's digit columns (and their sums and scales) are staged once in shared memory with
+// cp.async, double-buffered, and serve all four warps; each warp streams its rows' weight bytes
+// from global memory (next super-block prefetched in registers).
+// grid = (ceil(T / 16), ceil(nrows / 64), n_split), 128 threads; y[z][t][row] partial sums per
+// split z (mmq.cu's mmq_reduce adds them in split order).
+template <int CW>
 struct GmStage {
-    __align__(16) i8 xq[GM_XQ];
-    __align__(16) i8 xm[GM_CW * 16];
-    __align__(16) float xs[GM_CW];
+    __align__(16) i8 xq[16 * CW * 16];  // digit bytes of one super-block
+    __align__(16) i8 xm[CW * 16];
+    __align__(16) float xs[CW];
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -365,89 +374,100 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
-// Stage super-block sb's columns [cb, cb + 48) into st (all threads; 16-byte chunks).
-__device__ __forceinline__ void gm_stage(GmStage& st, const i8* __restrict__ xq, const float* __restrict__ xs,
+// Stage super-block sb's columns [cb, cb + CW) into st (all threads; 16-byte chunks).
+template <int CW>
+__device__ __forceinline__ void gm_stage(GmStage<CW>& st, const i8* __restrict__ xq, const float* __restrict__ xs,
                                          const i8* __restrict__ xm, int sb, int cb, int ncp) {
-    for (int i = threadIdx.x; i < 17 * 48 + 12; i += blockDim.x) {
-        if (i < 16 * 48) {  // digits: 16 groups x 48 columns x 16 bytes = 48 chunks per group
-            const int gq = i / 48, ch = i % 48;
-            cp_async16(st.xq + gq * GM_CW * 16 + ch * 16, xq + ((16LL * sb + gq) * ncp + cb) * 16 + ch * 16);
-        } else if (i < 17 * 48) {  // sub-block sums: 48 columns x 16 bytes
-            const int ch = i - 16 * 48;
+    for (int i = threadIdx.x; i < 17 * CW + CW / 4; i += blockDim.x) {
+        if (i < 16 * CW) {  // digits: 16 groups x CW columns x 16 bytes = CW chunks per group
+            const int gq = i / CW, ch = i % CW;
+            cp_async16(st.xq + gq * CW * 16 + ch * 16, xq + ((16LL * sb + gq) * ncp + cb) * 16 + ch * 16);
+        } else if (i < 17 * CW) {  // sub-block sums: CW columns x 16 bytes
+            const int ch = i - 16 * CW;
             cp_async16(st.xm + ch * 16, xm + ((long long)sb * ncp + cb) * 16 + ch * 16);
         } else {
-            const int ch = i - 17 * 48;
+            const int ch = i - 17 * CW;
             cp_async16(st.xs + 4 * ch, xs + (long long)sb * ncp + cb + 4 * ch);
         }
     }
 }
 
-// Sums a token's three digit columns of the block's 64 x 48 tile (acc per warp as in gemvi) and
-// writes y[t, row] for the block's tokens and rows; red: 64 x 49 floats of shared memory.
-__device__ __forceinline__ void gemmi_store(const float (&acc)[6][4], float* red, float* __restrict__ y, int nrows,
-                                            int T) {
+// Sums a token's D digit columns of the block's 64 x CW tile (acc per warp as in gemvi) and
+// writes y[t, row] for the block's 16 tokens and rows; red: 64 x (CW + 1) floats of shared memory.
+template <int NT>
+__device__ __forceinline__ void gemmi_store(const float (&acc)[NT][4], float* red, float* __restrict__ y, int nrows,
+                                            int T, int D) {
+    constexpr int LD = 8 * NT + 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int r0 = 16 * warp + g;
 #pragma unroll
-    for (int nt = 0; nt < 6; nt++) {
-        red[r0 * 49 + 8 * nt + 2 * c] = acc[nt][0];
-        red[r0 * 49 + 8 * nt + 2 * c + 1] = acc[nt][1];
-        red[(r0 + 8) * 49 + 8 * nt + 2 * c] = acc[nt][2];
-        red[(r0 + 8) * 49 + 8 * nt + 2 * c + 1] = acc[nt][3];
+    for (int nt = 0; nt < NT; nt++) {
+        red[r0 * LD + 8 * nt + 2 * c] = acc[nt][0];
+        red[r0 * LD + 8 * nt + 2 * c + 1] = acc[nt][1];
+        red[(r0 + 8) * LD + 8 * nt + 2 * c] = acc[nt][2];
+        red[(r0 + 8) * LD + 8 * nt + 2 * c + 1] = acc[nt][3];
     }
     __syncthreads();
     const int row0 = blockIdx.y * 64, t0 = blockIdx.x * 16;
     for (int o = threadIdx.x; o < 64 * 16; o += blockDim.x) {
         const int r = o & 63, tl = o >> 6, t = t0 + tl, row = row0 + r;
-        if (t < T && row < nrows)
-            y[(long long)t * nrows + row] = red[r * 49 + 3 * tl] + red[r * 49 + 3 * tl + 1] + red[r * 49 + 3 * tl + 2];
+        if (t < T && row < nrows) {
+            float sum = 0.f;
+            for (int d = 0; d < D; d++) sum += red[r * LD + D * tl + d];
+            y[(long long)t * nrows + row] = sum;
+        }
     }
 }
 
-template <bool Q6>
+template <int NT, bool Q6>
 __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
-                                           float* __restrict__ y, int nrows, int K, int T, int ncp) {
-    __shared__ GmStage st[2];
+                                           float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
+    constexpr int CW = 8 * NT;
+    __shared__ GmStage<CW> st[2];
+    static_assert(sizeof(st) >= 64 * (CW + 1) * sizeof(float), "gemmi_store's tile reuses the stages");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int cb = blockIdx.x * GM_CW, row0 = blockIdx.y * 64 + 16 * warp;
+    const int cb = blockIdx.x * CW, row0 = blockIdx.y * 64 + 16 * warp;
     const int nsb = K >> 8, ns = gridDim.z, sb0 = blockIdx.z * nsb / ns, sb1 = (blockIdx.z + 1) * nsb / ns;
     y += (long long)blockIdx.z * T * nrows;
     const u8* w0 = W + (long long)min(row0 + g, nrows - 1) * rb;
     const u8* w1 = W + (long long)min(row0 + g + 8, nrows - 1) * rb;
     const bool al4 = (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;
-    float acc[6][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < 6; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     Q4KRegs a4, n4;
     Q6KRegs a6, n6;
     if (sb0 < sb1) {
-        gm_stage(st[0], xq, xs, xm, sb0, cb, ncp);
+        gm_stage<CW>(st[0], xq, xs, xm, sb0, cb, ncp);
         if (Q6) q6k_load(a6, w0, w1, sb0, c, al4); else q4k_load(a4, w0, w1, sb0, c);
     }
     cp_async_commit();
     for (int sb = sb0; sb < sb1; sb++) {
         const int cur = (sb - sb0) & 1;
         if (sb + 1 < sb1) {
-            gm_stage(st[cur ^ 1], xq, xs, xm, sb + 1, cb, ncp);
+            gm_stage<CW>(st[cur ^ 1], xq, xs, xm, sb + 1, cb, ncp);
             if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
         }
         cp_async_commit();
         cp_async_wait1();  // this super-block's stage has landed (the next may be in flight)
         __syncthreads();
-        superblock<6, Q6>(a4, a6, st[cur].xq, GM_CW, st[cur].xs, st[cur].xm, g, c, acc);
+        superblock<NT, Q6>(a4, a6, st[cur].xq, CW, st[cur].xs, st[cur].xm, g, c, acc);
         if (Q6) a6 = n6; else a4 = n4;
         __syncthreads();  // every warp is done with st[cur] before the next iteration refills it
     }
-    gemmi_store(acc, (float*)st, y, nrows, T);  // 64 x 49 floats fit in the stages
+    gemmi_store<NT>(acc, (float*)st, y, nrows, T, D);
 }
 
-// _o<B>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B))
-#define GEMMI(B)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B(GEMVI_ARGS) {                          \
-        gemmi_impl<false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); }                                              \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B(GEMVI_ARGS) {                          \
-        gemmi_impl<true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp); }
-GEMMI(2)
-GEMMI(3)
-GEMMI(4)
+// _o<B>_n<NT>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B)), NT = 2 D
+#define GEMMI(B, NT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT(GEMVI_ARGS) {                 \
+        gemmi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                  \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B##_n##NT(GEMVI_ARGS) {                 \
+        gemmi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+GEMMI(2, 6)
+GEMMI(3, 6)
+GEMMI(4, 6)
+GEMMI(2, 4)
+GEMMI(3, 4)
+GEMMI(4, 4)

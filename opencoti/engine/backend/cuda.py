@@ -87,6 +87,11 @@ IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
 # (7B ffn_up, 32 rows: 115 / 98 / 105 us; Q6_K the same within 2 %)
 GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
+# base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
+# block's largest |x|) or 2 (2^-16: a third less integer work per token row; an experiment)
+IMMA_DIGITS = int(os.environ.get("OPENCOTI_CUDA_IMMA_DIGITS", "3"))
+if IMMA_DIGITS not in (2, 3):
+    raise ValueError(f"OPENCOTI_CUDA_IMMA_DIGITS={IMMA_DIGITS}: expected 2 or 3")
 # warps per 16-row tile of gemv_int.cu by MMA column tiles (1: one or two token rows, 3: up to 8,
 # 6: up to 16 per block); measured on the H200 (bench/bench_gemv.py, 7B shapes, weights streamed
 # from memory): one row 8 warps (ffn_up 1,491 GB/s; 4: 1,453, 16: 1,188), 8 rows 4 (1,184; 8: 847)
@@ -415,8 +420,10 @@ class CUDABackend:
 
     def _digits(self, x):
         """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
-        digit columns: ``(xq, xs, xm, n, nt)`` (layout in gemv_int.cu's header; ``nt``
-        MMA column tiles per block: 1 for up to 2 rows, 3 up to 8, else 6). The last input's
+        digit columns: ``(xq, xs, xm, n, nt, nd)`` (layout in gemv_int.cu's header; ``nd`` digits
+        per value, ``IMMA_DIGITS``; ``nt`` MMA column tiles per block: 1 for up to 8 / nd rows,
+        3 up to 24 / nd, else 6, and 2 nd (16 tokens) for gemmi beyond ``IMMA_MAX_ROWS``). The
+        last input's
         digits are kept (with a reference to the array, so its memory is not reused) and
         returned again for the same array object: attention's q / k / v projections quantize
         their input once. Relies on the op set's rule that ops never write their inputs in place."""
@@ -427,16 +434,19 @@ class CUDABackend:
         if x.data.ptr % 16:  # xq_digits reads float4s
             x = x.copy()
         n, k = x.shape
-        nt = 1 if n <= 2 else 3 if n <= 8 else 6
+        nd = IMMA_DIGITS
+        # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 tokens: 2 nd column tiles
+        nt = 2 * nd if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
         cw = 8 * nt
-        ng = -(-n // (cw // 3))
+        ng = -(-n // (cw // nd))
         ncp = ng * cw
         xq = cp.empty((ncp, k), dtype=cp.int8)
         xs = cp.empty((k // 256, ncp), dtype=cp.float32)
         xm = cp.empty((k // 256, ncp, 16), dtype=cp.int8)
-        self._fn("i", "xq_digits")((k // 256, ng * ((cw + 2) // 3)), (32,),
-                                   (x, xq, xs, xm, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp)))
-        self._digits_of = (key, (xq, xs, xm, n, nt))
+        self._fn("i", "xq_digits")((k // 256, ng * -(-cw // nd)), (32,),
+                                   (x, xq, xs, xm, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp),
+                                    np.int32(nd)))
+        self._digits_of = (key, (xq, xs, xm, n, nt, nd))
         return self._digits_of[1]
 
     @staticmethod
@@ -454,20 +464,22 @@ class CUDABackend:
         more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, the
         super-blocks split over blocks so the grid has >= 2 blocks per SM, partial sums added in
         split order by ``mmq_reduce``). Deterministic either way.
-        Relative error ~3e-7 of the largest |x w| term against float64 (float32 level).
+        Relative error ~3e-7 of the largest |x w| term against float64 (float32 level) with 3
+        digits; with 2 the activations carry 2^-16 of their block maximum (test_gemvi_matches_reference).
         Graph-safe."""
         cp = self.cp
-        xq, xs, xm, n, nt = digits
+        xq, xs, xm, n, nt, nd = digits
         rows, k = w.shape
         if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
-            nb = -(-n // 16) * -(-rows // 64)
+            ntok = xs.shape[1] // (16 * nd)  # 16-token column groups
+            nb = ntok * -(-rows // 64)
             n_split = max(1, min(k // 256, -(-2 * self.n_sm // nb)))  # >= 2 blocks per SM
             y = cp.empty((n, rows), dtype=cp.float32)
             out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
-            self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}")(
-                (xs.shape[1] // 48, -(-rows // 64), n_split), (128,),
+            self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{2 * nd}")(
+                (ntok, -(-rows // 64), n_split), (128,),
                 (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
-                 np.int32(xs.shape[1])))
+                 np.int32(xs.shape[1]), np.int32(nd)))
             if n_split > 1:
                 self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
                                             (out, y, np.int64(y.size), np.int32(n_split)))
@@ -477,7 +489,7 @@ class CUDABackend:
         self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")(
             (xs.shape[1] // (8 * nt), (rows + 15) // 16), (32 * ks,),
             (w.data, np.int64(w.row_bytes), xq, xs, xm, y, np.int32(rows), np.int32(k), np.int32(n),
-             np.int32(xs.shape[1])))
+             np.int32(xs.shape[1]), np.int32(nd)))
         return y
 
     def _mmq(self, x, w: QTensor):
