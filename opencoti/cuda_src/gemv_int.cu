@@ -13,8 +13,8 @@
 //   x = sx * (d0 + d1 / 256 + d2 / 65536),   sx = max|x| / 127 over the 256 elements,
 // (|error| <= sx / 131072, i.e. 2^-24 of the block's largest |x|: float32's own rounding; with
 // D = 2, x = sx * (d0 + d1 / 256) and |error| <= sx / 512, 2^-16: a third less integer work per
-// token, cuda.py IMMA_DIGITS) and each digit of each token is one column of the B matrix. One integer MMA then computes the inner
-// sums of 16 weight rows for every (token, digit) column exactly in int32, the sub-block scales
+// token, cuda.py IMMA_DIGITS) and each digit of each token is one column of the B matrix. One
+// integer MMA then computes the inner sums of 16 weight rows for every (token, digit) column exactly in int32, the sub-block scales
 // are applied in int32, and only d, dmin and the column's scale (sx, sx / 256, sx / 65536) in
 // float once per super-block; a token's D digit columns are summed at the end. The dequantize
 // work per weight is one or two bit operations per 4 codes (the float GEMV spends ~6 instructions
@@ -100,7 +100,7 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
 }
 
 // Sums the warps' partial tiles (acc[nt][i]: rows gid / gid + 8, columns 8 nt + 2 tig + {0, 1})
-// and a token's three digit columns; writes y[t, row] for the block's tokens and rows.
+// and a token's D digit columns; writes y[t, row] for the block's tokens and rows.
 #define KS_MAX(NT) ((NT) <= 3 ? 16 : 8)  // warps per block (shared memory of gemvi_store)
 template <int NT>
 __device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* __restrict__ y, int nrows, int T,
