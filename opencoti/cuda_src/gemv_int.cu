@@ -14,9 +14,9 @@
 // (|error| <= sx / 131072, i.e. 2^-24 of the block's largest |x|: float32's own rounding; with
 // D = 2, x = sx * (d0 + d1 / 256) and |error| <= sx / 512, 2^-16: a third less integer work per
 // token, cuda.py IMMA_DIGITS) and each digit of each token is one column of the B matrix. One
-// integer MMA then computes the inner sums of 16 weight rows for every (token, digit) column exactly in int32, the sub-block scales
-// are applied in int32, and only d, dmin and the column's scale (sx, sx / 256, sx / 65536) in
-// float once per super-block; a token's D digit columns are summed at the end. The dequantize
+// integer MMA then computes the inner sums of 16 weight rows for every (token, digit) column
+// exactly in int32, the sub-block scales are applied in int32, and only d, dmin and the column's
+// scale (sx, sx / 256, sx / 65536) in float once per super-block; a token's D digit columns are summed at the end. The dequantize
 // work per weight is one or two bit operations per 4 codes (the float GEMV spends ~6 instructions
 // per weight, which bounds it below memory bandwidth on the H200).
 //
