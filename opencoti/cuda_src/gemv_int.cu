@@ -16,9 +16,9 @@
 // token, cuda.py IMMA_DIGITS) and each digit of each token is one column of the B matrix. One
 // integer MMA then computes the inner sums of 16 weight rows for every (token, digit) column
 // exactly in int32, the sub-block scales are applied in int32, and only d, dmin and the column's
-// scale (sx, sx / 256, sx / 65536) in float once per super-block; a token's D digit columns are summed at the end. The dequantize
-// work per weight is one or two bit operations per 4 codes (the float GEMV spends ~6 instructions
-// per weight, which bounds it below memory bandwidth on the H200).
+// scale (sx, sx / 256, sx / 65536) in float once per super-block; a token's D digit columns are
+// summed at the end. The dequantize work per weight is one or two bit operations per 4 codes (the
+// float GEMV spends ~6 instructions per weight, which bounds it below memory bandwidth on the H200).
 //
 // Columns: a block computes TPB tokens (CW = 8 * NT columns, TPB = CW / D: with D = 3, NT = 1 -> 2
 // tokens, 3 -> 8, 6 -> 16; with D = 2, 4, 12, 24); token t's digit i is column
