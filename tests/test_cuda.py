@@ -337,6 +337,44 @@ def test_attention_cells(gpu, cpu, d, n_head, n_kv, n_swa, softcap, n_ctx):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (128, 28, 4), (64, 6, 6), (32, 3, 1)])
+@pytest.mark.parametrize("n_swa,softcap", [(0, 0.0), (37, 0.0), (0, 50.0)])
+@pytest.mark.parametrize("n_prior", [0, 700])
+def test_prefill_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa, softcap, n_prior):
+    """A prefill ubatch (more than GEMV_MAX_TOKENS rows: 90 rows of seq 0 after its n_prior
+    cached cells, interleaved with 30 rows of seq 1 after 40 cells) through the tensor-core
+    tiles (_attention_prefill) equals the CPU's attention and the per-row kernel's; causal,
+    sliding window, softcap."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(11)
+    c = KVCache([0], n_prior + 200, 1, 2, n_head_kv=n_kv, d_k=d, d_v=d, zeros=np.zeros)
+    seqs = np.array([0] * n_prior + [1] * 40)
+    pos = np.concatenate([np.arange(n_prior), np.arange(40)]).astype(np.int32)
+    c.apply(c.prepare(seqs, pos), seqs, pos)
+    ub_seq = np.array(([0] * 3 + [1]) * 30)
+    ub_pos = np.empty(len(ub_seq), dtype=np.int32)
+    ub_pos[ub_seq == 0] = n_prior + np.arange(90)
+    ub_pos[ub_seq == 1] = 40 + np.arange(30)
+    plan = c.prepare(ub_seq, ub_pos)
+    c.apply(plan, ub_seq, ub_pos)
+    k_all = rng.standard_normal(c.k[0].shape).astype(np.float16)
+    v_all = rng.standard_normal(c.v[0].shape).astype(np.float16)
+    q = rng.standard_normal((len(ub_seq), n_head, d)).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    want = cpu.attention_cells(q, ub_pos, k_all, v_all, plan, scale, n_swa, softcap)
+    args = (cp.asarray(q), ub_pos, cp.asarray(k_all), cp.asarray(v_all), plan, scale, n_swa, softcap)
+    calls = []
+    orig = gpu._attention_prefill
+    monkeypatch.setattr(gpu, "_attention_prefill", lambda *a: calls.append(1) or orig(*a))
+    got = cp.asnumpy(gpu.attention_cells(*args))
+    assert calls, "the prefill ubatch did not take the tensor-core path"
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    monkeypatch.setattr(cu, "PREFILL_TC_ATTN", False)
+    per_row = cp.asnumpy(gpu.attention_cells(*args))
+    np.testing.assert_allclose(got, per_row, rtol=2e-4, atol=2e-5)
+
+
 def test_kv_write_and_shift(gpu):
     """kv_write stores f16 into the planned cells; cupy storage is indexed like NumPy's."""
     rng = np.random.default_rng(8)

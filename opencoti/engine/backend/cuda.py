@@ -131,6 +131,10 @@ GDN_COLS = 32  # value columns per gated_delta_net block (GDN_NW * GDN_CW)
 SP_TILE = {32: 64, 64: 64, 128: 64, 256: 32}
 SP_QT = 64
 SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
+# prefill (more than GEMV_MAX_TOKENS query rows, f16 KV, head dims of SP_TILE): each sequence's
+# rows through shared_prefix.cu's tensor-core tiles with the causal / window masks
+# (_attention_prefill); OPENCOTI_CUDA_PREFILL_TC_ATTN=0: attention.cu's per-row kernel
+PREFILL_TC_ATTN = os.environ.get("OPENCOTI_CUDA_PREFILL_TC_ATTN", "1") != "0"
 
 
 def _sp_smem(d: int) -> int:
@@ -1269,6 +1273,9 @@ class CUDABackend:
         # groups' shared cells included) through the per-sequence tier kernel below
         if getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and not quant:
             return self._attention_groups(q, q_pos, k_store, v_store, plan, scale, n_swa, softcap, g, n_hg)
+        if (PREFILL_TC_ATTN and T > GEMV_MAX_TOKENS and D in SP_TILE and not quant and not self._capturing
+                and float(cp.abs(q).max()) * scale < 32768.0):  # sp_attn's f16 hi term range
+            return self._attention_prefill(q, q_pos, k_store, v_store, plan, meta, scale, n_swa, softcap)
         out = cp.empty((T, H * D), dtype=cp.float32)
         n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1)
         if n_split > 1:
@@ -1284,6 +1291,53 @@ class CUDABackend:
         if n_split > 1:
             self._fn("a", "attn_merge")((T, H), (min(256, D),),
                                         (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))
+        return out
+
+    def _attention_prefill(self, q, q_pos, k_store, v_store, plan, meta: dict, scale: float, n_swa: int,
+                           softcap: float):
+        """``attention_cells`` for a prefill ubatch with f16 K/V: each view's (sequence's) query
+        rows x the query heads of a kv head through ``sp_attn_d<D>`` (shared_prefix.cu: K/V
+        tiles staged once in shared memory for 64 queries, tensor-core MMA on f16 hi / lo
+        operand splits, f32 accumulation; masked by position as attention.cu: causal and
+        sliding window), over the view's own cell list, as split partials; ``sp_merge`` with
+        no private part normalizes them. Eager only (one host sync for the f16 range check in
+        the caller). Returns ``[T, n_head * d]`` float32, equal to the per-row kernel up to
+        float32 summation order (test_prefill_attention_matches)."""
+        cp = self.cp
+        T, H, D = q.shape
+        n_kv = k_store.shape[2]
+        G = H // n_kv
+        views = plan.views
+        lens = plan.view_lens()
+        off = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=off[1:])
+        rows = [np.asarray(v.rows, dtype=np.int64) for v in views]
+        R = [len(r) for r in rows]
+        order = np.concatenate(rows)
+        row_slot = np.full(T, -1, dtype=np.int32)
+        row_slot[order] = np.arange(len(order), dtype=np.int32)
+        host = np.concatenate([order.astype(np.int32), row_slot, lens.astype(np.int32)])
+        dev = cp.asarray(host)
+        g_rows, slot_d, len_d = dev[:len(order)], dev[len(order):len(order) + T], dev[len(order) + T:]
+        blocks = sum(-(-r * G // SP_QT) for r in R) * n_kv
+        n_ss = int(max(1, min(int(lens.max()) // 256, -(-4 * self.n_sm // blocks), 64)))
+        s_acc = cp.empty((len(order) * H * n_ss * D,), dtype=cp.float32)
+        s_ml = cp.empty((len(order) * H * n_ss * 2,), dtype=cp.float32)
+        qp = self._idx(q_pos)
+        fn = self._sp_fn(D)
+        r0 = 0
+        for i, r in enumerate(R):
+            if r:
+                fn((-(-r * G // SP_QT), n_kv, n_ss), (128,),
+                   (q, qp, g_rows[r0:r0 + r], meta["cells"][int(off[i]):int(off[i + 1])],
+                    meta["cell_pos"][int(off[i]):int(off[i + 1])], len_d[i:i + 1], k_store, v_store, np.int32(r),
+                    np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa), np.float32(softcap),
+                    np.int32(n_ss), s_acc[r0 * H * n_ss * D:], s_ml[r0 * H * n_ss * 2:]), shared_mem=_sp_smem(D))
+            r0 += r
+        out = cp.empty((T, H * D), dtype=cp.float32)
+        self._fn("s", "sp_merge")((T, H), (min(256, D),),
+                                  (s_acc, s_ml, np.int32(0), s_acc, s_ml, np.int32(n_ss), slot_d, out, np.int32(H),
+                                   np.int32(D)))
         return out
 
     def _attn_splits(self, n_cells: int, base: int, lo: int) -> int:
