@@ -193,7 +193,7 @@ def test_mmq_matches_reference(gpu, qname, shape, n):
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows,cols", [(300, 512), (40, 2816), (5000, 256)])
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 40, 64])
-@pytest.mark.parametrize("digits", [3, 2])
+@pytest.mark.parametrize("digits", [3, 2, None])
 def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits):
     """gemv_int.cu (integer tensor cores on int8 digit columns) on the cases its bookkeeping
     distinguishes: 1 / 3 column tiles per block (2, 8 tokens) with partly filled token groups,
@@ -206,7 +206,8 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
     ``gated_ffn`` where they route here. With 2 digits (OPENCOTI_CUDA_IMMA_DIGITS=2; 4 / 12 tokens
     per GEMV block, gemmi's 16 tokens in 32 columns) the bound is the activations' own rounding: a float64 emulation of the
     2-digit quantization on these cases errs up to 1.6e-4 (the 40x channel coarsens its blocks'
-    step), the integer products being exact."""
+    step), the integer products being exact. ``None`` is the default: 3 digits up to
+    IMMA_MAX_ROWS rows, 2 for gemmi's batched rows."""
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "IMMA_DIGITS", digits)
@@ -216,7 +217,9 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
     w = to_qtensor(raw, qname, cols)
     got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
     assert got.shape == (n, rows) and np.isfinite(got).all()
-    assert rel_err(got, want) < (5e-6 if digits == 3 else 3e-4), rel_err(got, want)
+    nd = digits or (3 if n <= cu.IMMA_MAX_ROWS else 2)
+    assert gpu._digits(cp.asarray(x))[5] == nd
+    assert rel_err(got, want) < (5e-6 if nd == 3 else 3e-4), rel_err(got, want)
     if gpu._imma(n, w):
         np.testing.assert_array_equal(cp.asnumpy(gpu.mul_mat(cp.asarray(x), w)), got)
         gw = to_qtensor(raw[::-1].copy(), qname, cols)
@@ -344,7 +347,8 @@ def test_prefill_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa
     """A prefill ubatch (more than GEMV_MAX_TOKENS rows: 90 rows of seq 0 after its n_prior
     cached cells, interleaved with 30 rows of seq 1 after 40 cells) through the tensor-core
     tiles (_attention_prefill) equals the CPU's attention and the per-row kernel's; causal,
-    sliding window, softcap."""
+    sliding window, softcap. Row 5's query is 1e6 times the others (|q * scale| beyond the f16
+    range): sp_attn stages it scaled by a power of two and scales its scores back."""
     from opencoti.engine.backend import cuda as cu
 
     rng = np.random.default_rng(11)
@@ -361,6 +365,7 @@ def test_prefill_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa
     k_all = rng.standard_normal(c.k[0].shape).astype(np.float16)
     v_all = rng.standard_normal(c.v[0].shape).astype(np.float16)
     q = rng.standard_normal((len(ub_seq), n_head, d)).astype(np.float32)
+    q[5] *= 1e6
     scale = 1 / np.sqrt(d)
     want = cpu.attention_cells(q, ub_pos, k_all, v_all, plan, scale, n_swa, softcap)
     args = (cp.asarray(q), ub_pos, cp.asarray(k_all), cp.asarray(v_all), plan, scale, n_swa, softcap)

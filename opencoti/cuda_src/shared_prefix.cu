@@ -20,7 +20,9 @@
 // and, with n_swa > 0, q_pos - cell_pos < n_swa; softcap as there.
 // Output: unnormalised partials part_acc[(i * n_head + h) * n_split + sp][D] and
 // part_ml[.. * 2] = (running max, sum of exp) for group row i, the format of attn_partial.
-// Precondition: |q * scale| < 65504 (the f16 range of the hi term).
+// A query whose largest |q * scale| reaches 2^14 is staged times 2^-e (e: its exponent - 13,
+// exact) so the f16 hi term cannot overflow, and its scores are multiplied back by 2^e
+// before the masks (no precondition on q's range, no host-side check).
 //
 // sp_merge: out[r, h] = log-sum-exp merge of the row's private partials (n_sp splits,
 // from attention.cu's attn_partial over the private cell lists) and, when
@@ -63,6 +65,7 @@ __device__ __forceinline__ void sp_attn_impl(
     u16* s_v = s_k + CT * LD;             // [CT][LD]
     int* s_cpos = (int*)(s_v + CT * LD);  // [CT]
     int* s_qpos = s_cpos + CT;            // [SP_QT]
+    float* s_qup = (float*)(s_qpos + SP_QT);  // [SP_QT] 2^e: a query's scores scale back by it
 
     const int G = n_head / n_kv;
     const int kh = blockIdx.y, sp = blockIdx.z;
@@ -73,10 +76,24 @@ __device__ __forceinline__ void sp_attn_impl(
     const int chunk = (len + n_split - 1) / n_split;
     const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
 
+    for (int qi = warp; qi < SP_QT; qi += SP_NW) {  // each query's range: a warp per query
+        int qg = q0 + qi;
+        float mx = 0.f;
+        if (qg < nq) {
+            const float* src = q + ((long long)rows[qg / G] * n_head + kh * G + qg % G) * D;
+            for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(src[d] * scale));
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        // mx >= 2^14 (inf included): e = exponent(mx) - 13, so mx * 2^-e < 2^15
+        int e = mx >= 16384.f ? ((__float_as_int(mx) >> 23) & 0xff) - 127 - 13 : 0;
+        if (lane == 0) s_qup[qi] = __int_as_float((127 + e) << 23);
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < SP_QT * D; i += blockDim.x) {
         int qi = i / D, d = i % D, qg = q0 + qi;
         float x = 0.f;
-        if (qg < nq) x = q[((long long)rows[qg / G] * n_head + kh * G + qg % G) * D + d] * scale;
+        if (qg < nq) x = q[((long long)rows[qg / G] * n_head + kh * G + qg % G) * D + d] * scale / s_qup[qi];
         u16 h = sp_f2h(x);
         s_qh[qi * LD + d] = h;
         s_ql[qi * LD + d] = sp_f2h(x - h2f(h));
@@ -90,6 +107,7 @@ __device__ __forceinline__ void sp_attn_impl(
     const int mr = warp * 16;  // this warp's first query of the block
     const bool active = q0 + mr < nq;
     const int qp[2] = {s_qpos[mr + gid], s_qpos[mr + gid + 8]};
+    const float up[2] = {s_qup[mr + gid], s_qup[mr + gid + 8]};
     float m[2] = {SP_NEG_INF, SP_NEG_INF}, l[2] = {0.f, 0.f};
     float o[ND][4];
 #pragma unroll
@@ -141,7 +159,7 @@ __device__ __forceinline__ void sp_attn_impl(
             for (int j = 0; j < 4; j++) {
                 int cpos = s_cpos[nt * 8 + 2 * tig + (j & 1)], p = qp[j >> 1];
                 bool ok = cpos <= p && !(n_swa > 0 && p - cpos >= n_swa);
-                float v = s[nt][j];
+                float v = s[nt][j] * up[j >> 1];
                 if (softcap > 0.f) v = softcap * tanhf(v / softcap);
                 s[nt][j] = ok ? v : SP_NEG_INF;
                 mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
@@ -214,7 +232,7 @@ __device__ __forceinline__ void sp_attn_impl(
 }
 
 // shared memory bytes of sp_attn_d<D> (cuda.py SP_SMEM mirrors this)
-#define SP_SMEM(D, CT) ((2 * SP_QT + 2 * (CT)) * ((D) + 8) * 2 + 4 * ((CT) + SP_QT))
+#define SP_SMEM(D, CT) ((2 * SP_QT + 2 * (CT)) * ((D) + 8) * 2 + 4 * ((CT) + 2 * SP_QT))
 
 #define DEF_SP(D, CT)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) sp_attn_d##D(                                           \

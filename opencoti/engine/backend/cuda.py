@@ -88,9 +88,13 @@ IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
 GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
-# block's largest |x|) or 2 (2^-16: a third less integer work per token row; an experiment)
-IMMA_DIGITS = int(os.environ.get("OPENCOTI_CUDA_IMMA_DIGITS", "3"))
-if IMMA_DIGITS not in (2, 3):
+# block's largest |x|) or 2 (2^-16, finer than f16's 2^-11: a third less integer work per token).
+# Default: 3 up to IMMA_MAX_ROWS rows (the GEMV is bound by weight bytes: no gain from 2) and 2
+# for gemmi's batched rows (ALU-bound; H200, 270m x64 8,947 -> 10,106 tok/s, 7B x32 2,276 ->
+# 2,602). OPENCOTI_CUDA_IMMA_DIGITS=2 or 3 forces one count for every row count.
+_ND = os.environ.get("OPENCOTI_CUDA_IMMA_DIGITS", "")
+IMMA_DIGITS = int(_ND) if _ND else None
+if IMMA_DIGITS not in (None, 2, 3):
     raise ValueError(f"OPENCOTI_CUDA_IMMA_DIGITS={IMMA_DIGITS}: expected 2 or 3")
 # warps per 16-row tile of gemv_int.cu by MMA column tiles (1: one or two token rows, 3: up to 8,
 # 6: up to 16 per block); measured on the H200 (bench/bench_gemv.py, 7B shapes, weights streamed
@@ -140,7 +144,7 @@ PREFILL_TC_ATTN = os.environ.get("OPENCOTI_CUDA_PREFILL_TC_ATTN", "1") != "0"
 def _sp_smem(d: int) -> int:
     """Dynamic shared memory bytes of ``sp_attn_d<d>`` (shared_prefix.cu ``SP_SMEM``)."""
     ct = SP_TILE[d]
-    return (2 * SP_QT + 2 * ct) * (d + 8) * 2 + 4 * (ct + SP_QT)
+    return (2 * SP_QT + 2 * ct) * (d + 8) * 2 + 4 * (ct + 2 * SP_QT)
 
 
 def _bucket(n: int) -> int:
@@ -425,7 +429,7 @@ class CUDABackend:
     def _digits(self, x):
         """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
         digit columns: ``(xq, xs, xm, n, nt, nd)`` (layout in gemv_int.cu's header; ``nd`` digits
-        per value, ``IMMA_DIGITS``; ``nt`` MMA column tiles per block: 1 for up to 8 / nd rows,
+        per value, ``IMMA_DIGITS`` (default 3 up to ``IMMA_MAX_ROWS`` rows, else 2); ``nt`` MMA column tiles per block: 1 for up to 8 / nd rows,
         3 up to 24 / nd, else 6, and 2 nd (16 tokens) for gemmi beyond ``IMMA_MAX_ROWS``). The
         last input's
         digits are kept (with a reference to the array, so its memory is not reused) and
@@ -438,7 +442,7 @@ class CUDABackend:
         if x.data.ptr % 16:  # xq_digits reads float4s
             x = x.copy()
         n, k = x.shape
-        nd = IMMA_DIGITS
+        nd = IMMA_DIGITS or (3 if n <= IMMA_MAX_ROWS else 2)
         # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 tokens: 2 nd column tiles
         nt = 2 * nd if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
         cw = 8 * nt
@@ -1273,8 +1277,7 @@ class CUDABackend:
         # groups' shared cells included) through the per-sequence tier kernel below
         if getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and not quant:
             return self._attention_groups(q, q_pos, k_store, v_store, plan, scale, n_swa, softcap, g, n_hg)
-        if (PREFILL_TC_ATTN and T > GEMV_MAX_TOKENS and D in SP_TILE and not quant and not self._capturing
-                and float(cp.abs(q).max()) * scale < 32768.0):  # sp_attn's f16 hi term range
+        if PREFILL_TC_ATTN and T > GEMV_MAX_TOKENS and D in SP_TILE and not quant and not self._capturing:
             return self._attention_prefill(q, q_pos, k_store, v_store, plan, meta, scale, n_swa, softcap)
         out = cp.empty((T, H * D), dtype=cp.float32)
         n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1)
@@ -1300,29 +1303,30 @@ class CUDABackend:
         tiles staged once in shared memory for 64 queries, tensor-core MMA on f16 hi / lo
         operand splits, f32 accumulation; masked by position as attention.cu: causal and
         sliding window), over the view's own cell list, as split partials; ``sp_merge`` with
-        no private part normalizes them. Eager only (one host sync for the f16 range check in
-        the caller). Returns ``[T, n_head * d]`` float32, equal to the per-row kernel up to
-        float32 summation order (test_prefill_attention_matches)."""
+        no private part normalizes them. No host sync (sp_attn rescales a query whose range
+        would overflow the f16 hi term); the row order is uploaded once per plan. Eager only.
+        Returns ``[T, n_head * d]`` float32, equal to the per-row kernel up to float32
+        summation order (test_prefill_attention_matches)."""
         cp = self.cp
         T, H, D = q.shape
         n_kv = k_store.shape[2]
         G = H // n_kv
-        views = plan.views
-        lens = plan.view_lens()
-        off = np.zeros(len(lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=off[1:])
-        rows = [np.asarray(v.rows, dtype=np.int64) for v in views]
-        R = [len(r) for r in rows]
-        order = np.concatenate(rows)
-        row_slot = np.full(T, -1, dtype=np.int32)
-        row_slot[order] = np.arange(len(order), dtype=np.int32)
-        host = np.concatenate([order.astype(np.int32), row_slot, lens.astype(np.int32)])
-        dev = cp.asarray(host)
-        g_rows, slot_d, len_d = dev[:len(order)], dev[len(order):len(order) + T], dev[len(order) + T:]
+        if "prefill" not in meta:  # once per plan: every layer's call reuses it
+            rows = [np.asarray(v.rows, dtype=np.int64) for v in plan.views]
+            lens = plan.view_lens()
+            order = np.concatenate(rows)
+            row_slot = np.full(T, -1, dtype=np.int32)
+            row_slot[order] = np.arange(len(order), dtype=np.int32)
+            dev = cp.asarray(np.concatenate([order.astype(np.int32), row_slot, lens.astype(np.int32)]))
+            off = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=off[1:])
+            meta["prefill"] = ([len(r) for r in rows], off, lens, dev[:len(order)],
+                               dev[len(order):len(order) + T], dev[len(order) + T:])
+        R, off, lens, g_rows, slot_d, len_d = meta["prefill"]
         blocks = sum(-(-r * G // SP_QT) for r in R) * n_kv
         n_ss = int(max(1, min(int(lens.max()) // 256, -(-4 * self.n_sm // blocks), 64)))
-        s_acc = cp.empty((len(order) * H * n_ss * D,), dtype=cp.float32)
-        s_ml = cp.empty((len(order) * H * n_ss * 2,), dtype=cp.float32)
+        s_acc = cp.empty((sum(R) * H * n_ss * D,), dtype=cp.float32)
+        s_ml = cp.empty((sum(R) * H * n_ss * 2,), dtype=cp.float32)
         qp = self._idx(q_pos)
         fn = self._sp_fn(D)
         r0 = 0
