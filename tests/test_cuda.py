@@ -112,7 +112,8 @@ def test_mul_mat_matches_reference(gpu, qname, n):
     raw = random_blocks(qname, rows, cols, rng)
     wf = ref_dequant(qname, raw, cols).astype(np.float64)
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    got = cp.asnumpy(gpu.mul_mat(cp.asarray(x), to_qtensor(raw, qname, cols)))
+    w = to_qtensor(raw, qname, cols)
+    got = cp.asnumpy(gpu.mul_mat(cp.asarray(x), w))
     want = x.astype(np.float64) @ wf.T
     assert got.shape == (n, rows)
     assert np.isfinite(got).all()
@@ -120,7 +121,7 @@ def test_mul_mat_matches_reference(gpu, qname, n):
 
     f16 = cu.F16_GEMM_MIN_ROWS and cu.F16_GEMM_MIN_ROWS <= n <= cu.GEMV_MAX_TOKENS
     # f16 GEMM: x and w rounded to f16 (2^-11 relative each), f32 accumulation
-    assert rel_err(got, want) < (2e-3 if f16 else 1e-5), rel_err(got, want)
+    assert rel_err(got, want) < (2e-3 if f16 else _gemm_tol(gpu, n, w, 1e-5)), rel_err(got, want)
 
 
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "BF16"])
@@ -157,6 +158,15 @@ def test_prefill_gemm_matches_reference(gpu, monkeypatch, qname, n):
                           cp.asnumpy(gpu.mul_mat(again, to_qtensor(raw, qname, cols))))
 
 
+def _gemm_tol(gpu, n: int, w, tol: float) -> float:
+    """Relative error bound of ``mul_mat`` for ``n`` rows on ``w``: ``tol`` (float32 accuracy), or
+    3e-4 where the rows take gemv_int.cu with 2 activation digits (2^-16 of a 256-element block's
+    largest |x|; bound derived in test_gemvi_matches_reference)."""
+    from opencoti.engine.backend import cuda as cu
+
+    return 3e-4 if gpu._imma(n, w) and cu.imma_digits(n) == 2 else tol
+
+
 def _mmq_case(qname, rows, cols, n, seed):
     rng = np.random.default_rng(seed)
     raw = random_blocks(qname, rows, cols, rng)
@@ -182,12 +192,15 @@ def test_mmq_matches_reference(gpu, qname, shape, n):
     rows, cols = {"partial_stage": (300, 1280 if kq else 672), "split_k": (200, 2048),
                   "one_split": (40000, 256)}[shape]
     x, raw, want = _mmq_case(qname, rows, cols, n, 50 + n)
-    got = cp.asnumpy(gpu.mul_mat(cp.asarray(x), to_qtensor(raw, qname, cols)))
+    w = to_qtensor(raw, qname, cols)
+    got = cp.asnumpy(gpu.mul_mat(cp.asarray(x), w))
     assert got.shape == (n, rows) and np.isfinite(got).all()
-    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    tol = _gemm_tol(gpu, n, w, 1e-5)  # Q4_K / Q6_K rows take gemv_int.cu's gemmi
+    assert rel_err(got, want) < tol, rel_err(got, want)
     # each token row alone through the float32 GEMV: the batch changes nothing beyond f32 rounding
-    one = cp.asnumpy(gpu.mul_mat(cp.asarray(x[3:4]), to_qtensor(raw, qname, cols)))
-    assert rel_err(got[3:4], one) < 1e-5
+    # (beyond the batch's 2 activation digits, where it takes them)
+    one = cp.asnumpy(gpu.mul_mat(cp.asarray(x[3:4]), w))
+    assert rel_err(got[3:4], one) < tol
 
 
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
@@ -301,6 +314,50 @@ def test_rope(gpu, cpu, mode, n_rot, factors):
     want = cpu.rope(x, pos, n_rot, 1e6, 0.5, mode, ff)
     got = cp.asnumpy(gpu.rope(cp.asarray(x), pos, n_rot, 1e6, 0.5, mode, None if ff is None else cp.asarray(ff)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("d,n_head,n_kv,T", [(128, 6, 2, 5), (256, 4, 1, 1), (64, 8, 8, 70)])
+def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T):
+    """The fused rope + KV store (kernels.cu rope_kv_write, f16 caches) gives the bits of rope,
+    rope and kv_write launched one by one (cpu.rope_kv_write's composition on the GPU), and the
+    CPU's values: rotated q, and K / V in the planned cells (the second stream of a split cache,
+    so flat cell indices are exercised)."""
+    from opencoti.engine.backend.cpu import rope_kv_write
+
+    rng = np.random.default_rng(9 + d)
+    q = rng.standard_normal((T, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    pos = (np.arange(T) * 37 + 3).astype(np.int32)
+    qn, kn = (rng.uniform(0.5, 2, d).astype(np.float32) for _ in range(2)) if norms else (None, None)
+    rope = dict(n_rot=d, base=1e4, freq_scale=1.0, mode=mode, freq_factors=None, eps=1e-6)
+    seqs = np.ones(T, np.int64)  # sequence 1: stream 1
+
+    def cache(zeros):
+        c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=d, zeros=zeros)
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+        assert (plan.stream == 1).all()
+        return c, plan
+
+    outs = []
+    for fused in (True, False):
+        c, plan = cache(gpu.zeros)
+        dq = [cp.asarray(a) for a in (q, k, v)]
+        dn = [None if a is None else cp.asarray(a) for a in (qn, kn)]
+        f = gpu.rope_kv_write if fused else (lambda *a, **kw: rope_kv_write(gpu, *a, **kw))
+        y = f(*dq, pos, c, 0, plan, *dn, **rope)
+        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0][1, plan.cell]), cp.asnumpy(c.v[0][1, plan.cell])))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    cc, plan = cache(np.zeros)
+    want = cpu.rope_kv_write(q, k, v, pos, cc, 0, plan, qn, kn, **rope)
+    np.testing.assert_allclose(outs[0][0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[0][1].astype(np.float32), cc.k[0][1, plan.cell].astype(np.float32), rtol=2e-3,
+                               atol=2e-3)
+    np.testing.assert_array_equal(outs[0][2], cc.v[0][1, plan.cell])
 
 
 # ---------------------------------------------------------------------------------------
@@ -648,6 +705,8 @@ def test_qexperts_views(gpu):
 def test_moe_ffn_gate_up(gpu, cpu, qname, T):
     """Gemma-4 layout: softmax top-k over given logits (ties -> lower ids), fused gate_up
     experts, per-expert down scale, with and without renormalised weights."""
+    from opencoti.engine.backend import cuda as cu
+
     rng = np.random.default_rng(23 + T)
     E, k, D, F = 8, 3, 256, 256
     gu_q, gu = _experts(qname, E, 2 * F, D, rng)
@@ -664,7 +723,10 @@ def test_moe_ffn_gate_up(gpu, cpu, qname, T):
                                              norm_w=norm_w, down_scale=None if ds is None else cp.asarray(ds)))
         assert got.shape == (T, D) and np.isfinite(got).all()
         err = [rel_err(got[t], want[t]) for t in range(T)]
-        assert max(err) < 2e-5, f"{qname} T={T} norm_w={norm_w}: token {int(np.argmax(err))} rel err {max(err):.2e}"
+        # host-grouped Q4_K experts (T = 100: groups of more than IMMA_MAX_ROWS rows) run gemmi with
+        # 2 activation digits in both projections (2^-16 of a block's max): 1e-3 per token, f16-class
+        tol = 1e-3 if qname == "Q4_K" and T > 64 and cu.imma_digits(T) == 2 else 2e-5
+        assert max(err) < tol, f"{qname} T={T} norm_w={norm_w}: token {int(np.argmax(err))} rel err {max(err):.2e}"
 
 
 @pytest.mark.parametrize("layout", ["same_type", "mixed_types", "fused_views"])
@@ -927,6 +989,28 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
                                          n_swa, softcap, type_k=Tk, type_v=Tv))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, **KV_TOL)
+
+
+@pytest.mark.parametrize("tk,tv", [("f16", "f16"), ("q8_0", "q8_0"), ("turbo3", "turbo3"), ("f16", "q4_0")])
+@pytest.mark.parametrize("d,n_head", [(256, 8), (128, 28)])
+def test_attention_split_merge_in_kernel(gpu, monkeypatch, tk, tv, d, n_head):
+    """Split-K partials merged by the last block of each (row, head group) (attention.cu
+    merge_if_last) give the bits of the separate attn_merge launch, leave every counter at zero
+    (captured graphs reuse the array), and a second call gives the same bits."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(23)
+    cc, plan, ub_pos = _cache_with_two_seqs(2, d, 1500, rng, np.zeros)
+    kq, vq = _tier_stores(rng, cc, tk, tv)
+    q = cp.asarray(rng.standard_normal((5, n_head, d)).astype(np.float32))
+    args = (q, ub_pos, cp.asarray(kq), cp.asarray(vq), plan, 1 / np.sqrt(d), 0, 0.0)
+    kw = {"type_k": get_tier(tk), "type_v": get_tier(tv)}
+    assert gpu._attn_splits(1500, 5 * 2, 1) > 1
+    fused = cp.asnumpy(gpu.attention_cells(*args, **kw))
+    assert not gpu._attn_count.any()
+    np.testing.assert_array_equal(cp.asnumpy(gpu.attention_cells(*args, **kw)), fused)
+    monkeypatch.setattr(cu, "ATTN_COUNTERS", 0)  # the two-launch path
+    np.testing.assert_array_equal(cp.asnumpy(gpu.attention_cells(*args, **kw)), fused)
 
 
 @pytest.mark.parametrize("n_swa,softcap,n_ctx", _KV_MASKS)

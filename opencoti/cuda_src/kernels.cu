@@ -300,11 +300,12 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
     const int bd = blockDim.x, t = threadIdx.x;
-    float v[NV], s = 0.f;
+    float v[NV], wv[NV], s = 0.f;
 #pragma unroll
-    for (int k = 0; k < NV; k++) {
+    for (int k = 0; k < NV; k++) {  // the weights load with the row, not after the sum
         int i = t + k * bd;
         v[k] = i < n ? xr[i] : 0.f;
+        wv[k] = i < n && w ? w[i] : 1.f;
         s += v[k] * v[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) s += xr[i] * xr[i];
@@ -313,7 +314,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 #pragma unroll
     for (int k = 0; k < NV; k++) {
         int i = t + k * bd;
-        if (i < n) yr[i] = v[k] * r * (w ? w[i] : 1.f);
+        if (i < n) yr[i] = v[k] * r * wv[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) yr[i] = xr[i] * r * (w ? w[i] : 1.f);
 }
@@ -325,12 +326,14 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
     __shared__ float sh[32];
     const long long o = (long long)blockIdx.x * n;
     const int bd = blockDim.x, t = threadIdx.x;
-    float hv[NV], xv[NV], s = 0.f;
+    float hv[NV], xv[NV], wp[NV], wn[NV], s = 0.f;
 #pragma unroll
-    for (int k = 0; k < NV; k++) {
+    for (int k = 0; k < NV; k++) {  // every load of the kernel issued up front (weights included)
         int i = t + k * bd;
         hv[k] = i < n ? h[o + i] : 0.f;
         xv[k] = i < n ? x[o + i] : 0.f;
+        wp[k] = i < n && w_post ? w_post[i] : 1.f;
+        wn[k] = i < n && w_next ? w_next[i] : 1.f;
         s += hv[k] * hv[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) s += h[o + i] * h[o + i];
@@ -341,7 +344,7 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
     for (int k = 0; k < NV; k++) {
         int i = t + k * bd;
         if (i < n) {
-            xv[k] += hv[k] * r * (w_post ? w_post[i] : 1.f);
+            xv[k] += hv[k] * r * wp[k];
             x_out[o + i] = xv[k];
             s2 += xv[k] * xv[k];
         }
@@ -357,7 +360,7 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
 #pragma unroll
     for (int k = 0; k < NV; k++) {
         int i = t + k * bd;
-        if (i < n) h_out[o + i] = xv[k] * r2 * w_next[i];
+        if (i < n) h_out[o + i] = xv[k] * r2 * wn[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
 }
@@ -370,16 +373,15 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
 // ramp(i) = 1 - clamp((i - corr_lo) / max(0.001, corr_hi - corr_lo), 0, 1); otherwise
 // theta = theta_e * freq_scale. cos and sin are multiplied by mscale (1 without YaRN; the
 // caller folds attn_factor and YaRN's 1 + 0.1 ln(1/freq_scale) into it).
-extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos, float* __restrict__ y,
-                                int H, int D, int n_rot, float base, float freq_scale, int mode,
-                                const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
-                                float ext_factor, float corr_lo, float corr_hi, float mscale) {
-    extern __shared__ float buf[];  // D floats
-    __shared__ float sh[32];
-    long long row = blockIdx.x;
-    int t = (int)(row / H);
-    const float* xr = x + row * D;
-    float* yr = y + row * D;
+// One row of D values (a head) of rope: xr normed (norm_w != null), rotated at position p, and
+// handed to store(i, value) for every i < D. buf: D floats of shared memory; all threads of the
+// block take part (block_sum, __syncthreads).
+template <class Store>
+__device__ __forceinline__ void rope_row(const float* __restrict__ xr, int pos, int D, int n_rot, float base,
+                                         float freq_scale, int mode, const float* __restrict__ ff,
+                                         const float* __restrict__ norm_w, float eps, float ext_factor,
+                                         float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
+                                         Store store) {
     float r = 1.f;
     if (norm_w) {
         float s = 0.f;
@@ -390,9 +392,9 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
     for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = xr[i] * r * (norm_w ? norm_w[i] : 1.f);
     __syncthreads();
     int half = n_rot / 2;
-    double p = (double)pos[t];
+    double p = (double)pos;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        if (i >= n_rot) { yr[i] = buf[i]; continue; }
+        if (i >= n_rot) { store(i, buf[i]); continue; }
         int k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
         double inv = pow((double)base, -2.0 * k / n_rot);
         if (ff) inv /= (double)ff[k];
@@ -407,8 +409,51 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
         float c = (float)(cs * (double)mscale), s = (float)(sn * (double)mscale);
         int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
         float x0 = buf[i0], x1 = buf[i1];
-        yr[i] = (i == i0) ? x0 * c - x1 * s : x0 * s + x1 * c;
+        store(i, (i == i0) ? x0 * c - x1 * s : x0 * s + x1 * c);
     }
+}
+
+extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos, float* __restrict__ y,
+                                int H, int D, int n_rot, float base, float freq_scale, int mode,
+                                const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
+                                float ext_factor, float corr_lo, float corr_hi, float mscale) {
+    extern __shared__ float buf[];  // D floats
+    __shared__ float sh[32];
+    long long row = blockIdx.x;
+    float* yr = y + row * D;
+    rope_row(x + row * D, pos[row / H], D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
+             corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
+}
+
+// An attention layer's rope + KV store in one launch (cpu.rope_kv_write, f16 caches): grid
+// T * (Hq + Hk) blocks. Blocks [0, T * Hq): q head rows, rotated (q_norm first) into q_out.
+// The rest: k head rows, rotated (k_norm first) and stored as f16 into K at the token's cell
+// (flat index cell[t]; row layout [n_kv][D]), with the same head's V row (dv values) into V:
+// the bits of rope + rope + kv_write.
+extern "C" __global__ void rope_kv_write(const float* __restrict__ q, const float* __restrict__ k,
+                                         const float* __restrict__ v, const int* __restrict__ pos,
+                                         float* __restrict__ q_out, u16* __restrict__ K, u16* __restrict__ V,
+                                         const int* __restrict__ cell, int T, int Hq, int Hk, int D, int dv,
+                                         int n_rot, float base, float freq_scale, int mode,
+                                         const float* __restrict__ ff, const float* __restrict__ q_norm,
+                                         const float* __restrict__ k_norm, float eps, float ext_factor,
+                                         float corr_lo, float corr_hi, float mscale) {
+    extern __shared__ float buf[];  // D floats
+    __shared__ float sh[32];
+    long long row = blockIdx.x;
+    if (row < (long long)T * Hq) {
+        float* yr = q_out + row * D;
+        rope_row(q + row * D, pos[row / Hq], D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                 corr_hi, mscale, buf, sh, [&](int i, float x) { yr[i] = x; });
+        return;
+    }
+    row -= (long long)T * Hq;
+    const int t = (int)(row / Hk);
+    const long long c = (long long)cell[t] * Hk + row % Hk;  // the (cell, kv head) row
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(v[row * dv + i]);
+    u16* kr = K + c * D;
+    rope_row(k + row * D, pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor, corr_lo, corr_hi,
+             mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); });
 }
 
 extern "C" __global__ void gelu_tanh(const float* __restrict__ x, float* __restrict__ y, long long n) {

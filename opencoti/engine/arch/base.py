@@ -343,15 +343,11 @@ class DecoderModel:
         k = k.reshape(T, hp.n_head_kv, hp.n_embd_head_k)
         v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)
         base, scale = self.rope_params(il)  # q/k norms (if any) are fused into rope
-        eps = hp.f_norm_rms_eps
-        q = B.rope(q, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.q_norm, eps=eps,
-                   **self.rope_ext)
-        k = B.rope(k, ub.pos, hp.n_rot, base, scale, self.rope_type, self.rope_freqs, norm=L.k_norm, eps=eps,
-                   **self.rope_ext)
-
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]
-        B.kv_write(cache, il, plan, k, v)
+        q = B.rope_kv_write(q, k, v, ub.pos, cache, il, plan, L.q_norm, L.k_norm, n_rot=hp.n_rot, base=base,
+                            freq_scale=scale, mode=self.rope_type, freq_factors=self.rope_freqs,
+                            eps=hp.f_norm_rms_eps, **self.rope_ext)
         n_swa = hp.n_swa if hp.swa_layers[il] else 0
         out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan,
                                 hp.attention_scale, n_swa, hp.attn_logit_softcapping,

@@ -59,7 +59,7 @@ import os
 import numpy as np
 
 from opencoti.engine.backend import cuda_kv
-from opencoti.engine.backend.cpu import yarn_corr_dims
+from opencoti.engine.backend.cpu import rope_kv_write, yarn_corr_dims
 from opencoti.engine.backend.cuda_kernels import load_module, load_source
 from opencoti.engine.backend.experts import ExpertRows
 from opencoti.model.gguf_file import GGUFFile
@@ -124,6 +124,10 @@ ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
+# (row, head group) counters of attention's in-kernel split merge (attention.cu merge_if_last, at
+# most 64 splits); launches with more fall back to the separate attn_merge kernel, as every launch
+# does with OPENCOTI_CUDA_ATTN_MERGE=launch
+ATTN_COUNTERS = 1 << 16 if os.environ.get("OPENCOTI_CUDA_ATTN_MERGE", "kernel") != "launch" else 0
 _CUDA_R_16F, _CUDA_R_32F = 2, 0  # cudaDataType_t
 _CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
 _CUBLAS_GEMM_DEFAULT = -1
@@ -139,6 +143,11 @@ SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
 # rows through shared_prefix.cu's tensor-core tiles with the causal / window masks
 # (_attention_prefill); OPENCOTI_CUDA_PREFILL_TC_ATTN=0: attention.cu's per-row kernel
 PREFILL_TC_ATTN = os.environ.get("OPENCOTI_CUDA_PREFILL_TC_ATTN", "1") != "0"
+
+
+def imma_digits(n: int) -> int:
+    """Base-256 digits per activation value of gemv_int.cu for ``n`` token rows (``IMMA_DIGITS``)."""
+    return IMMA_DIGITS or (3 if n <= IMMA_MAX_ROWS else 2)
 
 
 def _sp_smem(d: int) -> int:
@@ -278,6 +287,9 @@ class CUDABackend:
         self._f16_ok = True  # False while a prefill-size MoE runs its expert GEMMs
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
         self._lo_scale = np.full(1, 2.0 ** -12, np.float32)  # _gemm_f16x3's lo terms
+        # attention's split counters (attention.cu merge_if_last): zero between launches, allocated
+        # here, outside any graph's private pool, so every captured graph may hold the pointer
+        self._attn_count = cp.zeros(ATTN_COUNTERS, dtype=cp.uint32)
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
 
@@ -442,7 +454,7 @@ class CUDABackend:
         if x.data.ptr % 16:  # xq_digits reads float4s
             x = x.copy()
         n, k = x.shape
-        nd = IMMA_DIGITS or (3 if n <= IMMA_MAX_ROWS else 2)
+        nd = imma_digits(n)
         # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 tokens: 2 nd column tiles
         nt = 2 * nd if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
         cw = 8 * nt
@@ -724,6 +736,19 @@ class CUDABackend:
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         T, H, D = x.shape
+        y = cp.empty_like(x)
+        if x.size:
+            mode_i, ff, tail = self._rope_args(n_rot, base, freq_scale, mode, freq_factors, eps, yarn)
+            self._fn("k", "rope")((T * H,), (min(256, (D + 31) // 32 * 32),),
+                                  (x, self._idx(pos), y, np.int32(H), np.int32(D), np.int32(n_rot),
+                                   np.float32(base), np.float32(freq_scale), mode_i, ff,
+                                   norm if norm is not None else _NULL) + tail, shared_mem=4 * D)
+        return y
+
+    @staticmethod
+    def _rope_args(n_rot: int, base: float, freq_scale: float, mode: str, freq_factors, eps: float, yarn):
+        """``(mode, freq_factors, (eps, ext_factor, corr_lo, corr_hi, mscale))`` kernel arguments
+        of the rope kernels (kernels.cu ``rope_row``)."""
         ext, lo, hi, msc = 0.0, 0.0, 0.0, 1.0
         if yarn is not None:
             msc = yarn.attn_factor
@@ -731,15 +756,36 @@ class CUDABackend:
                 lo, hi = yarn_corr_dims(n_rot, yarn.n_ctx_orig, base, yarn.beta_fast, yarn.beta_slow)
                 ext = yarn.ext_factor
                 msc = yarn.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
-        y = cp.empty_like(x)
-        if x.size:
-            self._fn("k", "rope")((T * H,), (min(256, (D + 31) // 32 * 32),),
-                                  (x, self._idx(pos), y, np.int32(H), np.int32(D), np.int32(n_rot),
-                                   np.float32(base), np.float32(freq_scale), np.int32(2 if mode == "neox" else 0),
-                                   freq_factors if freq_factors is not None else _NULL,
-                                   norm if norm is not None else _NULL, np.float32(eps), np.float32(ext),
-                                   np.float32(lo), np.float32(hi), np.float32(msc)),
-                                  shared_mem=4 * D)
+        return (np.int32(2 if mode == "neox" else 0), freq_factors if freq_factors is not None else _NULL,
+                (np.float32(eps), np.float32(ext), np.float32(lo), np.float32(hi), np.float32(msc)))
+
+    def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, *, n_rot: int,
+                      base: float, freq_scale: float = 1.0, mode: str = "norm", freq_factors=None, eps: float = 0.0,
+                      yarn=None):
+        """``cpu.rope_kv_write`` (rope q, rope k, store k and v into the layer's cells): with f16
+        K and V of one head size, one ``rope_kv_write`` kernel (kernels.cu) for all three, with
+        the bits of the separate launches; other tiers / shapes run the composition. ``q [T,
+        n_head, D]``, ``k [T, n_kv, D]``, ``v [T, n_kv, dv]`` float32. Returns the rotated q."""
+        cp = self.cp
+        K, V = cache.k[il], cache.v[il]
+        tk, tv = getattr(cache, "tier_k", None), getattr(cache, "tier_v", None)
+        T, Hq, D = q.shape
+        if ((tk is not None and tk.name != "f16") or (tv is not None and tv.name != "f16") or not T
+                or K.dtype != np.float16 or V.dtype != np.float16 or k.shape[2] != D or k.shape[1] != K.shape[2]):
+            return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, n_rot=n_rot, base=base,
+                                 freq_scale=freq_scale, mode=mode, freq_factors=freq_factors, eps=eps, yarn=yarn)
+        q = cp.ascontiguousarray(q, dtype=cp.float32)
+        k = cp.ascontiguousarray(k, dtype=cp.float32)
+        v = cp.ascontiguousarray(v, dtype=cp.float32)
+        Hk, dv = k.shape[1], v.shape[2]
+        meta = self._plan_meta(plan, K.shape[1])
+        y = cp.empty_like(q)
+        mode_i, ff, tail = self._rope_args(n_rot, base, freq_scale, mode, freq_factors, eps, yarn)
+        self._fn("k", "rope_kv_write")((T * (Hq + Hk),), (min(256, (D + 31) // 32 * 32),),  # rope's threads
+                                       (q, k, v, self._idx(pos), y, K, V, meta["write"], np.int32(T), np.int32(Hq),
+                                        np.int32(Hk), np.int32(D), np.int32(dv), np.int32(n_rot), np.float32(base),
+                                        np.float32(freq_scale), mode_i, ff, q_norm if q_norm is not None else _NULL,
+                                        k_norm if k_norm is not None else _NULL) + tail, shared_mem=4 * D)
         return y
 
     # -- mixture of experts ----------------------------------------------------------------
@@ -1287,11 +1333,13 @@ class CUDABackend:
         else:
             part_acc = part_ml = out
         fn = self._kv_attn_fn(tk.name, tv.name, D, g) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
+        # splits merged by their last block (one launch) while the counters reach
+        fused = 1 < n_split <= 64 and T * n_kv * n_hg <= ATTN_COUNTERS
         fn((T, n_kv * n_hg, n_split), (128,),
            (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
             k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
-            np.float32(softcap), np.int32(n_split), out, part_acc, part_ml))
-        if n_split > 1:
+            np.float32(softcap), np.int32(n_split), out, part_acc, part_ml, self._attn_count if fused else _NULL))
+        if n_split > 1 and not fused:
             self._fn("a", "attn_merge")((T, H), (min(256, D),),
                                         (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))
         return out
@@ -1382,7 +1430,7 @@ class CUDABackend:
             (T, n_kv * n_hg, n_sp), (128,),
             (q, qp, self._plan_meta(plan, k_store.shape[1])["row_view"], gm["p_off"], gm["p_cells"], gm["p_pos"],
              k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
-             np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml))
+             np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml, _NULL))
         # 2. shared prefix of each group
         R = gm["R"]
         s_len = gm["scaps"] if self._staged else [int(n) for n in (len(gr.cells) for gr in plan.groups)]

@@ -79,7 +79,7 @@ import struct
 
 import numpy as np
 
-from opencoti.engine.backend.cpu import rope_cos_sin
+from opencoti.engine.backend.cpu import rope_cos_sin, rope_kv_write
 from opencoti.engine.backend.experts import ExpertRows
 from opencoti.engine.backend.vk_runtime import GraphTooLarge, Runtime, describe
 from opencoti.model.gguf_file import GGUFFile
@@ -1220,6 +1220,11 @@ class VulkanBackend:
         return kind
 
     @_taped
+    def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, **rope):
+        """``cpu.rope_kv_write``: rope q and k, store k and v into the layer's cells (the
+        composition of ``rope`` and ``kv_write``). Returns the rotated q."""
+        return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, **rope)
+
     def kv_write(self, cache, il: int, plan, k, v) -> None:
         """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells, in the cache's
         tiers (``cache.tier_k`` / ``tier_v``): f16 (rounded to nearest even, as NumPy) or f32
