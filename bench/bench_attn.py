@@ -5,7 +5,7 @@
 One query row (a decode step of one sequence) over N cells of f16 K/V, for two head layouts
 (Qwen2.5-7B: 28 query heads, 4 KV heads, head dim 128; gemma-3-270m: 4 / 1 / 256), timed
 inside a captured CUDA graph (``bench_gemv._graph_time``): ``attn_partial`` for split counts
-1, 2, 4 .. 128 (those with >= 8 cells per split), the splits merged by their last block. Prints one
+1, 2, 4 .. 128 (those with >= 8 cells per split), plus ``attn_merge`` when it splits. Prints one
 row per (layout, N): us per call for each split count; the backend picks its count in
 ``CUDABackend.attention_cells`` (>= 32 cells per split, >= 2 blocks per SM, at most 64).
 """
@@ -20,7 +20,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-LAYOUTS = {"qwen2.5-7b": (28, 4, 128, 8), "gemma-3-270m": (4, 1, 256, 4)}  # heads, kv heads, dim, kernel G
+# heads, kv heads, dim, kernel G (query heads per block: G < heads / kv heads takes several blocks)
+LAYOUTS = {"qwen2.5-7b": (28, 4, 128, 8), "gemma-3-270m": (4, 1, 256, 4),
+           "qwen2.5-7b, G 2": (28, 4, 128, 2), "gemma-3-270m, G 1": (4, 1, 256, 1)}
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
         print(f"{name}: {H} heads, {nkv} kv heads, head dim {D}\n")
         print("| cells | " + " | ".join(f"s{s}" for s in (1, 2, 4, 8, 16, 32, 64, 128)) + " |")
         print("| ---: |" + " ---: |" * 8)
-        fn = be._fn("a", f"attn_partial_d{D}_g{g}")
+        fn, merge = be._fn("a", f"attn_partial_d{D}_g{g}"), be._fn("a", "attn_merge")
         for L in (int(v) for v in a.cells.split(",")):
             q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
             K = (cp.random.standard_normal((L, nkv, D), dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint16)
@@ -54,10 +56,12 @@ def main() -> None:
                 out = cp.empty((1, H * D), cp.float32)
                 pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
 
-                def call(ns=ns, out=out, pa=pa, pm=pm):  # splits merged in the kernel (merge_if_last)
-                    fn((1, nkv, ns), (128,), (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv),
+                def call(ns=ns, out=out, pa=pa, pm=pm):
+                    fn((1, nkv * -(-H // nkv // g), ns), (128,), (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv),
                                               np.float32(D ** -0.5), np.int32(0), np.float32(0), np.int32(ns), out,
-                                              pa, pm, be._attn_count))
+                                              pa, pm))
+                    if ns > 1:
+                        merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
 
                 row.append(f"{_graph_time(cp, call, a.reps):.1f}")
             print(f"| {L:,} | " + " | ".join(row) + " |", flush=True)

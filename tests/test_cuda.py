@@ -991,28 +991,6 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
     np.testing.assert_allclose(got, want, **KV_TOL)
 
 
-@pytest.mark.parametrize("tk,tv", [("f16", "f16"), ("q8_0", "q8_0"), ("turbo3", "turbo3"), ("f16", "q4_0")])
-@pytest.mark.parametrize("d,n_head", [(256, 8), (128, 28)])
-def test_attention_split_merge_in_kernel(gpu, monkeypatch, tk, tv, d, n_head):
-    """Split-K partials merged by the last block of each (row, head group) (attention.cu
-    merge_if_last) give the bits of the separate attn_merge launch, leave every counter at zero
-    (captured graphs reuse the array), and a second call gives the same bits."""
-    from opencoti.engine.backend import cuda as cu
-
-    rng = np.random.default_rng(23)
-    cc, plan, ub_pos = _cache_with_two_seqs(2, d, 1500, rng, np.zeros)
-    kq, vq = _tier_stores(rng, cc, tk, tv)
-    q = cp.asarray(rng.standard_normal((5, n_head, d)).astype(np.float32))
-    args = (q, ub_pos, cp.asarray(kq), cp.asarray(vq), plan, 1 / np.sqrt(d), 0, 0.0)
-    kw = {"type_k": get_tier(tk), "type_v": get_tier(tv)}
-    assert gpu._attn_splits(1500, 5 * 2, 1) > 1
-    fused = cp.asnumpy(gpu.attention_cells(*args, **kw))
-    assert not gpu._attn_count.any()
-    np.testing.assert_array_equal(cp.asnumpy(gpu.attention_cells(*args, **kw)), fused)
-    monkeypatch.setattr(cu, "ATTN_COUNTERS", 0)  # the two-launch path
-    np.testing.assert_array_equal(cp.asnumpy(gpu.attention_cells(*args, **kw)), fused)
-
-
 @pytest.mark.parametrize("n_swa,softcap,n_ctx", _KV_MASKS)
 @pytest.mark.parametrize("d,n_head,n_kv", _KV_SHAPES)
 @pytest.mark.parametrize("name", TIER_NAMES)

@@ -14,9 +14,8 @@
 // the tile's softmax update is one warp max + sum, then the lanes switch to
 // dims and accumulate p * V cell by cell (each V row read coalesced). Split s of a view covers an
 // equal slice of its cells; the online softmax is Milakov & Gimelshein 2018. Warps merge in shared memory; with n_split == 1 the
-// normalized output is written directly, else (max, sum, acc) partials that the last
-// block of the row's splits (merge_if_last) or attn_merge combines by log-sum-exp (Dao et
-// al., flash-decoding).
+// normalized output is written directly, else (max, sum, acc) partials that
+// attn_merge combines by log-sum-exp (Dao et al., flash-decoding).
 #include "quants.cuh"
 #include "lse_merge.cuh"
 
@@ -110,74 +109,12 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[MAXG], bool ok, in
     }
 }
 
-// With a split (n_split > 1) and `count` non-null, the block that finishes last among the
-// n_split blocks of its (row, head group) merges their partials into `out` (the threadfence
-// reduction of the CUDA samples: each block fences its partial stores, then counts itself in),
-// so no attn_merge launch follows. count[blockIdx.x * gridDim.y + blockIdx.y] is zero between
-// launches: the last block resets it (graph replays reuse the array). The merge's arithmetic and
-// order are attn_merge's (M the largest m_s; L = sum_s l_s e^{m_s - M} and A = sum_s acc_s
-// e^{m_s - M} in split order; out = A / L), so the output is bit-identical to the two-launch
-// path; the per-split factors e^{m_s - M} are computed once per head into shared memory (a warp
-// per head), then every thread sums its dims' partials with independent loads.
-#define MERGE_MAX_SPLIT 64
-template <int D, int MAXG>
-__device__ __forceinline__ void merge_if_last(unsigned* __restrict__ count, int n_split, long long rh0, int Gb,
-                                              const float* part_acc, const float* part_ml, float* __restrict__ out) {
-    __shared__ bool s_last;
-    __shared__ float s_f[MAXG][MERGE_MAX_SPLIT], s_L[MAXG];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned* c = count + (long long)blockIdx.x * gridDim.y + blockIdx.y;
-        s_last = atomicAdd(c, 1u) == (unsigned)n_split - 1u;
-        if (s_last) *c = 0u;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = warp; g < Gb; g += blockDim.x >> 5) {
-        const long long p0 = (rh0 + g) * n_split;
-        float ms[MERGE_MAX_SPLIT / 32], M = NEG_INF;
-#pragma unroll
-        for (int j = 0; j < MERGE_MAX_SPLIT / 32; j++) {
-            const int sp = lane + 32 * j;
-            ms[j] = sp < n_split ? __ldcg(part_ml + 2 * (p0 + sp)) : NEG_INF;
-            M = fmaxf(M, ms[j]);
-        }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-#pragma unroll
-        for (int j = 0; j < MERGE_MAX_SPLIT / 32; j++) {
-            const int sp = lane + 32 * j;
-            if (sp < n_split) s_f[g][sp] = M == NEG_INF || ms[j] == NEG_INF ? 0.f : __expf(ms[j] - M);
-        }
-        __syncwarp();
-        if (lane == 0) {  // L in split order, as lse_add
-            float L = 0.f;
-            for (int sp = 0; sp < n_split && M != NEG_INF; sp++)
-                if (__ldcg(part_ml + 2 * (p0 + sp)) != NEG_INF) L += __ldcg(part_ml + 2 * (p0 + sp) + 1) * s_f[g][sp];
-            s_L[g] = L;
-        }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
-        const int g = idx / D, d = idx % D;
-        const float* acc = part_acc + (rh0 + g) * n_split * D + d;
-        float A = 0.f;
-        for (int sp = 0; sp < n_split; sp++) A += __ldcg(acc + (long long)sp * D) * s_f[g][sp];
-        const float L = s_L[g];
-        out[(rh0 + g) * D + d] = L > 0.f ? A / L : 0.f;
-    }
-}
-
 template <int D, int MAXG>
 __device__ __forceinline__ void attn_partial_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
     const u16* __restrict__ K, const u16* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
-    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    unsigned* __restrict__ count) {
+    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int E = D / 32;  // V dims per lane
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
@@ -274,7 +211,6 @@ __device__ __forceinline__ void attn_partial_impl(
             if (d == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
         }
     });
-    if (n_split > 1 && count) merge_if_last<D, MAXG>(count, n_split, (long long)r * n_head + kh * G + g0, Gb, part_acc, part_ml, out);
 }
 
 #ifndef KV_TK  // the f16 module (the tier modules below use its attn_merge)
@@ -282,9 +218,9 @@ __device__ __forceinline__ void attn_partial_impl(
     extern "C" __global__ void __launch_bounds__(128) attn_partial_d##D##_g##G(                               \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u16* K, const u16* V, int n_head, int n_kv, float scale, int n_swa,         \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml, unsigned* count) {            \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) {                             \
         attn_partial_impl<D, G>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, scale,    \
-                                n_swa, softcap, n_split, out, part_acc, part_ml, count); }
+                                n_swa, softcap, n_split, out, part_acc, part_ml); }
 DEF_ATTN(32, 1) DEF_ATTN(32, 2) DEF_ATTN(32, 4) DEF_ATTN(32, 8)
 DEF_ATTN(64, 1) DEF_ATTN(64, 2) DEF_ATTN(64, 4) DEF_ATTN(64, 8)
 DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
@@ -373,8 +309,7 @@ __device__ __forceinline__ void attn_kv_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
     const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
-    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    unsigned* __restrict__ count) {
+    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int E = D / 32;  // V dims per lane
     constexpr long long RBK = D / TK::BS * TK::BB, RBV = D / TV::BS * TV::BB;  // row bytes
     const int r = blockIdx.x, sp = blockIdx.z;
@@ -467,16 +402,15 @@ __device__ __forceinline__ void attn_kv_impl(
             else part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = s_acc[0][g][d];
         }
     }
-    if (n_split > 1 && count) merge_if_last<D, MAXG>(count, n_split, (long long)r * n_head + kh * G + g0, Gb, part_acc, part_ml, out);
 }
 
 #define DEF_ATTN_KV(G)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) attn_kv_g##G(                                            \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml, unsigned* count) {            \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) {                             \
         attn_kv_impl<KV_D, G, KV_TK, KV_TV>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, \
-                                            scale, n_swa, softcap, n_split, out, part_acc, part_ml, count); }
+                                            scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
 DEF_ATTN_KV(1) DEF_ATTN_KV(2) DEF_ATTN_KV(4)
 #if KV_D < 512
 DEF_ATTN_KV(8)

@@ -121,13 +121,11 @@ if PREFILL_GEMM not in ("f16x3", "f32", "f16"):
     raise ValueError(f"OPENCOTI_CUDA_PREFILL_GEMM={PREFILL_GEMM!r}: expected f16x3, f32 or f16")
 ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
+# fewest heads per block such that rows x kv heads x head blocks stays within this (decode steps)
+ATTN_SMALL_GRID = int(os.environ.get("OPENCOTI_CUDA_ATTN_SMALL_GRID", "16"))
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
-# (row, head group) counters of attention's in-kernel split merge (attention.cu merge_if_last, at
-# most 64 splits); launches with more fall back to the separate attn_merge kernel, as every launch
-# does with OPENCOTI_CUDA_ATTN_MERGE=launch
-ATTN_COUNTERS = 1 << 16 if os.environ.get("OPENCOTI_CUDA_ATTN_MERGE", "kernel") != "launch" else 0
 _CUDA_R_16F, _CUDA_R_32F = 2, 0  # cudaDataType_t
 _CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
 _CUBLAS_GEMM_DEFAULT = -1
@@ -287,9 +285,6 @@ class CUDABackend:
         self._f16_ok = True  # False while a prefill-size MoE runs its expert GEMMs
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
         self._lo_scale = np.full(1, 2.0 ** -12, np.float32)  # _gemm_f16x3's lo terms
-        # attention's split counters (attention.cu merge_if_last): zero between launches, allocated
-        # here, outside any graph's private pool, so every captured graph may hold the pointer
-        self._attn_count = cp.zeros(ATTN_COUNTERS, dtype=cp.uint32)
         self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
 
@@ -1316,7 +1311,12 @@ class CUDABackend:
                                       f"supported (head_dim {dims} for KV {tk.name}/{tv.name}, n_head a "
                                       f"multiple of n_head_kv)")
         groups = [x for x in ATTN_GROUPS if D < 512 or x <= 4]
-        g = next((x for x in groups if x >= G), groups[-1])
+        # query heads per block: all of a kv head's (up to 8) when the grid is big, but few rows
+        # (decode) take blocks of 1 or 2 heads while the blocks stay few (ATTN_SMALL_GRID):
+        # each block's serial work shrinks (bench_attn.py, H200, 512 cells: gemma-3-270m's 4
+        # heads per block 13.8 us, 1 per block 7.9; Qwen2.5-7B's 7 heads 13.7 us, 2 per block 9.9)
+        g = next((x for x in groups if T * n_kv * -(-G // x) <= ATTN_SMALL_GRID),
+                 next((x for x in groups if x >= G), groups[-1]))
         n_hg = (G + g - 1) // g
         meta = self._plan_meta(plan, k_store.shape[1])
         # shared-prefix groups: f16 / f16 only; any other tier pair reads every view's cells (the
@@ -1333,13 +1333,11 @@ class CUDABackend:
         else:
             part_acc = part_ml = out
         fn = self._kv_attn_fn(tk.name, tv.name, D, g) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
-        # splits merged by their last block (one launch) while the counters reach
-        fused = 1 < n_split <= 64 and T * n_kv * n_hg <= ATTN_COUNTERS
         fn((T, n_kv * n_hg, n_split), (128,),
            (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
             k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
-            np.float32(softcap), np.int32(n_split), out, part_acc, part_ml, self._attn_count if fused else _NULL))
-        if n_split > 1 and not fused:
+            np.float32(softcap), np.int32(n_split), out, part_acc, part_ml))
+        if n_split > 1:
             self._fn("a", "attn_merge")((T, H), (min(256, D),),
                                         (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))
         return out
@@ -1430,7 +1428,7 @@ class CUDABackend:
             (T, n_kv * n_hg, n_sp), (128,),
             (q, qp, self._plan_meta(plan, k_store.shape[1])["row_view"], gm["p_off"], gm["p_cells"], gm["p_pos"],
              k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
-             np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml, _NULL))
+             np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml))
         # 2. shared prefix of each group
         R = gm["R"]
         s_len = gm["scaps"] if self._staged else [int(n) for n in (len(gr.cells) for gr in plan.groups)]
