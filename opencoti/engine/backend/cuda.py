@@ -89,9 +89,11 @@ GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
 # block's largest |x|) or 2 (2^-16, finer than f16's 2^-11: a third less integer work per token).
-# Default: 3 up to IMMA_MAX_ROWS rows (the GEMV is bound by weight bytes: no gain from 2) and 2
-# for gemmi's batched rows (ALU-bound; H200, 270m x64 8,947 -> 10,106 tok/s, 7B x32 2,276 ->
-# 2,602). OPENCOTI_CUDA_IMMA_DIGITS=2 or 3 forces one count for every row count.
+# Default (imma_digits): 2 for gemmi's rows of a batched decode step (ALU-bound; H200, 270m x64
+# 8,947 -> 10,106 tok/s, 7B x32 2,276 -> 2,602), else 3 (one-row GEMVs are bound by weight bytes:
+# no gain from 2; prompt rows keep float32 accuracy: their K / V are read by every later token, and
+# quantized KV tiers amplify a last-bit difference into a code flip). OPENCOTI_CUDA_IMMA_DIGITS=2 or
+# 3 forces one count everywhere.
 _ND = os.environ.get("OPENCOTI_CUDA_IMMA_DIGITS", "")
 IMMA_DIGITS = int(_ND) if _ND else None
 if IMMA_DIGITS not in (None, 2, 3):
@@ -143,9 +145,18 @@ SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
 PREFILL_TC_ATTN = os.environ.get("OPENCOTI_CUDA_PREFILL_TC_ATTN", "1") != "0"
 
 
-def imma_digits(n: int) -> int:
-    """Base-256 digits per activation value of gemv_int.cu for ``n`` token rows (``IMMA_DIGITS``)."""
-    return IMMA_DIGITS or (3 if n <= IMMA_MAX_ROWS else 2)
+def imma_digits(n: int, decode: bool) -> int:
+    """Base-256 digits per activation value of gemv_int.cu for ``n`` token rows (``IMMA_DIGITS``):
+    2 only for a batched decode step (``decode``: every row its own sequence's one token) of more
+    than IMMA_MAX_ROWS rows; prompts (whose K / V every later token reads) and direct op calls keep
+    3, float32 accuracy."""
+    return IMMA_DIGITS or (2 if decode and n > IMMA_MAX_ROWS else 3)
+
+
+def _decode_rows(ub) -> int:
+    """``ub``'s row count when every row is a different sequence's (a batched decode step), else 0."""
+    T = len(ub.seq_id)
+    return T if T and len(np.unique(ub.seq_id)) == T else 0
 
 
 def _sp_smem(d: int) -> int:
@@ -274,6 +285,7 @@ class CUDABackend:
         self._fns: dict = {}
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
+        self._decode_rows = 0  # rows of the current ubatch when each is its own sequence's token, else 0
         self._dev: dict = {}
         self._meta: dict = {}
         self._staged = False
@@ -336,6 +348,7 @@ class CUDABackend:
         cp = self.cp
         if self._staged:  # run_graph staged them in fixed buffers already
             return
+        self._decode_rows = _decode_rows(ub)
         host = np.concatenate([ub.tokens, ub.pos, ub.out_rows]).astype(np.int32)
         dev = cp.asarray(host)
         n, m = len(ub.tokens), len(ub.out_rows)
@@ -449,7 +462,7 @@ class CUDABackend:
         if x.data.ptr % 16:  # xq_digits reads float4s
             x = x.copy()
         n, k = x.shape
-        nd = imma_digits(n)
+        nd = imma_digits(n, self._decode_rows == n)
         # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 tokens: 2 nd column tiles
         nt = 2 * nd if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
         cw = 8 * nt
@@ -1108,7 +1121,8 @@ class CUDABackend:
         tot = [int(p.view_lens().sum()) for p in kv_plans]
         caps = [max(256, 1 << (t - 1).bit_length()) for t in tot]
         gcaps = [self._group_caps(p, exact=False) if p.groups else None for p in kv_plans]
-        key = (T, len(ub.out_rows), tuple((p.n_views, cap) for p, cap in zip(kv_plans, caps)),
+        self._decode_rows = _decode_rows(ub)  # gemv_int.cu's digits (imma_digits): part of the key
+        key = (T, self._decode_rows, len(ub.out_rows), tuple((p.n_views, cap) for p, cap in zip(kv_plans, caps)),
                tuple(len(p.views) for p in rs_plans),
                tuple(None if gc is None else (gc, tuple(sum(len(p.views[i].rows) for i in g.views) for g in p.groups))
                      for p, gc in zip(kv_plans, gcaps)))
