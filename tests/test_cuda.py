@@ -224,13 +224,13 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "IMMA_DIGITS", digits)
+    monkeypatch.setattr(gpu, "_decode_rows", n)  # a batched decode step: the default takes 2 digits from 9 rows
     x, raw, want = _mmq_case(qname, rows, cols, n, 70 + n)
     x[:, 3] *= 40
     want = x.astype(np.float64) @ ref_dequant(qname, raw, cols).astype(np.float64).T
     w = to_qtensor(raw, qname, cols)
     got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
     assert got.shape == (n, rows) and np.isfinite(got).all()
-    monkeypatch.setattr(gpu, "_decode_rows", n)  # a batched decode step: the default takes 2 digits from 9 rows
     nd = digits or (3 if n <= cu.IMMA_MAX_ROWS else 2)
     assert gpu._digits(cp.asarray(x))[5] == nd
     assert rel_err(got, want) < (5e-6 if nd == 3 else 3e-4), rel_err(got, want)
