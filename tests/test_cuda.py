@@ -220,7 +220,7 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
     per GEMV block, gemmi's 16 tokens in 32 columns) the bound is the activations' own rounding: a float64 emulation of the
     2-digit quantization on these cases errs up to 1.6e-4 (the 40x channel coarsens its blocks'
     step), the integer products being exact. ``None`` is the default: 3 digits up to
-    IMMA_MAX_ROWS rows, 2 for gemmi's batched rows."""
+    IMMA_MAX_ROWS rows and for prompts, 2 for gemmi in a batched decode step."""
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "IMMA_DIGITS", digits)
