@@ -111,6 +111,78 @@ class ViewArrays:
     cell_pos: np.ndarray
 
 
+class _Layout:
+    """The cell lists of the last decode step's sequences, flat (``KVCache``'s decode fast path):
+    sequence ``seqs[i]`` (ascending; ``sl`` as a list) of stream ``streams[i]`` holds
+    ``cells[off[i]:off[i + 1]]`` (its cached list, in order) at positions ``cpos[...]``; all
+    int64. ``seg``: the common length of the lists, -1 when they differ. ``asc``: every list's
+    positions ascend (tracked for sliding-window caches, whose pruning then reads the first
+    cells of each list only; False = unknown). ``idx[s]``: i for a
+    held sequence, -1 for one that is not (never held, or dropped when its cells changed
+    otherwise). ``intact``: every sequence of the step is still held. The arrays are never
+    written in place (the steps' ``ViewArrays`` and ``cells_of`` slices share them); a step
+    binds new ones."""
+
+    __slots__ = ("seqs", "sl", "streams", "off", "cells", "cpos", "seg", "asc", "idx", "intact", "rows", "step")
+
+    def __init__(self, seqs, streams, off, cells, cpos, n_seq_max: int, track_asc: bool = False):
+        n = len(seqs)
+        self.seqs, self.sl, self.streams = seqs, seqs.tolist(), streams
+        self.off, self.cells, self.cpos = off, cells, cpos
+        self.rows, self.step = np.arange(n), np.arange(n + 1)  # a step's row order; off's growth
+        self.idx = np.full(n_seq_max, -1, dtype=np.int64)
+        self.idx[seqs] = self.rows
+        self.intact = True
+        self.set_seg()
+        self.asc = track_asc and self.ascending()
+
+    def set_seg(self) -> None:
+        lens = self.off[1:] - self.off[:-1]
+        self.seg = int(lens[0]) if len(lens) and bool((lens == lens[0]).all()) else -1
+
+    def ascending(self) -> bool:
+        """Whether every list's positions strictly ascend (one pass over ``cpos``)."""
+        cpos, off = self.cpos, self.off
+        if len(cpos) < 2:
+            return True
+        up = cpos[1:] > cpos[:-1]
+        b = off[1:-1]  # pair (b - 1, b) spans two lists
+        up[b[(b > 0) & (b < len(cpos))] - 1] = True
+        return bool(up.all())
+
+    def appends_ascend(self, new_pos: np.ndarray) -> bool:
+        """Whether appending ``new_pos[i]`` to list i keeps every list ascending (given ``asc``)."""
+        if self.seg == 0:
+            return True
+        if self.seg > 0:
+            return bool((new_pos > self.cpos[self.off[1:] - 1]).all())
+        nz = self.off[1:] > self.off[:-1]
+        return bool((new_pos[nz] > self.cpos[self.off[1:][nz] - 1]).all())
+
+    def holds(self, seqs: np.ndarray) -> bool:
+        """True when the layout is intact and holds exactly ``seqs`` (int64, ascending)."""
+        return self.intact and len(seqs) == len(self.seqs) and bool((seqs == self.seqs).all())
+
+
+def _append_each(a: np.ndarray, off: np.ndarray, x: np.ndarray, seg: int) -> np.ndarray:
+    """Segments ``a[off[i]:off[i + 1]]`` (int64, ``off [n + 1]`` from 0 to ``len(a)``) with
+    ``x[i]`` appended to segment i, concatenated: int64 ``[len(a) + n]`` (``np.insert`` at
+    ``off[1:]``, without its overhead). ``seg``: every segment's length (a 2-D copy), or -1."""
+    n = len(x)
+    out = np.empty(len(a) + n, dtype=np.int64)
+    if seg >= 0:
+        o2 = out.reshape(n, seg + 1)
+        o2[:, :seg] = a.reshape(n, seg)
+        o2[:, seg] = x
+        return out
+    at = off[1:] + np.arange(n)
+    keep = np.ones(len(out), dtype=bool)
+    keep[at] = False
+    out[keep] = a
+    out[at] = x
+    return out
+
+
 class CachePlan:
     """The cells a ubatch writes in one cache: ``stream[t]``, ``cell[t]`` for token row t.
 
@@ -153,7 +225,8 @@ class CachePlan:
     def view_lens(self) -> np.ndarray:
         """Cells per view, int64 ``[n_views]``."""
         if self.arrays is not None:
-            return np.diff(self.arrays.off)
+            off = self.arrays.off
+            return off[1:] - off[:-1]
         return np.fromiter((len(v.cells) for v in self._views), dtype=np.int64, count=len(self._views))
 
     def flat(self, n_cells: int, cap: int | None = None) -> list[np.ndarray]:
@@ -164,6 +237,8 @@ class CachePlan:
         lists and their positions, in view order). ``cap``: pad ``cells`` / ``cell_pos`` with
         zeros to this length (a captured graph's fixed buffer). Raises ``ValueError`` when the
         cell lists are longer than ``cap``."""
+        if self.arrays is not None and len(self.arrays.seq):
+            return self._flat_arrays(n_cells, cap)
         lens = self.view_lens()
         n_views = len(lens)
         off = np.zeros(n_views + 1, dtype=np.int64)
@@ -189,6 +264,25 @@ class CachePlan:
                     np.repeat(np.arange(n_views), n_rows)
             if streams.any():
                 cells[:total] += np.repeat(streams, lens) * n_cells
+        write = np.asarray(self.stream, dtype=np.int64) * n_cells + np.asarray(self.cell, dtype=np.int64)
+        return [write, row_view, off, cells, cpos]
+
+    def _flat_arrays(self, n_cells: int, cap: int | None) -> list[np.ndarray]:
+        """``flat`` of a plan committed as ``arrays``: copies of the flat lists, no gathering."""
+        a = self.arrays
+        off = a.off.copy()  # from 0: the lists are concatenated in view order
+        total = int(off[-1])
+        if cap is not None and total > cap:
+            raise ValueError(f"the plan's cell lists ({total}) exceed the buffer ({cap})")
+        if cap is None:
+            cells, cpos = np.array(a.cells, dtype=np.int64), np.array(a.cell_pos, dtype=np.int64)
+        else:
+            cells, cpos = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+            cells[:total], cpos[:total] = a.cells, a.cell_pos
+        if a.stream.any():
+            cells[:total] += np.repeat(a.stream, off[1:] - off[:-1]) * n_cells
+        row_view = np.zeros(len(self.cell), dtype=np.int64)
+        row_view[a.row] = np.arange(len(a.seq))
         write = np.asarray(self.stream, dtype=np.int64) * n_cells + np.asarray(self.cell, dtype=np.int64)
         return [write, row_view, off, cells, cpos]
 
@@ -218,7 +312,15 @@ class KVCache:
         kv_ops_for: per-layer ``kv_ops_for(il) -> kv_ops`` (partial offload: the backend that
             holds layer ``il``'s storage, None for a CPU layer); None = ``kv_ops`` for all.
     Raises ``ValueError`` for an unknown tier or a head size the tier cannot store.
+
+    Decode steps take fast paths (``fast``; False = the general code alone, which the tests
+    compare against): the last decode step's cell lists stay flat (``_Layout``), so the next
+    step of the same sequences prunes and appends on two arrays instead of gathering every
+    list and position again, and free cells are searched from ``_lo``, below which no cell
+    is free.
     """
+
+    fast = True
 
     def __init__(
         self,
@@ -257,6 +359,9 @@ class KVCache:
         # member cells per seq_id (None = recompute from ``seq``): a decode step then
         # costs O(cells of the ubatch's sequences), not O(n_seq * n_cells)
         self._cells: list[np.ndarray | None] = [None] * n_seq_max
+        self._lay: _Layout | None = None  # the last decode step's lists (override ``_cells``)
+        self._lo = [0] * n_stream  # per stream: every cell below is in use (pos >= 0)
+        self._neg = False  # a negative position was written: no layouts (their positions are cached)
         shape_k = (n_stream, n_cells, n_head_kv, self.tier_k.row_len(d_k))
         shape_v = (n_stream, n_cells, n_head_kv, self.tier_v.row_len(d_v))
         alloc = zeros_for or (lambda il: zeros)
@@ -314,16 +419,47 @@ class KVCache:
         """Mark cells without members empty (all cells, or only ``cells``)."""
         if cells is None:
             self.pos[st, ~self.seq[st].any(axis=0)] = -1
+            self._lo[st] = 0
         elif len(cells):
-            self.pos[st, cells[~self.seq[st][:, cells].any(axis=0)]] = -1
+            gone = cells[~self.seq[st][:, cells].any(axis=0)]
+            self.pos[st, gone] = -1
+            if len(gone):
+                self._lo[st] = min(self._lo[st], int(gone.min()))
 
     def cells_of(self, seq_id: int) -> np.ndarray:
         """Cell indices (in ``seq_id``'s stream, any order) that ``seq_id`` is a member
         of (cached; do not modify the returned array)."""
+        lay = self._lay
+        if lay is not None:
+            i = lay.idx[seq_id]
+            if i >= 0:
+                return lay.cells[lay.off[i]:lay.off[i + 1]]
         c = self._cells[seq_id]
         if c is None:
             c = self._cells[seq_id] = np.nonzero(self.seq[self.stream_of(seq_id), seq_id])[0]
         return c
+
+    def _set_cells(self, seq_id: int, cells: np.ndarray | None) -> None:
+        """Cache ``cells`` as ``seq_id``'s list (None: recompute from membership when next read),
+        dropping the sequence from the layout."""
+        lay = self._lay
+        if lay is not None and lay.idx[seq_id] >= 0:
+            lay.idx[seq_id] = -1
+            lay.intact = False
+        self._cells[seq_id] = cells
+
+    def _set_layout(self, lay: _Layout | None) -> None:
+        """Replace the layout; the sequences the old one held and the new one does not get their
+        lists back in ``_cells``."""
+        old = self._lay
+        if old is not None:
+            held = np.nonzero(old.idx >= 0)[0]
+            if lay is not None:
+                held = held[lay.idx[held] < 0]
+            off = old.off.tolist()
+            for s, i in zip(held.tolist(), old.idx[held].tolist()):
+                self._cells[s] = old.cells[off[i]:off[i + 1]]
+        self._lay = lay
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id`` from its cells with position in ``[p0, p1)`` (-1 = open end).
@@ -337,7 +473,7 @@ class KVCache:
         st, m = self._range(seq_id, p0, p1)
         cells = np.nonzero(m)[0]
         self.seq[st, seq_id, cells] = False
-        self._cells[seq_id] = None
+        self._set_cells(seq_id, None)
         self._gc(st, cells)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -351,7 +487,7 @@ class KVCache:
         st_d = self.stream_of(dst)
         if st_s == st_d:
             self.seq[st_s, dst, m] = True
-            self._cells[dst] = None
+            self._set_cells(dst, None)
             return
         src_cells = np.nonzero(m)[0]
         free = np.nonzero(self.pos[st_d] < 0)[0]
@@ -360,7 +496,7 @@ class KVCache:
         dst_cells = free[: len(src_cells)]
         self.pos[st_d, dst_cells] = self.pos[st_s, src_cells]
         self.seq[st_d, dst, dst_cells] = True
-        self._cells[dst] = None
+        self._set_cells(dst, None)
         for il in self.layers:
             self.k[il][st_d, dst_cells] = self.k[il][st_s, src_cells]
             self.v[il][st_d, dst_cells] = self.v[il][st_s, src_cells]
@@ -385,11 +521,14 @@ class KVCache:
             raise ValueError("seq_add on cells shared with another sequence")
         shift = np.zeros(self.n_cells, dtype=np.int32)
         shift[m] = delta
+        if m.any():  # positions move: the list stays, out of the layout (which caches positions)
+            self._set_cells(seq_id, self.cells_of(seq_id))
         self.pos[st, m] += delta
         gone = m & (self.pos[st] < 0)
         if gone.any():
             self.seq[st, :, gone] = False
-            self._cells[seq_id] = None
+            self._set_cells(seq_id, None)
+            self._lo[st] = 0
         self.pos[st, gone] = -1
         shift[gone] = 0
         return shift
@@ -408,6 +547,9 @@ class KVCache:
         self.pos[:] = -1
         self.seq[:] = False
         self._cells = [None] * self.n_seq_max
+        self._lay = None
+        self._lo = [0] * self.n_stream
+        self._neg = False
 
     # -- per-ubatch planning ----------------------------------------------------------
     def prune_swa(self, seq_ids: np.ndarray, pos: np.ndarray) -> None:
@@ -421,6 +563,8 @@ class KVCache:
             return
         seq_ids, pos = np.asarray(seq_ids, dtype=np.int64), np.asarray(pos, dtype=np.int64)
         if _one_row_each(seq_ids):  # a decode step: each sequence's one position is its minimum
+            if self._lay is not None and self.fast and self._prune_layout(seq_ids, pos):
+                return
             seqs, p_min = seq_ids, pos
         else:
             seqs, inv = np.unique(seq_ids, return_inverse=True)
@@ -445,9 +589,83 @@ class KVCache:
         kept = allc[~old]
         koff = np.r_[0, np.cumsum(lens - n_old)].tolist()
         for j in np.nonzero(n_old)[0].tolist():
-            self._cells[sl[j]] = kept[koff[j]:koff[j + 1]]
+            self._set_cells(sl[j], kept[koff[j]:koff[j + 1]])
         for st in np.unique(rep_st[old]).tolist():
             self._gc(st, np.unique(allc[old & (rep_st == st)]))
+
+    def _prune_layout(self, seq_ids: np.ndarray, pos: np.ndarray) -> bool:
+        """``prune_swa`` of a decode step whose sequences the layout holds (else False, nothing
+        done): the held positions are compared with each sequence's window start in one pass,
+        and the layout drops the pruned cells in place of the lists. Same cells, lists and
+        order as the general code (a held cell's position is >= 0, so a sequence whose window
+        starts at or below 0 loses nothing there either)."""
+        lay = self._lay
+        if self._neg or not lay.intact:
+            return False
+        if seq_ids.tolist() != lay.sl:
+            order = np.argsort(seq_ids, kind="stable")
+            if not lay.holds(seq_ids[order]):
+                return False
+            pos = pos[order]
+        p_end = pos - (self.n_swa - 1)  # prune positions < p_end, per held sequence
+        off, cells, cpos, n, seg = lay.off, lay.cells, lay.cpos, len(lay.sl), lay.seg
+        if seg > 0 and lay.asc:  # ascending lists: their first cells are the oldest
+            cp2 = cpos.reshape(n, seg)
+            first = cp2[:, 0] < p_end
+            if not first.any():
+                return True
+            if first.all() and (seg == 1 or not (cp2[:, 1] < p_end).any()):  # each list's first cell
+                self._prune_first(1)
+                return True
+        if seg >= 0:  # equal lists: one 2-D comparison
+            old2 = cpos.reshape(n, seg) < p_end[:, None]
+            n_all = int(np.count_nonzero(old2))
+            if not n_all:
+                return True
+            k, rem = divmod(n_all, n)
+            if not rem and bool(old2[:, :k].all()):  # n * k old cells, each list's first k
+                self._prune_first(k)
+                return True
+            old = old2.reshape(-1)
+            n_old = np.count_nonzero(old2, axis=1)
+        else:
+            old = cpos < np.repeat(p_end, off[1:] - off[:-1])
+            if not old.any():
+                return True
+            n_old = np.bincount(np.searchsorted(off, np.flatnonzero(old), side="right") - 1, minlength=n)
+        view = np.repeat(lay.rows, n_old)  # the view of each pruned cell (in cell-list order)
+        c_old = cells[old]
+        keep = ~old
+        lay.cells, lay.cpos = cells[keep], cpos[keep]
+        lay.off = off.copy()
+        lay.off[1:] -= np.cumsum(n_old)
+        lay.set_seg()
+        self._prune_members(view, c_old)
+        return True
+
+    def _prune_first(self, k: int) -> None:
+        """Prune the first ``k`` cells of every held list (all of equal length ``seg >= k``)."""
+        lay = self._lay
+        n, seg = len(lay.sl), lay.seg
+        cells2 = lay.cells.reshape(n, seg)
+        c_old = cells2[:, :k].reshape(-1)
+        lay.cells = cells2[:, k:].reshape(-1)
+        lay.cpos = lay.cpos.reshape(n, seg)[:, k:].reshape(-1)
+        lay.off = lay.off - lay.step * k
+        lay.seg = seg - k
+        self._prune_members(np.repeat(lay.rows, k), c_old)
+
+    def _prune_members(self, view: np.ndarray, c_old: np.ndarray) -> None:
+        """Membership side of ``_prune_layout``: held sequence ``view[j]`` leaves cell
+        ``c_old[j]``; cells left without members become free."""
+        lay = self._lay
+        st_old = lay.streams[view]
+        self.seq[st_old, lay.seqs[view], c_old] = False
+        if self.n_stream == 1:  # (a cell listed twice is freed once all the same)
+            self._gc(0, c_old)
+        else:
+            for st in np.unique(st_old).tolist():
+                self._gc(st, c_old[st_old == st])
 
     def _pos_at(self, streams: np.ndarray, lens: np.ndarray, cells: np.ndarray) -> np.ndarray:
         """Positions of ``cells`` (int64 [sum(lens)]: ``lens[i]`` cells of stream ``streams[i]``
@@ -473,9 +691,20 @@ class KVCache:
         """
         n = len(seq_ids)
         stream = self._streams(np.asarray(seq_ids, dtype=np.int64))
+        if self.fast:
+            if self.n_stream == 1:
+                return CachePlan(stream=stream, cell=self._free(0, n))
+            if _one_row_each(stream):  # one row per stream, streams in ascending order as below
+                cell = np.empty(n, dtype=np.int64)
+                for i in np.argsort(stream, kind="stable").tolist():
+                    cell[i] = self._free(int(stream[i]), 1)[0]
+                return CachePlan(stream=stream, cell=cell)
         cell = np.empty(n, dtype=np.int64)
         for st in np.unique(stream):
             rows = np.nonzero(stream == st)[0]
+            if self.fast:
+                cell[rows] = self._free(int(st), len(rows))
+                continue
             free = np.nonzero(self.pos[st] < 0)[0]
             if len(free) < len(rows):
                 raise KVCacheFullError(
@@ -484,6 +713,21 @@ class KVCache:
             cell[rows] = free[: len(rows)]
         return CachePlan(stream=stream, cell=cell)
 
+    def _free(self, st: int, n: int) -> np.ndarray:
+        """The first ``n`` free cells of stream ``st`` (int64, ascending), searched from
+        ``_lo[st]`` (a window of the next ``max(4n, 256)`` cells first, then the rest), which
+        moves up to the first free cell found. ``KVCacheFullError`` when fewer are free."""
+        p, lo = self.pos[st], self._lo[st]
+        hi = lo + max(4 * n, 256)
+        f = np.flatnonzero(p[lo:hi] < 0)
+        if len(f) < n and hi < len(p):
+            f = np.flatnonzero(p[lo:] < 0)
+        if len(f) < n:
+            raise KVCacheFullError(f"KV cache full: stream {st} has {len(f)} free cells, ubatch needs {n}")
+        if len(f):
+            self._lo[st] = lo + int(f[0])
+        return f[:n] + lo
+
     def apply(self, plan: CachePlan, seq_ids: np.ndarray, pos: np.ndarray,
               share_src: dict | None = None) -> None:
         """Commit a plan: set the cells' positions and membership, then build
@@ -491,56 +735,93 @@ class KVCache:
         ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
-        one_each = _one_row_each(seq_ids)
-        if one_each and not (share_src and not share_src.keys().isdisjoint(seq_ids.tolist())):
+        if not self.fast:
+            self._apply_general(plan, seq_ids, share_src)
+            return
+        if _one_row_each(seq_ids) and not (share_src and not share_src.keys().isdisjoint(seq_ids.tolist())):
             self._apply_decode(plan, seq_ids)
             return
-        if one_each:  # a decode step: row i is sequence seq_ids[i]'s only token
+        if not self._neg and len(plan.cell) and int(self.pos[plan.stream, plan.cell].min()) < 0:
+            self._neg_pos()
+        self._apply_general(plan, seq_ids, share_src)
+
+    def _neg_pos(self) -> None:
+        """A cell got a negative position: a member cell that looks free, whose reuse would
+        change lists behind the layout's back. No layouts from here on (until ``clear``)."""
+        self._neg = True
+        self._set_layout(None)
+
+    def _apply_general(self, plan: CachePlan, seq_ids: np.ndarray, share_src: dict | None) -> None:
+        """``apply`` after the positions are written: a ``SeqView`` per sequence."""
+        if _one_row_each(seq_ids):  # a decode step: row i is sequence seq_ids[i]'s only token
             order = np.argsort(seq_ids, kind="stable")
             seqs, rows_of = seq_ids[order], [order[i:i + 1] for i in range(len(order))]
         else:
             seqs, inv = np.unique(seq_ids, return_inverse=True)
             rows_of = np.split(np.argsort(inv, kind="stable"),
                                np.cumsum(np.bincount(inv, minlength=len(seqs)))[:-1])
-        for s, rows in zip(seqs.tolist(), rows_of):  # the cached lists, before membership changes
-            self.cells_of(s)
+        sl = seqs.tolist()
+        lists = [self.cells_of(s) for s in sl]  # the cached lists, before membership changes
         self.seq[plan.stream, :, plan.cell] = False  # free cells: no members (kept for safety)
         self.seq[plan.stream, seq_ids, plan.cell] = True
         plan.views = []
-        for s, rows in zip(seqs.tolist(), rows_of):
+        for s, rows, old in zip(sl, rows_of, lists):
             st = self.stream_of(s)
-            cells = self._cells[s] = np.concatenate([self._cells[s], plan.cell[rows]])
+            cells = np.concatenate([old, plan.cell[rows]])
+            self._set_cells(s, cells)
             plan.views.append(SeqView(rows, st, cells, self.pos[st, cells], s))
         plan.groups = self._shared_groups(plan.views, share_src or {})
 
     def _apply_decode(self, plan: CachePlan, seq_ids: np.ndarray) -> None:
         """``apply`` for one row per sequence and no sharers: every sequence's cell list grows
         by its one new cell, done on arrays (``ViewArrays``) instead of a ``SeqView`` object
-        per sequence; same cells, positions and order as the general path."""
-        order = np.argsort(seq_ids, kind="stable") if len(seq_ids) > 1 else np.zeros(1, dtype=np.int64)
-        seqs = seq_ids[order]
-        sl = seqs.tolist()
-        lists = [self.cells_of(s) for s in sl]  # the cached lists, before membership changes
-        self.seq[plan.stream, :, plan.cell] = False  # free cells: no members (kept for safety)
-        self.seq[plan.stream, seq_ids, plan.cell] = True
+        per sequence; same cells, positions and order as the general path. The arrays become
+        the layout; a step of the sequences the layout holds appends to it without gathering."""
+        lay = self._lay
+        if lay is not None and lay.intact and seq_ids.tolist() == lay.sl:  # held, rows ascending
+            order, seqs = lay.rows, lay.seqs
+        else:
+            order = np.argsort(seq_ids, kind="stable") if len(seq_ids) > 1 else np.zeros(1, dtype=np.int64)
+            seqs = seq_ids[order]
         streams = np.asarray(plan.stream, dtype=np.int64)[order]
         new = np.asarray(plan.cell, dtype=np.int64)[order]
-        if len(sl) == 1:  # one sequence (single-stream decode): no insertion bookkeeping
+        new_pos = self.pos[streams, new].astype(np.int64)
+        if not self._neg and int(new_pos.min()) < 0:
+            self._neg_pos()
+        lay = self._lay
+        held = lay is not None and (order is lay.rows or lay.holds(seqs))
+        lists = None if held else [self.cells_of(s) for s in seqs.tolist()]  # before membership changes
+        self.seq[plan.stream, :, plan.cell] = False  # free cells: no members (kept for safety)
+        self.seq[plan.stream, seq_ids, plan.cell] = True
+        if held:  # the held lists and positions, each with its new cell appended
+            off = lay.off + lay.step
+            if lay.asc:
+                lay.asc = lay.appends_ascend(new_pos)
+            cells = _append_each(lay.cells, lay.off, new, lay.seg)
+            cpos = _append_each(lay.cpos, lay.off, new_pos, lay.seg)
+            lay.off, lay.cells, lay.cpos = off, cells, cpos
+            if lay.seg >= 0:
+                lay.seg += 1
+        elif len(lists) == 1:  # one sequence (single-stream decode): no insertion bookkeeping
             cells = np.concatenate((lists[0], new))
             off = np.array([0, len(cells)], dtype=np.int64)
             cpos = self.pos[streams[0], cells].astype(np.int64)
-            self._cells[sl[0]] = cells
         else:
             lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
             cells = np.insert(np.concatenate(lists).astype(np.int64, copy=False), np.cumsum(lens), new)
-            off = np.zeros(len(sl) + 1, dtype=np.int64)
+            off = np.zeros(len(lists) + 1, dtype=np.int64)
             np.cumsum(lens + 1, out=off[1:])
             cpos = self._pos_at(streams, lens + 1, cells).astype(np.int64)
-            ol = off.tolist()
-            for i, s in enumerate(sl):
-                self._cells[s] = cells[ol[i]:ol[i + 1]]
         plan.set_arrays(ViewArrays(order, streams, seqs, off, cells, cpos))
         plan.groups = []
+        if held:
+            return
+        if self._neg:  # no layout: the lists go to ``_cells`` (slices of the step's arrays)
+            ol = off.tolist()
+            for i, s in enumerate(seqs.tolist()):
+                self._set_cells(s, cells[ol[i]:ol[i + 1]])
+        else:
+            self._set_layout(_Layout(seqs, streams, off, cells, cpos, self.n_seq_max, self.n_swa > 0))
 
     def _shared_groups(self, views: list[SeqView], share_src: dict) -> list[SharedGroup]:
         """Group the ubatch's sequences that share one pool's prefix (same stream).
