@@ -290,3 +290,42 @@ def test_released_pool_takes_no_new_sessions_and_is_reclaimed_when_they_leave(mo
         assert e.create_pool(prefix).result(timeout=300)["state"] == "ready"
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("failure", ["kv_full", "step_error"])
+def test_failed_pooled_request_leaves_its_pool(model, failure):
+    """A pooled request failed by a full cache (503, ``_on_kv_full``) or a failed engine step
+    (500, ``_fail_all``) drops its slot's KV and its pool binding: the pool counts no session
+    afterwards, so releasing it reclaims it at once (before, the slot stayed attached until it
+    took other work)."""
+    from opencoti.engine.kv_cache import KVCacheFullError
+
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)[:40]
+    e = Engine(model, Params(n_ctx=1024, n_parallel=2, kv_unified=True, n_ubatch=64, polykv_max_pools=1)).start()
+    try:
+        pool = e.create_pool(prefix).result(timeout=300)
+        real = e.runner.decode
+        calls = []
+
+        def failing(ub):  # the pooled request's first ubatch fails
+            calls.append(ub.n_tokens)
+            if failure == "kv_full":
+                raise KVCacheFullError("no room (test)")
+            raise RuntimeError("device lost (test)")
+
+        trim, evict = e.runner.kv.trim_swa, e._evict_idle
+        e.runner.kv.trim_swa, e._evict_idle = (lambda seqs: False), (lambda ub: False)
+        e.runner.decode = failing
+        _, ev = run(e, prefix + tok(" Q1", add_special=False), n_predict=4, pool_id=pool["id"], session_id="A")
+        e.runner.decode, e.runner.kv.trim_swa, e._evict_idle = real, trim, evict
+        assert calls and isinstance(ev, ErrorEvent) and ev.status == (503 if failure == "kv_full" else 500)
+        assert e.call(lambda eng: eng.pool_attached()).result(timeout=30) == {}
+        slot = next(s for s in e.slots if s.session_id == "A")
+        assert (slot.pool_id, slot.n_shared, slot.n_past, slot.cache_tokens) == (None, 0, 0, [])
+        assert e.release_pool(pool["id"]).result(timeout=30) == [pool["id"]]  # reclaimed now
+        assert e.pool_info().result(timeout=30) == []
+        ids, fin = run(e, prefix + tok(" Q1", add_special=False), n_predict=2, session_id="A")
+        assert isinstance(fin, FinishEvent) and len(ids) == 2  # the engine goes on
+    finally:
+        e.stop()

@@ -287,8 +287,7 @@ class Engine:
                 s.handle.push(ErrorEvent(status, typ, msg))
                 s.state = SlotState.IDLE
                 s.handle = None
-                self.runner.kv.seq_rm(s.seq_id)
-                s.cache_tokens = []
+                self._forget_kv(s)  # its KV and what described it, pool binding included
         for h in self._waiting:
             h.push(ErrorEvent(status, typ, msg))
         self._waiting = []
@@ -626,8 +625,9 @@ class Engine:
 
     def _forget_kv(self, s: Slot) -> None:
         """Drop idle slot ``s``'s KV and what described it (cached tokens, n_past, its pool
-        binding), then reclaim pools it may have held (``erase_slot``, eviction). Cells it
-        shared with a pool stay: the pool is still a member."""
+        binding), then reclaim pools it may have held (``erase_slot``, eviction, a request failed
+        by a full cache or a failed step). Cells it shared with a pool stay: the pool is still a
+        member."""
         self.runner.kv.seq_rm(s.seq_id)
         s.cache_tokens, s.n_past = [], 0
         s.pool_id, s.n_shared = None, 0
@@ -644,8 +644,7 @@ class Engine:
         victim.handle.push(ErrorEvent(503, "unavailable_error", msg))
         victim.state = SlotState.IDLE
         victim.handle = None
-        self.runner.kv.seq_rm(victim.seq_id)
-        victim.cache_tokens = []
+        self._forget_kv(victim)  # a pooled victim leaves its pool (a released one can be reclaimed)
 
     def _postprocess(self, ub: UBatch, owners, logits: np.ndarray) -> None:
         row_of = {int(r): i for i, r in enumerate(ub.out_rows)}
