@@ -492,6 +492,38 @@ def test_graph_replay_matches_eager(tmp_path, request, vk, paths):
         np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("arch,variant", [("gemma4", "dense_hd256"), ("qwen35", None)])
+def test_graph_replay_records_no_dispatch(tmp_path, vk, arch, variant):
+    """Architectures whose attention calls ``kv_write`` itself (Gemma-4, Qwen3.5; the others go
+    through ``rope_kv_write``) replay decode steps without recording a dispatch or uploading
+    plan metadata: every op they call is taped (a ``kv_write`` that was not ran eagerly before
+    each replay and kept one plan upload per step alive)."""
+    from decode_runs import write_ngl_model
+
+    from opencoti.model.loader import load_model
+
+    path = str(tmp_path / f"{arch}.gguf")
+    write_ngl_model(path, arch, variant)
+    model = load_model(path, with_tokenizer=False)
+    saved = vk.graphs
+    vk.graphs = True
+    try:
+        r = ModelRunner(model, vk, n_ctx=64, n_ubatch=16)
+        r.decode(UBatch.build(list(range(1, 9)), np.arange(8), [0] * 8, [7]))
+        deltas, metas = [], []
+        for i in range(8):
+            d0 = vk.rt.n_dispatches
+            r.decode(UBatch.build([3 + i], [8 + i], [0], [0]))
+            if i >= 2:  # steps 0 and 1: warm-up and recording
+                deltas.append(vk.rt.n_dispatches - d0)
+                metas.append(len(vk._meta))
+    finally:
+        vk.graphs = saved
+    assert any(g for g in r.graphs.values()), "no decode graph was recorded"
+    assert set(deltas) == {0}, deltas
+    assert len(set(metas)) == 1, metas
+
+
 def test_graph_that_cannot_be_recorded_runs_eagerly(tmp_path, vk, monkeypatch):
     """A decode step whose graph cannot be recorded (here: its descriptor pool is too
     small) runs eagerly with the same logits, and its shape is not tried again."""

@@ -1219,12 +1219,13 @@ class VulkanBackend:
                                       f"storage-buffer range ({self.rt.max_range / 2**20:.0f} MiB): lower -c")
         return kind
 
-    @_taped
     def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, **rope):
         """``cpu.rope_kv_write``: rope q and k, store k and v into the layer's cells (the
-        composition of ``rope`` and ``kv_write``). Returns the rotated q."""
+        composition of the taped ``rope`` and ``kv_write``, so graphs record those). Returns the
+        rotated q."""
         return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, **rope)
 
+    @_taped
     def kv_write(self, cache, il: int, plan, k, v) -> None:
         """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells, in the cache's
         tiers (``cache.tier_k`` / ``tier_v``): f16 (rounded to nearest even, as NumPy) or f32
