@@ -57,9 +57,9 @@ def main() -> None:
                 pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
 
                 def call(ns=ns, out=out, pa=pa, pm=pm):
-                    fn((1, nkv * -(-H // nkv // g), ns), (128,), (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv),
-                                              np.float32(D ** -0.5), np.int32(0), np.float32(0), np.int32(ns), out,
-                                              pa, pm))
+                    fn((1, nkv * -(-H // nkv // g), ns), (128,),
+                       (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
+                        np.int32(0), np.float32(0), np.int32(ns), out, pa, pm))
                     if ns > 1:
                         merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
 

@@ -217,9 +217,9 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
     activation channel 40x the others (the digits' scale is per 256 elements): float32 accuracy
     against float64 with 3 digits per value, and the same values through ``mul_mat`` /
     ``gated_ffn`` where they route here. With 2 digits (OPENCOTI_CUDA_IMMA_DIGITS=2; 4 / 12 tokens
-    per GEMV block, gemmi's 16 tokens in 32 columns) the bound is the activations' own rounding: a float64 emulation of the
-    2-digit quantization on these cases errs up to 1.6e-4 (the 40x channel coarsens its blocks'
-    step), the integer products being exact. ``None`` is the default: 3 digits up to
+    per GEMV block, gemmi's 16 tokens in 32 columns) the bound is the activations' own rounding:
+    a float64 emulation of the 2-digit quantization on these cases errs up to 1.6e-4 (the 40x
+    channel coarsens its blocks' step), the integer products being exact. ``None`` is the default: 3 digits up to
     IMMA_MAX_ROWS rows and for prompts, 2 for gemmi in a batched decode step."""
     from opencoti.engine.backend import cuda as cu
 

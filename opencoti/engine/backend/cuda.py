@@ -90,10 +90,12 @@ IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
 # block's largest |x|) or 2 (2^-16, finer than f16's 2^-11: a third less integer work per token).
 # Default (imma_digits): 2 for gemmi's rows of a batched decode step (ALU-bound; H200, 270m x64
-# 8,947 -> 10,106 tok/s, 7B x32 2,276 -> 2,602), else 3 (one-row GEMVs are bound by weight bytes:
-# no gain from 2; prompt rows keep float32 accuracy: their K / V are read by every later token, and
-# quantized KV tiers amplify a last-bit difference into a code flip). OPENCOTI_CUDA_IMMA_DIGITS=2 or
-# 3 forces one count everywhere.
+# 8,947 -> 10,106 tok/s, 7B x32 2,276 -> 2,602), else 3: one-row GEMVs are bound by weight bytes
+# (no gain from 2), and prompt chunks keep float32 accuracy (2-digit prompt chunks failed the real
+# model's KV-tier CUDA-vs-CPU gate: quantized tiers turn last-bit differences into code flips). A
+# batched step's K / V are 2-digit too, and a sequence's logits depend on whether it is decoded in
+# a batch of more than 8 (as with llama.cpp's batch-size-dependent kernels). OPENCOTI_CUDA_IMMA_DIGITS
+# =2 or 3 forces one count everywhere.
 _ND = os.environ.get("OPENCOTI_CUDA_IMMA_DIGITS", "")
 IMMA_DIGITS = int(_ND) if _ND else None
 if IMMA_DIGITS not in (None, 2, 3):
@@ -143,6 +145,7 @@ SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
 # rows through shared_prefix.cu's tensor-core tiles with the causal / window masks
 # (_attention_prefill); OPENCOTI_CUDA_PREFILL_TC_ATTN=0: attention.cu's per-row kernel
 PREFILL_TC_ATTN = os.environ.get("OPENCOTI_CUDA_PREFILL_TC_ATTN", "1") != "0"
+PREFILL_TC_ROWS = 16  # query rows per sequence (mean over the ubatch) from which that path is taken
 
 
 def imma_digits(n: int, decode: bool) -> int:
@@ -449,12 +452,12 @@ class CUDABackend:
     def _digits(self, x):
         """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
         digit columns: ``(xq, xs, xm, n, nt, nd)`` (layout in gemv_int.cu's header; ``nd`` digits
-        per value, ``IMMA_DIGITS`` (default 3 up to ``IMMA_MAX_ROWS`` rows, else 2); ``nt`` MMA column tiles per block: 1 for up to 8 / nd rows,
-        3 up to 24 / nd, else 6, and 2 nd (16 tokens) for gemmi beyond ``IMMA_MAX_ROWS``). The
-        last input's
-        digits are kept (with a reference to the array, so its memory is not reused) and
-        returned again for the same array object: attention's q / k / v projections quantize
-        their input once. Relies on the op set's rule that ops never write their inputs in place."""
+        per value, ``imma_digits``: 2 for gemmi in a batched decode step, else 3; ``nt`` MMA
+        column tiles per block: 1 for up to 8 / nd rows, 3 up to 24 / nd, else 6, and 2 nd (16
+        tokens) for gemmi beyond ``IMMA_MAX_ROWS``). The last input's digits are kept (with a
+        reference to the array, so its memory is not reused) and returned again for the same array
+        object: attention's q / k / v projections quantize their input once. Relies on the op
+        set's rule that ops never write their inputs in place."""
         if x is self._digits_of[0]:
             return self._digits_of[1]
         cp = self.cp
@@ -1337,7 +1340,10 @@ class CUDABackend:
         # groups' shared cells included) through the per-sequence tier kernel below
         if getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and not quant:
             return self._attention_groups(q, q_pos, k_store, v_store, plan, scale, n_swa, softcap, g, n_hg)
-        if PREFILL_TC_ATTN and T > GEMV_MAX_TOKENS and D in SP_TILE and not quant and not self._capturing:
+        # prompt-shaped ubatches (>= PREFILL_TC_ROWS rows per sequence on average) through the tensor-core
+        # tiles; a mixed ubatch of many one-row sequences keeps the per-row kernel (one launch, not one per view)
+        if (PREFILL_TC_ATTN and T > GEMV_MAX_TOKENS and T >= PREFILL_TC_ROWS * plan.n_views and D in SP_TILE
+                and not quant and not self._capturing):
             return self._attention_prefill(q, q_pos, k_store, v_store, plan, meta, scale, n_swa, softcap)
         out = cp.empty((T, H * D), dtype=cp.float32)
         n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1)
