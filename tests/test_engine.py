@@ -321,8 +321,33 @@ def test_no_cache_idle_slots_keeps_idle_kv(model):
         b = model.tokenizer.tokenize("Red green blue yellow purple orange black white", add_special=True)
         run(e, a, n_predict=30, sampling=GREEDY, id_slot=0)
         kept = list(e.slots[0].cache_tokens)
-        _, _, fb = run(e, b, n_predict=40, sampling=GREEDY, id_slot=1)
-        assert isinstance(fb, ErrorEvent) and fb.status == 503  # no room: the idle slot's KV is not taken
+        _, ids, fb = run(e, b, n_predict=40, sampling=GREEDY, id_slot=1)
+        # no room past its prompt and a few tokens: the idle slot's KV is not taken; the request
+        # stops at the cache's usable capacity with its text (truncated), as at its context limit
+        assert isinstance(fb, FinishEvent) and fb.truncated and fb.stop_type == "limit"
+        assert 0 < len(ids) < 40 and fb.n_past + len(kept) >= 63
         assert e.slots[0].cache_tokens == kept and kept
+    finally:
+        e.stop()
+
+
+def test_admission_counts_kept_idle_cells_under_no_cache_idle_slots(model):
+    """With --no-cache-idle-slots an idle session's cells stay (never evicted), so the gate
+    counts them as held: a request that does not fit beside them gets 429 + Retry-After before
+    prefill (it got a 503 "KV cache full" mid-prefill), while the idle session's own slot may
+    take a request that fits in the cells it frees."""
+    e = Engine(model, Params(n_ctx=256, n_parallel=2, kv_unified=True, n_ubatch=64, cache_idle_slots=False,
+                             admission_poolless="enforced")).start()
+    try:
+        tok = model.tokenizer.tokenize
+        _, ids, ev = run(e, tok("Tell me a long story.", add_special=True), n_predict=300, sampling=GREEDY,
+                         ignore_eos=True, session_id="a")
+        assert isinstance(ev, FinishEvent) and ev.truncated and ev.n_past >= 250
+        assert e.call(lambda eng: eng.kv_headroom()).result(timeout=30) <= 256 - ev.n_past
+        _, ids, ev = run(e, tok("Hello there", add_special=True), n_predict=8, sampling=GREEDY, session_id="b")
+        assert isinstance(ev, ErrorEvent) and ev.status == 429 and ev.retry_after >= 1, ev
+        # session a's own slot frees its cells for its next request
+        _, ids, ev = run(e, tok("Hello there", add_special=True), n_predict=8, sampling=GREEDY, session_id="a")
+        assert isinstance(ev, FinishEvent) and len(ids) == 8, ev
     finally:
         e.stop()

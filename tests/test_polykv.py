@@ -329,3 +329,42 @@ def test_failed_pooled_request_leaves_its_pool(model, failure):
         assert isinstance(fin, FinishEvent) and len(ids) == 2  # the engine goes on
     finally:
         e.stop()
+
+
+def test_generation_stops_truncated_when_pools_fill_the_cache(model):
+    """A pinned pool holds cells of the one cache, so an unlimited request (n_predict -1) fills
+    the cache before its slot's context: it stops there with truncated=true and keeps its text
+    (it got a 503 "KV cache full" and lost everything it had generated)."""
+    tok = model.tokenizer.tokenize
+    e = Engine(model, Params(n_ctx=128, n_parallel=1, kv_unified=True, n_ubatch=64, polykv_max_pools=1)).start()
+    try:
+        pool = e.create_pool(tok(SYSTEM, add_special=True)[:17], pin=True).result(timeout=300)
+        ids, fin = run(e, tok("Once upon a time", add_special=True), n_predict=-1, sampling=GREEDY,
+                       ignore_eos=True)
+        assert isinstance(fin, FinishEvent), fin
+        assert fin.truncated and fin.stop_type == "limit"
+        assert len(ids) == fin.n_predicted and fin.n_past + 17 >= 127  # the cache's usable cells, used up
+        assert e.pool_info(pool["id"]).result(timeout=30)["state"] == "ready"  # the pool is untouched
+    finally:
+        e.stop()
+
+
+def test_forks_count_their_shared_prefix_once(model):
+    """Under --kv-unified a fork shares its parent's cells: the admission gate's pooled cells
+    (cells_reserved) and the pinned-cells gauge count the root's prefix once plus each fork's
+    own suffix, not each fork's full prefix again."""
+    tok = model.tokenizer.tokenize
+    root = tok(SYSTEM, add_special=True)[:40]
+    e = Engine(model, Params(n_ctx=1024, n_parallel=2, kv_unified=True, n_ubatch=64, polykv_max_pools=3)).start()
+    try:
+        p = e.create_pool(root, pin=True).result(timeout=300)
+        for extra in (" alpha", " beta gamma"):
+            e.create_pool(root + tok(extra, add_special=False), parent=p["id"], pin=True).result(timeout=300)
+        own = sum(len(tok(x, add_special=False)) for x in (" alpha", " beta gamma"))
+        reserved, gauges = e.call(lambda eng: (eng.polykv.cells_reserved(), eng.pool_gauges())).result(timeout=30)
+        assert reserved == 40 + own and gauges["cells_pinned"] == 40 + own
+        cells = e.call(lambda eng: len(np.unique(np.concatenate(
+            [eng.runner.kv.base.cells_of(q.seq_id) for q in eng.polykv.registry.pools.values()])))).result(timeout=30)
+        assert cells == reserved  # the cells the pools physically hold
+    finally:
+        e.stop()

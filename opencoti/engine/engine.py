@@ -399,10 +399,14 @@ class Engine:
             return
         self._waiting.append(h)
 
-    def kv_headroom(self) -> int:
+    def kv_headroom(self, taker: Optional[Slot] = None) -> int:
         """Cells of the unified cache not held or reserved by running and admitted
-        requests (idle slots' cells count as free: they are evicted on demand)."""
+        requests, nor by pools. Idle slots' cells count as free (they are evicted on demand),
+        except under ``--no-cache-idle-slots``, where they stay until their slot takes other
+        work: then only ``taker``'s (the slot a new request will bind, freeing its cells) do."""
         held = sum(s.footprint for s in self.slots if s.busy)
+        if not self.params.cache_idle_slots:
+            held += sum(max(s.n_past - s.n_shared, 0) for s in self.slots if not s.busy and s is not taker)
         reserved = sum(getattr(h, "reservation", 0) for h in self._waiting)
         pooled = self.polykv.cells_reserved() if self.polykv is not None else 0
         return self.runner.kv.base.n_cells - held - reserved - pooled
@@ -435,7 +439,7 @@ class Engine:
             reuse = max(reuse, self.polykv.prefix_len(req.pool_id, req.prompt_tokens))
         # generation stops at the slot's context, so no request needs more than that
         demand = min(len(req.prompt_tokens) + max(req.n_predict, 0), self.n_ctx_slot) - reuse
-        headroom = self.kv_headroom()
+        headroom = self.kv_headroom(cand)
         if cand is None and any(s.busy for s in self.slots):
             # no slot for it now: it waits (as llama.cpp queues it) until a busy slot ends, and
             # the first to end frees at least the smallest projected footprint
@@ -634,13 +638,22 @@ class Engine:
         self._reclaim_pools()
 
     def _on_kv_full(self, owners, msg: str) -> None:
-        # Nothing was committed. Fail the youngest prompt in the batch so the rest can proceed.
+        # Nothing was committed. Fail the youngest prompt in the batch so the rest can proceed;
+        # with none, the cache is at its usable capacity for generation (pools hold part of it):
+        # the youngest generating request stops there with truncated=true, keeping its text, as
+        # at the slot's context limit.
         building = [p for p, _, _ in owners if isinstance(p, Pool)]
         if building:
             self.polykv.fail_build(building[-1], msg)
             return
         prompts = [s for s, _, _ in owners if s.state is SlotState.PROMPT]
-        victim = max(prompts, key=lambda s: s.t_start) if prompts else owners[-1][0]
+        if not prompts:
+            victim = max((s for s, _, _ in owners), key=lambda s: s.t_start)
+            log.warning("KV cache full: slot %d stops generating (truncated): %s", victim.id, msg)
+            victim.finish("limit", truncated=True)
+            return
+        victim = max(prompts, key=lambda s: s.t_start)
+        log.warning("KV cache full: slot %d's prompt fails (503): %s", victim.id, msg)
         victim.handle.push(ErrorEvent(503, "unavailable_error", msg))
         victim.state = SlotState.IDLE
         victim.handle = None

@@ -333,16 +333,24 @@ class PolyKV:
         """Cells of the base cache that ``pool``'s sequence is a member of."""
         return len(self.kv.base.cells_of(pool.seq_id))
 
+    def own_cells(self, pool: Pool) -> int:
+        """Cells ``pool`` holds (or will once built) beyond its parent's: its whole prefix, less
+        the ``branch_pos`` cells a fork shares with its parent under ``--kv-unified`` (zero-copy
+        membership; a split cache copies them into the fork's own stream)."""
+        return len(pool.tokens) - (pool.branch_pos if self.kv.unified else 0)
+
     def cells_reserved(self) -> int:
-        """Prefix tokens of every live pool (the cells the admission gate counts as taken)."""
-        return sum(len(p.tokens) for p in self.registry.pools.values())
+        """Cells of every live pool, each shared cell once (the cells the admission gate counts
+        as taken)."""
+        return sum(self.own_cells(p) for p in self.registry.pools.values())
 
     def gauges(self) -> dict:
-        """``{"pools", "cells_pinned" (prefix tokens of pinned pools), "sessions_attached"}``."""
+        """``{"pools", "cells_pinned" (cells of pinned pools, a fork's shared prefix counted with
+        its parent), "sessions_attached"}``."""
         ps = list(self.registry.pools.values())
         return {
             "pools": len(ps),
-            "cells_pinned": sum(len(p.tokens) for p in ps if p.pinned),
+            "cells_pinned": sum(self.own_cells(p) for p in ps if p.pinned),
             "sessions_attached": sum(self.attached().values()),
         }
 

@@ -151,7 +151,7 @@ def render(metrics: ServerMetrics, engine: Any) -> str:
         g = engine.call(lambda e: e.pool_gauges()).result(timeout=30)
         rows += [
             ("gauge", "opencoti:polykv_pools", "PolyKV pools alive.", g["pools"]),
-            ("gauge", "opencoti:polykv_cells_pinned", "Prefix tokens held by pinned pools.", g["cells_pinned"]),
+            ("gauge", "opencoti:polykv_cells_pinned", "Cells held by pinned pools (a fork's shared prefix counted with its parent).", g["cells_pinned"]),
             ("gauge", "opencoti:polykv_sessions_attached", "Slots sharing a pool prefix.", g["sessions_attached"]),
         ]
     if headroom is not None:
