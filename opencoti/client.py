@@ -155,12 +155,22 @@ class PolykvClient:
         """Replace a grown pool by a fork of its stable ancestor with ``summary``
         appended: fork ancestor (ancestor prefix + summary tokens), re-home the
         given sessions on it (one short request each, so their slots share the
-        new prefix), then unpin and release the old pool. Returns the new pool."""
+        new prefix), then unpin and release the old pool. Returns the new pool.
+        If re-homing fails, the new pool is unpinned and released (reclaimed once no
+        session holds it), the old one is left as it was, and the error is raised."""
         summary_tokens = self.tokenize(summary, add_special=False)
         new = self.fork_by_tokens(ancestor_id, summary_tokens, pin=True)
-        prefix = self.get_pool_tokens(new["id"])
-        for sid in session_ids:
-            self.complete(prefix, pool_id=new["id"], session_id=sid, n_predict=0)
+        try:
+            prefix = self.get_pool_tokens(new["id"])
+            for sid in session_ids:
+                self.complete(prefix, pool_id=new["id"], session_id=sid, n_predict=0)
+        except Exception:
+            try:  # roll back; the first error is the one to report
+                self.unpin(new["id"])
+                self.release(new["id"])
+            except OpencotiHTTPError:
+                pass
+            raise
         self.unpin(old_pool_id)
         self.release(old_pool_id)
         return new
@@ -238,9 +248,17 @@ class AsyncPolykvClient:
                                 session_ids: tuple[str, ...] = ()):
         summary_tokens = await self.tokenize(summary, add_special=False)
         new = await self.fork_by_tokens(ancestor_id, summary_tokens, pin=True)
-        prefix = await self.get_pool_tokens(new["id"])
-        for sid in session_ids:
-            await self.complete(prefix, pool_id=new["id"], session_id=sid, n_predict=0)
+        try:
+            prefix = await self.get_pool_tokens(new["id"])
+            for sid in session_ids:
+                await self.complete(prefix, pool_id=new["id"], session_id=sid, n_predict=0)
+        except Exception:
+            try:  # roll back, as PolykvClient.compact_by_refork
+                await self.unpin(new["id"])
+                await self.release(new["id"])
+            except OpencotiHTTPError:
+                pass
+            raise
         await self.unpin(old_pool_id)
         await self.release(old_pool_id)
         return new

@@ -185,3 +185,40 @@ def test_pool_sampling_defaults_apply_to_attached_requests(server):
         plain = c.complete(SYSTEM + " Q:", n_predict=2)  # not attached: server defaults
         assert plain["generation_settings"]["temperature"] != 0
         c.release(p["id"])
+
+
+def test_compact_by_refork(model_path):
+    """compact_by_refork: a grown pool replaced by a fork of its ancestor plus a summary, its
+    session re-homed (sharing the new prefix) and the old pool reclaimed; when re-homing fails
+    (a session id the server refuses) the new fork is rolled back and the old pool is kept; the
+    async client does the same."""
+    httpd, engine = _serve(model_path, polykv_max_pools=4)
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        with PolykvClient(base) as c:
+            root = c.create_pool(prompt=SYSTEM, pin=True)
+            grown = c.fork_by_tokens(root["id"], c.tokenize(" Turn 1: the user asked about maps."), pin=True)
+            prompt = c.get_pool_tokens(grown["id"]) + c.tokenize(" Answer:")
+            c.complete(prompt, pool_id=grown["id"], session_id="s1", n_predict=2)
+            new = c.compact_by_refork(grown["id"], root["id"], " Summary: maps.", session_ids=("s1",))
+            assert new["parent"] == root["id"] and new["pinned"]
+            assert sorted(p["id"] for p in c.list_pools()) == sorted([root["id"], new["id"]])  # old one reclaimed
+            assert c.get_pool(new["id"])["sessions_attached"] == 1
+            out = c.complete(c.get_pool_tokens(new["id"]) + c.tokenize(" Answer:"), pool_id=new["id"],
+                             session_id="s1", n_predict=2)
+            assert out["timings"]["cache_n"] >= new["n_tokens"] - 1
+            with pytest.raises(OpencotiHTTPError) as e:
+                c.compact_by_refork(new["id"], root["id"], " Summary two.", session_ids=("",))
+            assert e.value.status == 400
+            assert sorted(p["id"] for p in c.list_pools()) == sorted([root["id"], new["id"]])  # rolled back
+            assert c.get_pool(new["id"])["pinned"]
+
+        async def go():
+            async with AsyncPolykvClient(base) as ac:
+                return await ac.compact_by_refork(new["id"], root["id"], " Summary three.", session_ids=("s1",))
+
+        newer = asyncio.run(go())
+        with PolykvClient(base) as c:
+            assert sorted(p["id"] for p in c.list_pools()) == sorted([root["id"], newer["id"]])
+    finally:
+        stop_server(httpd, engine)
