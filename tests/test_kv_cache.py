@@ -295,3 +295,21 @@ def test_decode_step_arrays_equal_the_definition(n_stream, n_swa):
         assert plan.n_views == as_objects.n_views == len(seqs)
         for s in range(4):
             assert sorted(c.cells_of(s).tolist()) == np.nonzero(c.seq[c.stream_of(s), s])[0].tolist()
+
+
+def test_shared_len_counts_cells_shared_by_membership():
+    """shared_len(a, b, n): the positions from 0 at which a's cell is a member of b too: a copy
+    by membership (seq_cp) is shared, cells a computed itself are not; split streams share none."""
+    c = KVCache([0], 32, 1, 3, n_head_kv=1, d_k=4, d_v=4)
+    pos = np.arange(10, dtype=np.int32)
+    c.apply(c.prepare(np.zeros(10, np.int64), pos), np.zeros(10, np.int64), pos)
+    c.seq_cp(0, 1, 0, 6)
+    own = np.arange(6, 10, dtype=np.int32)
+    c.apply(c.prepare(np.ones(4, np.int64), own), np.ones(4, np.int64), own)
+    assert c.shared_len(1, 0, 10) == 6 and c.shared_len(1, 0, 4) == 4 and c.shared_len(0, 1, 10) == 6
+    assert c.shared_len(2, 0, 5) == 0 and c.shared_len(1, 0, 0) == 0
+    s = KVCache([0], 16, 2, 2, n_head_kv=1, d_k=4, d_v=4)
+    p4 = np.arange(4, dtype=np.int32)
+    s.apply(s.prepare(np.zeros(4, np.int64), p4), np.zeros(4, np.int64), p4)
+    s.seq_cp(0, 1, 0, 4)  # a physical copy into stream 1
+    assert s.shared_len(1, 0, 4) == 0

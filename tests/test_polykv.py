@@ -368,3 +368,28 @@ def test_forks_count_their_shared_prefix_once(model):
         assert cells == reserved  # the cells the pools physically hold
     finally:
         e.stop()
+
+
+def test_session_whose_cache_covers_the_pool_counts_as_attached(model):
+    """A session that attached to a fork and then asks for the fork's parent: its own cache
+    already covers the parent's prefix, and those cells are the parent's (shared through the
+    fork), so the slot counts as attached to the parent with that many shared cells (it showed
+    no pool and 0 shared cells although the cells were shared)."""
+    tok = model.tokenizer.tokenize
+    root = tok(SYSTEM, add_special=True)[:40]
+    e = Engine(model, Params(n_ctx=1024, n_parallel=2, kv_unified=True, n_ubatch=64, polykv_max_pools=2)).start()
+    try:
+        r = e.create_pool(root, pin=True).result(timeout=300)
+        f = e.create_pool(root + tok(" Extra rule.", add_special=False), parent=r["id"], pin=True).result(timeout=300)
+        fork_tokens = e.pool_info(f["id"]).result(timeout=30)["n_tokens"]
+        prompt = root + tok(" Extra rule. Question: hi", add_special=False)
+        _, fin = run(e, prompt, n_predict=1, pool_id=f["id"], session_id="s", sampling=GREEDY)
+        assert isinstance(fin, FinishEvent) and fin.timings["cache_n"] >= fork_tokens - 1
+        _, fin = run(e, prompt, n_predict=1, pool_id=r["id"], session_id="s", sampling=GREEDY)
+        assert isinstance(fin, FinishEvent)
+        slot, attached = e.call(lambda eng: (next(x for x in eng.slots if x.session_id == "s"),
+                                             eng.pool_attached())).result(timeout=30)
+        assert slot.pool_id == r["id"] and slot.n_shared == 40
+        assert attached == {r["id"]: 1}
+    finally:
+        e.stop()

@@ -439,6 +439,20 @@ class KVCache:
             c = self._cells[seq_id] = np.nonzero(self.seq[self.stream_of(seq_id), seq_id])[0]
         return c
 
+    def shared_len(self, a: int, b: int, n: int) -> int:
+        """The longest ``k <= n`` such that at every position ``p < k`` sequence ``a``'s cell is
+        also a member of sequence ``b`` (shared by membership, not copied; 0 across streams).
+        Raises ``ValueError`` for a seq_id out of range."""
+        st = self.stream_of(a)
+        if self.stream_of(b) != st or n <= 0:
+            return 0
+        ca = self.cells_of(a)
+        pa = self.pos[st, ca]
+        m = (pa >= 0) & (pa < n)
+        shared = np.zeros(n, dtype=bool)
+        shared[pa[m][self.seq[st, b, ca[m]]]] = True
+        return n if shared.all() else int(np.argmin(shared))
+
     def _set_cells(self, seq_id: int, cells: np.ndarray | None) -> None:
         """Cache ``cells`` as ``seq_id``'s list (None: recompute from membership when next read),
         dropping the sequence from the layout."""

@@ -234,8 +234,10 @@ def attach_prefix(kv, dst_seq: int, src_seq: int, src_tokens: list[int], prompt:
     Shares ``min(common prefix of src_tokens and prompt, len(prompt) - 1)`` cells of
     ``src_seq`` by membership (``kv.seq_cp``; a physical copy on the split cache):
     the last prompt token is always recomputed so there are logits to sample.
-    Returns the new ``(n_past, n_shared)`` in tokens: ``(n_past, 0)`` when the share
-    is no longer than what ``dst_seq`` already holds, or when a hybrid model's
+    Returns the new ``(n_past, n_shared)`` in tokens: ``(n_past, k)`` when the share
+    is no longer than what ``dst_seq`` already holds (``k``: the first cells it already
+    shares with ``src_seq`` by membership, e.g. from an earlier attach to a fork of the
+    source; 0 when it computed them itself), ``(n_past, 0)`` when a hybrid model's
     recurrent state cannot be cut at the share (WARN, the prompt is reprocessed
     without it); ``(0, 0)`` (WARN, ``dst_seq`` emptied) when the sliding-window cache
     no longer holds the cells the share needs. ``src_name`` names the source in the
@@ -243,7 +245,7 @@ def attach_prefix(kv, dst_seq: int, src_seq: int, src_tokens: list[int], prompt:
     """
     share = min(_common_prefix(src_tokens, prompt), len(prompt) - 1)
     if share <= n_past:
-        return n_past, 0
+        return n_past, kv.base.shared_len(dst_seq, src_seq, share)
     rs = kv.recurrent  # issue 7b: a recurrent state is shared only as an exact full copy
     if rs is not None and int(rs.n_pos[src_seq]) != share:
         log.warning("pool share not possible on this hybrid model: the %s's recurrent state covers %d tokens, "
