@@ -39,6 +39,7 @@ line on stderr, ``opencoti: error: ...``, with exit status 2; a runtime failure
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -439,6 +440,27 @@ def set_cpu_threads(n_threads: int) -> None:
         os.environ.setdefault(var, str(n_threads))
 
 
+class _LevelFormatter(logging.Formatter):
+    """``opencoti: warning: message``: the shape of the CLI's own ``opencoti: error: ...`` lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:  # an internal error keeps its traceback for the operator
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _log_to_stderr() -> None:
+    """The package's warnings (and errors) on stderr with their level, once per process."""
+    logger = logging.getLogger("opencoti")
+    if not any(getattr(h, "_opencoti", False) for h in logger.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(_LevelFormatter())
+        h.setLevel(logging.WARNING)
+        h._opencoti = True
+        logger.addHandler(h)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point (``opencoti``, ``python -m opencoti``, the .pyz). Exits the process."""
     try:
@@ -452,6 +474,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.exit(130)
     verbose = params.verbose
     set_cpu_threads(params.n_threads)
+    _log_to_stderr()
     try:
         code = run(params)
     except KeyboardInterrupt:

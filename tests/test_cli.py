@@ -429,3 +429,30 @@ def test_threads_flag_sets_blas_threads_before_numpy_loads():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1"]
+
+
+def test_warnings_print_with_their_level(capsys):
+    """The package's log warnings reach stderr as ``opencoti: warning: ...`` (the shape of the
+    CLI's error lines; the boot's WARNs, e.g. --context-shift with pools), once however often the
+    handler is installed; errors keep their traceback."""
+    import logging
+
+    from opencoti import cli
+
+    logger = logging.getLogger("opencoti")
+    before = list(logger.handlers)
+    try:
+        cli._log_to_stderr()
+        cli._log_to_stderr()
+        logging.getLogger("opencoti.engine").warning("pooled sessions never shift (%s)", "test")
+        logging.getLogger("opencoti.engine").info("not shown")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logging.getLogger("opencoti.engine").exception("engine step failed")
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == "opencoti: warning: pooled sessions never shift (test)"
+        assert err[1] == "opencoti: error: engine step failed"
+        assert err[2].startswith("Traceback") and err[-1] == "ValueError: boom"
+    finally:
+        logger.handlers[:] = before
