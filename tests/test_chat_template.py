@@ -343,7 +343,10 @@ def test_variables_passed_like_transformers():
 def test_extra_context_cannot_replace_arguments():
     t = ChatTemplate("{{ messages | length }} {{ add_generation_prompt }}")
     assert t.render(HELLO, **{"messages": [], "add_generation_prompt_x": 1}) == "1 True"
-    assert t.render_prompt(HELLO, add_bos=True, **{"messages": []}) == "1 True"
+    assert t.render_prompt(HELLO, add_bos=True, extra_context={"messages": []}) == "1 True"
+    # any variable name, even the renderer's own parameter names ("self" is Jinja's own: kept)
+    v = ChatTemplate("{{ add_bos }} {{ tools }}")
+    assert v.render_prompt(HELLO, add_bos=True, extra_context={"self": 1, "add_bos": 2}) == "2 None"
 
 
 def test_qwen3_enable_thinking_extra_context():

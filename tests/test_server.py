@@ -1207,3 +1207,31 @@ def test_head_on_get_routes(port):
     r.read()
     assert r.status == 405
     conn.close()
+
+
+def test_chat_template_kwargs_are_template_variables(port):
+    """chat_template_kwargs override the template's variables as in llama.cpp, whatever their
+    names: add_generation_prompt false takes effect (it was a 500: a duplicate keyword), tools /
+    add_bos / add_eos / self are plain variables (500s and a 400 leaking internals before); an
+    assistant prefill given as text parts is appended like a string one (it was closed as a turn)."""
+    msgs = [{"role": "user", "content": "Count: 1, 2,"}]
+    status, _, base = call(port, "POST", "/apply-template", {"messages": msgs})
+    assert status == 200 and base["prompt"].endswith("<start_of_turn>model\n"), base
+    status, _, body = call(port, "POST", "/apply-template",
+                           {"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert status == 200 and body["prompt"] == base["prompt"][:-len("<start_of_turn>model\n")], body
+    for kw in ({"tools": None}, {"add_bos": True}, {"add_eos": False}, {"self": 1}, {"messages": []}):
+        status, _, body = call(port, "POST", "/apply-template", {"messages": msgs, "chat_template_kwargs": kw})
+        assert status == 200 and body["prompt"] == base["prompt"], (kw, body)
+    status, _, body = call(port, "POST", "/apply-template", {"messages": msgs, "chat_template_kwargs": {"tools": 3}})
+    assert_error(status, body, 400, "invalid_request_error")
+    as_str = msgs + [{"role": "assistant", "content": "3,"}]
+    as_parts = msgs + [{"role": "assistant", "content": [{"type": "text", "text": "3,"}]}]
+    status, _, a = call(port, "POST", "/apply-template", {"messages": as_str})
+    status2, _, b = call(port, "POST", "/apply-template", {"messages": as_parts})
+    assert status == status2 == 200 and a["prompt"] == b["prompt"] == base["prompt"] + "3,"
+    for m in (as_str, as_parts):
+        status, _, out = call(port, "POST", "/v1/chat/completions", {"messages": m, "max_tokens": 1, "temperature": 0})
+        assert status == 200
+    assert out["usage"]["prompt_tokens"] == call(port, "POST", "/v1/chat/completions",
+                                                 {"messages": as_str, "max_tokens": 1})[2]["usage"]["prompt_tokens"]

@@ -173,6 +173,16 @@ def content_spans(text: str, messages: list) -> list[tuple[int, int]]:
     return spans
 
 
+def _text_parts(content) -> Optional[str]:
+    """The text of a message's content parts (``[{"type": "text", "text": ...}, ...]``) joined
+    as the chat templates see them (``prepare_messages``), or None for anything else."""
+    if not isinstance(content, list) or not content:
+        return None
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return None
+    return "\n".join(p["text"] for p in content)
+
+
 def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[int, int]]]:
     """Render the request's messages to prompt text with the server's template;
     returns ``(text, content_spans)``.
@@ -195,10 +205,24 @@ def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[i
     if not isinstance(kwargs, dict):
         raise invalid_request('"chat_template_kwargs" must be an object')
     add_gen = get_bool(body, "add_generation_prompt", True)
+    # chat_template_kwargs are template variables that override the defaults (llama.cpp):
+    # add_generation_prompt and tools included; any other name, whatever it is, is a variable
+    kwargs = dict(kwargs)
+    if "add_generation_prompt" in kwargs:
+        add_gen = get_bool(kwargs, "add_generation_prompt", True)
+        del kwargs["add_generation_prompt"]
+    if "tools" in kwargs:
+        kw_tools = kwargs.pop("tools")
+        if kw_tools is not None and not isinstance(kw_tools, list):
+            raise invalid_request('"chat_template_kwargs.tools" must be an array')
+        tools = kw_tools
+    kwargs.pop("messages", None)  # the request's messages are the conversation
     prefill: Optional[str] = None
-    if messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str) \
-            and not messages[-1].get("tool_calls"):
-        prefill = messages[-1]["content"]
+    last = messages[-1]
+    if last.get("role") == "assistant" and not last.get("tool_calls") and (
+            isinstance(last.get("content"), str) or _text_parts(last.get("content")) is not None):
+        # prefilled: a string, or text parts joined as llama.cpp's oaicompat_chat_params_parse
+        prefill = last["content"] if isinstance(last["content"], str) else _text_parts(last["content"])
         messages = messages[:-1]
         if messages and messages[-1].get("role") == "assistant":
             raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")
@@ -209,7 +233,7 @@ def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[i
     try:
         text = state.chat_template.render_prompt(
             messages, add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos),
-            add_generation_prompt=add_gen, tools=tools or None, **kwargs)
+            add_generation_prompt=add_gen, tools=tools or None, extra_context=kwargs)
     except ValueError as e:  # ChatTemplateError is a ValueError
         raise invalid_request(str(e) or "the chat template refused the conversation") from None
     spans = content_spans(text, messages)

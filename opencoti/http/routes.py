@@ -481,8 +481,8 @@ def post_slot_action(state: ServerState, req: Request) -> Response:
 
     The erase runs on the engine thread (``Engine.erase_slot``); a busy slot is
     erased as soon as its request ends (llama.cpp defers it the same way). 400
-    for a bad id or action; ``save`` / ``restore`` are 501 (this server has no
-    ``--slot-save-path``).
+    for a bad id or action; ``save`` / ``restore`` are 501 (slot files, llama.cpp's
+    ``--slot-save-path``, are not implemented).
     """
     try:
         id_slot = int(req.path_params.get("id_slot", ""))
@@ -490,7 +490,8 @@ def post_slot_action(state: ServerState, req: Request) -> Response:
         raise invalid_request("Invalid slot ID") from None
     action = req.query.get("action", "")
     if action in ("save", "restore"):
-        raise not_supported(f"slot action {action!r} is not supported by this server (no --slot-save-path)")
+        raise not_supported(f"slot action {action!r} is not supported by this server (slot files are not "
+                            "implemented; llama.cpp's --slot-save-path has no equivalent here)")
     if action != "erase":
         raise invalid_request('Invalid action: use ?action=erase')
     if not 0 <= id_slot < state.n_slots:

@@ -284,7 +284,7 @@ class ChatTemplate:
             add_generation_prompt=bool(add_generation_prompt),
         )
         try:
-            return self._template.render(**context)
+            return self._template.render(context)  # a dict: any variable name (even "self") is fine
         except ChatTemplateError:
             raise
         except jinja2.exceptions.TemplateError as e:  # undefined, security, runtime template errors
@@ -295,15 +295,18 @@ class ChatTemplate:
 
     def render_prompt(self, messages: Iterable[Any], /, *, add_bos: bool, add_eos: bool = False,
                       add_generation_prompt: bool = True, tools: Optional[list] = None,
-                      **extra_context: Any) -> str:
+                      extra_context: Optional[dict] = None) -> str:
         """``render`` for tokenizing with special tokens added by the tokenizer.
 
         When ``add_bos`` (the tokenizer will prepend BOS) a leading ``bos_token`` text
         is removed, and when ``add_eos`` a trailing ``eos_token`` text, so the prompt
         does not get them twice (llama.cpp ``common_chat_template_direct_apply``).
+        ``extra_context``: more template variables, any names (a request's
+        ``chat_template_kwargs``); as in ``render``, ``messages`` / ``tools`` /
+        ``add_generation_prompt`` there are ignored.
         """
         text = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           **extra_context)
+                           **(extra_context or {}))
         if add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         if add_eos and self.eos_token and text.endswith(self.eos_token):
