@@ -13,6 +13,8 @@ raises ``OpencotiHTTPError`` with the server's status, error type and message.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Optional
 
 try:
@@ -165,11 +167,9 @@ class PolykvClient:
             for sid in session_ids:
                 self.complete(prefix, pool_id=new["id"], session_id=sid, n_predict=0)
         except Exception:
-            try:  # roll back; the first error is the one to report
+            with contextlib.suppress(OpencotiHTTPError):  # roll back; the first error is the one to report
                 self.unpin(new["id"])
                 self.release(new["id"])
-            except OpencotiHTTPError:
-                pass
             raise
         self.unpin(old_pool_id)
         self.release(old_pool_id)
@@ -253,11 +253,9 @@ class AsyncPolykvClient:
             for sid in session_ids:
                 await self.complete(prefix, pool_id=new["id"], session_id=sid, n_predict=0)
         except Exception:
-            try:  # roll back, as PolykvClient.compact_by_refork
+            with contextlib.suppress(OpencotiHTTPError):  # roll back, as PolykvClient.compact_by_refork
                 await self.unpin(new["id"])
                 await self.release(new["id"])
-            except OpencotiHTTPError:
-                pass
             raise
         await self.unpin(old_pool_id)
         await self.release(old_pool_id)

@@ -173,16 +173,6 @@ def content_spans(text: str, messages: list) -> list[tuple[int, int]]:
     return spans
 
 
-def _text_parts(content) -> Optional[str]:
-    """The text of a message's content parts (``[{"type": "text", "text": ...}, ...]``) joined
-    as the chat templates see them (``prepare_messages``), or None for anything else."""
-    if not isinstance(content, list) or not content:
-        return None
-    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return None
-    return "\n".join(p["text"] for p in content)
-
-
 def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[int, int]]]:
     """Render the request's messages to prompt text with the server's template;
     returns ``(text, content_spans)``.
@@ -216,13 +206,14 @@ def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[i
         if kw_tools is not None and not isinstance(kw_tools, list):
             raise invalid_request('"chat_template_kwargs.tools" must be an array')
         tools = kw_tools
-    kwargs.pop("messages", None)  # the request's messages are the conversation
     prefill: Optional[str] = None
     last = messages[-1]
-    if last.get("role") == "assistant" and not last.get("tool_calls") and (
-            isinstance(last.get("content"), str) or _text_parts(last.get("content")) is not None):
+    content = last.get("content")
+    text_parts = isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content)
+    if last.get("role") == "assistant" and not last.get("tool_calls") and (isinstance(content, str) or text_parts):
         # prefilled: a string, or text parts joined as llama.cpp's oaicompat_chat_params_parse
-        prefill = last["content"] if isinstance(last["content"], str) else _text_parts(last["content"])
+        prefill = _content_text(last)
         messages = messages[:-1]
         if messages and messages[-1].get("role") == "assistant":
             raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")

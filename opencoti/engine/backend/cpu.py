@@ -17,6 +17,18 @@ import numpy as np
 from opencoti.model.gguf_file import GGUFFile
 
 
+def rope_kv_write(B, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, **rope):
+    """An attention layer's step after the q / k / v projections, as ops of backend ``B``:
+    ``q' = B.rope(q, pos, norm=q_norm, **rope)``, ``B.kv_write(cache, il, plan,
+    B.rope(k, pos, norm=k_norm, **rope), v)``; returns ``q'``. ``rope``: ``B.rope``'s keyword
+    arguments (n_rot, base, freq_scale, mode, freq_factors, eps, yarn). The op set's
+    ``rope_kv_write`` is this composition; a backend may fuse it into fewer launches (CUDA: one
+    kernel for f16 caches) with the same results."""
+    q = B.rope(q, pos, norm=q_norm, **rope)
+    B.kv_write(cache, il, plan, B.rope(k, pos, norm=k_norm, **rope), v)
+    return q
+
+
 class CPUBackend:
     """NumPy implementation of the op interface (DESIGN.md "Backends: one op set")."""
 
@@ -197,10 +209,7 @@ class CPUBackend:
     # -- KV cache + attention ----------------------------------------------------------
     kv_types = None  # every KV tier (opencoti.engine.kv_tiers); device backends list theirs
 
-    def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, **rope):
-        """``rope(q)``, and ``rope(k)`` stored with ``v`` into the layer's cells: see
-        ``rope_kv_write``. Returns the rotated q."""
-        return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, **rope)
+    rope_kv_write = rope_kv_write  # the composition (module function) as the op
 
     @staticmethod
     def kv_write(cache, il: int, plan, k: np.ndarray, v: np.ndarray) -> None:
@@ -453,18 +462,6 @@ def _gdn_chunk(q, k, v, g, beta, S):
     tail = np.exp(G[:, -1:] - G)[:, :, None]  # [H, C, 1]
     S = np.exp(G[:, -1])[:, None, None] * S + (kh * tail).transpose(0, 2, 1) @ U
     return O.transpose(1, 0, 2).astype(np.float32), S.astype(np.float32)
-
-
-def rope_kv_write(B, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, **rope):
-    """An attention layer's step after the q / k / v projections, as ops of backend ``B``:
-    ``q' = B.rope(q, pos, norm=q_norm, **rope)``, ``B.kv_write(cache, il, plan,
-    B.rope(k, pos, norm=k_norm, **rope), v)``; returns ``q'``. ``rope``: ``B.rope``'s keyword
-    arguments (n_rot, base, freq_scale, mode, freq_factors, eps, yarn). The op set's
-    ``rope_kv_write`` is this composition; a backend may fuse it into fewer launches (CUDA: one
-    kernel for f16 caches) with the same results."""
-    q = B.rope(q, pos, norm=q_norm, **rope)
-    B.kv_write(cache, il, plan, B.rope(k, pos, norm=k_norm, **rope), v)
-    return q
 
 
 def rope_cos_sin(pos, n_rot: int, base: float, freq_scale: float, freq_factors=None, yarn=None):

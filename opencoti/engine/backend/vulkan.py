@@ -1219,11 +1219,8 @@ class VulkanBackend:
                                       f"storage-buffer range ({self.rt.max_range / 2**20:.0f} MiB): lower -c")
         return kind
 
-    def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, **rope):
-        """``cpu.rope_kv_write``: rope q and k, store k and v into the layer's cells (the
-        composition of the taped ``rope`` and ``kv_write``, so graphs record those). Returns the
-        rotated q."""
-        return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, **rope)
+    # cpu.rope_kv_write's composition of the taped ``rope`` and ``kv_write`` (graphs record those)
+    rope_kv_write = rope_kv_write
 
     @_taped
     def kv_write(self, cache, il: int, plan, k, v) -> None:
