@@ -124,6 +124,31 @@ def test_mul_mat_matches_reference(gpu, qname, n):
     assert rel_err(got, want) < (2e-3 if f16 else _gemm_tol(gpu, n, w, 1e-5)), rel_err(got, want)
 
 
+@pytest.mark.parametrize("qname", ["Q8_0", "Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("rpw", [1, 2, 8])
+def test_gemv_rows_per_warp(gpu, monkeypatch, qname, rpw):
+    """The one-token float GEMV with 1, 2 and 8 weight rows per warp (gemv1 / gemv1r2 /
+    gemv1r8, chosen by the weight's shape; forced here by moving the thresholds), Q4_K / Q6_K
+    included (below IMMA_MIN_WEIGHT elements they skip the integer path), over 300 rows (a
+    partial last warp) against float64."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 1 << 40)
+    monkeypatch.setattr(cu, "GEMV_RPW2_MIN_ELEMENTS", 0 if rpw > 1 else 1 << 40)
+    monkeypatch.setattr(cu, "GEMV_RPW8_MIN_ROWS", 1 if rpw == 8 else 0)
+    used = []
+    qfn = gpu._qfn
+    monkeypatch.setattr(gpu, "_qfn", lambda prefix, w: used.append(prefix) or qfn(prefix, w))
+    rng = np.random.default_rng(40 + rpw)
+    rows, cols = 300, 768
+    raw = random_blocks(qname, rows, cols, rng)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    got = cp.asnumpy(gpu.mul_mat(cp.asarray(x), to_qtensor(raw, qname, cols)))
+    want = x.astype(np.float64) @ ref_dequant(qname, raw, cols).astype(np.float64).T
+    assert used == ["gemv1" if rpw == 1 else f"gemv1r{rpw}"]
+    assert got.shape == (1, rows) and rel_err(got, want) < 1e-5, rel_err(got, want)
+
+
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "BF16"])
 @pytest.mark.parametrize("n", [65, 300])
 def test_prefill_gemm_matches_reference(gpu, monkeypatch, qname, n):
@@ -584,6 +609,37 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
             gpu.graphs = saved
     # graphs split attention by the cell bucket, eager by the live length: f32 sums in another order
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
+
+
+def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch):
+    """Decode graphs captured with programmatic dependent launches (sm_90+: every kernel waits
+    on GRID_DEP_WAIT before touching memory) give bit-identical logits to graphs of plain
+    launches, and the capture really launched our kernels that way."""
+    from opencoti.engine.backend import cuda_kernels as ck
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    assert gpu._pdl == (int(gpu.device.compute_capability) >= 90 and ck.PDL)
+    path = tmp_path / "g.gguf"
+    sg.write_random_model("gemma3", path, "Q4_K", seed=6, hidden_size=256, intermediate_size=512, head_dim=64)
+    model = load_model(str(path), with_tokenizer=False)
+    n_pdl = []
+    launch = ck.Kernel._launch_pdl
+    monkeypatch.setattr(ck.Kernel, "_launch_pdl", lambda *a: n_pdl.append(1) or launch(*a))
+    outs = {}
+    saved = gpu._pdl
+    for pdl in (False, saved):
+        gpu._pdl = pdl
+        try:
+            r = ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512)
+            r.decode(UBatch.build(list(range(3, 103)), np.arange(100), [0] * 100, [99]))
+            res = [r.decode(UBatch.build([7 + i], [100 + i], [0], [0])) for i in range(4)]
+            res += [r.decode(UBatch.build([5, 6, 7], [104 + i, i, i], [0, 1, 2], [0, 1, 2])) for i in range(3)]
+            outs[pdl] = np.concatenate(res)
+        finally:
+            gpu._pdl = saved
+    assert len(n_pdl) > 50 if saved else not n_pdl
+    np.testing.assert_array_equal(outs[saved], outs[False])
 
 
 @pytest.mark.parametrize("unified", [True, False])

@@ -218,7 +218,7 @@ __device__ __forceinline__ void attn_partial_impl(
     extern "C" __global__ void __launch_bounds__(128) attn_partial_d##D##_g##G(                               \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u16* K, const u16* V, int n_head, int n_kv, float scale, int n_swa,         \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) {                             \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();                             \
         attn_partial_impl<D, G>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, scale,    \
                                 n_swa, softcap, n_split, out, part_acc, part_ml); }
 DEF_ATTN(32, 1) DEF_ATTN(32, 2) DEF_ATTN(32, 4) DEF_ATTN(32, 8)
@@ -229,7 +229,7 @@ DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
 
 // out[r, h, :] = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}; grid (T, n_head), D threads.
 extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                      float* __restrict__ out, int n_head, int D, int n_split) {
+                                      float* __restrict__ out, int n_head, int D, int n_split) { GRID_DEP_WAIT();
     long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
     const float M = lse_max(part_ml, rh * n_split, n_split, NEG_INF);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -408,7 +408,7 @@ __device__ __forceinline__ void attn_kv_impl(
     extern "C" __global__ void __launch_bounds__(128) attn_kv_g##G(                                            \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) {                             \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();                             \
         attn_kv_impl<KV_D, G, KV_TK, KV_TV>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, \
                                             scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
 DEF_ATTN_KV(1) DEF_ATTN_KV(2) DEF_ATTN_KV(4)

@@ -47,7 +47,7 @@
 // x [T, K] f32 -> digits (layout above). grid = (K / 256, (ncp / CW) * ceil(CW / D)), 32 threads:
 // one warp per (super-block, a token's D columns); a lane quantizes 8 consecutive elements.
 extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict__ xq, float* __restrict__ xs,
-                                     i8* __restrict__ xm, int T, int K, int CW, int ncp, int D) {
+                                     i8* __restrict__ xm, int T, int K, int CW, int ncp, int D) { GRID_DEP_WAIT();
     const int sb = blockIdx.x, lane = threadIdx.x;
     const int tpb = CW / D, spg = (CW + D - 1) / D, gi = blockIdx.y / spg, js = blockIdx.y % spg;
     const int t = gi * tpb + js, col0 = gi * CW + D * js, e0 = sb * 256 + 8 * lane;
@@ -345,8 +345,8 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
     const u8* W, long long rb, const i8* xq, const float* xs, const i8* xm, float* y, int nrows, int K, int T, \
         int ncp, int D
 #define GEMVI(NT)                                                                                                  \
-    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); } \
-    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT(); gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); } \
+    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT(); gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 GEMVI(1)
 GEMVI(3)
 GEMVI(6)
@@ -461,9 +461,9 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
 
 // _o<B>_n<NT>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B)), NT = 2 D
 #define GEMMI(B, NT)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT(GEMVI_ARGS) {                 \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT();                 \
         gemmi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                  \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B##_n##NT(GEMVI_ARGS) {                 \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT();                 \
         gemmi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 GEMMI(2, 6)
 GEMMI(3, 6)

@@ -219,29 +219,31 @@ __device__ __forceinline__ void gemv_id_gated_impl(const u8* __restrict__ Wg, co
 
 #define DEF_UKERNELS(ID, U, U8)                                                                                   \
     extern "C" __global__ void gemv1_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
-                                          int wpr) { gemv_impl<U, 1, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
+                                          int wpr) { GRID_DEP_WAIT(); gemv_impl<U, 1, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
     extern "C" __global__ void gemv1r2_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, \
-                                            int nt, int wpr) { gemv_impl<U, 1, 2>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
+                                            int nt, int wpr) { GRID_DEP_WAIT(); gemv_impl<U, 1, 2>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
+    extern "C" __global__ void gemv1r8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, \
+                                            int nt, int wpr) { GRID_DEP_WAIT(); gemv_impl<U, 1, 8>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
     extern "C" __global__ void gemv8_##ID(const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, \
-                                          int wpr) { gemv_impl<U8, 8, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
+                                          int wpr) { GRID_DEP_WAIT(); gemv_impl<U8, 8, 1>(W, rb, x, y, nr, nc, nt, wpr, blockIdx.x); } \
     extern "C" __global__ void gemv_gated_##ID(const u8* Wg, const u8* Wu, long long rb, const float* x, float* y, \
-                                               int nr, int nc, int act) {                                     \
+                                               int nr, int nc, int act) { GRID_DEP_WAIT();                                     \
         gemv_gated_impl<U>(Wg, Wu, rb, x, y, nr, nc, act, blockIdx.x); }                                       \
     extern "C" __global__ void gemv_id_##ID(const u8* W, long long rb, long long eb, const int* ids, const float* x, \
-                                            int x_div, float* y, int nr, int nc, int wpr) {                  \
+                                            int x_div, float* y, int nr, int nc, int wpr) { GRID_DEP_WAIT();                  \
         gemv_id_impl<U>(W, rb, eb, ids, x, x_div, y, nr, nc, wpr); }                                          \
     extern "C" __global__ void gemv_id_gated_##ID(const u8* Wg, const u8* Wu, long long rb, long long eb,      \
                                                   const int* ids, const float* x, int x_div, float* y, int nr, \
-                                                  int nc, int act) {                                          \
+                                                  int nc, int act) { GRID_DEP_WAIT();                                          \
         gemv_id_gated_impl<U>(Wg, Wu, rb, eb, ids, x, x_div, y, nr, nc, act); }
 #define DEF_QKERNELS(ID, Q)                                                                                   \
-    extern "C" __global__ void dequant_f32_##ID(const u8* W, long long rb, float* out, int nr, int nc) {     \
+    extern "C" __global__ void dequant_f32_##ID(const u8* W, long long rb, float* out, int nr, int nc) { GRID_DEP_WAIT();     \
         dequant_impl<Q, 0>(W, rb, out, nr, nc); }                                                             \
-    extern "C" __global__ void dequant_f16_##ID(const u8* W, long long rb, u16* out, int nr, int nc) {       \
+    extern "C" __global__ void dequant_f16_##ID(const u8* W, long long rb, u16* out, int nr, int nc) { GRID_DEP_WAIT();       \
         dequant_impl<Q, 1>(W, rb, out, nr, nc); }                                                             \
-    extern "C" __global__ void dequant_f16x2_##ID(const u8* W, long long rb, u16* out, int nr, int nc) {     \
+    extern "C" __global__ void dequant_f16x2_##ID(const u8* W, long long rb, u16* out, int nr, int nc) { GRID_DEP_WAIT();     \
         dequant_impl<Q, 2>(W, rb, out, nr, nc); }                                                             \
-    extern "C" __global__ void get_rows_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { \
+    extern "C" __global__ void get_rows_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { GRID_DEP_WAIT(); \
         get_rows_impl<Q>(W, rb, ids, out, nc); }
 
 FOR_EACH_UTYPE(DEF_UKERNELS)
@@ -262,7 +264,7 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // of two s[t] > max |x[t]| (exact; the f16 range then holds every value), as hi = f16(x / s) and
 // lo = f16((x / s - hi) * 2^12): xa[t] = [lo, hi] (2k halves). One block per row.
 extern "C" __global__ void split_f16_rows(const float* __restrict__ x, u16* __restrict__ xa, float* __restrict__ s,
-                                          int k) {
+                                          int k) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const long long t = blockIdx.x;
     const float* xr = x + t * k;
@@ -295,7 +297,7 @@ extern "C" __global__ void split_f16_rows(const float* __restrict__ x, u16* __re
 #define NV 8
 // y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                                    int n, float eps) {
+                                    int n, float eps) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
@@ -322,7 +324,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 // x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
 extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const float* __restrict__ h,
                                               const float* __restrict__ w_post, const float* __restrict__ w_next,
-                                              float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps) {
+                                              float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const long long o = (long long)blockIdx.x * n;
     const int bd = blockDim.x, t = threadIdx.x;
@@ -416,7 +418,7 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int pos, 
 extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos, float* __restrict__ y,
                                 int H, int D, int n_rot, float base, float freq_scale, int mode,
                                 const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
-                                float ext_factor, float corr_lo, float corr_hi, float mscale) {
+                                float ext_factor, float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
     long long row = blockIdx.x;
@@ -437,7 +439,7 @@ extern "C" __global__ void rope_kv_write(const float* __restrict__ q, const floa
                                          int n_rot, float base, float freq_scale, int mode,
                                          const float* __restrict__ ff, const float* __restrict__ q_norm,
                                          const float* __restrict__ k_norm, float eps, float ext_factor,
-                                         float corr_lo, float corr_hi, float mscale) {
+                                         float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
     long long row = blockIdx.x;
@@ -456,17 +458,17 @@ extern "C" __global__ void rope_kv_write(const float* __restrict__ q, const floa
              mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); });
 }
 
-extern "C" __global__ void gelu_tanh(const float* __restrict__ x, float* __restrict__ y, long long n) {
+extern "C" __global__ void gelu_tanh(const float* __restrict__ x, float* __restrict__ y, long long n) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) { float v = x[i]; y[i] = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))); }
 }
-extern "C" __global__ void silu(const float* __restrict__ x, float* __restrict__ y, long long n) {
+extern "C" __global__ void silu(const float* __restrict__ x, float* __restrict__ y, long long n) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) { float v = x[i]; y[i] = v / (1.f + expf(-v)); }
 }
 // y = act(g) * u
 extern "C" __global__ void gated_act(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
-                                     long long n, int act) {
+                                     long long n, int act) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     float v = g[i], a;
@@ -478,7 +480,7 @@ extern "C" __global__ void gated_act(const float* __restrict__ g, const float* _
 // K/V of T tokens into f16 cells: K[cell[t]] = k[t] (kw floats per token), same for V.
 extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v,
                                     u16* __restrict__ K, u16* __restrict__ V, const int* __restrict__ cell,
-                                    int kw, int vw) {
+                                    int kw, int vw) { GRID_DEP_WAIT();
     int t = blockIdx.x;
     long long c = cell[t];
     for (int i = threadIdx.x; i < kw; i += blockDim.x) K[c * kw + i] = f2h(k[(long long)t * kw + i]);
@@ -486,17 +488,17 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 }
 
 // Logistic 1 / (1 + e^-x) as 0.5 (1 + tanh(x / 2)) (overflow-free; CPUBackend.sigmoid).
-extern "C" __global__ void sigmoid(const float* __restrict__ x, float* __restrict__ y, long long n) {
+extern "C" __global__ void sigmoid(const float* __restrict__ x, float* __restrict__ y, long long n) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = 0.5f * (1.f + tanhf(0.5f * x[i]));
 }
 // ln(1 + e^x) = max(x, 0) + log1p(e^-|x|) (overflow-free; CPUBackend.softplus).
-extern "C" __global__ void softplus(const float* __restrict__ x, float* __restrict__ y, long long n) {
+extern "C" __global__ void softplus(const float* __restrict__ x, float* __restrict__ y, long long n) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) { float v = x[i]; y[i] = fmaxf(v, 0.f) + log1pf(expf(-fabsf(v))); }
 }
 // y = x / max(||x||_2, eps) per row of n (ggml_l2_norm); one block per row.
-extern "C" __global__ void l2_norm(const float* __restrict__ x, float* __restrict__ y, int n, float eps) {
+extern "C" __global__ void l2_norm(const float* __restrict__ x, float* __restrict__ y, int n, float eps) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
@@ -513,7 +515,7 @@ extern "C" __global__ void l2_norm(const float* __restrict__ x, float* __restric
 // sel[t, k] = expert, w[t, k] = p (divided by their sum when norm_w, times w_scale when != 0).
 // Dynamic shared memory: E floats per block.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, int n_used, int norm_w, float w_scale,
-                                     int* __restrict__ sel, float* __restrict__ w) {
+                                     int* __restrict__ sel, float* __restrict__ w) { GRID_DEP_WAIT();
     extern __shared__ float p[];
     const int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (long long)t * E;
@@ -563,7 +565,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, in
 // grid = T, threads over the n columns.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        const int* __restrict__ sel, const float* __restrict__ ds,
-                                       float* __restrict__ out, int n_used, int n) {
+                                       float* __restrict__ out, int n_used, int n) { GRID_DEP_WAIT();
     const long long t = blockIdx.x;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float acc = 0.f;

@@ -26,7 +26,7 @@ __device__ __forceinline__ void kv_quant_scalar(const float* __restrict__ x, u8*
 }
 #define DEF_QS(T)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) kv_quant_##T(const float* x, u8* store, const int* cell, \
-                                                                    int n_rows, int n_kv, int D) {        \
+                                                                    int n_rows, int n_kv, int D) { GRID_DEP_WAIT();        \
         kv_quant_scalar<T>(x, store, cell, n_rows, n_kv, D); }
 DEF_QS(KF32) DEF_QS(KF16) DEF_QS(KBF16) DEF_QS(KQ8_0) DEF_QS(KQ6_0) DEF_QS(KQ5_1) DEF_QS(KQ5_0) DEF_QS(KQ4_0)
 
@@ -191,11 +191,11 @@ __device__ __forceinline__ void kv_quant_tcq(const float* __restrict__ x, u8* __
 
 #define DEF_QT(T, D)                                                                                            \
     extern "C" __global__ void __launch_bounds__(D) kv_quant_##T##_d##D(const float* x, u8* store, const int* cell, \
-                                                                     int n_kv) {                           \
+                                                                     int n_kv) { GRID_DEP_WAIT();                           \
         kv_quant_turbo<T, D>(x, store, cell, n_kv); }
 #define DEF_QC(T, D)                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) kv_quant_##T##_d##D(const float* x, u8* store, const int* cell, \
-                                                                       int n_kv) {                         \
+                                                                       int n_kv) { GRID_DEP_WAIT();                         \
         kv_quant_tcq<T, D>(x, store, cell, n_kv); }
 #define DEF_QT_ALL(T) DEF_QT(T, 64) DEF_QT(T, 128) DEF_QT(T, 256) DEF_QT(T, 512)
 #define DEF_QC_ALL(T) DEF_QC(T, 64) DEF_QC(T, 128) DEF_QC(T, 256) DEF_QC(T, 512)
@@ -226,7 +226,7 @@ __device__ __forceinline__ void kv_dequant(const u8* __restrict__ store, const i
 }
 #define DEF_DQ(T, D)                                                                                         \
     extern "C" __global__ void __launch_bounds__(D) kv_dequant_##T##_d##D(const u8* store, const int* cell,     \
-                                                                       int n_kv, float* out) {             \
+                                                                       int n_kv, float* out) { GRID_DEP_WAIT();             \
         kv_dequant<T, D>(store, cell, n_kv, out); }
 #define DEF_DQ_ALL(T) DEF_DQ(T, 64) DEF_DQ(T, 128) DEF_DQ(T, 256) DEF_DQ(T, 512)
 DEF_DQ_ALL(KF32) DEF_DQ_ALL(KF16) DEF_DQ_ALL(KBF16) DEF_DQ_ALL(KQ8_0) DEF_DQ_ALL(KQ6_0) DEF_DQ_ALL(KQ5_1)

@@ -129,7 +129,7 @@ __device__ __forceinline__ void mmq_impl(const u8* __restrict__ W, long long row
 }
 
 // y[i] = sum over the n_split partial slabs part[s][i] (i < n), in split order.
-extern "C" __global__ void mmq_reduce(const float* __restrict__ part, float* __restrict__ y, long long n, int n_split) {
+extern "C" __global__ void mmq_reduce(const float* __restrict__ part, float* __restrict__ y, long long n, int n_split) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     float s = part[i];
@@ -139,6 +139,6 @@ extern "C" __global__ void mmq_reduce(const float* __restrict__ part, float* __r
 
 #define DEF_MMQ(ID, U, U8)                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) mmq_##ID(                                    \
-        const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, int sps) {              \
+        const u8* W, long long rb, const float* x, float* y, int nr, int nc, int nt, int sps) { GRID_DEP_WAIT();              \
         mmq_impl<U8>(W, rb, x, y, nr, nc, nt, sps); }
 FOR_EACH_UTYPE(DEF_MMQ)

@@ -6,6 +6,7 @@
 // type is block c; a 256-element K-quant super-block holds chunks 8b..8b+7.
 // No CUDA headers are included (NVRTC needs none): f16/bf16 are converted with
 // PTX cvt instructions.
+#include "pdl.cuh"
 
 typedef unsigned char u8;
 typedef unsigned short u16;

@@ -9,6 +9,7 @@
 // inherently ordered, and a decode step (one token per view) is a single iteration.
 // The chunked (WY) form that the CPU uses for long prefills is not implemented here yet.
 
+#include "pdl.cuh"
 #define WARP 32
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -25,7 +26,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 #define SSM_MAXK 8
 extern "C" __global__ void ssm_conv(const float* __restrict__ x, float* __restrict__ state, const float* __restrict__ w,
                                     const int* __restrict__ view_off, const int* __restrict__ rows,
-                                    const int* __restrict__ slots, float* __restrict__ y, int C, int K) {
+                                    const int* __restrict__ slots, float* __restrict__ y, int C, int K) { GRID_DEP_WAIT();
     const int vw = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
@@ -127,6 +128,6 @@ __device__ __forceinline__ void gdn_impl(const float* __restrict__ q, const floa
 #define DEF_GDN(R)                                                                                              \
     extern "C" __global__ void __launch_bounds__(GDN_NW * 32) gated_delta_net_r##R(                            \
         const float* q, const float* k, const float* v, const float* g, const float* beta, float* S_all,       \
-        const int* view_off, const int* rows, const int* slots, float* out, int H, int dk, int dv, float scale) { \
+        const int* view_off, const int* rows, const int* slots, float* out, int H, int dk, int dv, float scale) { GRID_DEP_WAIT(); \
         gdn_impl<R>(q, k, v, g, beta, S_all, view_off, rows, slots, out, H, dk, dv, scale); }
 DEF_GDN(1) DEF_GDN(2) DEF_GDN(4) DEF_GDN(8)

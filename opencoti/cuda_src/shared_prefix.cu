@@ -238,7 +238,7 @@ __device__ __forceinline__ void sp_attn_impl(
     extern "C" __global__ void __launch_bounds__(128) sp_attn_d##D(                                           \
         const float* q, const int* q_pos, const int* rows, const int* cells, const int* cell_pos,            \
         const int* n_cells_p, const u16* K, const u16* V, int R, int n_head, int n_kv, float scale, int n_swa, \
-        float softcap, int n_split, float* part_acc, float* part_ml) {                                       \
+        float softcap, int n_split, float* part_acc, float* part_ml) { GRID_DEP_WAIT();                                       \
         sp_attn_impl<D, CT>(q, q_pos, rows, cells, cell_pos, n_cells_p, K, V, R, n_head, n_kv, scale, n_swa, \
                             softcap, n_split, part_acc, part_ml); }
 DEF_SP(32, 64) DEF_SP(64, 64) DEF_SP(128, 64) DEF_SP(256, 32)
@@ -246,7 +246,7 @@ DEF_SP(32, 64) DEF_SP(64, 64) DEF_SP(128, 64) DEF_SP(256, 32)
 // grid (T, n_head), min(D, 256) threads
 extern "C" __global__ void sp_merge(const float* __restrict__ p_acc, const float* __restrict__ p_ml, int n_sp,
                                     const float* __restrict__ s_acc, const float* __restrict__ s_ml, int n_ss,
-                                    const int* __restrict__ row_slot, float* __restrict__ out, int n_head, int D) {
+                                    const int* __restrict__ row_slot, float* __restrict__ out, int n_head, int D) { GRID_DEP_WAIT();
     const long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
     const int slot = row_slot[blockIdx.x];
     const long long sh = slot >= 0 ? (long long)slot * n_head + blockIdx.y : 0;

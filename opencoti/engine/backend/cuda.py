@@ -60,7 +60,7 @@ import numpy as np
 
 from opencoti.engine.backend import cuda_kv
 from opencoti.engine.backend.cpu import rope_kv_write, yarn_corr_dims
-from opencoti.engine.backend.cuda_kernels import load_module, load_source
+from opencoti.engine.backend.cuda_kernels import Kernel, load_module, load_source, pdl_supported
 from opencoti.engine.backend.experts import ExpertRows
 from opencoti.model.gguf_file import GGUFFile
 
@@ -70,6 +70,11 @@ GEMV_TILE = 8
 # the x loads shared by both rows; measured on the H200: 7B ffn_up 818 -> 1,141 GB/s, q/o
 # 611 -> 710, while the small matrices of a 270m model lose (fewer warps, longer chains)
 GEMV_RPW2_MIN_ELEMENTS = 4 << 20
+# ... and eight rows per warp over weights of at least this many rows of at most GEMV_RPW8_MAX_COLS
+# columns (an output head of a small model: gemma-3-270m's 262,144 x 640 Q8_0), whose warps would
+# otherwise each read only two short rows
+GEMV_RPW8_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_GEMV_RPW8_MIN_ROWS", str(1 << 16)))
+GEMV_RPW8_MAX_COLS = 2048
 # From this many activation rows (up to GEMV_MAX_TOKENS) mul_mat runs the tensor-core kernel
 # of mmq.cu, which reads the weight once for all rows, instead of the GEMV tiles of GEMV_TILE
 # rows, which read it once per tile. OPENCOTI_CUDA_MMQ_MIN_ROWS=0 turns it off.
@@ -87,6 +92,10 @@ IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
 # (7B ffn_up, 32 rows: 115 / 98 / 105 us; Q6_K the same within 2 %)
 GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
+# ... except one-row products with weights of fewer elements: the float GEMV in one launch beats the
+# digit pass + integer GEMV there (two latency-bound launches; H200, gemma-3-270m attn_output 640 x
+# 1,024 and ffn_down 640 x 2,048). OPENCOTI_CUDA_IMMA_MIN_WEIGHT=0: the integer path for every size.
+IMMA_MIN_WEIGHT = int(os.environ.get("OPENCOTI_CUDA_IMMA_MIN_WEIGHT", str(1 << 21)))
 # base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
 # block's largest |x|) or 2 (2^-16, finer than f16's 2^-11: a third less integer work per token).
 # Default (imma_digits): 2 for gemmi's rows of a batched decode step (ALU-bound; H200, 270m x64
@@ -293,6 +302,7 @@ class CUDABackend:
         self._meta: dict = {}
         self._staged = False
         self._capturing = False
+        self._pdl = pdl_supported(self.device.compute_capability)  # PDL launches inside graph captures
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self._w16 = None  # f16 scratch of _gemm_f16
         self._digits_of = (None, None)  # (array, its gemv_int.cu digits): _digits
@@ -307,8 +317,16 @@ class CUDABackend:
     def _fn(self, mod: str, name: str):
         f = self._fns.get(name)
         if f is None:
-            f = self._fns[name] = self._mods[mod].get_function(name)
+            f = self._fns[name] = self._kernel(self._mods[mod], name)
         return f
+
+    def _kernel(self, module, name: str) -> Kernel:
+        """Kernel ``name`` of a compiled module, launched with PDL while a graph is captured
+        (``cuda_kernels.Kernel``)."""
+        return Kernel(module.get_function(name), self._pdl_now)
+
+    def _pdl_now(self) -> bool:
+        return self._capturing and self._pdl
 
     def _qfn(self, prefix: str, w: QTensor):
         if w.ggml_type not in QTYPES:
@@ -441,8 +459,10 @@ class CUDABackend:
         if MMQ_MIN_ROWS and n >= MMQ_MIN_ROWS and w.ggml_type != 0:
             return self._mmq(x, w)
         y = cp.empty((n, rows), dtype=cp.float32)
-        rpw = 2 if n == 1 and rows * cols >= GEMV_RPW2_MIN_ELEMENTS else 1  # a warp's rows share x loads
-        fn = self._qfn("gemv8" if n > 1 else "gemv1r2" if rpw == 2 else "gemv1", w)
+        rpw = 1  # rows per warp (one token): a warp's rows share x loads
+        if n == 1 and rows * cols >= GEMV_RPW2_MIN_ELEMENTS:
+            rpw = 8 if GEMV_RPW8_MIN_ROWS and rows >= GEMV_RPW8_MIN_ROWS and cols <= GEMV_RPW8_MAX_COLS else 2
+        fn = self._qfn("gemv8" if n > 1 else f"gemv1r{rpw}" if rpw > 1 else "gemv1", w)
         groups = (rows + rpw - 1) // rpw
         wpr = _warps_per_row(groups, cols)
         fn(((n + GEMV_TILE - 1) // GEMV_TILE, (groups * wpr + 7) // 8), (256,),
@@ -486,6 +506,7 @@ class CUDABackend:
         its Q4_K loads are 16-byte vectors, so the weight's bytes must start 16-byte aligned, as
         every tensor upload and expert / row slice of one does)."""
         return (isinstance(w, QTensor) and w.ggml_type in IMMA_TYPES and 0 < n and w.data.data.ptr % 16 == 0
+                and (n > 1 or w.shape[0] * w.shape[1] >= IMMA_MIN_WEIGHT)
                 and (n <= IMMA_MAX_ROWS or (IMMA_MAX_ROWS > 0 and IMMA_BATCH and n <= GEMV_MAX_TOKENS)))
 
     def _gemvi(self, digits, w: QTensor):
@@ -1243,7 +1264,7 @@ class CUDABackend:
         key = ("kvw", name)
         f = self._fns.get(key)
         if f is None:
-            f = self._fns[key] = m.get_function(name)
+            f = self._fns[key] = self._kernel(m, name)
         return f
 
     def _kv_quant(self, store, tier, x, cells) -> None:
@@ -1300,7 +1321,7 @@ class CUDABackend:
         fkey = key + (g,)
         f = self._fns.get(fkey)
         if f is None:
-            f = self._fns[fkey] = m.get_function(f"attn_kv_g{g}")
+            f = self._fns[fkey] = self._kernel(m, f"attn_kv_g{g}")
         return f
 
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
@@ -1485,8 +1506,5 @@ class CUDABackend:
         if f is None:
             f = self._fn(mod, name)
             if smem > 48 * 1024:
-                if hasattr(f, "max_dynamic_shared_size_bytes"):  # cupy.RawKernel (RawModule.get_function)
-                    f.max_dynamic_shared_size_bytes = smem
-                else:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-                    self.cp.cuda.driver.funcSetAttribute(f.ptr, 8, smem)
+                f.max_dynamic_shared_size_bytes = smem
         return f

@@ -111,3 +111,112 @@ def load_source(src: str, tag: str, quiet: bool = False):
     if not quiet:
         print(f"opencoti: compiled {tag} in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr, flush=True)
     return cupy.RawModule(path=str(path))
+
+
+# -- launches ------------------------------------------------------------------------------
+# OPENCOTI_CUDA_PDL=0 turns programmatic dependent launch off (Kernel below)
+PDL = os.environ.get("OPENCOTI_CUDA_PDL", "1") != "0"
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+def _driver_launch_ex():
+    """``cuLaunchKernelEx`` of the CUDA driver (12.0+) with its ctypes structures, or None
+    when the driver lacks it."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+
+    class Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("val", ctypes.c_int * 16)]
+
+    class Config(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("n_attrs", ctypes.c_uint)]
+
+    fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    attr = Attr()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.val[0] = 1  # programmaticStreamSerializationAllowed
+    scalars = {"int8": ctypes.c_int8, "uint8": ctypes.c_uint8, "int16": ctypes.c_int16, "uint16": ctypes.c_uint16,
+               "int32": ctypes.c_int32, "uint32": ctypes.c_uint32, "int64": ctypes.c_int64,
+               "uint64": ctypes.c_uint64, "float32": ctypes.c_float, "float64": ctypes.c_double}
+    return fn, Config, ctypes.pointer(attr), scalars
+
+
+_LAUNCH_EX = None
+
+
+class Kernel:
+    """A compiled kernel (``cupy.RawKernel``), called like one: ``k(grid, block, args,
+    shared_mem=0)`` with ``args`` CuPy arrays (passed as pointers) and NumPy scalars.
+
+    While ``pdl()`` is true (the CUDA backend captures a decode graph on sm_90+) the launch goes
+    through ``cuLaunchKernelEx`` with programmatic stream serialization (PDL): the kernel's
+    blocks may start while the previous kernel in the stream finishes, and its leading
+    ``GRID_DEP_WAIT()`` (cuda_src/pdl.cuh) holds them until that kernel's writes are visible.
+    Every kernel of opencoti/cuda_src starts with that wait. Other launches, and any argument
+    of another type, take CuPy's launch."""
+
+    __slots__ = ("raw", "_pdl")
+
+    def __init__(self, raw, pdl):
+        self.raw = raw
+        self._pdl = pdl  # () -> bool
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self.raw.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n: int) -> None:
+        if hasattr(self.raw, "max_dynamic_shared_size_bytes"):
+            self.raw.max_dynamic_shared_size_bytes = n
+        else:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+            import cupy
+
+            cupy.cuda.driver.funcSetAttribute(self.raw.kernel.ptr, 8, n)
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        if not (self._pdl() and self._launch_pdl(grid, block, args, shared_mem)):
+            self.raw(grid, block, args, shared_mem=shared_mem)
+
+    def _launch_pdl(self, grid, block, args, shared_mem: int) -> bool:
+        """Launch with the PDL attribute; False (nothing launched) when an argument is neither
+        a CuPy array nor a NumPy scalar. ``RuntimeError`` when the driver refuses the launch."""
+        import ctypes
+
+        import cupy
+        import numpy as np
+
+        fn, Config, attr, scalars = _LAUNCH_EX
+        vals = []
+        for a in args:
+            if isinstance(a, cupy.ndarray):
+                vals.append(ctypes.c_void_p(a.data.ptr))
+            elif isinstance(a, np.generic) and a.dtype.name in scalars:
+                vals.append(scalars[a.dtype.name](a.item()))
+            else:
+                return False
+        grid = (tuple(grid) if isinstance(grid, tuple) else (grid,)) + (1, 1)
+        block = (tuple(block) if isinstance(block, tuple) else (block,)) + (1, 1)
+        cfg = Config((ctypes.c_uint * 3)(*grid[:3]), (ctypes.c_uint * 3)(*block[:3]), shared_mem,
+                     cupy.cuda.get_current_stream().ptr, attr, 1)
+        params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
+        rc = fn(ctypes.byref(cfg), self.raw.kernel.ptr, params, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernelEx failed for {self.raw.name}: CUresult {rc}")
+        return True
+
+
+def pdl_supported(compute_capability: str) -> bool:
+    """Whether PDL launches are on: ``OPENCOTI_CUDA_PDL`` not 0, an sm_90+ device and a driver
+    with ``cuLaunchKernelEx`` (loaded here once)."""
+    global _LAUNCH_EX
+    if not PDL or int(compute_capability) < 90:
+        return False
+    if _LAUNCH_EX is None:
+        _LAUNCH_EX = _driver_launch_ex() or False
+    return bool(_LAUNCH_EX)
