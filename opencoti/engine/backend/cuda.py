@@ -53,6 +53,7 @@ it at boot).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -70,9 +71,9 @@ GEMV_TILE = 8
 # the x loads shared by both rows; measured on the H200: 7B ffn_up 818 -> 1,141 GB/s, q/o
 # 611 -> 710, while the small matrices of a 270m model lose (fewer warps, longer chains)
 GEMV_RPW2_MIN_ELEMENTS = 4 << 20
-# ... and eight rows per warp over weights of at least this many rows of at most GEMV_RPW8_MAX_COLS
-# columns (an output head of a small model: gemma-3-270m's 262,144 x 640 Q8_0), whose warps would
-# otherwise each read only two short rows
+# ... and, among those, eight rows per warp over weights of at least this many rows of at most
+# GEMV_RPW8_MAX_COLS columns (an output head of a small model: gemma-3-270m's 262,144 x 640 Q8_0,
+# 97 -> 89 us on the H200), whose warps would otherwise each read only two short rows
 GEMV_RPW8_MIN_ROWS = int(os.environ.get("OPENCOTI_CUDA_GEMV_RPW8_MIN_ROWS", str(1 << 16)))
 GEMV_RPW8_MAX_COLS = 2048
 # From this many activation rows (up to GEMV_MAX_TOKENS) mul_mat runs the tensor-core kernel
@@ -94,7 +95,8 @@ GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # ... except one-row products with weights of fewer elements: the float GEMV in one launch beats the
 # digit pass + integer GEMV there (two latency-bound launches; H200, gemma-3-270m attn_output 640 x
-# 1,024 and ffn_down 640 x 2,048). OPENCOTI_CUDA_IMMA_MIN_WEIGHT=0: the integer path for every size.
+# 1,024 and ffn_down 640 x 2,048: tg128 875 -> 1,006; also a 7B's attn_k / attn_v, 512 x 3,584,
+# which measured the same either way). OPENCOTI_CUDA_IMMA_MIN_WEIGHT=0: the integer path for every size.
 IMMA_MIN_WEIGHT = int(os.environ.get("OPENCOTI_CUDA_IMMA_MIN_WEIGHT", str(1 << 21)))
 # base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
 # block's largest |x|) or 2 (2^-16, finer than f16's 2^-11: a third less integer work per token).
@@ -302,7 +304,8 @@ class CUDABackend:
         self._meta: dict = {}
         self._staged = False
         self._capturing = False
-        self._pdl = pdl_supported(self.device.compute_capability)  # PDL launches inside graph captures
+        # programmatic dependent launches inside graph captures (cuda_kernels.Kernel)
+        self._pdl = pdl_supported(self.device.compute_capability, cp.cuda.runtime.driverGetVersion())
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self._w16 = None  # f16 scratch of _gemm_f16
         self._digits_of = (None, None)  # (array, its gemv_int.cu digits): _digits
@@ -1176,20 +1179,21 @@ class CUDABackend:
         else:
             stage, buf = g["stage"], g["buf"]
         o = stage_parts(host, slots, stage)
-        buf.set(stage)  # pinned: a synchronous DMA of the whole buffer
-        # views of the staged buffer stand in for begin_ubatch / _plan_meta / _rs_meta uploads
+        # an asynchronous DMA from pinned memory on the replay's stream (ordered before it); the
+        # stage is rewritten only after this step's logits copy has synchronized that stream
+        buf.set(stage, stream=cp.cuda.get_current_stream())
+        # views of the staged buffer stand in for begin_ubatch / _plan_meta / _rs_meta uploads;
+        # a graph's slots (so its views) are the same at every replay: built once per graph
+        views = g.get("views") if g is not None else None
+        if views is None or views[0] != slots:
+            views = (slots, self._staged_views(buf, o, caps, len(rs_plans)))
+            if g is not None:
+                g["views"] = views
+        io, kv_m, rs_m = views[1]
         self._ub = ub
-        self._dev = {id(ub.tokens): buf[o[0]:o[1]], id(ub.pos): buf[o[1]:o[2]], id(ub.out_rows): buf[o[2]:o[3]]}
-        self._meta = {}
-        for i, (p, cap) in enumerate(zip(kv_plans, caps)):
-            j = 3 + 5 * i
-            self._meta[id(p)] = (p, {"write": buf[o[j]:o[j + 1]], "row_view": buf[o[j + 1]:o[j + 2]],
-                                     "view_off": buf[o[j + 2]:o[j + 3]], "cells": buf[o[j + 3]:o[j + 4]],
-                                     "cell_pos": buf[o[j + 4]:o[j + 5]], "max_len": cap})
-        for i, p in enumerate(rs_plans):
-            j = 3 + 5 * n_kv + 3 * i
-            self._meta[id(p)] = (p, {"view_off": buf[o[j]:o[j + 1]], "rows": buf[o[j + 1]:o[j + 2]],
-                                     "slots": buf[o[j + 2]:o[j + 3]]})
+        self._dev = {id(ub.tokens): io[0], id(ub.pos): io[1], id(ub.out_rows): io[2]}
+        self._meta = {id(p): (p, m) for p, m in zip(kv_plans, kv_m)}
+        self._meta.update({id(p): (p, m) for p, m in zip(rs_plans, rs_m)})
         for i, j, parts, info in grp:
             self._meta[id(kv_plans[i])][1]["grp"] = self._group_views(buf[o[j]:o[j + len(parts)]], parts, info)
         self._staged = True
@@ -1208,16 +1212,38 @@ class CUDABackend:
                         stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
                     except (AttributeError, TypeError):
                         stream.begin_capture()
-                    out = forward()  # recorded, not executed
+                    try:
+                        out = forward()  # recorded, not executed
+                    except BaseException:  # leave the stream usable (no capture left open)
+                        with contextlib.suppress(Exception):
+                            stream.end_capture()
+                        raise
                     graph = stream.end_capture()
                 self._capturing = False
-                graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream}
+                graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream,
+                               "views": views}
                 return self._pinned_host(warm)
-            g["graph"].launch(stream=cp.cuda.get_current_stream())
+            st = cp.cuda.get_current_stream()
+            g["graph"].launch(stream=st)
+            if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here (its stage)
+                st.synchronize()
             return self._pinned_host(g["out"])
         finally:
             self._staged = False
             self._capturing = False
+
+    @staticmethod
+    def _staged_views(buf, o, caps: list, n_rs: int) -> tuple:
+        """Device views of ``run_graph``'s staged buffer ``buf`` (parts at offsets ``o``, as
+        ``stage_parts`` returns them): the ubatch's (tokens, pos, out_rows), per KV plan its
+        ``_plan_meta`` dict (index arrays, ``max_len`` = its cell-list slot ``caps[i]``), per
+        recurrent plan its ``_rs_meta`` dict."""
+        v = [buf[a:b] for a, b in zip(o[:-1].tolist(), o[1:].tolist())]
+        kv = [{"write": v[j], "row_view": v[j + 1], "view_off": v[j + 2], "cells": v[j + 3], "cell_pos": v[j + 4],
+               "max_len": cap} for j, cap in zip(range(3, 3 + 5 * len(caps), 5), caps)]
+        j0 = 3 + 5 * len(caps)
+        rs = [{"view_off": v[j], "rows": v[j + 1], "slots": v[j + 2]} for j in range(j0, j0 + 3 * n_rs, 3)]
+        return v[:3], kv, rs
 
     def kv_write(self, cache, il: int, plan, k, v) -> None:
         """Store K ``[T, n_head_kv, d_k]`` / V of a layer into the plan's cells, quantized to the

@@ -200,8 +200,8 @@ class Kernel:
                 vals.append(scalars[a.dtype.name](a.item()))
             else:
                 return False
-        grid = (tuple(grid) if isinstance(grid, tuple) else (grid,)) + (1, 1)
-        block = (tuple(block) if isinstance(block, tuple) else (block,)) + (1, 1)
+        grid = (tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)) + (1, 1)
+        block = (tuple(block) if isinstance(block, (tuple, list)) else (block,)) + (1, 1)
         cfg = Config((ctypes.c_uint * 3)(*grid[:3]), (ctypes.c_uint * 3)(*block[:3]), shared_mem,
                      cupy.cuda.get_current_stream().ptr, attr, 1)
         params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
@@ -211,11 +211,12 @@ class Kernel:
         return True
 
 
-def pdl_supported(compute_capability: str) -> bool:
+def pdl_supported(compute_capability: str, driver_version: int) -> bool:
     """Whether PDL launches are on: ``OPENCOTI_CUDA_PDL`` not 0, an sm_90+ device and a driver
-    with ``cuLaunchKernelEx`` (loaded here once)."""
+    of CUDA 12.3+ (``driver_version`` as ``cudaDriverGetVersion``: stream capture records
+    programmatic edges from 12.3) with ``cuLaunchKernelEx`` (loaded here once)."""
     global _LAUNCH_EX
-    if not PDL or int(compute_capability) < 90:
+    if not PDL or int(compute_capability) < 90 or driver_version < 12030:
         return False
     if _LAUNCH_EX is None:
         _LAUNCH_EX = _driver_launch_ex() or False
