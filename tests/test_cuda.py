@@ -1138,14 +1138,17 @@ def _steps(runner, prompt, steps, forced=None):
 #   q8_0 / turbo3    1.5e-3    1.9e-2   -                                     1.9e-2
 #   f16 / q4_0       3.9e-4    5.5e-3   0.061                                 8.8e-3
 #   turbo4 / t2_tcq  9.6e-2    1.2      0.008 .. 0.855 (7 steps)              0.13
+# (Since one-token products of small Q4_K / Q6_K weights take the float GEMV instead of the integer
+# one, both float32-accurate with other last bits, turbo4 / t2_tcq also flipped at a margin of 1.02
+# on 'code'.)
 # Given the same float K/V, kv_write stores the CPU's bytes exactly and the tier attention equals
 # the CPU's (test_kv_tier_write_bytes_equal_cpu, test_kv_tier_attention_cells); the backends'
 # float32 activations differ in the last bits, which flips a code at a rounding boundary now and
 # then, and each flip moves a value by a whole quantization step and the next layers' inputs by
 # far more than the float difference: the gap grows with the step size. The bounds: the mean KL
 # at 3x the measurement, and the greedy token where the CPU's top-2 margin is at least the
-# tier's (0.05 nats for the float tiers and q8_0 / turbo8, 1.0 for the rest: the largest margin
-# seen flipped is 0.91).
+# tier's (0.05 nats for the float tiers and q8_0 / turbo8, 1.25 for the rest: the largest margin
+# seen flipped is 1.02).
 _TIER_KL = {"f32": 1e-9, "f16": 1e-6, "bf16": 3e-5, "q8_0": 1e-3, "turbo8": 2e-3, "q6_0": 0.1, "q5_1": 0.025,
             "q5_0": 0.01, "q4_0": 0.065, "turbo4": 0.06, "turbo3": 0.008, "turbo2": 0.12, "turbo3_tcq": 0.05,
             "turbo2_tcq": 0.15, "q8_0/turbo3": 0.005, "f16/q4_0": 0.0012, "turbo4/turbo2_tcq": 0.3}
@@ -1161,7 +1164,7 @@ def test_kv_tier_real_model_cuda_matches_cpu(real_model, refs, tk, tv):
     wherever the CPU's top-2 margin is clear, and the mean per-step KL(CPU || CUDA) within the
     tier's bound (table above)."""
     key = tk if tk == tv else f"{tk}/{tv}"
-    margin = 0.05 if tk in _TIER_FINE and tv in _TIER_FINE else 1.0
+    margin = 0.05 if tk in _TIER_FINE and tv in _TIER_FINE else 1.25
     g = ModelRunner(real_model, "cuda", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
     c = ModelRunner(real_model, "cpu", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
     kls, compared = [], 0
@@ -1173,7 +1176,7 @@ def test_kv_tier_real_model_cuda_matches_cpu(real_model, refs, tk, tv):
         top2 = np.sort(want, 1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] >= margin
         bad = np.nonzero((got.argmax(1) != toks) & clear)[0]
-        assert bad.size == 0, (key, name, bad.tolist())
+        assert bad.size == 0, (key, name, bad.tolist(), (top2[bad, 1] - top2[bad, 0]).round(3).tolist())
         compared += int(clear.sum())
         kls.extend(_kl(want, got))
     assert compared >= 8, compared
