@@ -644,6 +644,29 @@ def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch):
     np.testing.assert_array_equal(outs[saved], outs[False])
 
 
+def test_decode_argmax_on_device(tmp_path, gpu):
+    """``ModelRunner.decode(argmax=True)`` on CUDA (graph-replayed steps reduced on the device,
+    an eager prefill on the host) equals ``rows_argmax`` of a twin runner's logits, bit for bit."""
+    from opencoti.engine.sampling import rows_argmax
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / "g.gguf"
+    sg.write_random_model("gemma3", path, "Q8_0", seed=8, hidden_size=256, intermediate_size=512, head_dim=64)
+    model = load_model(str(path), with_tokenizer=False)
+    a, b = (ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512) for _ in range(2))
+    ubs = [lambda: UBatch.build(list(range(3, 103)), np.arange(100), [0] * 100, [98, 99])]
+    ubs += [lambda i=i: UBatch.build([7 + i], [100 + i], [0], [0]) for i in range(4)]
+    ubs += [lambda i=i: UBatch.build([5, 6, 7], [104 + i, i, i], [0, 1, 2], [0, 1, 2]) for i in range(3)]
+    for make in ubs:
+        ids, mx = b.decode(make(), argmax=True)
+        want = rows_argmax(a.decode(make()))
+        assert ids.dtype == np.int64 and mx.dtype == np.float32
+        np.testing.assert_array_equal(ids, want[0])
+        np.testing.assert_array_equal(mx, want[1])
+    assert b.graphs  # the one-row and three-row steps were replayed graphs
+
+
 @pytest.mark.parametrize("unified", [True, False])
 def test_engine_concurrent_sessions_equal_sequential(gpu, unified):
     """8 concurrent sessions on CUDA give the same greedy text as one at a time, with

@@ -80,6 +80,26 @@ def test_concurrent_equals_sequential(engine, model):
     assert out == seq
 
 
+def test_greedy_steps_take_the_runners_argmax(engine, model, monkeypatch):
+    """Steps whose logits rows all go to argmax-only samplers (greedy, no n_probs) ask the runner
+    for (argmax, max) per row instead of logits (on a GPU: reduced on the device, no logits
+    copy) and give the logits path's tokens; a request with n_probs gets logits."""
+    calls = []
+    decode = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode", lambda ub, argmax=False: calls.append(argmax) or decode(ub, argmax))
+    toks = model.tokenizer.tokenize("The sky is", add_special=True)
+    _, ids, _ = run(engine, toks, n_predict=10, sampling=GREEDY, cache_prompt=False)
+    assert len(calls) >= 10 and all(calls)
+    calls.clear()
+    _, ids_p, _ = run(engine, toks, n_predict=10, sampling=SamplingParams(temperature=0, n_probs=2),
+                        cache_prompt=False)
+    assert ids_p == ids and len(calls) >= 10 and not any(calls)
+    calls.clear()
+    monkeypatch.setattr(engine, "_argmax_step", lambda ub, owners: False)
+    _, ids_l, _ = run(engine, toks, n_predict=10, sampling=GREEDY, cache_prompt=False)
+    assert ids_l == ids and len(calls) >= 10 and not any(calls)
+
+
 def test_stop_string(engine, model):
     toks = model.tokenizer.tokenize("The capital of France is", add_special=True)
     text, _, fin = run(engine, toks, n_predict=32, sampling=GREEDY, stop=["France."])

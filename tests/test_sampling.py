@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from opencoti.engine.api import SamplingParams
-from opencoti.engine.sampling import Sampler, SamplingParamsError, token_logprob, top_logprobs
+from opencoti.engine.sampling import Sampler, SamplingParamsError, rows_argmax, token_logprob, top_logprobs
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
 
@@ -40,6 +40,36 @@ def test_greedy_is_argmax():
             for _ in range(20):
                 x = rng.standard_normal(1000).astype(np.float32)
                 assert s.sample(x) == int(np.argmax(x))
+
+
+def test_argmax_only_samplers_and_rows_argmax():
+    """``argmax_only`` holds exactly when ``sample`` is the row's argmax whatever the logits
+    (greedy, default chain, no bias / penalties / grammar); ``take_argmax`` on ``rows_argmax``
+    then gives ``sample``'s token, and refuses a row with NaN / +inf / all -inf as ``sample`` does."""
+    rng = np.random.default_rng(3)
+    lg = rng.standard_normal((5, 50)).astype(np.float32)
+    lg[2, [7, 31]] = 9.0  # a tie: the first index, as NumPy's argmax
+    ids, mx = rows_argmax(lg)
+    assert ids.dtype == np.int64 and mx.dtype == np.float32
+    assert ids.tolist() == [int(np.argmax(r)) for r in lg] and ids[2] == 7
+    np.testing.assert_array_equal(mx, lg.max(axis=1))
+    g = Sampler(params(temperature=0.0), 50)
+    assert g.argmax_only
+    assert [g.take_argmax(int(i), float(m)) for i, m in zip(ids, mx)] == [g.sample(r) for r in lg]
+    for kw in (dict(temperature=0.7), dict(temperature=0.0, logit_bias={3: 1.0}),
+               dict(temperature=0.0, repeat_penalty=1.1, repeat_last_n=64), dict(temperature=0.0, typical_p=0.9),
+               dict(temperature=0.0, samplers=["min_p", "top_k", "temperature"])):
+        assert not Sampler(params(**kw), 50).argmax_only, kw
+    assert not Sampler(params(temperature=0.0), 50, grammar=object()).argmax_only
+    bad = lg[:2].copy()
+    bad[0, 4] = np.nan
+    bad[1] = -np.inf
+    for i, m in zip(*rows_argmax(bad)):
+        with pytest.raises(ValueError):
+            g.take_argmax(int(i), float(m))
+    for row in bad:
+        with pytest.raises(ValueError):
+            g.sample(row)
 
 
 def test_top_k_1_equals_greedy_at_any_temperature():

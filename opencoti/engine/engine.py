@@ -300,9 +300,10 @@ class Engine:
         if ub is None:
             return
         t0 = time.perf_counter()
+        argmax = self._argmax_step(ub, owners)
         while True:
             try:
-                logits = self.runner.decode(ub)
+                logits = self.runner.decode(ub, argmax=argmax)
                 break
             except KVCacheFullError as e:
                 # first drop sliding-window cells no slot can see again (lossless), then idle KV
@@ -316,8 +317,21 @@ class Engine:
         dt = time.perf_counter() - t0
         if dt > 0:
             self.recent_tps = 0.8 * self.recent_tps + 0.2 * (ub.n_tokens / dt) if self.recent_tps else ub.n_tokens / dt
-        self._postprocess(ub, owners, logits)
+        self._postprocess(ub, owners, logits, argmax)
 
+    def _argmax_step(self, ub: UBatch, owners) -> bool:
+        """Whether every logits row of ``ub`` goes to a sampler that only takes the row's argmax
+        (``Sampler.argmax_only``, no ``n_probs``): the runner then returns ``(argmax, max)`` per
+        row instead of the logits (a GPU reduces the rows where they are: no logits copy)."""
+        if not len(ub.out_rows):
+            return False
+        outs = set(ub.out_rows.tolist())
+        for s, start, n in owners:
+            if isinstance(s, Pool) or start + n - 1 not in outs:
+                continue
+            if not s.sampler.argmax_only or s.handle.request.sampling.n_probs > 0:
+                return False
+        return True
     def _drop_cancelled(self) -> None:
         for s in self.slots:
             if s.busy and s.handle.cancelled:
@@ -659,7 +673,10 @@ class Engine:
         victim.handle = None
         self._forget_kv(victim)  # a pooled victim leaves its pool (a released one can be reclaimed)
 
-    def _postprocess(self, ub: UBatch, owners, logits: np.ndarray) -> None:
+    def _postprocess(self, ub: UBatch, owners, logits, argmax: bool = False) -> None:
+        """Feed each slot its ubatch rows and sample where it needs a token: ``logits`` float32
+        ``[n_out, n_vocab]``, or with ``argmax`` (``_argmax_step``) the runner's
+        ``(ids, max)`` per out row."""
         row_of = {int(r): i for i, r in enumerate(ub.out_rows)}
         tok = self.model.tokenizer
         for s, start, n in owners:
@@ -676,12 +693,16 @@ class Engine:
             if s.handle.request.n_predict == 0:
                 s.finish("limit")
                 continue
-            lg = logits[row_of[last]]
+            r = row_of[last]
             try:
-                token = s.sampler.sample(lg)
-                post = (post_sampling_top(s.sampler, lg, token, s.handle.request.sampling.n_probs)
-                        if s.handle.request.post_sampling_probs and s.handle.request.sampling.n_probs > 0
-                        else None)  # -- post_sampling_probs: read before accept --
+                if argmax:  # no n_probs, so lg is not needed below
+                    token, post = s.sampler.take_argmax(int(logits[0][r]), float(logits[1][r])), None
+                else:
+                    lg = logits[r]
+                    token = s.sampler.sample(lg)
+                    post = (post_sampling_top(s.sampler, lg, token, s.handle.request.sampling.n_probs)
+                            if s.handle.request.post_sampling_probs and s.handle.request.sampling.n_probs > 0
+                            else None)  # -- post_sampling_probs: read before accept --
                 s.sampler.accept(token)  # also advances the grammar
             except (GrammarError, SamplingParamsError) as e:  # the request's input: fails it only, 400
                 what = "grammar" if isinstance(e, GrammarError) else "sampling"

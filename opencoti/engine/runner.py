@@ -15,6 +15,7 @@ from opencoti.engine.backend import get_backend
 from opencoti.engine.backend.offload import make_split
 from opencoti.engine.batch import UBatch
 from opencoti.engine.kv_cache import KVCacheSet
+from opencoti.engine.sampling import rows_argmax
 
 
 class ModelRunner:
@@ -62,16 +63,24 @@ class ModelRunner:
                              zeros_for=zeros_for, kv_ops=_kv_ops(self.backend),
                              kv_ops_for=(lambda il: _kv_ops(self.net.layer_backend(il))) if self.split else None)
 
-    def decode(self, ub: UBatch) -> np.ndarray:
+    def decode(self, ub: UBatch, argmax: bool = False):
         """Plan cells, commit, run the forward. Returns logits float32
-        ``[len(ub.out_rows), n_vocab]``. Raises ``KVCacheFullError`` (nothing
-        changed) when the cache has no room for the ubatch. A split (``-ngl``) runs eagerly:
-        its GPU part is not captured as a graph (the hidden state leaves the device mid-step)."""
+        ``[len(ub.out_rows), n_vocab]``; with ``argmax``, ``rows_argmax`` of them instead
+        (``(ids int64 [n_out], max float32 [n_out])``), reduced on the device where the backend
+        can (``argmax_on_device``: the logits never cross to the host). Raises
+        ``KVCacheFullError`` (nothing changed) when the cache has no room for the ubatch. A split
+        (``-ngl``) runs eagerly: its GPU part is not captured as a graph (the hidden state leaves
+        the device mid-step)."""
         ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
         self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
         if self.split is None and getattr(self.backend, "graphs", False):  # device backends replay graphs
-            return self.backend.run_graph(ub, self.kv.caches, lambda: self.net.forward(ub, self.kv), self.graphs)
-        return self.net.forward(ub, self.kv)
+            fwd = lambda: self.net.forward(ub, self.kv)  # noqa: E731
+            if argmax and getattr(self.backend, "argmax_on_device", False):
+                return self.backend.run_graph(ub, self.kv.caches, fwd, self.graphs, argmax=True)
+            logits = self.backend.run_graph(ub, self.kv.caches, fwd, self.graphs)
+        else:
+            logits = self.net.forward(ub, self.kv)
+        return rows_argmax(logits) if argmax else logits
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Shift a sequence's positions (llama.cpp ``llama_memory_seq_add``) and

@@ -106,6 +106,14 @@ class SamplingParamsError(ValueError):
     at fault (HTTP 400)."""
 
 
+def rows_argmax(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of float32 logits ``[n, n_vocab]``: ``(argmax int64 [n], max float32 [n])``, the
+    first index of the maximum (NumPy's rule) and the maximum itself (NaN for a row with a NaN:
+    ``Sampler.take_argmax`` refuses it as ``sample`` does)."""
+    lg = np.asarray(logits)
+    return lg.argmax(axis=-1).astype(np.int64), lg.max(axis=-1).astype(np.float32)
+
+
 def _nonfinite_error(raw: np.ndarray) -> ValueError:
     """The error for a row whose logits after bias / penalties have no finite maximum:
     ``SamplingParamsError`` when the raw row ``raw`` had one, else ValueError (the model's
@@ -476,6 +484,24 @@ class Sampler:
         out = np.full_like(x, -np.inf)
         out[allowed] = x[allowed]
         return out
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether ``sample`` is the row's argmax whatever the logits (greedy, default chain, no
+        ``logit_bias``, penalties off, no grammar): the engine then lets the backend reduce the
+        logits to ``(argmax, max)`` per row where they are (``ModelRunner.decode(argmax=True)``)
+        and calls ``take_argmax``."""
+        p = self.params
+        return (p.temperature <= 0.0 and p.typical_p >= 1.0 and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN)
+                and not p.logit_bias and not self._penalties_on and self.grammar is None)
+
+    def take_argmax(self, token: int, max_logit: float) -> int:
+        """``sample``'s choice for an ``argmax_only`` sampler given the row's argmax ``token`` and
+        its maximum ``max_logit`` (NaN if the row has one). Does not ``accept`` it. Raises
+        ValueError when the maximum is not finite (NaN / +inf / all -inf logits), as ``sample``."""
+        if not np.isfinite(max_logit):
+            raise ValueError("logits contain NaN or +inf, or are all -inf")
+        return int(token)
 
     def sample(self, logits: np.ndarray) -> int:
         """Choose the next token from one row of logits (float32 [n_vocab], not modified).

@@ -63,6 +63,7 @@ from opencoti.engine.backend import cuda_kv
 from opencoti.engine.backend.cpu import rope_kv_write, yarn_corr_dims
 from opencoti.engine.backend.cuda_kernels import Kernel, load_module, load_source, pdl_supported
 from opencoti.engine.backend.experts import ExpertRows
+from opencoti.engine.sampling import rows_argmax
 from opencoti.model.gguf_file import GGUFFile
 
 GEMV_MAX_TOKENS = 64  # rows up to this run inside decode graphs
@@ -285,6 +286,9 @@ class CUDABackend:
 
     name = "cuda"
     kv_types = cuda_kv.KV_TYPES  # KV tiers with kernels here (all of kv_tiers.TIER_NAMES)
+    # run_graph(argmax=True): greedy steps' logits rows reduced on the device before the copy
+    # (OPENCOTI_CUDA_DEVICE_ARGMAX=0: copied, then reduced on the host)
+    argmax_on_device = os.environ.get("OPENCOTI_CUDA_DEVICE_ARGMAX", "1") != "0"
 
     def __init__(self, device: int = 0):
         import cupy as cp
@@ -355,6 +359,14 @@ class CUDABackend:
         if self._staged or isinstance(x, np.ndarray):
             return x
         return self._pinned_host(self.cp.ascontiguousarray(x))
+
+    def _rows_argmax(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """``sampling.rows_argmax`` of device logits ``x [n, n_vocab]`` on the device (CuPy's
+        argmax takes the first maximum, as NumPy's; its max propagates NaN); a host array goes
+        to the NumPy version."""
+        if isinstance(x, np.ndarray):
+            return rows_argmax(x)
+        return self.cp.argmax(x, axis=-1).get().astype(np.int64), x.max(axis=-1).get().astype(np.float32)
 
     def _pinned_host(self, x) -> np.ndarray:
         """Device -> host copy into page-locked memory from CuPy's pinned pool (a DMA at
@@ -1111,7 +1123,7 @@ class CUDABackend:
         return m["grp"]
 
     # -- CUDA graphs ----------------------------------------------------------------------
-    def run_graph(self, ub, caches, forward, graphs: dict):
+    def run_graph(self, ub, caches, forward, graphs: dict, argmax: bool = False):
         """Run ``forward()`` (the network on ``ub``) as a replayed CUDA graph.
 
         Decode steps launch ~200 small kernels; from Python each costs ~9 us, inside a
@@ -1128,7 +1140,8 @@ class CUDABackend:
         plans lead ``ub.plans`` (a hybrid model's ``RSPlan`` follows them).
         ``graphs``: the caller's graph store (one per runner: a graph holds that
         network's weights, KV and recurrent-state addresses, so it must never serve
-        another runner). Returns host logits.
+        another runner). Returns host logits; with ``argmax``, ``sampling.rows_argmax`` of them
+        computed on the device (only the two short arrays are copied).
 
         A new key runs the forward once eagerly on the capture stream (warm-up: compiles
         CuPy kernels, fills the graph's pool), captures it, and returns the warm-up's
@@ -1141,7 +1154,8 @@ class CUDABackend:
         cp = self.cp
         T = ub.n_tokens
         if T > GEMV_MAX_TOKENS or (F16_GEMM_MIN_ROWS and T >= F16_GEMM_MIN_ROWS):
-            return forward()  # cuBLAS (f16 GEMM, prefill) cannot be captured through CuPy
+            lg = forward()  # cuBLAS (f16 GEMM, prefill) cannot be captured through CuPy
+            return rows_argmax(lg) if argmax else lg
         n_kv = len(caches)
         kv_plans, rs_plans = ub.plans[:n_kv], ub.plans[n_kv:]
         ncells = [c.k[c.layers[0]].shape[1] for c in caches]
@@ -1222,12 +1236,12 @@ class CUDABackend:
                 self._capturing = False
                 graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream,
                                "views": views}
-                return self._pinned_host(warm)
+                return self._rows_argmax(warm) if argmax else self._pinned_host(warm)
             st = cp.cuda.get_current_stream()
             g["graph"].launch(stream=st)
             if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here (its stage)
                 st.synchronize()
-            return self._pinned_host(g["out"])
+            return self._rows_argmax(g["out"]) if argmax else self._pinned_host(g["out"])
         finally:
             self._staged = False
             self._capturing = False
