@@ -581,16 +581,30 @@ def test_real_model_greedy_decode_matches_reference(real_runner, refs):
             lg = r.decode(UBatch.build([tok], [n + i], [0], [0]))[0]
 
 
+def _tiny_gemma3(tmp_path, qtype: str, seed: int):
+    """A random-weight gemma3 (hidden 256, head_dim 64) of weight type ``qtype``, loaded."""
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / f"g{seed}.gguf"
+    sg.write_random_model("gemma3", path, qtype, seed=seed, hidden_size=256, intermediate_size=512, head_dim=64)
+    return load_model(str(path), with_tokenizer=False)
+
+
+def _graph_steps() -> list:
+    """UBatch makers: a 100-row prefill (eager), four one-row steps of sequence 0 and three
+    three-sequence steps (both replayed as graphs after their first capture)."""
+    ubs = [lambda: UBatch.build(list(range(3, 103)), np.arange(100), [0] * 100, [98, 99])]
+    ubs += [lambda i=i: UBatch.build([7 + i], [100 + i], [0], [0]) for i in range(4)]
+    ubs += [lambda i=i: UBatch.build([5, 6, 7], [104 + i, i, i], [0, 1, 2], [0, 1, 2]) for i in range(3)]
+    return ubs
+
+
 def test_graph_decode_matches_eager(tmp_path, gpu):
     """Decode steps replayed as CUDA graphs give the eager path's logits, across a
     cell-bucket change (256 -> 512 cells), for 1- and 3-sequence ubatches and 12-row ones."""
     pytest.importorskip("transformers")
-    from opencoti.model.loader import load_model
-    from opencoti.tools import synth_gguf as sg
-
-    path = tmp_path / "g.gguf"
-    sg.write_random_model("gemma3", path, "Q8_0", seed=5, hidden_size=256, intermediate_size=512, head_dim=64)
-    model = load_model(str(path), with_tokenizer=False)
+    model = _tiny_gemma3(tmp_path, "Q8_0", 5)
     outs = {}
     saved = gpu.graphs
     for graphs in (False, True):
@@ -618,28 +632,18 @@ def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch):
     on GRID_DEP_WAIT before touching memory) give bit-identical logits to graphs of plain
     launches, and the capture really launched our kernels that way."""
     from opencoti.engine.backend import cuda_kernels as ck
-    from opencoti.model.loader import load_model
-    from opencoti.tools import synth_gguf as sg
 
     assert gpu._pdl == (int(gpu.device.compute_capability) >= 90 and ck.PDL)
-    path = tmp_path / "g.gguf"
-    sg.write_random_model("gemma3", path, "Q4_K", seed=6, hidden_size=256, intermediate_size=512, head_dim=64)
-    model = load_model(str(path), with_tokenizer=False)
+    model = _tiny_gemma3(tmp_path, "Q4_K", 6)
     n_pdl = []
     launch = ck.Kernel._launch_pdl
     monkeypatch.setattr(ck.Kernel, "_launch_pdl", lambda *a: n_pdl.append(launch(*a)) or n_pdl[-1])
     outs = {}
     saved = gpu._pdl
     for pdl in (False, saved):
-        gpu._pdl = pdl
-        try:
-            r = ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512)
-            r.decode(UBatch.build(list(range(3, 103)), np.arange(100), [0] * 100, [99]))
-            res = [r.decode(UBatch.build([7 + i], [100 + i], [0], [0])) for i in range(4)]
-            res += [r.decode(UBatch.build([5, 6, 7], [104 + i, i, i], [0, 1, 2], [0, 1, 2])) for i in range(3)]
-            outs[pdl] = np.concatenate(res)
-        finally:
-            gpu._pdl = saved
+        monkeypatch.setattr(gpu, "_pdl", pdl)  # restored after the test
+        r = ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512)
+        outs[pdl] = np.concatenate([r.decode(make()) for make in _graph_steps()])
     assert sum(n_pdl) > 50 if saved else not n_pdl  # launches that went through cuLaunchKernelEx
     np.testing.assert_array_equal(outs[saved], outs[False])
 
@@ -648,17 +652,10 @@ def test_decode_argmax_on_device(tmp_path, gpu):
     """``ModelRunner.decode(argmax=True)`` on CUDA (graph-replayed steps reduced on the device,
     an eager prefill on the host) equals ``rows_argmax`` of a twin runner's logits, bit for bit."""
     from opencoti.engine.sampling import rows_argmax
-    from opencoti.model.loader import load_model
-    from opencoti.tools import synth_gguf as sg
 
-    path = tmp_path / "g.gguf"
-    sg.write_random_model("gemma3", path, "Q8_0", seed=8, hidden_size=256, intermediate_size=512, head_dim=64)
-    model = load_model(str(path), with_tokenizer=False)
+    model = _tiny_gemma3(tmp_path, "Q8_0", 8)
     a, b = (ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512) for _ in range(2))
-    ubs = [lambda: UBatch.build(list(range(3, 103)), np.arange(100), [0] * 100, [98, 99])]
-    ubs += [lambda i=i: UBatch.build([7 + i], [100 + i], [0], [0]) for i in range(4)]
-    ubs += [lambda i=i: UBatch.build([5, 6, 7], [104 + i, i, i], [0, 1, 2], [0, 1, 2]) for i in range(3)]
-    for make in ubs:
+    for make in _graph_steps():
         ids, mx = b.decode(make(), argmax=True)
         want = rows_argmax(a.decode(make()))
         assert ids.dtype == np.int64 and mx.dtype == np.float32

@@ -358,6 +358,8 @@ def test_top_logprobs_full_vocab():
     np.testing.assert_array_equal(ids, np.argsort(-ref, kind="stable")[:10])
     np.testing.assert_allclose(lps, ref[ids], rtol=0, atol=1e-5)
     assert abs(token_logprob(x, 12345) - ref[12345]) < 1e-5
+    # the sampled token's logprob is its top_logprobs entry, to the bit (both float32 values)
+    assert [token_logprob(x, int(i)) for i in ids] == [float(v) for v in lps]
 
 
 # ---------------------------------------------------------------- errors and hygiene

@@ -369,6 +369,7 @@ def test_completion_capital_matches_llamacpp(port, ref, exact):
     for p, tok_id in zip(probs, body["tokens"]):
         assert p["id"] == tok_id and len(p["top_logprobs"]) == 5
         assert p["top_logprobs"][0]["id"] == tok_id  # greedy
+        assert p["logprob"] == p["top_logprobs"][0]["logprob"]  # the same number in both places
         lps = [q["logprob"] for q in p["top_logprobs"]]
         assert lps == sorted(lps, reverse=True)
     for p, step in zip(probs[:15], case["steps"][:15]):

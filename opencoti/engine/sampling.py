@@ -183,7 +183,8 @@ def top_logprobs(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def token_logprob(logits: np.ndarray, token: int) -> float:
-    """log softmax(logits)[token] (natural log) of the raw logits; float.
+    """log softmax(logits)[token] (natural log) of the raw logits; a float32 value (as a float),
+    so that it equals the token's entry in ``top_logprobs`` exactly.
 
     Raises ValueError for an id outside [0, n_vocab) or invalid logits.
     """
@@ -194,7 +195,7 @@ def token_logprob(logits: np.ndarray, token: int) -> float:
     m = float(np.max(x))
     if not np.isfinite(m):
         raise ValueError("logits contain NaN or +inf, or are all -inf")
-    return float(x[t]) - _logsumexp(x)
+    return float(np.float32(float(x[t]) - _logsumexp(x)))
 
 
 def _softmax64(vals: np.ndarray) -> np.ndarray:
