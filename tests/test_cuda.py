@@ -664,6 +664,32 @@ def test_decode_argmax_on_device(tmp_path, gpu):
     assert b.graphs  # the one-row and three-row steps were replayed graphs
 
 
+def test_rows_argmax_device_edge_rows(gpu):
+    """The device reduction of greedy rows on edge cases: a tie (the first index, as NumPy), a
+    NaN row, a +inf row and an all -inf row (a non-finite maximum: ``take_argmax`` refuses it,
+    as ``sample`` does), against ``sampling.rows_argmax``."""
+    from opencoti.engine.api import SamplingParams
+    from opencoti.engine.sampling import Sampler, rows_argmax
+
+    rng = np.random.default_rng(9)
+    lg = rng.standard_normal((6, 70_000)).astype(np.float32)
+    lg[1, [5, 60_000]] = 50.0
+    lg[2, 123] = np.nan
+    lg[3, [7, 9]] = np.inf
+    lg[4] = -np.inf
+    ids, mx = gpu._rows_argmax(cp.asarray(lg))
+    want_ids, want_mx = rows_argmax(lg)
+    assert ids.dtype == np.int64 and mx.dtype == np.float32
+    finite = [0, 1, 5]
+    np.testing.assert_array_equal(ids[finite], want_ids[finite])
+    np.testing.assert_array_equal(mx[finite], want_mx[finite])
+    assert ids[1] == 5 and np.isnan(mx[2]) and mx[3] == np.inf and mx[4] == -np.inf
+    sampler = Sampler(SamplingParams(temperature=0), lg.shape[1])
+    for r in (2, 3, 4):
+        with pytest.raises(ValueError):
+            sampler.take_argmax(int(ids[r]), float(mx[r]))
+
+
 @pytest.mark.parametrize("unified", [True, False])
 def test_engine_concurrent_sessions_equal_sequential(gpu, unified):
     """8 concurrent sessions on CUDA give the same greedy text as one at a time, with

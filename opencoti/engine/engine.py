@@ -332,6 +332,7 @@ class Engine:
             if not s.sampler.argmax_only or s.handle.request.sampling.n_probs > 0:
                 return False
         return True
+
     def _drop_cancelled(self) -> None:
         for s in self.slots:
             if s.busy and s.handle.cancelled:

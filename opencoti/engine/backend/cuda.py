@@ -361,12 +361,17 @@ class CUDABackend:
         return self._pinned_host(self.cp.ascontiguousarray(x))
 
     def _rows_argmax(self, x) -> tuple[np.ndarray, np.ndarray]:
-        """``sampling.rows_argmax`` of device logits ``x [n, n_vocab]`` on the device (CuPy's
-        argmax takes the first maximum, as NumPy's; its max propagates NaN); a host array goes
-        to the NumPy version."""
+        """``sampling.rows_argmax`` of device logits ``x [n, n_vocab]``, reduced on the device and
+        copied as one ``[2, n]`` float64 array (ids < 2^53 and float32 values exact). CuPy's argmax
+        takes the first maximum as NumPy's and lands on a NaN (some NaN, not the first) or +inf
+        where a row has one, so the logit gathered there is the row's maximum for
+        ``Sampler.take_argmax`` in every case. A host array goes to the NumPy version."""
         if isinstance(x, np.ndarray):
             return rows_argmax(x)
-        return self.cp.argmax(x, axis=-1).get().astype(np.int64), x.max(axis=-1).get().astype(np.float32)
+        cp = self.cp
+        ids = cp.argmax(x, axis=-1)
+        both = cp.stack([ids.astype(cp.float64), x[cp.arange(x.shape[0]), ids].astype(cp.float64)]).get()
+        return both[0].astype(np.int64), both[1].astype(np.float32)
 
     def _pinned_host(self, x) -> np.ndarray:
         """Device -> host copy into page-locked memory from CuPy's pinned pool (a DMA at
@@ -1193,17 +1198,27 @@ class CUDABackend:
         else:
             stage, buf = g["stage"], g["buf"]
         o = stage_parts(host, slots, stage)
-        # an asynchronous DMA from pinned memory on the replay's stream (ordered before it); the
-        # stage is rewritten only after this step's logits copy has synchronized that stream
-        buf.set(stage, stream=cp.cuda.get_current_stream())
-        # views of the staged buffer stand in for begin_ubatch / _plan_meta / _rs_meta uploads;
-        # a graph's slots (so its views) are the same at every replay: built once per graph
-        views = g.get("views") if g is not None else None
-        if views is None or views[0] != slots:
-            views = (slots, self._staged_views(buf, o, caps, len(rs_plans)))
-            if g is not None:
-                g["views"] = views
-        io, kv_m, rs_m = views[1]
+        st = cp.cuda.get_current_stream()
+        # CuPy copies on the current stream and, from pinned memory, may return before the copy
+        # ends: every path below synchronizes that stream before the next step rewrites the stage
+        buf.set(stage, stream=st)
+        if g is not None:  # replay: the graph reads buf through the addresses it was captured with
+            if slots != g["slots"]:  # slots follow the key; a change would leave the captured views stale
+                raise RuntimeError(f"run_graph: graph {key} was captured for slots {g['slots']}, got {slots}")
+            try:
+                g["graph"].launch(stream=st)
+                if argmax:
+                    return self._rows_argmax(g["out"])
+                if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here
+                    st.synchronize()
+                return self._pinned_host(g["out"])
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    st.synchronize()  # the stage's copy is done before anything rewrites it
+                raise
+        # a new key: views of the staged buffer stand in for begin_ubatch / _plan_meta / _rs_meta
+        # uploads while the forward runs once eagerly and once under capture
+        io, kv_m, rs_m = self._staged_views(buf, o, caps, len(rs_plans))
         self._ub = ub
         self._dev = {id(ub.tokens): io[0], id(ub.pos): io[1], id(ub.out_rows): io[2]}
         self._meta = {id(p): (p, m) for p, m in zip(kv_plans, kv_m)}
@@ -1212,36 +1227,30 @@ class CUDABackend:
             self._meta[id(kv_plans[i])][1]["grp"] = self._group_views(buf[o[j]:o[j + len(parts)]], parts, info)
         self._staged = True
         try:
-            if g is None:
-                cp.cuda.get_current_stream().synchronize()
-                stream = cp.cuda.Stream(non_blocking=True)
-                # a private pool per graph (as PyTorch's graph pools): the graph's scratch
-                # memory is never handed to anything else while the graph lives
-                pool = cp.cuda.MemoryPool()
-                with cp.cuda.using_allocator(pool.malloc), stream:
-                    warm = forward()  # this step's result; compiles CuPy kernels, fills the pool
-                    stream.synchronize()
-                    self._capturing = True
-                    try:
-                        stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
-                    except (AttributeError, TypeError):
-                        stream.begin_capture()
-                    try:
-                        out = forward()  # recorded, not executed
-                    except BaseException:  # leave the stream usable (no capture left open)
-                        with contextlib.suppress(Exception):
-                            stream.end_capture()
-                        raise
-                    graph = stream.end_capture()
-                self._capturing = False
-                graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream,
-                               "views": views}
-                return self._rows_argmax(warm) if argmax else self._pinned_host(warm)
-            st = cp.cuda.get_current_stream()
-            g["graph"].launch(stream=st)
-            if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here (its stage)
-                st.synchronize()
-            return self._rows_argmax(g["out"]) if argmax else self._pinned_host(g["out"])
+            st.synchronize()
+            stream = cp.cuda.Stream(non_blocking=True)
+            # a private pool per graph (as PyTorch's graph pools): the graph's scratch
+            # memory is never handed to anything else while the graph lives
+            pool = cp.cuda.MemoryPool()
+            with cp.cuda.using_allocator(pool.malloc), stream:
+                warm = forward()  # this step's result; compiles CuPy kernels, fills the pool
+                stream.synchronize()
+                self._capturing = True
+                try:
+                    stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+                except (AttributeError, TypeError):
+                    stream.begin_capture()
+                try:
+                    out = forward()  # recorded, not executed
+                except BaseException:  # leave the stream usable (no capture left open)
+                    with contextlib.suppress(Exception):
+                        stream.end_capture()
+                    raise
+                graph = stream.end_capture()
+            self._capturing = False
+            graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream,
+                           "slots": slots}
+            return self._rows_argmax(warm) if argmax else self._pinned_host(warm)
         finally:
             self._staged = False
             self._capturing = False
