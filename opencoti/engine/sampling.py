@@ -106,6 +106,10 @@ class SamplingParamsError(ValueError):
     at fault (HTTP 400)."""
 
 
+# the error text for a logit row with no finite maximum that the request did not cause
+_BAD_LOGITS = "logits contain NaN or +inf, or are all -inf"
+
+
 def rows_argmax(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of float32 logits ``[n, n_vocab]``: ``(argmax int64 [n], max float32 [n])``, the
     first index of the maximum (NumPy's rule) and the maximum itself (NaN for a row with a NaN:
@@ -121,7 +125,7 @@ def _nonfinite_error(raw: np.ndarray) -> ValueError:
     if np.isfinite(float(np.max(np.asarray(raw)))):
         return SamplingParamsError("logit_bias / penalties made the logits NaN or +inf (float32 overflow) "
                                    "or banned every token")
-    return ValueError("logits contain NaN or +inf, or are all -inf")
+    return ValueError(_BAD_LOGITS)
 
 
 def _as_logits(logits: np.ndarray, n_vocab: Optional[int] = None) -> np.ndarray:
@@ -151,7 +155,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = _as_logits(logits)
     m = float(np.max(x))
     if not np.isfinite(m):
-        raise ValueError("logits contain NaN or +inf, or are all -inf")
+        raise ValueError(_BAD_LOGITS)
     return (x - np.float32(_logsumexp(x))).astype(np.float32, copy=False)
 
 
@@ -170,7 +174,7 @@ def top_logprobs(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         return np.empty(0, np.int64), np.empty(0, np.float32)
     m = float(np.max(x))
     if not np.isfinite(m):
-        raise ValueError("logits contain NaN or +inf, or are all -inf")
+        raise ValueError(_BAD_LOGITS)
     lse = _logsumexp(x)
     if n < x.shape[0]:
         part = top_k_ids(x, n)
@@ -194,7 +198,7 @@ def token_logprob(logits: np.ndarray, token: int) -> float:
         raise ValueError(f"token id {t} out of range [0, {x.shape[0]})")
     m = float(np.max(x))
     if not np.isfinite(m):
-        raise ValueError("logits contain NaN or +inf, or are all -inf")
+        raise ValueError(_BAD_LOGITS)
     return float(np.float32(float(x[t]) - _logsumexp(x)))
 
 
@@ -493,15 +497,21 @@ class Sampler:
         logits to ``(argmax, max)`` per row where they are (``ModelRunner.decode(argmax=True)``)
         and calls ``take_argmax``."""
         p = self.params
-        return (p.temperature <= 0.0 and p.typical_p >= 1.0 and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN)
-                and not p.logit_bias and not self._penalties_on and self.grammar is None)
+        return self._greedy_chain and not p.logit_bias and not self._penalties_on and self.grammar is None
+
+    @property
+    def _greedy_chain(self) -> bool:
+        """The default chain at temperature <= 0 (typical_p off): top_k / top_p / min_p always
+        keep the best logit, so the chain is the argmax of the biased, penalized logits."""
+        p = self.params
+        return p.temperature <= 0.0 and p.typical_p >= 1.0 and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN)
 
     def take_argmax(self, token: int, max_logit: float) -> int:
         """``sample``'s choice for an ``argmax_only`` sampler given the row's argmax ``token`` and
         its maximum ``max_logit`` (NaN if the row has one). Does not ``accept`` it. Raises
         ValueError when the maximum is not finite (NaN / +inf / all -inf logits), as ``sample``."""
         if not np.isfinite(max_logit):
-            raise ValueError("logits contain NaN or +inf, or are all -inf")
+            raise ValueError(_BAD_LOGITS)
         return int(token)
 
     def sample(self, logits: np.ndarray) -> int:
@@ -524,9 +534,7 @@ class Sampler:
         return token
 
     def _sample_chain(self, logits: np.ndarray) -> int:
-        p = self.params
-        if p.temperature <= 0.0 and p.typical_p >= 1.0 and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN):
-            # greedy: top_k / top_p / min_p always keep the best logit, so skip them
+        if self._greedy_chain:  # top_k / top_p / min_p always keep the best logit: skipped
             x = self.apply_penalties(logits)
             i = int(np.argmax(x))  # NumPy's argmax returns the first NaN if there is one
             if not np.isfinite(x[i]):
