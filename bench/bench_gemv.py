@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warps", default="0", help="gemv_int.cu warps per row tile to try (comma list; 0: the default)")
+    ap.add_argument("--warps", default="0", help="gemv_int.cu warps per row tile, one token row, to try (comma list; 0: the default)")
+    ap.add_argument("--stages", default="0", help="gemv_int.cu ring slots per warp, one token row, to try (2, 4; 0: the default)")
     ap.add_argument("--gemmi-blocks", default="0", help="gemmi blocks per SM variants to try (comma list; 0: the default)")
     ap.add_argument("--digits", default="0", help="digits per activation value to try (comma list of 2, 3; 0: the default)")
     a = ap.parse_args()
@@ -61,9 +62,11 @@ def main() -> None:
     be = cu.CUDABackend()
     paths = {"float": lambda x, w: _without_imma(cu, lambda: be.mul_mat(x, w))}
     for nw in (int(v) for v in a.warps.split(",")):
-        for nb in (int(v) for v in a.gemmi_blocks.split(",")):
-            for nd in (int(v) for v in a.digits.split(",")):
-                paths[f"imma w{nw} o{nb} d{nd}"] = lambda x, w, nw=nw, nb=nb, nd=nd: _imma(cu, be, x, w, nw, nb, nd)
+        for ns in (int(v) for v in a.stages.split(",")):
+            for nb in (int(v) for v in a.gemmi_blocks.split(",")):
+                for nd in (int(v) for v in a.digits.split(",")):
+                    paths[f"imma w{nw} s{ns} o{nb} d{nd}"] = (
+                        lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd: _imma(cu, be, x, w, nw, ns, nb, nd))
     print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
           "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
@@ -101,10 +104,11 @@ def _without_imma(cu, f):
         cu.IMMA_MAX_ROWS = keep
 
 
-def _imma(cu, be, x, w, nw: int, nb: int, nd: int):
-    keep = cu.IMMA_WARPS, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS
-    if nw:
-        cu.IMMA_WARPS = {k: nw for k in keep[0]}
+def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int):
+    keep = cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS
+    cu.GEMVI_WARPS = nw
+    if ns:
+        cu.GEMVI_STAGES = ns
     if nb:
         cu.GEMMI_BLOCKS = nb
     if nd:
@@ -113,7 +117,7 @@ def _imma(cu, be, x, w, nw: int, nb: int, nd: int):
         be._digits_of = (None, None)  # time the activation quantization as well
         return be._gemvi(be._digits(x), w)
     finally:
-        cu.IMMA_WARPS, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS = keep
+        cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS = keep
 
 
 def _graph_time(cp, f, reps: int) -> float:

@@ -269,6 +269,28 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
         np.testing.assert_allclose(fused, cp.asnumpy(gpu.silu(g)) * got, rtol=1e-6, atol=1e-6 * np.abs(fused).max())
 
 
+@pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("warps,stages", [(1, 2), (1, 4), (2, 4), (3, 2)])
+@pytest.mark.parametrize("n", [1, 2])
+def test_gemvi_ring_slots(gpu, monkeypatch, qname, warps, stages, n):
+    """gemvi_ring (one token row group: 1 or 2 tokens' digit columns) with its per-warp ring of
+    shared-memory slots (cp.async) wrapping many times: 37 super-blocks per row over 1-3 warps
+    (uneven splits), 2 / 4 slots, 40 rows (a partial tile), Q6_K's 2-byte-aligned blocks at every
+    offset in their 16-byte chunks (rows of 7,770 bytes): float32 accuracy against float64."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "GEMVI_WARPS", warps)
+    monkeypatch.setattr(cu, "GEMVI_STAGES", stages)
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)
+    rows, cols = 40, 9472
+    x, raw, want = _mmq_case(qname, rows, cols, n, 90 + n)
+    x[:, 5] *= 40
+    want = x.astype(np.float64) @ ref_dequant(qname, raw, cols).astype(np.float64).T
+    got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), to_qtensor(raw, qname, cols)))
+    assert got.shape == (n, rows) and np.isfinite(got).all()
+    assert rel_err(got, want) < 5e-6, rel_err(got, want)
+
+
 @pytest.mark.parametrize("n", [1, 6, 70])
 def test_mul_mat_dense_weight(gpu, n):
     """Dense float32 weights (matrices the loader keeps dense): rows of a multiple of 8 take the

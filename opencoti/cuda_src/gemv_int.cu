@@ -35,14 +35,24 @@
 //                     resp. 8..15) instead of one m16n8k32 MMA per sub-block.
 // Weight rows: a block takes 16 (one MMA tile, rows gid and gid + 8 per lane); its warps split
 // the super-blocks of the row (split-K) and are summed in shared memory in warp order
-// (deterministic). grid = (ncp / CW, ceil(nrows / 16)), blockDim = 32 * min(KS_MAX(NT), K / 256).
-// A decode GEMV is latency-bound (a warp waits for its weight bytes, then computes): several warps
-// per row tile (the launch uses 8 for up to 2 tokens, 4 for 3-16) and each warp's next
-// super-block loaded while it computes the current one keep more bytes in flight.
+// (deterministic). grid = (ncp / CW, ceil(nrows / 16)), blockDim = 32 * ks (ks <= nsb).
+// A decode GEMV is bound by how many weight bytes are in flight: each warp streams its
+// super-blocks through a ring of S shared-memory slots (cp.async, 16-byte chunks): S - 1 of them
+// are in flight while it multiplies the oldest, and no registers hold them (the first version
+// prefetched one super-block into registers: 104 registers per thread, 2 blocks of 8 warps per
+// SM, 4.5 waves for a 7B's ffn_up and 1.5 TB/s). Dynamic shared memory: ks * S * 16 * SEG bytes.
 #include "quants.cuh"
 #include "mma.cuh"
 
 #define FULL 0xffffffffu
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // x [T, K] f32 -> digits (layout above). grid = (K / 256, (ncp / CW) * ceil(CW / D)), 32 threads:
 // one warp per (super-block, a token's D columns); a lane quantizes 8 consecutive elements.
@@ -100,21 +110,21 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
 }
 
 // Sums the warps' partial tiles (acc[nt][i]: rows gid / gid + 8, columns 8 nt + 2 tig + {0, 1})
-// and a token's D digit columns; writes y[t, row] for the block's tokens and rows.
-#define KS_MAX(NT) ((NT) <= 3 ? 16 : 8)  // warps per block (shared memory of gemvi_store)
+// in warp order and a token's D digit columns; writes y[t, row] for the block's tokens and rows.
+// red: shared memory for ks x 16 x (CW + 1) floats.
 template <int NT>
-__device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* __restrict__ y, int nrows, int T,
-                                            int D) {
-    constexpr int CW = 8 * NT;
+__device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* red, float* __restrict__ y, int nrows,
+                                            int T, int D) {
+    constexpr int CW = 8 * NT, LD = CW + 1;
     const int TPB = CW / D;
-    __shared__ float red[KS_MAX(NT)][16][CW + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
+    float* mine = red + warp * 16 * LD;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-        red[warp][g][8 * nt + 2 * c] = acc[nt][0];
-        red[warp][g][8 * nt + 2 * c + 1] = acc[nt][1];
-        red[warp][g + 8][8 * nt + 2 * c] = acc[nt][2];
-        red[warp][g + 8][8 * nt + 2 * c + 1] = acc[nt][3];
+        mine[g * LD + 8 * nt + 2 * c] = acc[nt][0];
+        mine[g * LD + 8 * nt + 2 * c + 1] = acc[nt][1];
+        mine[(g + 8) * LD + 8 * nt + 2 * c] = acc[nt][2];
+        mine[(g + 8) * LD + 8 * nt + 2 * c + 1] = acc[nt][3];
     }
     __syncthreads();
     const int row0 = blockIdx.y * 16, t0 = blockIdx.x * TPB;
@@ -123,7 +133,7 @@ __device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* __
         if (t >= T || row >= nrows) continue;
         float sum = 0.f;
         for (int w = 0; w < ks; w++)
-            for (int d = 0; d < D; d++) sum += red[w][r][D * tl + d];
+            for (int d = 0; d < D; d++) sum += red[(w * 16 + r) * LD + D * tl + d];
         y[(long long)t * nrows + row] = sum;
     }
 }
@@ -266,11 +276,11 @@ __device__ __forceinline__ void q6k_finish(const Q6KRegs& r, float2 sx, const in
 // One super-block of a lane's two rows against NT column tiles, added to acc. B fragments are
 // read from xqb: the super-block's 16 groups of 16 elements, group j's columns at
 // xqb + (j * stride + column) * 16 (the global digit array with stride ncp, or a shared stage);
-// xsb: the columns' scales.
+// xsb: the columns' scales. Columns from rc on hold zero digits (no token): not read.
 template <int NT, bool Q6>
 __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6, const i8* __restrict__ xqb,
                                            long long stride, const float* __restrict__ xsb,
-                                           const i8* __restrict__ xmb, int g, int c, float (&acc)[NT][4]) {
+                                           const i8* __restrict__ xmb, int g, int c, int rc, float (&acc)[NT][4]) {
     int cs[NT][4], cm[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -283,10 +293,12 @@ __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6,
             const Q4KStep o = q4k_step(a4, k0, k1, s);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
-                q4k_mma(o, *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + 8 * nt + g) * 16 + 8 * (c & 1)),
+                q4k_mma(o, 8 * nt + g < rc ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + 8 * nt + g) * 16 +
+                                                              8 * (c & 1))
+                                           : make_uint2(0u, 0u),
                         cs[nt]);
         }
-        const u32 m0 = k0.mn[c & 1], m1 = k1.mn[c & 1];
+        const u32 m0 = (c & 1) ? k0.mn[1] : k0.mn[0], m1 = (c & 1) ? k1.mn[1] : k1.mn[0];  // no local array
         const u32 ma0 = c < 2 ? m0 : 0u, ma1 = c < 2 ? m1 : 0u, mb0 = c < 2 ? 0u : m0, mb1 = c < 2 ? 0u : m1;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
@@ -302,15 +314,17 @@ __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6,
                 const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
-                    q6k_mma(o, *(const u32*)(xqb + (gi * stride + 8 * nt + g) * 16 + 4 * c), cs[nt]);
+                    q6k_mma(o, 8 * nt + g < rc ? *(const u32*)(xqb + (gi * stride + 8 * nt + g) * 16 + 4 * c) : 0u,
+                            cs[nt]);
             }
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) q6k_finish(a6, *(const float2*)(xsb + 8 * nt + 2 * c), cs[nt], acc[nt]);
     }
 }
 
-// The one-token-group GEMV: a block's warps split the super-blocks of its 16 rows (prefetching
-// their next super-block), B fragments straight from the digit array (L1 / L2).
+// 3 to 8 token rows (NT = 3, 6): the warps split the super-blocks of the block's 16 rows, each
+// prefetching its next super-block into registers (measured faster than the ring for these column
+// counts: bench_gemv, 7B ffn_down 8 rows 51 vs 70 us), B fragments from the digit array (L1 / L2).
 template <int NT, bool Q6>
 __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
@@ -335,19 +349,114 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
             if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
         }
         superblock<NT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
-                           xm + ((long long)sb * ncp + cb) * 16, g, c, acc);
+                           xm + ((long long)sb * ncp + cb) * 16, g, c, 8 * NT, acc);
         if (Q6) a6 = n6; else a4 = n4;
     }
-    gemvi_store<NT>(acc, y, nrows, T, D);
+    __shared__ float red[4 * 16 * (8 * NT + 1)];  // <= 4 warps (cuda.py IMMA_WARPS)
+    gemvi_store<NT>(acc, red, y, nrows, T, D);
+}
+
+// One token row group (NT = 1): a block's warps split the super-blocks of its 16 rows; each warp's
+// pass through the ring (slot i % S holds its i-th super-block, rows at SEG-byte strides), B
+// fragments straight from the digit array (L1 / L2).
+// Q4_K blocks (144 bytes) stay 16-byte aligned in a row; a Q6_K block (210 bytes, 2-aligned) is
+// copied as the 16-byte chunks that hold it (14 or 15, SEG = 240), at offset (its address & 15).
+// A lane's share of filling one slot: the slot's 16 * NCH chunks are i = lane + 32 j; chunk i
+// is 16-byte piece i % NCH of row i / NCH's block. The lane's source offsets within the tile's
+// rows (super-block 0) are computed once (RingPlan), so a fill is an add and a cp.async per chunk.
+template <bool Q6>
+struct RingPlan {
+    static constexpr int SEG = Q6 ? 240 : 144, NCH = SEG / 16, NJ = (16 * NCH + 31) / 32;
+    u32 off[NJ];  // Q4_K: the chunk's offset; Q6_K: its row's (the chunk's place depends on sb)
+    __device__ __forceinline__ RingPlan(long long rb, int last_row, int lane) {
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const int i = lane + 32 * j, r = min(i / NCH, last_row), k = i % NCH;
+            off[j] = (u32)(r * rb) + (Q6 ? 0u : 16u * k);
+        }
+    }
+    // copy super-block sb of the tile's 16 rows (from Wt, the tile's first row) into slot
+    __device__ __forceinline__ void fill(u8* slot, const u8* __restrict__ Wt, int sb, int lane) const {
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const int i = lane + 32 * j;
+            if (i >= 16 * NCH) break;
+            if (!Q6) {
+                cp_async16(slot + 16 * i, Wt + off[j] + 144LL * sb);
+            } else {
+                const int k = i % NCH;
+                const u8* b = Wt + off[j] + 210LL * sb;
+                const u8* a = (const u8*)((unsigned long long)b & ~15ull);
+                if (a + 16 * k < b + 210) cp_async16(slot + 16 * i, a + 16 * k);  // the chunks that hold the block
+            }
+        }
+    }
+};
+
+template <int NT, bool Q6, int S>
+__device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
+                                           const float* __restrict__ xs, const i8* __restrict__ xm,
+                                           float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
+    extern __shared__ __align__(16) u8 ring[];
+    constexpr int CW = 8 * NT, SEG = RingPlan<Q6>::SEG, SB = 16 * SEG;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
+    const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16, tpb = CW / D;
+    const int rc = min(T - blockIdx.x * tpb, tpb) * D;  // columns holding a token's digits
+    const int nsb = K >> 8, sb0 = warp * nsb / ks, sb1 = (warp + 1) * nsb / ks;
+    u8* const mine = ring + warp * S * SB;
+    const u8* const Wt = W + (long long)row0 * rb;
+    const RingPlan<Q6> plan(rb, nrows - 1 - row0, lane);
+    // the lane's two rows (Q6_K: a block's place in its first chunk is its address & 15)
+    const unsigned long long r0 = (unsigned long long)Wt + (unsigned long long)min(g, nrows - 1 - row0) * rb;
+    const unsigned long long r1 = (unsigned long long)Wt + (unsigned long long)min(g + 8, nrows - 1 - row0) * rb;
+#pragma unroll
+    for (int i = 0; i < S - 1; i++) {
+        if (sb0 + i < sb1) plan.fill(mine + i * SB, Wt, sb0 + i, lane);
+        cp_async_commit();
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    Q4KRegs a4;
+    Q6KRegs a6;
+    for (int sb = sb0; sb < sb1; sb++) {
+        const int i = sb - sb0;
+        if (sb + S - 1 < sb1) plan.fill(mine + ((i + S - 1) % S) * SB, Wt, sb + S - 1, lane);
+        cp_async_commit();
+        cp_async_wait<S - 1>();  // this lane's copies of super-block sb have landed
+        __syncwarp();            // ... and every lane's
+        const u8* slot = mine + (i % S) * SB;
+        if (Q6) {
+            const int o0 = (int)((r0 + 210ull * sb) & 15), o1 = (int)((r1 + 210ull * sb) & 15);
+            q6k_load(a6, slot + g * SEG + o0, slot + (g + 8) * SEG + o1, 0, c, false);
+        } else {
+            q4k_load(a4, slot + g * SEG, slot + (g + 8) * SEG, 0, c);
+        }
+        superblock<NT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
+                           xm + ((long long)sb * ncp + cb) * 16, g, c, rc, acc);
+        __syncwarp();  // the slot is refilled next iteration
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring becomes the reduction's tile
+    gemvi_store<NT>(acc, (float*)ring, y, nrows, T, D);
 }
 
 #define GEMVI_ARGS                                                                                      \
     const u8* W, long long rb, const i8* xq, const float* xs, const i8* xm, float* y, int nrows, int K, int T, \
         int ncp, int D
-#define GEMVI(NT)                                                                                                  \
-    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT(); gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); } \
-    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT(); gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
-GEMVI(1)
+// gemvi_<type>_n1_s<S>: one column tile, S ring slots per warp; gemvi_<type>_n<NT>: 3 or 6 tiles
+#define GEMVR(S)                                                                                          \
+    extern "C" __global__ void gemvi_12_n1_s##S(GEMVI_ARGS) {                                            \
+        GRID_DEP_WAIT(); gemvi_ring<1, false, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }           \
+    extern "C" __global__ void gemvi_14_n1_s##S(GEMVI_ARGS) {                                            \
+        GRID_DEP_WAIT(); gemvi_ring<1, true, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+GEMVR(2)
+GEMVR(4)
+#define GEMVI(NT)                                                                                         \
+    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) {                                              \
+        GRID_DEP_WAIT(); gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }             \
+    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) {                                              \
+        GRID_DEP_WAIT(); gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 GEMVI(3)
 GEMVI(6)
 
@@ -366,13 +475,6 @@ struct GmStage {
     __align__(16) i8 xm[CW * 16];
     __align__(16) float xs[CW];
 };
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 // Stage super-block sb's columns [cb, cb + CW) into st (all threads; 16-byte chunks).
 template <int CW>
@@ -450,9 +552,9 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
             if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
         }
         cp_async_commit();
-        cp_async_wait1();  // this super-block's stage has landed (the next may be in flight)
+        cp_async_wait<1>();  // this super-block's stage has landed (the next may be in flight)
         __syncthreads();
-        superblock<NT, Q6>(a4, a6, st[cur].xq, CW, st[cur].xs, st[cur].xm, g, c, acc);
+        superblock<NT, Q6>(a4, a6, st[cur].xq, CW, st[cur].xs, st[cur].xm, g, c, CW, acc);
         if (Q6) a6 = n6; else a4 = n4;
         __syncthreads();  // every warp is done with st[cur] before the next iteration refills it
     }

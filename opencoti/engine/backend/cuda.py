@@ -112,10 +112,21 @@ _ND = os.environ.get("OPENCOTI_CUDA_IMMA_DIGITS", "")
 IMMA_DIGITS = int(_ND) if _ND else None
 if IMMA_DIGITS not in (None, 2, 3):
     raise ValueError(f"OPENCOTI_CUDA_IMMA_DIGITS={IMMA_DIGITS}: expected 2 or 3")
-# warps per 16-row tile of gemv_int.cu by MMA column tiles (1: one or two token rows, 3: up to 8,
-# 6: up to 16 per block); measured on the H200 (bench/bench_gemv.py, 7B shapes, weights streamed
-# from memory): one row 8 warps (ffn_up 1,491 GB/s; 4: 1,453, 16: 1,188), 8 rows 4 (1,184; 8: 847)
-IMMA_WARPS = {1: 8, 3: 4, 6: 4}
+# gemv_int.cu gemvi, one token row group (1 or 2 rows; gemvi_ring): each warp streams its
+# super-blocks through GEMVI_STAGES shared-memory slots (2 or 4; measured on the H200, bench_gemv 7B
+# shapes, one row: 2 slots ffn_up 20.6 us, ffn_down 36.9, output 193; 4 slots 21.6 / 45.2 / 218),
+# with enough warps per 16-row tile for about GEMVI_WARPS_PER_SM warps per SM in the grid (at most
+# GEMVI_MAX_WARPS, one per super-block), halved while the grid would not be resident at once
+# (_gemvi_warps); OPENCOTI_CUDA_GEMVI_WARPS=N forces N (bench_gemv). 3-8 rows (3 or 6 column
+# tiles): IMMA_WARPS warps per tile, each prefetching into registers (measured: 8 rows 4 warps
+# 1,184 GB/s, 8 warps 847; the ring was slower there: ffn_down 8 rows 51 -> 70 us).
+GEMVI_STAGES = int(os.environ.get("OPENCOTI_CUDA_GEMVI_STAGES", "2"))
+if GEMVI_STAGES not in (2, 4):
+    raise ValueError(f"OPENCOTI_CUDA_GEMVI_STAGES={GEMVI_STAGES}: expected 2 or 4")
+GEMVI_WARPS_PER_SM = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS_PER_SM", "16"))
+GEMVI_MAX_WARPS = 8
+GEMVI_WARPS = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS", "0"))
+IMMA_WARPS = {3: 4, 6: 4}  # <= 4: gemv_int.cu gemvi_impl's reduction tile
 # OPENCOTI_CUDA_F16_GEMM_MIN_ROWS=N (default 0: off): batches of N..GEMV_MAX_TOKENS rows take
 # the f16 cuBLAS GEMM instead (weight dequantized to f16 in a scratch buffer, activations
 # rounded to f16; eager, as cuBLAS is not captured through CuPy). Measured on the H200 before
@@ -317,8 +328,10 @@ class CUDABackend:
         self._f16_ok = True  # False while a prefill-size MoE runs its expert GEMMs
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
         self._lo_scale = np.full(1, 2.0 ** -12, np.float32)  # _gemm_f16x3's lo terms
-        self.n_sm = cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-        self.device_name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
+        props = cp.cuda.runtime.getDeviceProperties(device)
+        self.n_sm = props["multiProcessorCount"]
+        self.smem_per_sm = props["sharedMemPerMultiprocessor"]
+        self.device_name = props["name"].decode()
 
     # -- plumbing -----------------------------------------------------------------------
     def _fn(self, mod: str, name: str):
@@ -556,13 +569,42 @@ class CUDABackend:
                 self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
                                             (out, y, np.int64(y.size), np.int32(n_split)))
             return y
-        ks = max(1, min(IMMA_WARPS[nt], k // 256))  # <= gemv_int.cu KS_MAX
+        nsb, ntiles, ncb = k // 256, -(-rows // 16), xs.shape[1] // (8 * nt)
         y = cp.empty((n, rows), dtype=cp.float32)
-        self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")(
-            (xs.shape[1] // (8 * nt), (rows + 15) // 16), (32 * ks,),
-            (w.data, np.int64(w.row_bytes), xq, xs, xm, y, np.int32(rows), np.int32(k), np.int32(n),
-             np.int32(xs.shape[1]), np.int32(nd)))
+        args = (w.data, np.int64(w.row_bytes), xq, xs, xm, y, np.int32(rows), np.int32(k), np.int32(n),
+                np.int32(xs.shape[1]), np.int32(nd))
+        if nt > 1:
+            ks = max(1, min(IMMA_WARPS[nt], nsb))
+            self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")((ncb, ntiles), (32 * ks,), args)
+            return y
+        fn = self._fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}")
+        warp_bytes = GEMVI_STAGES * 16 * (240 if w.ggml_type == 14 else 144)  # gemv_int.cu's ring slots
+        ks = self._gemvi_warps(ntiles * ncb, nsb, warp_bytes, fn.raw.num_regs)
+        smem = ks * max(warp_bytes, 16 * 9 * 4)  # the ring, then gemvi_store's tile
+        if smem > fn.max_dynamic_shared_size_bytes:
+            fn.max_dynamic_shared_size_bytes = smem
+        fn((ncb, ntiles), (32 * ks,), args, shared_mem=smem)
         return y
+
+    def _gemvi_warps(self, blocks: int, nsb: int, warp_bytes: int, regs: int) -> int:
+        """Warps per 16-row tile of gemv_int.cu's gemvi for a grid of ``blocks`` tiles of ``nsb``
+        super-blocks, ``warp_bytes`` of shared memory per warp and ``regs`` registers per thread:
+        the power of two nearest GEMVI_WARPS_PER_SM warps per SM in all (<= GEMVI_MAX_WARPS,
+        <= nsb), halved while the grid would not be resident at once (registers, shared memory)
+        if a smaller one would be."""
+        if GEMVI_WARPS:
+            return max(1, min(GEMVI_WARPS, nsb))
+        want = self.n_sm * GEMVI_WARPS_PER_SM / blocks
+        ks = 1
+        while 2 * ks <= min(GEMVI_MAX_WARPS, nsb) and 2 * ks <= 1.5 * want:
+            ks *= 2
+
+        def resident(ks: int) -> int:  # blocks per SM
+            return min(32, 65536 // (32 * max(regs, 1) * ks), self.smem_per_sm // (ks * warp_bytes + 1024))
+
+        while ks > 1 and blocks > self.n_sm * resident(ks) and blocks <= self.n_sm * resident(ks // 2):
+            ks //= 2
+        return ks
 
     def _mmq(self, x, w: QTensor):
         """``x [n, k] @ w.T`` -> ``[n, rows]`` float32 for ``n <= GEMV_MAX_TOKENS`` rows on tensor
