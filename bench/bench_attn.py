@@ -1,13 +1,13 @@
 """The f16 decode attention kernel alone on a GPU: microseconds per call by cells and split count.
 
-    python bench/bench_attn.py [--cells 32,128,512,2048,8192] [--reps 20]
+    python bench/bench_attn.py [--cells 32,128,512,2048,8192] [--splits 1,2,4,...,128] [--layouts ...] [--reps 20]
 
 One query row (a decode step of one sequence) over N cells of f16 K/V, for two head layouts
 (Qwen2.5-7B: 28 query heads, 4 KV heads, head dim 128; gemma-3-270m: 4 / 1 / 256), timed
-inside a captured CUDA graph (``bench_gemv._graph_time``): ``attn_partial`` for split counts
-1, 2, 4 .. 128 (those with >= 8 cells per split), plus ``attn_merge`` when it splits. Prints one
-row per (layout, N): us per call for each split count; the backend picks its count in
-``CUDABackend.attention_cells`` (>= 32 cells per split, >= 2 blocks per SM, at most 64).
+inside a captured CUDA graph (``bench_gemv._graph_time``): ``attn_partial`` for each split count
+(those with >= 8 cells per split), plus ``attn_merge`` when it splits. Prints one row per
+(layout, N): us per call for each split count; the backend picks its count in
+``CUDABackend._attn_splits``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ LAYOUTS = {"qwen2.5-7b": (28, 4, 128, 8), "gemma-3-270m": (4, 1, 256, 4),
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="32,128,512,2048,8192")
+    ap.add_argument("--splits", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of: " + ", ".join(LAYOUTS))
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     import cupy as cp
@@ -37,10 +39,12 @@ def main() -> None:
 
     be = cu.CUDABackend()
     print(f"\nbench_attn: {be.device_name}, one query row, f16 K/V, {a.reps} calls in one CUDA graph\n")
-    for name, (H, nkv, D, g) in LAYOUTS.items():
+    splits = [int(v) for v in a.splits.split(",")]
+    for name in a.layouts.split(","):
+        H, nkv, D, g = LAYOUTS[name.strip()]
         print(f"{name}: {H} heads, {nkv} kv heads, head dim {D}\n")
-        print("| cells | " + " | ".join(f"s{s}" for s in (1, 2, 4, 8, 16, 32, 64, 128)) + " |")
-        print("| ---: |" + " ---: |" * 8)
+        print("| cells | " + " | ".join(f"s{s}" for s in splits) + " |")
+        print("| ---: |" + " ---: |" * len(splits))
         fn, merge = be._fn("a", f"attn_partial_d{D}_g{g}"), be._fn("a", "attn_merge")
         for L in (int(v) for v in a.cells.split(",")):
             q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
@@ -49,7 +53,7 @@ def main() -> None:
             qpos, rv, vo = cp.array([L], cp.int32), cp.zeros(1, cp.int32), cp.array([0, L], cp.int32)
             cells, cpos = cp.arange(L, dtype=cp.int32), cp.arange(L, dtype=cp.int32)
             row = []
-            for ns in (1, 2, 4, 8, 16, 32, 64, 128):
+            for ns in splits:
                 if ns > max(1, L // 8):
                     row.append("")
                     continue

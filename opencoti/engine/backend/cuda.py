@@ -150,6 +150,10 @@ ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 # fewest heads per block such that rows x kv heads x head blocks stays within this (decode steps)
 ATTN_SMALL_GRID = int(os.environ.get("OPENCOTI_CUDA_ATTN_SMALL_GRID", "16"))
+# decode attention's splits (_attn_splits): at most ATTN_SPLIT_CELLS cells each while the grid is
+# small, ATTN_MAX_SPLITS in all
+ATTN_SPLIT_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_SPLIT_CELLS", "256"))
+ATTN_MAX_SPLITS = int(os.environ.get("OPENCOTI_CUDA_ATTN_MAX_SPLITS", "256"))
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
@@ -1525,12 +1529,14 @@ class CUDABackend:
     def _attn_splits(self, n_cells: int, base: int, lo: int) -> int:
         """Split count of ``attn_partial`` over views of up to ``n_cells`` cells when ``base`` blocks
         (rows x kv heads x head groups) are launched per split: ``lo`` if they already fill two
-        blocks per SM, else enough splits for that, each of >= 32 cells (the f16 kernel's 4 warps
-        take tiles of 8; the tier kernel's tiles of 32 leave warps idle on short splits), 64 at
-        most, ``lo`` at least."""
+        blocks per SM, else enough splits for that and for splits of at most ATTN_SPLIT_CELLS
+        cells (a block walks its split serially: a long context needs more of them), each of
+        >= 32 cells (the f16 kernel's 4 warps take tiles of 8; the tier kernel's tiles of 32 leave
+        warps idle on short splits), ATTN_MAX_SPLITS at most, ``lo`` at least."""
         if base >= 2 * self.n_sm:
             return lo
-        return int(max(lo, min(n_cells // 32, (2 * self.n_sm + base - 1) // base, 64)))
+        want = max(-(-2 * self.n_sm // base), -(-n_cells // ATTN_SPLIT_CELLS))
+        return int(max(lo, min(n_cells // 32, want, ATTN_MAX_SPLITS)))
 
     def _attention_groups(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int, softcap: float,
                           g: int, n_hg: int):
