@@ -29,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="32,128,512,2048,8192")
     ap.add_argument("--splits", default="1,2,4,8,16,32,64,128")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of: " + ", ".join(LAYOUTS))
+    ap.add_argument("--layouts", default=";".join(LAYOUTS), help="';'-separated list of: " + "; ".join(LAYOUTS))
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     import cupy as cp
@@ -40,7 +40,7 @@ def main() -> None:
     be = cu.CUDABackend()
     print(f"\nbench_attn: {be.device_name}, one query row, f16 K/V, {a.reps} calls in one CUDA graph\n")
     splits = [int(v) for v in a.splits.split(",")]
-    for name in a.layouts.split(","):
+    for name in a.layouts.split(";"):
         H, nkv, D, g = LAYOUTS[name.strip()]
         print(f"{name}: {H} heads, {nkv} kv heads, head dim {D}\n")
         print("| cells | " + " | ".join(f"s{s}" for s in splits) + " |")
