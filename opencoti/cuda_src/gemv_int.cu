@@ -322,9 +322,10 @@ __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6,
     }
 }
 
-// 3 to 8 token rows (NT = 3, 6): the warps split the super-blocks of the block's 16 rows, each
-// prefetching its next super-block into registers (measured faster than the ring for these column
-// counts: bench_gemv, 7B ffn_down 8 rows 51 vs 70 us), B fragments from the digit array (L1 / L2).
+// More token rows (NT = 3 or 6 column tiles, up to IMMA_MAX_ROWS rows): the warps split the
+// super-blocks of the block's 16 rows, each prefetching its next super-block into registers
+// (measured faster than the ring for these column counts: bench_gemv, 7B ffn_down 8 rows 51 vs
+// 70 us), B fragments from the digit array (L1 / L2).
 template <int NT, bool Q6>
 __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
@@ -360,7 +361,8 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
 // pass through the ring (slot i % S holds its i-th super-block, rows at SEG-byte strides), B
 // fragments straight from the digit array (L1 / L2).
 // Q4_K blocks (144 bytes) stay 16-byte aligned in a row; a Q6_K block (210 bytes, 2-aligned) is
-// copied as the 16-byte chunks that hold it (14 or 15, SEG = 240), at offset (its address & 15).
+// copied as the 14 16-byte chunks that hold it (its offset in the first is even, <= 14; SEG = 240
+// leaves the 15th chunk of each row's segment unused), at offset (its address & 15).
 // A lane's share of filling one slot: the slot's 16 * NCH chunks are i = lane + 32 j; chunk i
 // is 16-byte piece i % NCH of row i / NCH's block. The lane's source offsets within the tile's
 // rows (super-block 0) are computed once (RingPlan), so a fill is an add and a cp.async per chunk.

@@ -112,13 +112,13 @@ _ND = os.environ.get("OPENCOTI_CUDA_IMMA_DIGITS", "")
 IMMA_DIGITS = int(_ND) if _ND else None
 if IMMA_DIGITS not in (None, 2, 3):
     raise ValueError(f"OPENCOTI_CUDA_IMMA_DIGITS={IMMA_DIGITS}: expected 2 or 3")
-# gemv_int.cu gemvi, one token row group (1 or 2 rows; gemvi_ring): each warp streams its
+# gemv_int.cu gemvi, one column tile (up to 8 / digits token rows: 2 with 3 digits; gemvi_ring): each warp streams its
 # super-blocks through GEMVI_STAGES shared-memory slots (2 or 4; measured on the H200, bench_gemv 7B
 # shapes, one row: 2 slots ffn_up 20.6 us, ffn_down 36.9, output 193; 4 slots 21.6 / 45.2 / 218),
 # with enough warps per 16-row tile for about GEMVI_WARPS_PER_SM warps per SM in the grid (at most
 # GEMVI_MAX_WARPS, one per super-block), halved while the grid would not be resident at once
-# (_gemvi_warps); OPENCOTI_CUDA_GEMVI_WARPS=N forces N (bench_gemv). 3-8 rows (3 or 6 column
-# tiles): IMMA_WARPS warps per tile, each prefetching into registers (measured: 8 rows 4 warps
+# (_gemvi_warps); OPENCOTI_CUDA_GEMVI_WARPS=N forces N (bench_gemv). More rows up to IMMA_MAX_ROWS
+# (3 or 6 column tiles): IMMA_WARPS warps per tile, each prefetching into registers (measured: 8 rows 4 warps
 # 1,184 GB/s, 8 warps 847; the ring was slower there: ffn_down 8 rows 51 -> 70 us).
 GEMVI_STAGES = int(os.environ.get("OPENCOTI_CUDA_GEMVI_STAGES", "2"))
 if GEMVI_STAGES not in (2, 4):
@@ -335,6 +335,7 @@ class CUDABackend:
         props = cp.cuda.runtime.getDeviceProperties(device)
         self.n_sm = props["multiProcessorCount"]
         self.smem_per_sm = props["sharedMemPerMultiprocessor"]
+        self.smem_per_block = cp.cuda.runtime.deviceGetAttribute(97, device)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
         self.device_name = props["name"].decode()
 
     # -- plumbing -----------------------------------------------------------------------
@@ -597,7 +598,15 @@ class CUDABackend:
         <= nsb), halved while the grid would not be resident at once (registers, shared memory)
         if a smaller one would be."""
         if GEMVI_WARPS:
-            return max(1, min(GEMVI_WARPS, nsb))
+            ks = max(1, min(GEMVI_WARPS, nsb, 32))
+        else:
+            ks = self._gemvi_warps_auto(blocks, nsb, warp_bytes, regs)
+        while ks > 1 and ks * warp_bytes > self.smem_per_block:  # one block must fit (e.g. 4 slots on sm_86)
+            ks //= 2
+        return ks
+
+    def _gemvi_warps_auto(self, blocks: int, nsb: int, warp_bytes: int, regs: int) -> int:
+        # the power of two nearest the wanted warps per tile, then the residency halving
         want = self.n_sm * GEMVI_WARPS_PER_SM / blocks
         ks = 1
         while 2 * ks <= min(GEMVI_MAX_WARPS, nsb) and 2 * ks <= 1.5 * want:
@@ -1462,7 +1471,7 @@ class CUDABackend:
                 and not quant and not self._capturing):
             return self._attention_prefill(q, q_pos, k_store, v_store, plan, meta, scale, n_swa, softcap)
         out = cp.empty((T, H * D), dtype=cp.float32)
-        n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1)
+        n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
         if n_split > 1:
             part_acc = cp.empty((T * H * n_split * D,), dtype=cp.float32)
             part_ml = cp.empty((T * H * n_split * 2,), dtype=cp.float32)
@@ -1526,16 +1535,18 @@ class CUDABackend:
                                    np.int32(D)))
         return out
 
-    def _attn_splits(self, n_cells: int, base: int, lo: int) -> int:
-        """Split count of ``attn_partial`` over views of up to ``n_cells`` cells when ``base`` blocks
-        (rows x kv heads x head groups) are launched per split: ``lo`` if they already fill two
-        blocks per SM, else enough splits for that and for splits of at most ATTN_SPLIT_CELLS
-        cells (a block walks its split serially: a long context needs more of them), each of
-        >= 32 cells (the f16 kernel's 4 warps take tiles of 8; the tier kernel's tiles of 32 leave
-        warps idle on short splits), ATTN_MAX_SPLITS at most, ``lo`` at least."""
+    def _attn_splits(self, n_cells: int, base: int, lo: int, rows: int) -> int:
+        """Split count of ``attn_partial`` when ``base`` blocks (rows x kv heads x head groups) are
+        launched per split for ``rows`` query rows whose views hold up to ``n_cells`` cells (eager:
+        the longest view; in a graph: the bucket of all views' cells together): ``lo`` if they
+        already fill two blocks per SM, else enough splits for that and for splits of at most
+        ATTN_SPLIT_CELLS of ``n_cells / rows`` cells (a block walks its split serially: a long
+        context needs more of them; the mean, as a graph's bucket bounds the views' sum), at most
+        ``n_cells / 32`` (the f16 kernel's 4 warps take tiles of 8; the tier kernel's tiles of 32
+        leave warps idle on short splits) and ATTN_MAX_SPLITS, ``lo`` at least."""
         if base >= 2 * self.n_sm:
             return lo
-        want = max(-(-2 * self.n_sm // base), -(-n_cells // ATTN_SPLIT_CELLS))
+        want = max(-(-2 * self.n_sm // base), -(-n_cells // (ATTN_SPLIT_CELLS * max(1, rows))))
         return int(max(lo, min(n_cells // 32, want, ATTN_MAX_SPLITS)))
 
     def _attention_groups(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int, softcap: float,
@@ -1559,7 +1570,7 @@ class CUDABackend:
         qp = self._idx(q_pos)
         f32 = cp.float32
         # 1. private cells (partials even for one split, so the merge below sees one format)
-        n_sp = self._attn_splits(gm["pcap"] if self._staged else gm["p_max"], T * n_kv * n_hg, 2)
+        n_sp = self._attn_splits(gm["pcap"] if self._staged else gm["p_max"], T * n_kv * n_hg, 2, T)
         p_acc = cp.empty((T * H * n_sp * D,), dtype=f32)
         p_ml = cp.empty((T * H * n_sp * 2,), dtype=f32)
         self._fn("a", f"attn_partial_d{D}_g{g}")(
