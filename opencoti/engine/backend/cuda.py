@@ -335,7 +335,8 @@ class CUDABackend:
         props = cp.cuda.runtime.getDeviceProperties(device)
         self.n_sm = props["multiProcessorCount"]
         self.smem_per_sm = props["sharedMemPerMultiprocessor"]
-        self.smem_per_block = cp.cuda.runtime.deviceGetAttribute(97, device)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+        self.smem_per_block = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                                 device)
         self.device_name = props["name"].decode()
 
     # -- plumbing -----------------------------------------------------------------------
