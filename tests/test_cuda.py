@@ -410,6 +410,42 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T):
     np.testing.assert_array_equal(outs[0][2], cc.v[0][1, plan.cell])
 
 
+@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0"),
+                                   ("q5_1", "q6_0"), ("bf16", "q5_0"), ("f32", "q8_0")])
+@pytest.mark.parametrize("d,n_head,n_kv,T,norms", [(128, 6, 2, 5, False), (256, 4, 1, 1, True), (64, 8, 8, 70, False)])
+def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, n_head, n_kv, T, norms):
+    """rope + a scalar-tier KV store in one launch (kv_write.cu rope_kv_write_q) gives the bits
+    of rope, rope and the tier quantize kernels launched one by one (cpu.rope_kv_write's
+    composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and the K / V bytes of the
+    planned cells (second stream of a split cache), for symmetric and mixed pairs."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(19 + d)
+    q = rng.standard_normal((T, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    k[0, 0, 5] = 30.0  # a block with one large value (the scalar scales)
+    pos = (np.arange(T) * 41 + 5).astype(np.int32)
+    qn, kn = (rng.uniform(0.5, 2, d).astype(np.float32) for _ in range(2)) if norms else (None, None)
+    rope = dict(n_rot=d, base=1e4, freq_scale=1.0, mode="neox", freq_factors=None, eps=1e-6)
+    seqs = np.ones(T, np.int64)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(cu, "ROPE_KV_TIERS", fused)
+        gpu._fns.pop(("kvw", "rope_kv_write_q"), None)
+        c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=d, type_k=tk, type_v=tv, zeros=gpu.zeros)
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+        dq = [cp.asarray(a) for a in (q, k, v)]
+        dn = [None if a is None else cp.asarray(a) for a in (qn, kn)]
+        y = gpu.rope_kv_write(*dq, pos, c, 0, plan, *dn, **rope)
+        assert (("kvw", "rope_kv_write_q") in gpu._fns) == fused
+        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0][1, plan.cell]), cp.asnumpy(c.v[0][1, plan.cell])))
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------
 # attention over cells
 # ---------------------------------------------------------------------------------------

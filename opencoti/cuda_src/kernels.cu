@@ -8,13 +8,9 @@
 // [n_stream * n_cells, n_head_kv, D] addressed by flat cell index.
 #include "quants.cuh"
 #include "gemv_units.cuh"
+#include "rope.cuh"
 
 #define WARP 32
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // ---------------------------------------------------------------------------------------
 // y[t, r] = sum_k W[r, k] * x[t, k] for the nt token rows: wpr warps per output row (1, 2,
@@ -250,16 +246,6 @@ FOR_EACH_UTYPE(DEF_UKERNELS)
 FOR_EACH_QTYPE(DEF_QKERNELS)
 
 // ---------------------------------------------------------------------------------------
-__device__ __forceinline__ float block_sum(float v, float* sh) {
-    v = warp_sum(v);
-    int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
-    __syncthreads();
-    if (l == 0) sh[w] = v;
-    __syncthreads();
-    v = l < nw ? sh[l] : 0.f;
-    return warp_sum(v);
-}
-
 // The split-f16 GEMM's activations (cuda.py _gemm_f16x3): row t of x [n, k] f32, scaled by a power
 // of two s[t] > max |x[t]| (exact; the f16 range then holds every value), as hi = f16(x / s) and
 // lo = f16((x / s - hi) * 2^12): xa[t] = [lo, hi] (2k halves). One block per row.
@@ -367,54 +353,7 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
     for (int i = t + NV * bd; i < n; i += bd) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
 }
 
-// RoPE (ggml_rope_ext) on x [T, H, D]: grid = T*H rows. mode 0 = norm (pairs 2i, 2i+1),
-// 2 = neox (pairs i, i + n_rot/2). Angles in double precision. Optional fused per-head
-// RMSNorm before rotation (norm_w != null), as q/k norms.
-// YaRN (ggml rope_yarn): with theta_e = pos * base^(-2i/n_rot) / ff[i], ext_factor != 0 blends
-// theta = theta_e * freq_scale * (1 - m) + theta_e * m, m = ext_factor * ramp(i) with
-// ramp(i) = 1 - clamp((i - corr_lo) / max(0.001, corr_hi - corr_lo), 0, 1); otherwise
-// theta = theta_e * freq_scale. cos and sin are multiplied by mscale (1 without YaRN; the
-// caller folds attn_factor and YaRN's 1 + 0.1 ln(1/freq_scale) into it).
-// One row of D values (a head) of rope: xr normed (norm_w != null), rotated at position p, and
-// handed to store(i, value) for every i < D. buf: D floats of shared memory; all threads of the
-// block take part (block_sum, __syncthreads).
-template <class Store>
-__device__ __forceinline__ void rope_row(const float* __restrict__ xr, int pos, int D, int n_rot, float base,
-                                         float freq_scale, int mode, const float* __restrict__ ff,
-                                         const float* __restrict__ norm_w, float eps, float ext_factor,
-                                         float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
-                                         Store store) {
-    float r = 1.f;
-    if (norm_w) {
-        float s = 0.f;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i] * xr[i];
-        s = block_sum(s, sh);
-        r = rsqrtf(s / D + eps);
-    }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = xr[i] * r * (norm_w ? norm_w[i] : 1.f);
-    __syncthreads();
-    int half = n_rot / 2;
-    double p = (double)pos;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        if (i >= n_rot) { store(i, buf[i]); continue; }
-        int k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
-        double inv = pow((double)base, -2.0 * k / n_rot);
-        if (ff) inv /= (double)ff[k];
-        double th_e = p * inv, th = th_e * (double)freq_scale;
-        if (ext_factor != 0.f) {
-            double ramp = ((double)k - (double)corr_lo) / fmax(0.001, (double)corr_hi - (double)corr_lo);
-            double mix = (1.0 - fmin(1.0, fmax(0.0, ramp))) * (double)ext_factor;
-            th = th * (1.0 - mix) + th_e * mix;
-        }
-        double sn, cs;
-        sincos(th, &sn, &cs);
-        float c = (float)(cs * (double)mscale), s = (float)(sn * (double)mscale);
-        int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
-        float x0 = buf[i0], x1 = buf[i1];
-        store(i, (i == i0) ? x0 * c - x1 * s : x0 * s + x1 * c);
-    }
-}
-
+// RoPE (ggml_rope_ext) on x [T, H, D]: grid = T*H rows (rope.cuh rope_row).
 extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos, float* __restrict__ y,
                                 int H, int D, int n_rot, float base, float freq_scale, int mode,
                                 const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,

@@ -11,6 +11,7 @@
 // Dequantize (kv_dequant_<T>_d<D>): rows of cell[] -> float32 [n_cells_listed, n_kv, D], the
 // rotated tiers un-rotated (KVCache.read_k on the GPU; context shift).
 #include "kv_tiers.cuh"
+#include "rope.cuh"
 
 #define KV_INF (__int_as_float(0x7f800000))
 
@@ -232,3 +233,68 @@ __device__ __forceinline__ void kv_dequant(const u8* __restrict__ store, const i
 DEF_DQ_ALL(KF32) DEF_DQ_ALL(KF16) DEF_DQ_ALL(KBF16) DEF_DQ_ALL(KQ8_0) DEF_DQ_ALL(KQ6_0) DEF_DQ_ALL(KQ5_1)
 DEF_DQ_ALL(KQ5_0) DEF_DQ_ALL(KQ4_0) DEF_DQ_ALL(KTurbo8) DEF_DQ_ALL(KTurbo4) DEF_DQ_ALL(KTurbo3)
 DEF_DQ_ALL(KTurbo2) DEF_DQ_ALL(KTcq3) DEF_DQ_ALL(KTcq2)
+
+// An attention layer's rope + quantized KV store in one launch (cpu.rope_kv_write with scalar
+// tiers: the three launches of rope, rope and kv_write's quantize kernels): grid T * (Hq + Hk)
+// blocks of blockDim (a multiple of 32) threads; blocks [0, T * Hq) rotate q head rows (q_norm
+// first) into q_out, the rest take one (token, kv head): its V row (dv values) quantized to tier
+// tv and its K row rotated (k_norm first) into shared memory and quantized to tier tk, at the
+// token's cell (flat index cell[t]; rows [n_kv][n / 32 blocks of BB bytes]). Warp w quantizes the
+// 32-value blocks w, w + n_warps, ... (the scalar quantizers are warp-collective: lane = value),
+// so the stored bytes are kv_quant_<T>'s. Tiers by index (cuda_kv.ROPE_STORE_TIERS): 0 f32, 1 f16,
+// 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1, 6 q5_0, 7 q4_0. Dynamic shared memory: 2 D floats.
+__device__ __forceinline__ int scalar_bb(int t) {
+    switch (t) {
+        case 0: return KF32::BB;
+        case 1: return KF16::BB;
+        case 2: return KBF16::BB;
+        case 3: return KQ8_0::BB;
+        case 4: return KQ6_0::BB;
+        case 5: return KQ5_1::BB;
+        case 6: return KQ5_0::BB;
+        default: return KQ4_0::BB;
+    }
+}
+__device__ __forceinline__ void scalar_q32(int t, float v, u8* dst, int lane) {
+    switch (t) {
+        case 0: KF32::q32(v, dst, lane); break;
+        case 1: KF16::q32(v, dst, lane); break;
+        case 2: KBF16::q32(v, dst, lane); break;
+        case 3: KQ8_0::q32(v, dst, lane); break;
+        case 4: KQ6_0::q32(v, dst, lane); break;
+        case 5: KQ5_1::q32(v, dst, lane); break;
+        case 6: KQ5_0::q32(v, dst, lane); break;
+        default: KQ4_0::q32(v, dst, lane); break;
+    }
+}
+
+extern "C" __global__ void rope_kv_write_q(const float* __restrict__ q, const float* __restrict__ k,
+                                           const float* __restrict__ v, const int* __restrict__ pos,
+                                           float* __restrict__ q_out, u8* __restrict__ K, u8* __restrict__ V,
+                                           const int* __restrict__ cell, int T, int Hq, int Hk, int D, int dv,
+                                           int n_rot, float base, float freq_scale, int mode,
+                                           const float* __restrict__ ff, const float* __restrict__ q_norm,
+                                           const float* __restrict__ k_norm, float eps, float ext_factor,
+                                           float corr_lo, float corr_hi, float mscale, int tk, int tv) { GRID_DEP_WAIT();
+    extern __shared__ float rbuf[];  // 2 D floats: rope's normed input, then the rotated K row
+    __shared__ float sh[32];
+    long long row = blockIdx.x;
+    if (row < (long long)T * Hq) {
+        float* yr = q_out + row * D;
+        rope_row(q + row * D, pos[row / Hq], D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                 corr_hi, mscale, rbuf, sh, [&](int i, float x) { yr[i] = x; });
+        return;
+    }
+    row -= (long long)T * Hq;
+    const int t = (int)(row / Hk), warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const long long c = (long long)cell[t] * Hk + row % Hk;  // the (cell, kv head) row
+    const int bv = scalar_bb(tv), bk = scalar_bb(tk);
+    u8* vr = V + c * (long long)(dv / 32 * bv);
+    for (int b = warp; b < dv / 32; b += nw) scalar_q32(tv, v[row * dv + 32 * b + lane], vr + b * bv, lane);
+    float* kb = rbuf + D;
+    rope_row(k + row * D, pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor, corr_lo, corr_hi,
+             mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
+    __syncthreads();
+    u8* kr = K + c * (long long)(D / 32 * bk);
+    for (int b = warp; b < D / 32; b += nw) scalar_q32(tk, kb[32 * b + lane], kr + b * bk, lane);
+}

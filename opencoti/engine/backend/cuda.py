@@ -150,6 +150,9 @@ ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 # fewest heads per block such that rows x kv heads x head blocks stays within this (decode steps)
 ATTN_SMALL_GRID = int(os.environ.get("OPENCOTI_CUDA_ATTN_SMALL_GRID", "16"))
+# rope + a scalar-tier KV store in one launch (rope_kv_write -> kv_write.cu rope_kv_write_q);
+# OPENCOTI_CUDA_ROPE_KV_TIERS=0: rope, rope and the quantize kernels one by one
+ROPE_KV_TIERS = os.environ.get("OPENCOTI_CUDA_ROPE_KV_TIERS", "1") != "0"
 # decode attention's splits (_attn_splits): at most ATTN_SPLIT_CELLS cells each while the grid is
 # small, ATTN_MAX_SPLITS in all
 ATTN_SPLIT_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_SPLIT_CELLS", "256"))
@@ -870,30 +873,41 @@ class CUDABackend:
     def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, *, n_rot: int,
                       base: float, freq_scale: float = 1.0, mode: str = "norm", freq_factors=None, eps: float = 0.0,
                       yarn=None):
-        """``cpu.rope_kv_write`` (rope q, rope k, store k and v into the layer's cells): with f16
-        K and V of one head size, one ``rope_kv_write`` kernel (kernels.cu) for all three, with
-        the bits of the separate launches; other tiers / shapes run the composition. ``q [T,
-        n_head, D]``, ``k [T, n_kv, D]``, ``v [T, n_kv, dv]`` float32. Returns the rotated q."""
+        """``cpu.rope_kv_write`` (rope q, rope k, store k and v into the layer's cells) in one
+        launch with the bits of the separate ones: f16 K and V of one head size by kernels.cu's
+        ``rope_kv_write``; any other pair of scalar tiers (``cuda_kv.ROPE_STORE_TIERS``: f32, f16,
+        bf16, q8_0, q6_0, q5_1, q5_0, q4_0) with head sizes of a multiple of 32 by kv_write.cu's
+        ``rope_kv_write_q`` (``OPENCOTI_CUDA_ROPE_KV_TIERS=0``: the composition); the rotated
+        tiers and other shapes run the composition. ``q [T, n_head, D]``, ``k [T, n_kv, D]``,
+        ``v [T, n_kv, dv]`` float32. Returns the rotated q."""
         cp = self.cp
         K, V = cache.k[il], cache.v[il]
         tk, tv = getattr(cache, "tier_k", None), getattr(cache, "tier_v", None)
+        nk, nv = "f16" if tk is None else tk.name, "f16" if tv is None else tv.name
         T, Hq, D = q.shape
-        if ((tk is not None and tk.name != "f16") or (tv is not None and tv.name != "f16") or not T
-                or K.dtype != np.float16 or V.dtype != np.float16 or k.shape[2] != D or k.shape[1] != K.shape[2]):
+        Hk, dv = k.shape[1], v.shape[2]
+        f16 = nk == nv == "f16" and K.dtype == np.float16 and V.dtype == np.float16
+        tiers = (ROPE_KV_TIERS and not nk == nv == "f16" and nk in cuda_kv.ROPE_STORE_TIERS
+                 and nv in cuda_kv.ROPE_STORE_TIERS and D % 32 == 0 and dv % 32 == 0)
+        if not (f16 or tiers) or not T or k.shape[2] != D or Hk != K.shape[2]:
             return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, n_rot=n_rot, base=base,
                                  freq_scale=freq_scale, mode=mode, freq_factors=freq_factors, eps=eps, yarn=yarn)
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         k = cp.ascontiguousarray(k, dtype=cp.float32)
         v = cp.ascontiguousarray(v, dtype=cp.float32)
-        Hk, dv = k.shape[1], v.shape[2]
         meta = self._plan_meta(plan, K.shape[1])
         y = cp.empty_like(q)
         mode_i, ff, tail = self._rope_args(n_rot, base, freq_scale, mode, freq_factors, eps, yarn)
-        self._fn("k", "rope_kv_write")((T * (Hq + Hk),), (min(256, (D + 31) // 32 * 32),),  # rope's threads
-                                       (q, k, v, self._idx(pos), y, K, V, meta["write"], np.int32(T), np.int32(Hq),
-                                        np.int32(Hk), np.int32(D), np.int32(dv), np.int32(n_rot), np.float32(base),
-                                        np.float32(freq_scale), mode_i, ff, q_norm if q_norm is not None else _NULL,
-                                        k_norm if k_norm is not None else _NULL) + tail, shared_mem=4 * D)
+        args = (q, k, v, self._idx(pos), y, K, V, meta["write"], np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(D),
+                np.int32(dv), np.int32(n_rot), np.float32(base), np.float32(freq_scale), mode_i, ff,
+                q_norm if q_norm is not None else _NULL, k_norm if k_norm is not None else _NULL) + tail
+        grid, block = (T * (Hq + Hk),), (min(256, (D + 31) // 32 * 32),)  # rope's threads
+        if f16:
+            self._fn("k", "rope_kv_write")(grid, block, args, shared_mem=4 * D)
+        else:
+            idx = cuda_kv.ROPE_STORE_TIERS.index
+            self._kv_write_fn("rope_kv_write_q")(grid, block, args + (np.int32(idx(nk)), np.int32(idx(nv))),
+                                                 shared_mem=8 * D)
         return y
 
     # -- mixture of experts ----------------------------------------------------------------

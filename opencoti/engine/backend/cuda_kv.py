@@ -35,6 +35,8 @@ TIER_STRUCTS = {
 KV_TYPES = tuple(TIER_STRUCTS)  # what CUDABackend.kv_types lists
 # head sizes the tier kernels are built for (the rotated tiers need a power of two in [64, 512])
 KV_HEAD_DIMS = (64, 128, 256, 512)
+# tiers of kv_write.cu's rope_kv_write_q (rope + quantized store in one launch), in its index order
+ROPE_STORE_TIERS = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0")
 SCALAR_FAMILY = ("float", "scalar")
 
 
