@@ -412,35 +412,41 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T):
 
 @pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0"),
                                    ("q5_1", "q6_0"), ("bf16", "q5_0"), ("f32", "q8_0")])
-@pytest.mark.parametrize("d,n_head,n_kv,T,norms", [(128, 6, 2, 5, False), (256, 4, 1, 1, True), (64, 8, 8, 70, False)])
-def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, n_head, n_kv, T, norms):
+@pytest.mark.parametrize("d,dv,n_head,n_kv,T,norms,mode,n_rot,ff", [
+    (128, 128, 6, 2, 5, False, "neox", 128, True), (256, 128, 4, 1, 1, True, "norm", 64, False),
+    (512, 512, 8, 2, 3, False, "neox", 512, False), (64, 64, 8, 8, 70, False, "norm", 64, False)])
+def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv, T, norms, mode, n_rot, ff):
     """rope + a scalar-tier KV store in one launch (kv_write.cu rope_kv_write_q) gives the bits
     of rope, rope and the tier quantize kernels launched one by one (cpu.rope_kv_write's
-    composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and the K / V bytes of the
-    planned cells (second stream of a split cache), for symmetric and mixed pairs."""
+    composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and the whole K / V stores
+    (the planned cells are in the second stream of a split cache), for symmetric and mixed
+    pairs, norm / neox, partial rotation, frequency factors, q / k norms, d_v < d_k, and head
+    sizes above the block's 256 threads (rope's strided loop, warps quantizing two blocks)."""
     from opencoti.engine.backend import cuda as cu
 
     rng = np.random.default_rng(19 + d)
     q = rng.standard_normal((T, n_head, d)).astype(np.float32)
     k = rng.standard_normal((T, n_kv, d)).astype(np.float32)
-    v = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, dv)).astype(np.float32)
     k[0, 0, 5] = 30.0  # a block with one large value (the scalar scales)
     pos = (np.arange(T) * 41 + 5).astype(np.int32)
     qn, kn = (rng.uniform(0.5, 2, d).astype(np.float32) for _ in range(2)) if norms else (None, None)
-    rope = dict(n_rot=d, base=1e4, freq_scale=1.0, mode="neox", freq_factors=None, eps=1e-6)
+    factors = cp.asarray(rng.uniform(1, 4, n_rot // 2).astype(np.float32)) if ff else None
+    rope = dict(n_rot=n_rot, base=1e4, freq_scale=1.0, mode=mode, freq_factors=factors, eps=1e-6)
     seqs = np.ones(T, np.int64)
     outs = []
     for fused in (True, False):
         monkeypatch.setattr(cu, "ROPE_KV_TIERS", fused)
         gpu._fns.pop(("kvw", "rope_kv_write_q"), None)
-        c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=d, type_k=tk, type_v=tv, zeros=gpu.zeros)
+        c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=dv, type_k=tk, type_v=tv, zeros=gpu.zeros)
         plan = c.prepare(seqs, pos)
         c.apply(plan, seqs, pos)
         dq = [cp.asarray(a) for a in (q, k, v)]
         dn = [None if a is None else cp.asarray(a) for a in (qn, kn)]
         y = gpu.rope_kv_write(*dq, pos, c, 0, plan, *dn, **rope)
         assert (("kvw", "rope_kv_write_q") in gpu._fns) == fused
-        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0][1, plan.cell]), cp.asnumpy(c.v[0][1, plan.cell])))
+        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0]), cp.asnumpy(c.v[0])))
+    assert np.abs(outs[0][1][1, plan.cell].view(np.uint8)).sum() > 0  # the cells were written
     for a, b in zip(*outs):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)

@@ -887,8 +887,10 @@ class CUDABackend:
         T, Hq, D = q.shape
         Hk, dv = k.shape[1], v.shape[2]
         f16 = nk == nv == "f16" and K.dtype == np.float16 and V.dtype == np.float16
-        tiers = (ROPE_KV_TIERS and not nk == nv == "f16" and nk in cuda_kv.ROPE_STORE_TIERS
-                 and nv in cuda_kv.ROPE_STORE_TIERS and D % 32 == 0 and dv % 32 == 0)
+        tiers = (ROPE_KV_TIERS and tk is not None and tv is not None and not nk == nv == "f16"
+                 and nk in cuda_kv.ROPE_STORE_TIERS and nv in cuda_kv.ROPE_STORE_TIERS and D % 32 == 0
+                 and dv % 32 == 0 and V.shape[2] == Hk and K.shape[3] == tk.row_len(D)
+                 and V.shape[3] == tv.row_len(dv))
         if not (f16 or tiers) or not T or k.shape[2] != D or Hk != K.shape[2]:
             return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, n_rot=n_rot, base=base,
                                  freq_scale=freq_scale, mode=mode, freq_factors=freq_factors, eps=eps, yarn=yarn)
