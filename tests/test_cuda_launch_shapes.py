@@ -1,0 +1,75 @@
+"""The CUDA backend's launch-shape choices, which are plain host arithmetic (no GPU needed):
+decode attention's split count (``CUDABackend._attn_splits``) and the warps per 16-row tile of
+the one-token K-quant GEMV (``CUDABackend._gemvi_warps``), on an H200's figures (132 SMs,
+228 KiB of shared memory per SM, 227 KiB per block) and a smaller GPU's (sm_86: 100 / 99 KiB)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opencoti.engine.backend import cuda as cu
+
+
+class Device:
+    """The backend's device figures and the methods under test (no CUDA context)."""
+
+    _attn_splits = cu.CUDABackend._attn_splits
+    _gemvi_warps = cu.CUDABackend._gemvi_warps
+    _gemvi_warps_auto = cu.CUDABackend._gemvi_warps_auto
+
+    def __init__(self, n_sm: int, smem_per_sm: int, smem_per_block: int):
+        self.n_sm, self.smem_per_sm, self.smem_per_block = n_sm, smem_per_sm, smem_per_block
+
+
+H200 = Device(132, 233472, 232448)
+SM86 = Device(84, 102400, 101376)
+
+
+def splits(dev, n_cells, base, lo, rows):
+    return dev._attn_splits(n_cells, base, lo, rows)
+
+
+def test_attn_splits_long_single_sequence():
+    """One sequence (the 7B: 4 kv heads x 4 head groups = 16 blocks per split): short lists get
+    ~2 blocks per SM (17 splits), long ones splits of <= ATTN_SPLIT_CELLS cells up to
+    ATTN_MAX_SPLITS; never fewer than 32 cells per split."""
+    assert cu.ATTN_SPLIT_CELLS == 256 and cu.ATTN_MAX_SPLITS == 256
+    assert splits(H200, 512, 16, 1, 1) == 16  # 32 cells each
+    assert splits(H200, 2048, 16, 1, 1) == 17
+    assert splits(H200, 8192, 16, 1, 1) == 32
+    assert splits(H200, 32768, 16, 1, 1) == 128
+    assert splits(H200, 1 << 20, 16, 1, 1) == 256
+    assert splits(H200, 64, 16, 1, 1) == 2
+
+
+def test_attn_splits_batched_graph_bucket():
+    """In a captured graph the cell count is the bucket of all rows' cells together: the length
+    term takes the mean row, so 64 rows of ~1,000 cells (bucket 65,536) do not ask for 256
+    splits; a grid that already fills two blocks per SM keeps ``lo``."""
+    assert splits(H200, 65536, 256, 1, 64) == 4  # 7B x64: 64 rows x 4 kv heads
+    assert splits(H200, 32768, 128, 1, 32) == 4  # 7B x32
+    assert splits(H200, 32768, 32, 1, 32) == 9  # 270m x32: ~2 blocks per SM as before
+    assert splits(H200, 65536, 264, 1, 64) == 1
+    assert splits(H200, 65536, 264, 2, 64) == 2  # the shared-prefix caller's minimum
+
+
+@pytest.mark.parametrize("dev", [H200, SM86])
+def test_gemvi_warps(monkeypatch, dev):
+    """Warps per tile: about GEMVI_WARPS_PER_SM warps per SM in all, at most 8 and one per
+    super-block, halved while the grid would not be resident at once if that makes it so, and
+    always few enough that a block's ring fits the device's shared memory per block."""
+    monkeypatch.setattr(cu, "GEMVI_WARPS", 0)
+    q4, q6 = 2 * 16 * 144, 2 * 16 * 240  # 2 ring slots of 16 rows
+    w = lambda blocks, nsb, wb, regs=64: dev._gemvi_warps(blocks, nsb, wb, regs)  # noqa: E731
+    if dev is H200:
+        assert w(1184, 14, q4) == 2  # 7B ffn_up: 18,944 rows
+        assert w(224, 14, q4) == 8  # 7B attn_q: 3,584 rows
+        assert w(224, 74, q6, 80) == 8  # 7B ffn_down (Q6_K, 18,944 columns)
+        assert w(9504, 14, q6, 80) == 1  # 7B output head
+        assert w(2, 1, q4) == 1  # one super-block per row: one warp
+    for blocks, nsb, wb in ((224, 74, 4 * 16 * 240), (3, 74, 6 * 16 * 240)):
+        ks = w(blocks, nsb, wb)
+        assert ks >= 1 and ks * wb <= dev.smem_per_block
+    monkeypatch.setattr(cu, "GEMVI_WARPS", 64)  # forced: still a block that fits (<= 32 warps)
+    ks = w(224, 74, q6)
+    assert ks <= 32 and ks * q6 <= dev.smem_per_block
