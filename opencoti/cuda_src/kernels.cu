@@ -360,10 +360,8 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
                                 float ext_factor, float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
-    long long row = blockIdx.x;
-    float* yr = y + row * D;
-    rope_row(x + row * D, pos[row / H], D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
-             corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
+    rope_head_row(x, y, blockIdx.x, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
+                  corr_hi, mscale, buf, sh);
 }
 
 // An attention layer's rope + KV store in one launch (cpu.rope_kv_write, f16 caches): grid
@@ -383,9 +381,8 @@ extern "C" __global__ void rope_kv_write(const float* __restrict__ q, const floa
     __shared__ float sh[32];
     long long row = blockIdx.x;
     if (row < (long long)T * Hq) {
-        float* yr = q_out + row * D;
-        rope_row(q + row * D, pos[row / Hq], D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                 corr_hi, mscale, buf, sh, [&](int i, float x) { yr[i] = x; });
+        rope_head_row(q, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                      corr_hi, mscale, buf, sh);
         return;
     }
     row -= (long long)T * Hq;

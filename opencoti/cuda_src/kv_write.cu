@@ -280,9 +280,8 @@ extern "C" __global__ void rope_kv_write_q(const float* __restrict__ q, const fl
     __shared__ float sh[32];
     long long row = blockIdx.x;
     if (row < (long long)T * Hq) {
-        float* yr = q_out + row * D;
-        rope_row(q + row * D, pos[row / Hq], D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                 corr_hi, mscale, rbuf, sh, [&](int i, float x) { yr[i] = x; });
+        rope_head_row(q, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                      corr_hi, mscale, rbuf, sh);
         return;
     }
     row -= (long long)T * Hq;

@@ -66,3 +66,15 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int pos, 
     }
 }
 
+
+// Head row `row` of x [rows, D] (H head rows per token) rotated into the same row of y (the rope
+// kernel; the q rows of the fused rope + KV store kernels).
+__device__ __forceinline__ void rope_head_row(const float* __restrict__ x, float* __restrict__ y, long long row, int H,
+                                              const int* __restrict__ pos, int D, int n_rot, float base,
+                                              float freq_scale, int mode, const float* __restrict__ ff,
+                                              const float* __restrict__ norm_w, float eps, float ext_factor,
+                                              float corr_lo, float corr_hi, float mscale, float* buf, float* sh) {
+    float* yr = y + row * D;
+    rope_row(x + row * D, pos[row / H], D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
+             corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
+}
