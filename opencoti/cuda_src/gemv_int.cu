@@ -36,11 +36,12 @@
 // Weight rows: a block takes 16 (one MMA tile, rows gid and gid + 8 per lane); its warps split
 // the super-blocks of the row (split-K) and are summed in shared memory in warp order
 // (deterministic). grid = (ncp / CW, ceil(nrows / 16)), blockDim = 32 * ks (ks <= nsb).
-// A decode GEMV is bound by how many weight bytes are in flight: each warp streams its
-// super-blocks through a ring of S shared-memory slots (cp.async, 16-byte chunks): S - 1 of them
-// are in flight while it multiplies the oldest, and no registers hold them (the first version
-// prefetched one super-block into registers: 104 registers per thread, 2 blocks of 8 warps per
-// SM, 4.5 waves for a 7B's ffn_up and 1.5 TB/s). Dynamic shared memory: ks * S * 16 * SEG bytes.
+// A decode GEMV is bound by how many weight bytes are in flight. One column tile (gemvi_ring):
+// each warp streams its super-blocks through a ring of S shared-memory slots (cp.async, 16-byte
+// chunks), S - 1 of them in flight while it multiplies the oldest, no registers holding them
+// (prefetching one super-block into registers took 104 registers per thread: 2 blocks of 8 warps
+// per SM, 4.5 waves for a 7B's ffn_up, 1.5 TB/s); dynamic shared memory ks * S * 16 * SEG bytes.
+// 3 or 6 column tiles (gemvi_impl): each warp prefetches its next super-block into registers.
 #include "quants.cuh"
 #include "mma.cuh"
 
@@ -395,12 +396,12 @@ struct RingPlan {
     }
 };
 
-template <int NT, bool Q6, int S>
+template <bool Q6, int S>
 __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
     extern __shared__ __align__(16) u8 ring[];
-    constexpr int CW = 8 * NT, SEG = RingPlan<Q6>::SEG, SB = 16 * SEG;
+    constexpr int NT = 1, CW = 8, SEG = RingPlan<Q6>::SEG, SB = 16 * SEG;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
     const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16, tpb = CW / D;
     const int rc = min(T - blockIdx.x * tpb, tpb) * D;  // columns holding a token's digits
@@ -449,9 +450,9 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
 // gemvi_<type>_n1_s<S>: one column tile, S ring slots per warp; gemvi_<type>_n<NT>: 3 or 6 tiles
 #define GEMVR(S)                                                                                          \
     extern "C" __global__ void gemvi_12_n1_s##S(GEMVI_ARGS) {                                            \
-        GRID_DEP_WAIT(); gemvi_ring<1, false, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }           \
+        GRID_DEP_WAIT(); gemvi_ring<false, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }           \
     extern "C" __global__ void gemvi_14_n1_s##S(GEMVI_ARGS) {                                            \
-        GRID_DEP_WAIT(); gemvi_ring<1, true, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+        GRID_DEP_WAIT(); gemvi_ring<true, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 GEMVR(2)
 GEMVR(4)
 #define GEMVI(NT)                                                                                         \

@@ -554,7 +554,8 @@ class CUDABackend:
     def _gemvi(self, digits, w: QTensor):
         """``x @ w.T`` -> ``[n, rows]`` float32 for a Q4_K / Q6_K ``w`` and ``x`` given as
         ``_digits(x)``, on the integer tensor cores (gemv_int.cu): up to ``IMMA_MAX_ROWS`` rows 16
-        weight rows per block, the super-blocks split over up to 8 warps and summed in warp order;
+        weight rows per block, the super-blocks split over up to 8 warps (``_gemvi_warps``; one
+        column tile streams them through shared memory, ``gemvi_ring``) and summed in warp order;
         more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, the
         super-blocks split over blocks so the grid has >= 2 blocks per SM, partial sums added in
         split order by ``mmq_reduce``). Deterministic either way.
@@ -586,13 +587,12 @@ class CUDABackend:
             ks = max(1, min(IMMA_WARPS[nt], nsb))
             self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")((ncb, ntiles), (32 * ks,), args)
             return y
-        fn = self._fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}")
-        warp_bytes = GEMVI_STAGES * 16 * (240 if w.ggml_type == 14 else 144)  # gemv_int.cu's ring slots
+        # limit raised once to the device's: _gemvi_warps keeps every block within it
+        fn = self._big_smem_fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}", self.smem_per_block)
+        # gemv_int.cu's ring slots (16 rows' blocks each), then gemvi_store's tile (576 bytes per warp)
+        warp_bytes = GEMVI_STAGES * 16 * (240 if w.ggml_type == 14 else 144)
         ks = self._gemvi_warps(ntiles * ncb, nsb, warp_bytes, fn.raw.num_regs)
-        smem = ks * max(warp_bytes, 16 * 9 * 4)  # the ring, then gemvi_store's tile
-        if smem > fn.max_dynamic_shared_size_bytes:
-            fn.max_dynamic_shared_size_bytes = smem
-        fn((ncb, ntiles), (32 * ks,), args, shared_mem=smem)
+        fn((ncb, ntiles), (32 * ks,), args, shared_mem=ks * warp_bytes)
         return y
 
     def _gemvi_warps(self, blocks: int, nsb: int, warp_bytes: int, regs: int) -> int:
