@@ -447,21 +447,17 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
 #define GEMVI_ARGS                                                                                      \
     const u8* W, long long rb, const i8* xq, const float* xs, const i8* xm, float* y, int nrows, int K, int T, \
         int ncp, int D
-// gemvi_<type>_n1_s<S>: one column tile, S ring slots per warp; gemvi_<type>_n<NT>: 3 or 6 tiles
-#define GEMVR(S)                                                                                          \
-    extern "C" __global__ void gemvi_12_n1_s##S(GEMVI_ARGS) {                                            \
-        GRID_DEP_WAIT(); gemvi_ring<false, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }           \
-    extern "C" __global__ void gemvi_14_n1_s##S(GEMVI_ARGS) {                                            \
-        GRID_DEP_WAIT(); gemvi_ring<true, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
-GEMVR(2)
-GEMVR(4)
-#define GEMVI(NT)                                                                                         \
-    extern "C" __global__ void gemvi_12_n##NT(GEMVI_ARGS) {                                              \
-        GRID_DEP_WAIT(); gemvi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }             \
-    extern "C" __global__ void gemvi_14_n##NT(GEMVI_ARGS) {                                              \
-        GRID_DEP_WAIT(); gemvi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
-GEMVI(3)
-GEMVI(6)
+// gemvi_12_<SUFFIX> / gemvi_14_<SUFFIX> (Q4_K / Q6_K) calling F12 / F14: n1_s<S> one column tile
+// with S ring slots per warp (gemvi_ring), n<NT> 3 or 6 column tiles (gemvi_impl)
+#define GEMVI_PAIR(SUFFIX, F12, F14)                                                                       \
+    extern "C" __global__ void gemvi_12_##SUFFIX(GEMVI_ARGS) {                                            \
+        GRID_DEP_WAIT(); F12(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                \
+    extern "C" __global__ void gemvi_14_##SUFFIX(GEMVI_ARGS) {                                            \
+        GRID_DEP_WAIT(); F14(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+GEMVI_PAIR(n1_s2, (gemvi_ring<false, 2>), (gemvi_ring<true, 2>))
+GEMVI_PAIR(n1_s4, (gemvi_ring<false, 4>), (gemvi_ring<true, 4>))
+GEMVI_PAIR(n3, (gemvi_impl<3, false>), (gemvi_impl<3, true>))
+GEMVI_PAIR(n6, (gemvi_impl<6, false>), (gemvi_impl<6, true>))
 
 // ---------------------------------------------------------------------------------------------
 // gemmi: the same integer products for batches of 9..64 token rows (batched decode). A block takes
