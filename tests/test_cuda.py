@@ -411,12 +411,13 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T):
 
 
 @pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0"),
-                                   ("q5_1", "q6_0"), ("bf16", "q5_0"), ("f32", "q8_0")])
+                                   ("q5_1", "q6_0"), ("bf16", "q5_0"), ("f32", "q8_0"), ("turbo3", "turbo3"),
+                                   ("turbo2", "q8_0"), ("q4_0", "turbo4"), ("turbo8", "turbo2")])
 @pytest.mark.parametrize("d,dv,n_head,n_kv,T,norms,mode,n_rot,ff", [
     (128, 128, 6, 2, 5, False, "neox", 128, True), (256, 128, 4, 1, 1, True, "norm", 64, False),
     (512, 512, 8, 2, 3, False, "neox", 512, False), (64, 64, 8, 8, 70, False, "norm", 64, False)])
 def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv, T, norms, mode, n_rot, ff):
-    """rope + a scalar-tier KV store in one launch (kv_write.cu rope_kv_write_q) gives the bits
+    """rope + a scalar- or turbo-tier KV store in one launch (kv_write.cu rope_kv_write_q) gives the bits
     of rope, rope and the tier quantize kernels launched one by one (cpu.rope_kv_write's
     composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and the whole K / V stores
     (the planned cells are in the second stream of a split cache), for symmetric and mixed
@@ -444,7 +445,10 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
         dq = [cp.asarray(a) for a in (q, k, v)]
         dn = [None if a is None else cp.asarray(a) for a in (qn, kn)]
         y = gpu.rope_kv_write(*dq, pos, c, 0, plan, *dn, **rope)
-        assert (("kvw", "rope_kv_write_q") in gpu._fns) == fused
+        # the rotated tiers fuse at head sizes up to 256 with d_v = d_k for a rotated V
+        rot_k, rot_v = tk in cuda_kv.ROPE_STORE_ROTATED, tv in cuda_kv.ROPE_STORE_ROTATED
+        fusable = not (rot_k or rot_v) or (d <= 256 and (not rot_v or dv == d))
+        assert (("kvw", "rope_kv_write_q") in gpu._fns) == (fused and fusable)
         outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0]), cp.asnumpy(c.v[0])))
     assert np.abs(outs[0][1][1, plan.cell].view(np.uint8)).sum() > 0  # the cells were written
     for a, b in zip(*outs):
@@ -1149,10 +1153,16 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
     scale = 1 / np.sqrt(d)
     Tk, Tv = get_tier(tk), get_tier(tv)
     want = cpu.attention_cells(q, ub_pos, kq, vq, plan, scale, n_swa, softcap, type_k=Tk, type_v=Tv)
-    got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan, scale,
-                                         n_swa, softcap, type_k=Tk, type_v=Tv))
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, **KV_TOL)
+    from opencoti.engine.backend import cuda as cu
+
+    # both kernels: a lane per cell (no split short enough) and several lanes per cell (every split)
+    for lanes_cells in (0, 1 << 30):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cu, "ATTN_KV_LANES_CELLS", lanes_cells)
+            got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan,
+                                                 scale, n_swa, softcap, type_k=Tk, type_v=Tv))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, **KV_TOL, err_msg=f"lanes per cell: {lanes_cells > 0}")
 
 
 @pytest.mark.parametrize("n_swa,softcap,n_ctx", _KV_MASKS)

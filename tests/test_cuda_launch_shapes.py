@@ -73,3 +73,20 @@ def test_gemvi_warps(monkeypatch, dev):
     monkeypatch.setattr(cu, "GEMVI_WARPS", 64)  # forced: still a block that fits (<= 32 warps)
     ks = w(224, 74, q6)
     assert ks <= 32 and ks * q6 <= dev.smem_per_block
+
+
+def test_attn_group_heads_per_block():
+    """Query heads per block: decode-size grids split a kv head's heads (ATTN_SMALL_GRID blocks),
+    long rows (ATTN_GROUP_CELLS cells each) and big grids keep them all; head size 512 stops at 4."""
+    assert cu.ATTN_SMALL_GRID == 16 and cu.ATTN_GROUP_CELLS == 4096
+    group = cu.CUDABackend._attn_group
+    assert group(1, 4, 7, 128, 512) == 2  # the 7B, one sequence: 4 kv heads x 4 blocks of 2
+    assert group(1, 1, 4, 256, 512) == 1  # gemma-3-270m
+    assert group(1, 4, 7, 128, 4096) == 8  # a long row: all 7 heads (kernel MAXG 8)
+    assert group(1, 1, 4, 256, 32768) == 4
+    assert group(8, 4, 7, 128, 8 * 4095) == 8  # a big grid: all heads
+    assert group(2, 1, 4, 256, 2 * 4095) == 1  # 2 rows x 1 kv head x 4 blocks of 1 <= 16
+    assert group(2, 1, 4, 256, 2 * 4096) == 4  # the bucket of 2 rows of 4,096 cells
+    assert group(1, 2, 16, 512, 100) == 2  # 2 kv heads x 8 blocks of 2 <= 16
+    assert group(4, 2, 16, 512, 100) == 4  # head size 512: 4 heads at most
+    assert group(1, 2, 16, 512, 1 << 20) == 4

@@ -243,9 +243,13 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 #ifdef KV_TK
 // ---- the same kernel over the KV tiers (opencoti/engine/kv_tiers), one module per
 // (KV_TK, KV_TV, KV_D): K and V rows are read as the tier's blocks and dequantized in
-// registers (no f16 copy of the cache). QK, a lane per cell: the row is read a segment at a time
-// into registers with the widest loads its alignment allows, and each block's dot product
-// is scaled once (kv_tiers.cuh code()/scale()). PV, the lanes over dims: val().
+// registers (no f16 copy of the cache). QK, LPC lanes per cell (each a 1 / LPC part of the row,
+// whole blocks): the part is read a segment at a time into registers with the widest loads its
+// alignment allows, and each block's dot product is scaled once (kv_tiers.cuh code()/scale()).
+// PV, the lanes over dims: vals(). Two kernels per group size: attn_kv_g<G> takes a lane per
+// cell (tiles of 32 cells per warp: long splits), attn_kv_g<G>_l KV_LPC lanes (up to 4, whole
+// blocks each; tiles of 32 / KV_LPC cells: short splits keep all four warps busy and each
+// lane's serial QK short).
 // Rotated tiers (turbo*, *_tcq; turbo.py): q . k = (R q) . (R k), so a rotated K tier rotates
 // the block's queries once (fast WHT in shared memory) and scores against the stored rotated
 // rows; a rotated V tier accumulates P.V in the rotated domain and un-rotates the output (or
@@ -255,14 +259,17 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 
 __host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 : (nb & 7) == 0 ? 8 : (nb & 3) == 0 ? 4 : 2; }
 
-// s[g] += (q_g . k) for the Gb queries sq[g] (shared, scaled) and the K row at `row`
-template <class TK, int D, int MAXG>
-__device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*sq)[D], int Gb, const float* tab,
-                                      float* s) {
-    constexpr int SV = TK::SV < D ? TK::SV : D;  // values per register segment
-    constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, A = kv_align(SB), NW = (SB + 3) / 4;
+// s[g] += (q_g . k[o0, o0 + DL)) for the Gb queries sq[g] (shared, scaled): the DL values (whole
+// blocks) of a K row from value o0, whose bytes start at `part` (A0-aligned)
+template <class TK, int D, int DL, int A0, int MAXG>
+__device__ __forceinline__ void kv_qk(const u8* __restrict__ part, const float (*sq)[D], int o0, int Gb,
+                                      const float* tab, float* s) {
+    constexpr int SV = TK::SV < DL ? TK::SV : DL;  // values per register segment
+    constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, NW = (SB + 3) / 4;
+    constexpr int A = kv_align(SB) < A0 ? kv_align(SB) : A0;
+    const u8* row = part;
 #pragma unroll
-    for (int sg = 0; sg < D / SV; sg++) {
+    for (int sg = 0; sg < DL / SV; sg++) {
         u32 w[NW];
         ldw<SB, A>(row + sg * SB, w);
 #pragma unroll
@@ -274,7 +281,7 @@ __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*
             for (int j = 0; j < TK::BS; j += 4) {
                 const float c0 = TK::code(w, b, j, tab), c1 = TK::code(w, b, j + 1, tab);
                 const float c2 = TK::code(w, b, j + 2, tab), c3 = TK::code(w, b, j + 3, tab);
-                const int o = sg * SV + b * TK::BS + j;
+                const int o = o0 + sg * SV + b * TK::BS + j;
 #pragma unroll
                 for (int g = 0; g < MAXG; g++) {
                     if (g < Gb) {
@@ -299,12 +306,14 @@ __device__ __forceinline__ void kv_pv_vals(const u8* __restrict__ row, int lane,
     if constexpr (TV::PVF16) {
         load_halves<E>((const u16*)row + lane * E, vf);
     } else {
-#pragma unroll
-        for (int e = 0; e < E; e++) vf[e] = TV::val(row, lane * E + e, tab);
+        TV::template vals<E>(row, lane * E, tab, vf);
     }
 }
 
-template <int D, int MAXG, class TK, class TV>
+// lanes per cell of the _l kernels: up to 4, each a whole number of K blocks
+#define KV_LPC (KV_D / KV_TK::BS >= 4 ? 4 : KV_D / KV_TK::BS)
+
+template <int D, int MAXG, class TK, class TV, int LPC>
 __device__ __forceinline__ void attn_kv_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
@@ -312,6 +321,8 @@ __device__ __forceinline__ void attn_kv_impl(
     float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int E = D / 32;  // V dims per lane
     constexpr long long RBK = D / TK::BS * TK::BB, RBV = D / TV::BS * TV::BB;  // row bytes
+    constexpr int TILE = 32 / LPC, DL = D / LPC, PB = DL / TK::BS * TK::BB;  // cells per tile; a lane's K part
+    constexpr int A0 = kv_align((int)RBK) < kv_align(PB) ? kv_align((int)RBK) : kv_align(PB);
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
     const int n_hg = (G + MAXG - 1) / MAXG;
@@ -342,8 +353,9 @@ __device__ __forceinline__ void attn_kv_impl(
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
     }
-    for (int t0 = c0 + 32 * warp; t0 < c1; t0 += 32 * NWARP) {
-        int i = t0 + lane;
+    const int slot = lane / LPC, part = lane % LPC;
+    for (int t0 = c0 + TILE * warp; t0 < c1; t0 += TILE * NWARP) {
+        int i = t0 + slot;
         int cell = 0;
         bool ok = false;
         if (i < c1) {
@@ -351,25 +363,24 @@ __device__ __forceinline__ void attn_kv_impl(
             ok = cp <= qp && !(n_swa > 0 && qp - cp >= n_swa);
             cell = cells[i];
         }
-        unsigned mask = __ballot_sync(0xffffffffu, ok);
-        if (!mask) continue;
+        if (!__any_sync(0xffffffffu, ok)) continue;
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
-        if (ok) kv_qk<TK, D, MAXG>(K + ((long long)cell * n_kv + kh) * RBK, s_q, Gb, s_tk, s);
+        if (ok) kv_qk<TK, D, DL, A0, MAXG>(K + ((long long)cell * n_kv + kh) * RBK + part * PB, s_q, part * DL, Gb, s_tk, s);
         float p[MAXG];
-        softmax_tile<1, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
-        // PV over the tile's 32 cells in a fixed-count loop, as the f16 kernel (masked cells: p = 0
+        softmax_tile<LPC, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
+        // PV over the tile's cells in a fixed-count loop, as the f16 kernel (masked cells: p = 0
         // and a valid cell index, 0 past the list's end)
 #pragma unroll 8
-        for (int j = 0; j < 32; j++) {
-            int cj = __shfl_sync(0xffffffffu, cell, j);
+        for (int j = 0; j < TILE; j++) {
+            int cj = __shfl_sync(0xffffffffu, cell, LPC * j);
             float vf[E];
             kv_pv_vals<TV, E>(V + ((long long)cj * n_kv + kh) * RBV, lane, s_tv, vf);
 #pragma unroll
             for (int g = 0; g < MAXG; g++) {
                 if (g < Gb) {
-                    float pj = __shfl_sync(0xffffffffu, p[g], j);
+                    float pj = __shfl_sync(0xffffffffu, p[g], LPC * j);
 #pragma unroll
                     for (int e = 0; e < E; e++) acc[g][e] += pj * vf[e];
                 }
@@ -404,13 +415,14 @@ __device__ __forceinline__ void attn_kv_impl(
     }
 }
 
-#define DEF_ATTN_KV(G)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) attn_kv_g##G(                                            \
+#define DEF_ATTN_KV1(G, NAME, LPC)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();                             \
-        attn_kv_impl<KV_D, G, KV_TK, KV_TV>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, \
-                                            scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
+        attn_kv_impl<KV_D, G, KV_TK, KV_TV, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head,  \
+                                                 n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
+#define DEF_ATTN_KV(G) DEF_ATTN_KV1(G, attn_kv_g##G, 1) DEF_ATTN_KV1(G, attn_kv_g##G##_l, KV_LPC)
 DEF_ATTN_KV(1) DEF_ATTN_KV(2) DEF_ATTN_KV(4)
 #if KV_D < 512
 DEF_ATTN_KV(8)

@@ -16,7 +16,10 @@
 //   tab(): that __constant__ table (copied to shared memory by the kernels);
 //   scale(w, b) / mn(w, b): block b's scale / offset from a segment's words w;
 //   code(w, b, j, tab): value j of block b without the scale (an integer or a table level);
-//   val(row, i, tab): value i of a row, scaled (from global memory).
+//   val(row, i, tab): value i of a row, scaled (from global memory);
+//   vals<E>(row, i0, tab, vf): the E values [i0, i0 + E) of a row (E even, <= 16, E | BS,
+//     i0 % E == 0: one block), its scale loaded once and its code bytes in few loads (PV; the
+//     trellis tiers call val() E times).
 #include "quants.cuh"
 
 // ---- exact IEEE float32 arithmetic for the encoders: PTX round-to-nearest without .ftz, so
@@ -80,6 +83,12 @@ struct KF32 {
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return __uint_as_float(w[32 * b + j]); }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) { return ((const float*)row)[i]; }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        u32 w[E];
+        ldw<4 * E, (4 * E) % 16 == 0 ? 16 : 8>(row + 4 * i0, w);
+#pragma unroll
+        for (int e = 0; e < E; e++) vf[e] = __uint_as_float(w[e]);
+    }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) { ((float*)dst)[lane] = v; }
 };
 struct KF16 {
@@ -98,6 +107,12 @@ struct KBF16 {
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return bf2f(wh(w, 64 * b + 2 * j)); }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) { return bf2f(((const u16*)row)[i]); }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        u32 w[E / 2];
+        ldw<2 * E, (2 * E) % 16 == 0 ? 16 : (2 * E) % 8 == 0 ? 8 : 4>(row + 2 * i0, w);
+#pragma unroll
+        for (int e = 0; e < E; e++) vf[e] = bf2f(wh(w, 2 * e));
+    }
     // ggml_compute_fp32_to_bf16: round to nearest even, NaN -> quiet NaN
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {
         u32 u = __float_as_uint(v);
@@ -153,6 +168,14 @@ struct KQ8_0 {
         const u8* b = row + 34 * (i >> 5);
         return h2f(ldh(b)) * (float)(i8)b[2 + (i & 31)];
     }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        const u8* b = row + 34 * (i0 >> 5);
+        u32 w[(E + 3) / 4];
+        ldw<E, 2>(b + 2 + (i0 & 31), w);
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int e = 0; e < E; e++) vf[e] = d * (float)(i8)wb(w, e);
+    }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q8_0_ref
         float d = xdiv(wmax(xabs(v)), 127.f), id = xinv(d);
         dst[2 + lane] = (u8)(i8)(int)xround(xmul(v, id));
@@ -176,6 +199,16 @@ struct KQ6_0 {
         const u8* b = row + 26 * (i >> 5);
         int j = i & 31;
         return h2f(ldh(b)) * (float)q_of(b[10 + (j & 15)], b[2 + (j & 7)], j);
+    }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        const u8* b = row + 26 * (i0 >> 5);
+        const int j0 = i0 & 31;
+        u32 qh[2], qs[(E + 3) / 4];
+        ldw<8, 2>(b + 2, qh);
+        ldw<E, 2>(b + 10 + (j0 & 15), qs);
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int e = 0; e < E; e++) vf[e] = d * (float)q_of(wb(qs, e), wb(qh, (j0 + e) & 7), j0 + e);
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q6_0_ref
         float d = xdiv(wsabsmax(v, lane), -32.f), id = xinv(d);
@@ -206,6 +239,20 @@ struct KQ5_1 {
         int j = i & 31;
         return h2f(ldh(b)) * (float)q5_code(b[8 + (j & 15)], b[4 + (j >> 3)], j) + h2f(ldh(b + 2));
     }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        const u8* b = row + 24 * (i0 >> 5);
+        const int j0 = i0 & 31;
+        u32 qs[(E + 3) / 4];
+        ldw<E, 2>(b + 8 + (j0 & 15), qs);
+        const u32 qh = *(const u32*)(b + 4);  // 4-aligned: blocks of 24 bytes
+        const float d = h2f(ldh(b)), m = h2f(ldh(b + 2));
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int j = j0 + e;
+            const u32 c = wb(qs, e);
+            vf[e] = d * (float)((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4)) + m;
+        }
+    }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_1_ref
         float lo = wmin(v), hi = wmax(v);
         float d = xdiv(xsub(hi, lo), 31.f), id = xinv(d);
@@ -227,6 +274,20 @@ struct KQ5_0 {
         const u8* b = row + 22 * (i >> 5);
         int j = i & 31;
         return h2f(ldh(b)) * (float)((int)q5_code(b[6 + (j & 15)], b[2 + (j >> 3)], j) - 16);
+    }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        const u8* b = row + 22 * (i0 >> 5);
+        const int j0 = i0 & 31;
+        u32 qs[(E + 3) / 4];
+        ldw<E, 2>(b + 6 + (j0 & 15), qs);
+        const u32 qh = (u32)ldh(b + 2) | ((u32)ldh(b + 4) << 16);
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int j = j0 + e;
+            const u32 c = wb(qs, e);
+            vf[e] = d * (float)((int)((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4)) - 16);
+        }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_0_ref
         float d = xdiv(wsabsmax(v, lane), -16.f), id = xinv(d);
@@ -250,6 +311,18 @@ struct KQ4_0 {
         int j = i & 31;
         u32 qs = b[2 + (j & 15)];
         return h2f(ldh(b)) * (float)((int)(j < 16 ? (qs & 15u) : (qs >> 4)) - 8);
+    }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        const u8* b = row + 18 * (i0 >> 5);
+        const int j0 = i0 & 31;
+        u32 qs[(E + 3) / 4];
+        ldw<E, 2>(b + 2 + (j0 & 15), qs);
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const u32 c = wb(qs, e);
+            vf[e] = d * (float)((int)(j0 < 16 ? (c & 15u) : (c >> 4)) - 8);
+        }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_0_ref
         float d = xdiv(wsabsmax(v, lane), -8.f), id = xinv(d);
@@ -290,6 +363,29 @@ struct KTurbo {
         const u8* b = row + BB * (i >> 6);
         return h2f(ldh(b)) * t[turbo_idx_m(b, BITS, i & 63)];
     }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float* t, float* vf) {
+        const u8* b = row + BB * (i0 >> 6);
+        const int j0 = i0 & 63;
+        constexpr int PER = BITS == 8 ? 1 : BITS == 4 ? 2 : 4;  // indices per payload byte (the low bits)
+        constexpr int NL = (E + PER - 1) / PER, NH = (E + 7) / 8;
+        u32 lo[NL], hi[NH];
+#pragma unroll
+        for (int k = 0; k < NL; k++) lo[k] = b[2 + j0 / PER + k];
+        if constexpr (BITS == 3) {
+#pragma unroll
+            for (int k = 0; k < NH; k++) hi[k] = b[18 + (j0 >> 3) + k];
+        }
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            // E >= PER: j0 % PER == 0, byte e / PER; else all E indices share byte 0 (likewise hi)
+            const int j = j0 + e;
+            u32 ix = (lo[E >= PER ? e / PER : 0] >> ((BITS == 8 ? 0 : BITS == 4 ? 4 : 2) * (j % PER))) &
+                     ((1u << (BITS == 3 ? 2 : BITS)) - 1u);
+            if constexpr (BITS == 3) ix |= ((hi[E >= 8 ? e >> 3 : 0] >> (j & 7)) & 1u) << 2;
+            vf[e] = d * t[ix];
+        }
+    }
 };
 typedef KTurbo<8> KTurbo8;
 typedef KTurbo<4> KTurbo4;
@@ -315,6 +411,10 @@ struct KTcq {
         int p = (i & 63) * K;
         u32 s = ((u32)b[2 + (p >> 3)] | ((u32)b[2 + ((p >> 3) + 1) % NSB] << 8)) >> (p & 7);
         return h2f(ldh(b)) * t[s & 255u];
+    }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float* t, float* vf) {
+#pragma unroll
+        for (int e = 0; e < E; e++) vf[e] = val(row, i0 + e, t);
     }
 };
 typedef KTcq<3> KTcq3;

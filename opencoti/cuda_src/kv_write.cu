@@ -53,13 +53,13 @@ __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
     return (u8)v;
 }
 
+// One row of D values quantized to the turbo tier T at dst_row (its D / 64 blocks): thread tid
+// (of exactly D) holds value x = row[tid]; v, p, p2 (D floats) and idx (D ints) are shared
+// scratch, free again when it returns (the next call's first writes follow syncs).
 template <class T, int D>
-__device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* __restrict__ store,
-                                               const int* __restrict__ cell, int n_kv) {
-    __shared__ float v[D], p[D], p2[D];
-    __shared__ int idx[D];
-    const int r = blockIdx.x, tid = threadIdx.x, j = tid & 63, b0 = tid - j;
-    v[tid] = x[(long long)r * D + tid];
+__device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* v, float* p, float* p2, int* idx) {
+    const int tid = threadIdx.x, j = tid & 63, b0 = tid - j;
+    v[tid] = x;
     __syncthreads();
     fwht_shared<D>(v, 1, false, true);
     const float y = v[tid];
@@ -84,10 +84,19 @@ __device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* 
     tree64(p2, tid, j, true);
     const float num = p[b0], den = p2[b0];
     const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
-    const int t = r / n_kv, h = r % n_kv;
-    u8* dst = store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB) + (long long)(tid >> 6) * T::BB;
+    u8* dst = dst_row + (long long)(tid >> 6) * T::BB;
     if (j == 0) st16(dst, f2h(scale));
     if (j < T::BB - 2) dst[2 + j] = turbo_pack<T::KBITS>(idx + b0, j);
+}
+
+template <class T, int D>
+__device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* __restrict__ store,
+                                               const int* __restrict__ cell, int n_kv) {
+    __shared__ float v[D], p[D], p2[D];
+    __shared__ int idx[D];
+    const int r = blockIdx.x, t = r / n_kv, h = r % n_kv;
+    turbo_row<T, D>(x[(long long)r * D + threadIdx.x], store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB),
+                    v, p, p2, idx);
 }
 
 // Viterbi search of the right-shift trellis (trellis.py _viterbi) over ys[0..n), 256 threads
@@ -234,15 +243,18 @@ DEF_DQ_ALL(KF32) DEF_DQ_ALL(KF16) DEF_DQ_ALL(KBF16) DEF_DQ_ALL(KQ8_0) DEF_DQ_ALL
 DEF_DQ_ALL(KQ5_0) DEF_DQ_ALL(KQ4_0) DEF_DQ_ALL(KTurbo8) DEF_DQ_ALL(KTurbo4) DEF_DQ_ALL(KTurbo3)
 DEF_DQ_ALL(KTurbo2) DEF_DQ_ALL(KTcq3) DEF_DQ_ALL(KTcq2)
 
-// An attention layer's rope + quantized KV store in one launch (cpu.rope_kv_write with scalar
-// tiers: the three launches of rope, rope and kv_write's quantize kernels): grid T * (Hq + Hk)
+// An attention layer's rope + quantized KV store in one launch (cpu.rope_kv_write with scalar or
+// turbo tiers: the launches of rope, rope and kv_write's quantize kernels): grid T * (Hq + Hk)
 // blocks of blockDim (a multiple of 32) threads; blocks [0, T * Hq) rotate q head rows (q_norm
 // first) into q_out, the rest take one (token, kv head): its V row (dv values) quantized to tier
 // tv and its K row rotated (k_norm first) into shared memory and quantized to tier tk, at the
-// token's cell (flat index cell[t]; rows [n_kv][n / 32 blocks of BB bytes]). Warp w quantizes the
+// token's cell (flat index cell[t]; rows [n_kv][n / 32 blocks, turbo n / 64, of BB bytes]). Warp w quantizes the
 // 32-value blocks w, w + n_warps, ... (the scalar quantizers are warp-collective: lane = value),
 // so the stored bytes are kv_quant_<T>'s. Tiers by index (cuda_kv.ROPE_STORE_TIERS): 0 f32, 1 f16,
-// 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1, 6 q5_0, 7 q4_0. Dynamic shared memory: 2 D floats.
+// 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1, 6 q5_0, 7 q4_0, and the rotated 8 turbo8, 9 turbo4, 10 turbo3,
+// 11 turbo2 (turbo_row: the block's threads are the row's values, so a rotated K needs blockDim
+// == D, a rotated V blockDim == dv, a power of two up to 256). Dynamic shared memory: 2 D floats,
+// 6 D with a rotated tier.
 __device__ __forceinline__ int scalar_bb(int t) {
     switch (t) {
         case 0: return KF32::BB;
@@ -267,6 +279,43 @@ __device__ __forceinline__ void scalar_q32(int t, float v, u8* dst, int lane) {
         default: KQ4_0::q32(v, dst, lane); break;
     }
 }
+template <class T>
+__device__ __forceinline__ void turbo_row_d(int n, float x, u8* dst, float* sc) {
+    float *v = sc, *p = sc + n, *p2 = sc + 2 * n;
+    int* idx = (int*)(sc + 3 * n);
+    switch (n) {
+        case 64: turbo_row<T, 64>(x, dst, v, p, p2, idx); break;
+        case 128: turbo_row<T, 128>(x, dst, v, p, p2, idx); break;
+        default: turbo_row<T, 256>(x, dst, v, p, p2, idx); break;
+    }
+}
+// a row of n values (tier t, cuda_kv.ROPE_STORE_TIERS) stored at dst: the scalar tiers by warps of 32-value
+// blocks, value(i) for i < n; a rotated tier by all n threads, value(threadIdx.x); sc: 4 n floats (rotated)
+template <class Val>
+__device__ __forceinline__ void tier_store_row(int t, int n, u8* dst, float* sc, Val value) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (t < 8) {
+        const int bb = scalar_bb(t);
+        for (int b = warp; b < n / 32; b += nw) scalar_q32(t, value(32 * b + lane), dst + b * bb, lane);
+        return;
+    }
+    const float x = value(threadIdx.x);
+    switch (t) {
+        case 8: turbo_row_d<KTurbo8>(n, x, dst, sc); break;
+        case 9: turbo_row_d<KTurbo4>(n, x, dst, sc); break;
+        case 10: turbo_row_d<KTurbo3>(n, x, dst, sc); break;
+        default: turbo_row_d<KTurbo2>(n, x, dst, sc); break;
+    }
+}
+__device__ __forceinline__ long long tier_row_bytes(int t, int n) {
+    switch (t) {
+        case 8: return n / 64 * KTurbo8::BB;
+        case 9: return n / 64 * KTurbo4::BB;
+        case 10: return n / 64 * KTurbo3::BB;
+        case 11: return n / 64 * KTurbo2::BB;
+        default: return n / 32 * scalar_bb(t);
+    }
+}
 
 extern "C" __global__ void rope_kv_write_q(const float* __restrict__ q, const float* __restrict__ k,
                                            const float* __restrict__ v, const int* __restrict__ pos,
@@ -276,7 +325,7 @@ extern "C" __global__ void rope_kv_write_q(const float* __restrict__ q, const fl
                                            const float* __restrict__ ff, const float* __restrict__ q_norm,
                                            const float* __restrict__ k_norm, float eps, float ext_factor,
                                            float corr_lo, float corr_hi, float mscale, int tk, int tv) { GRID_DEP_WAIT();
-    extern __shared__ float rbuf[];  // 2 D floats: rope's normed input, then the rotated K row
+    extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
     __shared__ float sh[32];
     long long row = blockIdx.x;
     if (row < (long long)T * Hq) {
@@ -285,15 +334,13 @@ extern "C" __global__ void rope_kv_write_q(const float* __restrict__ q, const fl
         return;
     }
     row -= (long long)T * Hq;
-    const int t = (int)(row / Hk), warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int t = (int)(row / Hk);
     const long long c = (long long)cell[t] * Hk + row % Hk;  // the (cell, kv head) row
-    const int bv = scalar_bb(tv), bk = scalar_bb(tk);
-    u8* vr = V + c * (long long)(dv / 32 * bv);
-    for (int b = warp; b < dv / 32; b += nw) scalar_q32(tv, v[row * dv + 32 * b + lane], vr + b * bv, lane);
-    float* kb = rbuf + D;
+    float *kb = rbuf + D, *sc = rbuf + 2 * D;
+    const float* vrow = v + row * dv;
+    tier_store_row(tv, dv, V + c * tier_row_bytes(tv, dv), sc, [&](int i) { return vrow[i]; });
     rope_row(k + row * D, pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor, corr_lo, corr_hi,
              mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
     __syncthreads();
-    u8* kr = K + c * (long long)(D / 32 * bk);
-    for (int b = warp; b < D / 32; b += nw) scalar_q32(tk, kb[32 * b + lane], kr + b * bk, lane);
+    tier_store_row(tk, D, K + c * tier_row_bytes(tk, D), sc, [&](int i) { return kb[i]; });
 }

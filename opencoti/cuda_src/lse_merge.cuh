@@ -7,7 +7,10 @@
 
 #define LSE_NEG_INF (-__int_as_float(0x7f800000))
 
+// (The loops load before they test, unrolled, so a long run of partials keeps several loads in
+// flight instead of one round trip per partial.)
 __device__ __forceinline__ float lse_max(const float* __restrict__ ml, long long first, int n, float M) {
+#pragma unroll 8
     for (int s = 0; s < n; s++) M = fmaxf(M, ml[2 * (first + s)]);
     return M;
 }
@@ -15,12 +18,14 @@ __device__ __forceinline__ float lse_max(const float* __restrict__ ml, long long
 // adds the n partials' dim d, rescaled to the common max M, into L (weights) and A (values)
 __device__ __forceinline__ void lse_add(const float* __restrict__ acc, const float* __restrict__ ml, long long first,
                                         int n, int D, int d, float M, float& L, float& A) {
+#pragma unroll 8
     for (int s = 0; s < n; s++) {
-        long long pi = first + s;
-        float ms = ml[2 * pi];
-        if (ms == LSE_NEG_INF) continue;
-        float f = __expf(ms - M);
-        L += ml[2 * pi + 1] * f;
-        A += acc[pi * D + d] * f;
+        const long long pi = first + s;
+        const float ms = ml[2 * pi], ls = ml[2 * pi + 1], as = acc[pi * D + d];
+        if (ms != LSE_NEG_INF) {
+            const float f = __expf(ms - M);
+            L += ls * f;
+            A += as * f;
+        }
     }
 }

@@ -1,5 +1,5 @@
 // Block-wide sums and one row of RoPE (ggml_rope_ext), shared by kernels.cu (rope, the f16
-// rope_kv_write) and kv_write.cu (rope_kv_write_q, the scalar KV tiers): one definition, so the
+// rope_kv_write) and kv_write.cu (rope_kv_write_q, the scalar and turbo KV tiers): one definition, so the
 // fused kernels give the bits of the separate launches.
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -150,13 +150,18 @@ ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 # fewest heads per block such that rows x kv heads x head blocks stays within this (decode steps)
 ATTN_SMALL_GRID = int(os.environ.get("OPENCOTI_CUDA_ATTN_SMALL_GRID", "16"))
-# rope + a scalar-tier KV store in one launch (rope_kv_write -> kv_write.cu rope_kv_write_q);
+ATTN_GROUP_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_GROUP_CELLS", "4096"))
+# rope + a scalar- or turbo-tier KV store in one launch (rope_kv_write -> kv_write.cu rope_kv_write_q);
 # OPENCOTI_CUDA_ROPE_KV_TIERS=0: rope, rope and the quantize kernels one by one
 ROPE_KV_TIERS = os.environ.get("OPENCOTI_CUDA_ROPE_KV_TIERS", "1") != "0"
 # decode attention's splits (_attn_splits): at most ATTN_SPLIT_CELLS cells each while the grid is
 # small, ATTN_MAX_SPLITS in all
 ATTN_SPLIT_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_SPLIT_CELLS", "256"))
 ATTN_MAX_SPLITS = int(os.environ.get("OPENCOTI_CUDA_ATTN_MAX_SPLITS", "256"))
+# the tier attention kernels' splits of at most this many cells (per view) take up to 4 lanes per
+# cell (attn_kv_g<G>_l), longer ones a lane per cell: a lane-per-cell warp's tile is 32 cells,
+# so a short split left warps idle and each lane's row dot product long
+ATTN_KV_LANES_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_KV_LANES_CELLS", "256"))
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
@@ -875,10 +880,11 @@ class CUDABackend:
                       yarn=None):
         """``cpu.rope_kv_write`` (rope q, rope k, store k and v into the layer's cells) in one
         launch with the bits of the separate ones: f16 K and V of one head size by kernels.cu's
-        ``rope_kv_write``; any other pair of scalar tiers (``cuda_kv.ROPE_STORE_TIERS``: f32, f16,
-        bf16, q8_0, q6_0, q5_1, q5_0, q4_0) with head sizes of a multiple of 32 by kv_write.cu's
-        ``rope_kv_write_q`` (``OPENCOTI_CUDA_ROPE_KV_TIERS=0``: the composition); the rotated
-        tiers and other shapes run the composition. ``q [T, n_head, D]``, ``k [T, n_kv, D]``,
+        ``rope_kv_write``; any other pair of ``cuda_kv.ROPE_STORE_TIERS`` (f32, f16, bf16, q8_0,
+        q6_0, q5_1, q5_0, q4_0 with head sizes of a multiple of 32; turbo8 / 4 / 3 / 2 with head
+        sizes 64, 128 or 256, d_v = d_k for a rotated V) by kv_write.cu's ``rope_kv_write_q``
+        (``OPENCOTI_CUDA_ROPE_KV_TIERS=0``: the composition); the trellis tiers and other shapes
+        run the composition. ``q [T, n_head, D]``, ``k [T, n_kv, D]``,
         ``v [T, n_kv, dv]`` float32. Returns the rotated q."""
         cp = self.cp
         K, V = cache.k[il], cache.v[il]
@@ -887,10 +893,12 @@ class CUDABackend:
         T, Hq, D = q.shape
         Hk, dv = k.shape[1], v.shape[2]
         f16 = nk == nv == "f16" and K.dtype == np.float16 and V.dtype == np.float16
+        rot_k, rot_v = nk in cuda_kv.ROPE_STORE_ROTATED, nv in cuda_kv.ROPE_STORE_ROTATED
         tiers = (ROPE_KV_TIERS and tk is not None and tv is not None and not nk == nv == "f16"
                  and nk in cuda_kv.ROPE_STORE_TIERS and nv in cuda_kv.ROPE_STORE_TIERS and D % 32 == 0
                  and dv % 32 == 0 and V.shape[2] == Hk and K.shape[3] == tk.row_len(D)
-                 and V.shape[3] == tv.row_len(dv))
+                 and V.shape[3] == tv.row_len(dv)
+                 and (not (rot_k or rot_v) or D in (64, 128, 256)) and (not rot_v or dv == D))
         if not (f16 or tiers) or not T or k.shape[2] != D or Hk != K.shape[2]:
             return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, n_rot=n_rot, base=base,
                                  freq_scale=freq_scale, mode=mode, freq_factors=freq_factors, eps=eps, yarn=yarn)
@@ -909,7 +917,7 @@ class CUDABackend:
         else:
             idx = cuda_kv.ROPE_STORE_TIERS.index
             self._kv_write_fn("rope_kv_write_q")(grid, block, args + (np.int32(idx(nk)), np.int32(idx(nv))),
-                                                 shared_mem=8 * D)
+                                                 shared_mem=(24 if rot_k or rot_v else 8) * D)
         return y
 
     # -- mixture of experts ----------------------------------------------------------------
@@ -1434,15 +1442,18 @@ class CUDABackend:
         x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
         self._kv_quant(store, tier, x, self._flat_cells(store, stream, cells))
 
-    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int):
+    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int, lanes: bool = False):
+        """The tier attention kernel of (K tier, V tier, head size) for ``g`` query heads per
+        block: ``attn_kv_g<g>`` (a lane per cell) or, ``lanes``, ``attn_kv_g<g>_l`` (up to 4
+        lanes per cell: short splits)."""
         key = ("kva", tk, tv, d)
         m = self._kv_mods.get(key)
         if m is None:
             m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d), f"attn_{tk}_{tv}_d{d}")
-        fkey = key + (g,)
+        fkey = key + (g, lanes)
         f = self._fns.get(fkey)
         if f is None:
-            f = self._fns[fkey] = self._kernel(m, f"attn_kv_g{g}")
+            f = self._fns[fkey] = self._kernel(m, f"attn_kv_g{g}" + ("_l" if lanes else ""))
         return f
 
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
@@ -1469,15 +1480,9 @@ class CUDABackend:
             raise NotImplementedError(f"CUDA attention: head_dim {D} with {H} heads / {n_kv} kv heads not "
                                       f"supported (head_dim {dims} for KV {tk.name}/{tv.name}, n_head a "
                                       f"multiple of n_head_kv)")
-        groups = [x for x in ATTN_GROUPS if D < 512 or x <= 4]
-        # query heads per block: all of a kv head's (up to 8) when the grid is big, but few rows
-        # (decode) take blocks of 1 or 2 heads while the blocks stay few (ATTN_SMALL_GRID):
-        # each block's serial work shrinks (bench_attn.py, H200, 512 cells: gemma-3-270m's 4
-        # heads per block 13.8 us, 1 per block 7.9; Qwen2.5-7B's 7 heads 13.7 us, 2 per block 9.9)
-        g = next((x for x in groups if T * n_kv * -(-G // x) <= ATTN_SMALL_GRID),
-                 next((x for x in groups if x >= G), groups[-1]))
-        n_hg = (G + g - 1) // g
         meta = self._plan_meta(plan, k_store.shape[1])
+        g = self._attn_group(T, n_kv, G, D, meta["max_len"])
+        n_hg = (G + g - 1) // g
         # shared-prefix groups: f16 / f16 only; any other tier pair reads every view's cells (the
         # groups' shared cells included) through the per-sequence tier kernel below
         if getattr(plan, "groups", None) and SHARED_PREFIX and D in SP_TILE and not quant:
@@ -1494,7 +1499,9 @@ class CUDABackend:
             part_ml = cp.empty((T * H * n_split * 2,), dtype=cp.float32)
         else:
             part_acc = part_ml = out
-        fn = self._kv_attn_fn(tk.name, tv.name, D, g) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
+        # tier kernels: splits of up to ATTN_KV_LANES_CELLS cells take several lanes per cell
+        lanes = -(-meta["max_len"] // n_split) <= ATTN_KV_LANES_CELLS
+        fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
         fn((T, n_kv * n_hg, n_split), (128,),
            (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
             k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
@@ -1552,6 +1559,23 @@ class CUDABackend:
                                    np.int32(D)))
         return out
 
+    @staticmethod
+    def _attn_group(rows: int, n_kv: int, G: int, D: int, n_cells: int) -> int:
+        """Query heads per attention block (the kernels' MAXG, one of ATTN_GROUPS; 4 at most at
+        head size 512) for ``rows`` query rows of ``G`` heads per kv head whose views hold up to
+        ``n_cells`` cells: all of a kv head's (up to 8) when the grid is big; few rows (decode)
+        take blocks of 1 or 2 heads while the blocks stay few (ATTN_SMALL_GRID), so each block's
+        serial work shrinks (bench_attn.py, H200, 512 cells: gemma-3-270m's 4 heads per block
+        13.8 us, 1 per block 7.9; Qwen2.5-7B's 7 heads 13.7 us, 2 per block 9.9) -- unless the
+        rows are long (``n_cells`` >= ATTN_GROUP_CELLS per row: eager, the longest view; in a
+        graph, the bucket of all views' cells): their splits fill the grid anyway, and a block
+        per head would read (and dequantize) the kv head's cells once per head."""
+        groups = [x for x in ATTN_GROUPS if D < 512 or x <= 4]
+        g_all = next((x for x in groups if x >= G), groups[-1])
+        if n_cells >= ATTN_GROUP_CELLS * rows:
+            return g_all
+        return next((x for x in groups if rows * n_kv * -(-G // x) <= ATTN_SMALL_GRID), g_all)
+
     def _attn_splits(self, n_cells: int, base: int, lo: int, rows: int) -> int:
         """Split count of ``attn_partial`` when ``base`` blocks (rows x kv heads x head groups) are
         launched per split for ``rows`` query rows whose views hold up to ``n_cells`` cells (eager:
@@ -1559,8 +1583,8 @@ class CUDABackend:
         already fill two blocks per SM, else enough splits for that and for splits of at most
         ATTN_SPLIT_CELLS of ``n_cells / rows`` cells (a block walks its split serially: a long
         context needs more of them; the mean, as a graph's bucket bounds the views' sum), at most
-        ``n_cells / 32`` (the f16 kernel's 4 warps take tiles of 8; the tier kernel's tiles of 32
-        leave warps idle on short splits) and ATTN_MAX_SPLITS, ``lo`` at least."""
+        ``n_cells / 32`` (the f16 kernel's 4 warps take tiles of 8, the tier kernels' tiles of 8 or
+        16 on short splits) and ATTN_MAX_SPLITS, ``lo`` at least."""
         if base >= 2 * self.n_sm:
             return lo
         want = max(-(-2 * self.n_sm // base), -(-n_cells // (ATTN_SPLIT_CELLS * max(1, rows))))

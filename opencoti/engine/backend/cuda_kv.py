@@ -36,7 +36,10 @@ KV_TYPES = tuple(TIER_STRUCTS)  # what CUDABackend.kv_types lists
 # head sizes the tier kernels are built for (the rotated tiers need a power of two in [64, 512])
 KV_HEAD_DIMS = (64, 128, 256, 512)
 # tiers of kv_write.cu's rope_kv_write_q (rope + quantized store in one launch), in its index order
-ROPE_STORE_TIERS = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0")
+ROPE_STORE_TIERS = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0", "turbo8", "turbo4", "turbo3",
+                    "turbo2")
+# the rotated ones among them (a block's threads are a row's values: head sizes up to 256)
+ROPE_STORE_ROTATED = ("turbo8", "turbo4", "turbo3", "turbo2")
 SCALAR_FAMILY = ("float", "scalar")
 
 
@@ -85,7 +88,8 @@ def write_source() -> str:
 def attention_source(type_k: str, type_v: str, d: int) -> str:
     """Full source of the tier-generic attention module for one (K tier, V tier, head size):
     ``attention.cu`` compiled with ``KV_TK`` / ``KV_TV`` / ``KV_D`` (kernels
-    ``attn_kv_g{1,2,4,8}``; 8 is left out at head size 512, as for f16)."""
+    ``attn_kv_g{1,2,4,8}``, a lane per cell, and ``attn_kv_g{1,2,4,8}_l``, up to 4 lanes per
+    cell; 8 is left out at head size 512, as for f16)."""
     return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n" % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d)
             + tables_prefix() + read_source("attention.cu"))
 
