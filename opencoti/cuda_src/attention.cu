@@ -260,13 +260,13 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 __host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 : (nb & 7) == 0 ? 8 : (nb & 3) == 0 ? 4 : 2; }
 
 // s[g] += (q_g . k[o0, o0 + DL)) for the Gb queries sq[g] (shared, scaled): the DL values (whole
-// blocks) of a K row from value o0, whose bytes start at `part` (A0-aligned)
-template <class TK, int D, int DL, int A0, int MAXG>
+// blocks) of a K row from value o0, whose bytes start at `part` (segments of SB bytes divide a
+// part's and a row's bytes, so kv_align(SB) is the alignment of every segment)
+template <class TK, int D, int DL, int MAXG>
 __device__ __forceinline__ void kv_qk(const u8* __restrict__ part, const float (*sq)[D], int o0, int Gb,
                                       const float* tab, float* s) {
     constexpr int SV = TK::SV < DL ? TK::SV : DL;  // values per register segment
-    constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, NW = (SB + 3) / 4;
-    constexpr int A = kv_align(SB) < A0 ? kv_align(SB) : A0;
+    constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, A = kv_align(SB), NW = (SB + 3) / 4;
     const u8* row = part;
 #pragma unroll
     for (int sg = 0; sg < DL / SV; sg++) {
@@ -322,7 +322,6 @@ __device__ __forceinline__ void attn_kv_impl(
     constexpr int E = D / 32;  // V dims per lane
     constexpr long long RBK = D / TK::BS * TK::BB, RBV = D / TV::BS * TV::BB;  // row bytes
     constexpr int TILE = 32 / LPC, DL = D / LPC, PB = DL / TK::BS * TK::BB;  // cells per tile; a lane's K part
-    constexpr int A0 = kv_align((int)RBK) < kv_align(PB) ? kv_align((int)RBK) : kv_align(PB);
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
     const int n_hg = (G + MAXG - 1) / MAXG;
@@ -367,7 +366,7 @@ __device__ __forceinline__ void attn_kv_impl(
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
-        if (ok) kv_qk<TK, D, DL, A0, MAXG>(K + ((long long)cell * n_kv + kh) * RBK + part * PB, s_q, part * DL, Gb, s_tk, s);
+        if (ok) kv_qk<TK, D, DL, MAXG>(K + ((long long)cell * n_kv + kh) * RBK + part * PB, s_q, part * DL, Gb, s_tk, s);
         float p[MAXG];
         softmax_tile<LPC, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
         // PV over the tile's cells in a fixed-count loop, as the f16 kernel (masked cells: p = 0

@@ -379,13 +379,10 @@ extern "C" __global__ void rope_kv_write(const float* __restrict__ q, const floa
                                          float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
-    long long row = blockIdx.x;
-    if (row < (long long)T * Hq) {
-        rope_head_row(q, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                      corr_hi, mscale, buf, sh);
+    long long row;
+    if (rope_q_block(q, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                     corr_hi, mscale, buf, sh, row))
         return;
-    }
-    row -= (long long)T * Hq;
     const int t = (int)(row / Hk);
     const long long c = (long long)cell[t] * Hk + row % Hk;  // the (cell, kv head) row
     for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(v[row * dv + i]);

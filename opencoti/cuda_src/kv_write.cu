@@ -327,13 +327,10 @@ extern "C" __global__ void rope_kv_write_q(const float* __restrict__ q, const fl
                                            float corr_lo, float corr_hi, float mscale, int tk, int tv) { GRID_DEP_WAIT();
     extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
     __shared__ float sh[32];
-    long long row = blockIdx.x;
-    if (row < (long long)T * Hq) {
-        rope_head_row(q, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                      corr_hi, mscale, rbuf, sh);
+    long long row;
+    if (rope_q_block(q, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                     corr_hi, mscale, rbuf, sh, row))
         return;
-    }
-    row -= (long long)T * Hq;
     const int t = (int)(row / Hk);
     const long long c = (long long)cell[t] * Hk + row % Hk;  // the (cell, kv head) row
     float *kb = rbuf + D, *sc = rbuf + 2 * D;

@@ -78,3 +78,22 @@ __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, float
     rope_row(x + row * D, pos[row / H], D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
              corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
 }
+
+// The fused rope + KV store kernels' block roles (grid T * (Hq + Hk)): blocks [0, T * Hq) rotate
+// one q head row of q into q_out (rope_head_row, q_norm first) and return true; the others return
+// false with kv_row = their (token, kv head) row, token kv_row / Hk.
+__device__ __forceinline__ bool rope_q_block(const float* __restrict__ q, float* __restrict__ q_out, int T, int Hq,
+                                             const int* __restrict__ pos, int D, int n_rot, float base,
+                                             float freq_scale, int mode, const float* __restrict__ ff,
+                                             const float* __restrict__ q_norm, float eps, float ext_factor,
+                                             float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
+                                             long long& kv_row) {
+    const long long row = blockIdx.x;
+    if (row < (long long)T * Hq) {
+        rope_head_row(q, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                      corr_hi, mscale, buf, sh);
+        return true;
+    }
+    kv_row = row - (long long)T * Hq;
+    return false;
+}
