@@ -324,6 +324,146 @@ def test_gated_ffn(gpu, cpu, act, n):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0")])
+@pytest.mark.parametrize("n", [1, 5, 70])
+def test_fuse_rows_mul_mat_split(gpu, cpu, monkeypatch, types, n):
+    """fuse_rows: q / k / v weights of one type become views of one row-concatenated weight
+    (bytes equal), q / k only when v's type differs, nothing for mismatched row lengths;
+    mul_mat_split over the views (one product + one fused bias add) equals the CPU reference's
+    per-weight products + biases, one-token slices come back contiguous, and an absent bias stays
+    absent."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # these small K-quant weights on gemv_int.cu too
+    rng = np.random.default_rng(40 + n)
+    cols, rows = 512, (256, 64, 64)
+    raws = [random_blocks(t, r, cols, rng) for t, r in zip(types, rows)]
+    ws = [to_qtensor(r, t, cols) for r, t in zip(raws, types)]
+    bs = [cp.asarray(rng.standard_normal(r).astype(np.float32)) for r in rows]
+    bs[1] = None
+    views = gpu.fuse_rows(ws, bs)
+    if types[2] != types[0]:
+        assert views is None
+        views = gpu.fuse_rows(ws[:2], bs[:2]) + [ws[2]]
+    P = views[0].parent
+    assert P is not None and views[1].parent is P and [v.row0 for v in views[:2]] == [0, rows[0]]
+    for v, w in zip(views, ws):
+        assert v.shape == w.shape and v.ggml_type == w.ggml_type
+        np.testing.assert_array_equal(cp.asnumpy(v.data), cp.asnumpy(w.data))
+    assert gpu.fuse_rows([ws[0], to_qtensor(random_blocks(types[0], 8, 256, rng), types[0], 256)]) is None
+    assert gpu.fuse_rows(views[:2]) is None  # views are not fused again
+    x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
+    got = gpu.mul_mat_split(cp.asarray(x), views, bs)
+    for i, (g, raw, t, b) in enumerate(zip(got, raws, types, bs)):
+        want = cpu.mul_mat(x.astype(np.float64), ref_dequant(t, raw, cols).astype(np.float64))
+        if b is not None:
+            want = want + cp.asnumpy(b)
+        assert g.shape == (n, rows[i]) and rel_err(cp.asnumpy(g), want) < _gemm_tol(gpu, n, views[i], 1e-5), i
+        if n == 1:
+            assert g.flags.c_contiguous
+    plain = gpu.mul_mat_split(cp.asarray(x), ws, bs)
+    for g, p_ in zip(got, plain):
+        np.testing.assert_allclose(cp.asnumpy(g), cp.asnumpy(p_), rtol=1e-5, atol=1e-5 * float(cp.abs(p_).max()))
+    assert len(gpu.mul_mat_split(cp.asarray(x), views[:1])) == 1  # part of a fused weight: alone
+
+
+@pytest.mark.parametrize("qname", ["Q4_K", "Q5_0"])
+@pytest.mark.parametrize("n", [1, 5, 70])
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
+    """gated_ffn on gate / up fused by fuse_rows (one product [n, 2 n_ff], then gated_act_cat, or
+    for one K-quant row on gemv_int.cu gated_act_digits, which also writes the digits of its output
+    for the next integer GEMV: bit-equal to xq_digits on that output; one float-GEMV row keeps
+    gemv_gated over the views) against the CPU backend."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # one row of this small K-quant pair on gemv_int.cu
+    rng = np.random.default_rng(50 + n)
+    cols, nf = 512, 768
+    rg, ru = random_blocks(qname, nf, cols, rng), random_blocks(qname, nf, cols, rng)
+    g, u = gpu.fuse_rows([to_qtensor(rg, qname, cols), to_qtensor(ru, qname, cols)])
+    assert g.parent is u.parent and g.parent.shape == (2 * nf, cols)
+    x = (rng.standard_normal((n, cols)) * 2).astype(np.float32)
+    want = cpu.gated_ffn(x, ref_dequant(qname, rg, cols), ref_dequant(qname, ru, cols), act)
+    gpu._digit_cols.add(nf)
+    y = gpu.gated_ffn(cp.asarray(x), g, u, act)
+    assert rel_err(cp.asnumpy(y), want) < 1e-5
+    if n == 1 and qname == "Q4_K":
+        assert gpu._digits_of[0] is y
+        fused = [cp.asnumpy(a) for a in gpu._digits_of[1][:3]]
+        gpu._digits_of = (None, None)
+        plain = [cp.asnumpy(a) for a in gpu._digits(y)[:3]]
+        for a, b in zip(fused, plain):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("n", [256, 3584])
+def test_norm_digits_equal_xq_digits(gpu, cpu, n):
+    """One-row rms_norm / add_rms_norm whose row length is a K-quant weight's (``_digit_cols``)
+    write the output's gemv_int.cu digits themselves (digits.cuh): bit-equal to the xq_digits
+    pass on the same output, which a following mul_mat then skips (same product bits)."""
+    rng = np.random.default_rng(60 + n)
+    gpu._digit_cols.add(n)
+    x, h = (rng.standard_normal((1, n)) * 2).astype(np.float32), rng.standard_normal((1, n)).astype(np.float32)
+    w1, w2 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    raw = random_blocks("Q4_K", 96, n, rng)
+    w = to_qtensor(raw, "Q4_K", n)
+    X, H, W1, W2 = (cp.asarray(a) for a in (x, h, w1, w2))
+    makers = [lambda: gpu.rms_norm(X, W1, 1e-6), lambda: gpu.add_rms_norm(X, H, W1, W2, 1e-6)[1],
+              lambda: gpu.add_rms_norm(X, H, None, W2, 1e-6)[1]]
+    wants = [cpu.rms_norm(x, w1, 1e-6), cpu.add_rms_norm(x, h, w1, w2, 1e-6)[1], cpu.add_rms_norm(x, h, None, w2, 1e-6)[1]]
+    for make, want in zip(makers, wants):
+        y = make()
+        assert rel_err(cp.asnumpy(y), want) < 1e-6
+        assert gpu._digits_of[0] is y
+        fused = [cp.asnumpy(a) for a in gpu._digits_of[1][:3]]
+        via = cp.asnumpy(gpu.mul_mat(y, w))  # takes the registered digits
+        gpu._digits_of = (None, None)
+        plain = gpu._digits(y)
+        for a, b in zip(fused, plain[:3]):
+            np.testing.assert_array_equal(a, cp.asnumpy(b))
+        np.testing.assert_array_equal(via, cp.asnumpy(gpu._gemvi(plain, w)))
+    y3 = gpu.rms_norm(cp.asarray(np.repeat(x, 3, 0)), W1, 1e-6)  # several rows: no digits written
+    assert gpu._digits_of[0] is not y3
+
+
+def test_fused_weights_model_matches_unfused(tmp_path, gpu, cpu, monkeypatch):
+    """A Qwen2-shaped model (q / k / v biases) with K-quant weights: loaded with fused q / k / v
+    and gate / up (OPENCOTI_CUDA_FUSE, the default) its layers hold views of merged weights, and
+    its logits (prefill, one-token steps with the norms' digits, a 3-row step) match the same model
+    loaded unfused, and the CPU backend."""
+    pytest.importorskip("transformers")
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / "qwen2-q4k.gguf"
+    sg.write_random_model("qwen2", path, "Q4_K", seed=9, hidden_size=256, intermediate_size=512)
+    toks = [(i * 53 + 7) % 300 for i in range(30)]
+
+    def run(backend):
+        model = load_model(str(path), with_tokenizer=False)
+        r = ModelRunner(model, backend, n_ctx=256, n_seq_max=3, n_ubatch=512)
+        out = [r.decode(UBatch.build(toks, np.arange(30), [0] * 30, [29]))]
+        for i in range(4):
+            out.append(r.decode(UBatch.build([11 + i], [30 + i], [0], [0])))
+        out.append(r.decode(UBatch.build([5, 6, 7], [34, 0, 0], [0, 1, 2], [0, 1, 2])))
+        return model, np.concatenate(out)
+
+    model, fused = run(gpu)
+    L = model.network(gpu).layers[0]
+    assert L.wq.parent is not None and L.wq.parent is L.wk.parent is L.wv.parent and L.wq.parent.bias is not None
+    assert L.ffn_gate.parent is not None and L.ffn_gate.parent is L.ffn_up.parent
+    monkeypatch.setattr(cu, "FUSE", False)
+    model_u, plain = run(gpu)
+    assert model_u.network(gpu).layers[0].wq.parent is None
+    _, want = run(cpu)
+    scale = max(1.0, float(np.abs(want).max()))
+    assert np.abs(fused - plain).max() < 1e-4 * scale
+    assert np.abs(fused - want).max() < 2e-3 * scale
+    assert (fused.argmax(1) == want.argmax(1)).all()
+
+
 # ---------------------------------------------------------------------------------------
 # elementwise, norms, rope
 # ---------------------------------------------------------------------------------------

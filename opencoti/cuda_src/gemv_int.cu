@@ -43,6 +43,7 @@
 // per SM, 4.5 waves for a 7B's ffn_up, 1.5 TB/s); dynamic shared memory ks * S * 16 * SEG bytes.
 // 3 or 6 column tiles (gemvi_impl): each warp prefetches its next super-block into registers.
 #include "quants.cuh"
+#include "digits.cuh"
 #include "mma.cuh"
 
 #define FULL 0xffffffffu
@@ -70,44 +71,7 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = 0.f;
     }
-    float m = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) m = fmaxf(m, fabsf(v[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-    // 127 * 256^(D - 1) / max|x|: q = x / sx * 256^(D - 1), |q| <= 127 * 256^(D - 1)
-    const float inv = m > 0.f ? (D == 3 ? 8323072.f : 32512.f) / m : 0.f;
-    u32 dg[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
-    int ds[3] = {0, 0, 0};  // the lane's digit sums
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int q = __float2int_rn(v[i] * inv);
-        const int lo = ((q + 128) & 255) - 128, q1 = (q - lo) >> 8;  // balanced digits in -128..127
-        const int mid = ((q1 + 128) & 255) - 128, top = (q1 - mid) >> 8;
-        const int dd[3] = {D == 3 ? top : q1, D == 3 ? mid : lo, lo};  // d0, d1 (, d2)
-#pragma unroll
-        for (int d = 0; d < 3; d++) {
-            dg[d][i >> 2] |= (u32)(dd[d] & 255) << (8 * (i & 3));
-            ds[d] += dd[d];
-        }
-    }
-#pragma unroll
-    for (int d = 0; d < 3; d++) {  // sub-block sums: 4 lanes per 32 elements
-        ds[d] += __shfl_xor_sync(FULL, ds[d], 1);
-        ds[d] += __shfl_xor_sync(FULL, ds[d], 2);
-    }
-#pragma unroll
-    for (int d = 0; d < 3; d++) {
-        if (d >= D || D * js + d >= CW) break;  // uniform in the warp
-        const long long c = col0 + d;
-        *(uint2*)(xq + ((long long)(e0 >> 4) * ncp + c) * 16 + 8 * (lane & 1)) = make_uint2(dg[d][0], dg[d][1]);
-        if (lane == 0) xs[(long long)sb * ncp + c] = m * (1.f / 127.f) * (d == 0 ? 1.f : d == 1 ? 1.f / 256.f : 1.f / 65536.f);
-        if ((lane & 3) == 0) {
-            i8* o = xm + ((long long)sb * ncp + c) * 16 + (lane >> 2);
-            o[0] = (i8)(ds[d] & 63);
-            o[8] = (i8)(ds[d] >> 6);
-        }
-    }
+    digits_store(v, sb, lane, col0, CW - D * js, ncp, D, xq, xs, xm);
 }
 
 // Sums the warps' partial tiles (acc[nt][i]: rows gid / gid + 8, columns 8 nt + 2 tig + {0, 1})

@@ -9,8 +9,16 @@
 #include "quants.cuh"
 #include "gemv_units.cuh"
 #include "rope.cuh"
+#include "digits.cuh"
 
 #define WARP 32
+
+// act(g) * u: act 1 = GELU (tanh), 0 = SiLU
+__device__ __forceinline__ float gated(float v, float u, int act) {
+    const float a = act == 1 ? 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                             : v / (1.f + expf(-v));
+    return a * u;
+}
 
 // ---------------------------------------------------------------------------------------
 // y[t, r] = sum_k W[r, k] * x[t, k] for the nt token rows: wpr warps per output row (1, 2,
@@ -120,15 +128,7 @@ __device__ __forceinline__ void gemv_gated_impl(const u8* __restrict__ Wg, const
     }
     ag = warp_sum(ag);
     au = warp_sum(au);
-    if (lane == 0) {
-        float g;
-        if (act == 1) {  // gelu tanh
-            g = 0.5f * ag * (1.f + tanhf(0.7978845608028654f * (ag + 0.044715f * ag * ag * ag)));
-        } else {  // silu
-            g = ag / (1.f + expf(-ag));
-        }
-        y[row] = g * au;
-    }
+    if (lane == 0) y[row] = gated(ag, au, act);
 }
 
 // Dequantize a whole [nrows, ncols] weight for a prefill GEMM: one thread per 32-value chunk
@@ -281,9 +281,12 @@ extern "C" __global__ void split_f16_rows(const float* __restrict__ x, u16* __re
 // rest), so that every load of the row is issued before the first sum needs it (a strided loop
 // waited for each load in turn: ~13 us for one 3,584-float row on the H200).
 #define NV 8
-// y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n.
+// y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n. With xq (one row,
+// n a multiple of 256): y's digit columns for gemv_int.cu too (digits.cuh digits_row; ncp
+// columns, D digits), so the integer GEMV that reads y needs no xq_digits launch.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                                    int n, float eps) { GRID_DEP_WAIT();
+                                    int n, float eps, i8* __restrict__ xq, float* __restrict__ xs,
+                                    i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
@@ -305,12 +308,19 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
         if (i < n) yr[i] = v[k] * r * wv[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) yr[i] = xr[i] * r * (w ? w[i] : 1.f);
+    if (xq) {
+        __syncthreads();  // y's row is the block's own writes
+        digits_row(yr, n, ncp, D, xq, xs, xm);
+    }
 }
 
 // x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
+// xq ... D: h_out's digit columns too, as rms_norm's.
 extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const float* __restrict__ h,
                                               const float* __restrict__ w_post, const float* __restrict__ w_next,
-                                              float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps) { GRID_DEP_WAIT();
+                                              float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps,
+                                              i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
+                                              int ncp, int D) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const long long o = (long long)blockIdx.x * n;
     const int bd = blockDim.x, t = threadIdx.x;
@@ -351,6 +361,10 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
         if (i < n) h_out[o + i] = xv[k] * r2 * wn[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
+    if (xq) {
+        __syncthreads();
+        digits_row(h_out + o, n, ncp, D, xq, xs, xm);
+    }
 }
 
 // RoPE (ggml_rope_ext) on x [T, H, D]: grid = T*H rows (rope.cuh rope_row).
@@ -404,10 +418,35 @@ extern "C" __global__ void gated_act(const float* __restrict__ g, const float* _
                                      long long n, int act) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float v = g[i], a;
-    if (act == 1) a = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    else a = v / (1.f + expf(-v));
-    y[i] = a * u[i];
+    y[i] = gated(g[i], u[i], act);
+}
+
+// y = act(g) * u with g, u the two halves of each row of gu [n / nf, 2 nf] (a fused gate + up
+// product, CUDABackend.fuse_rows); n = rows * nf.
+extern "C" __global__ void gated_act_cat(const float* __restrict__ gu, float* __restrict__ y, long long n, int nf,
+                                         int act) { GRID_DEP_WAIT();
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long r = i / nf, c = i - r * nf;
+    y[i] = gated(gu[2 * r * nf + c], gu[(2 * r + 1) * nf + c], act);
+}
+// gated_act_cat for one row (nf a multiple of 256), also writing y's digit columns for
+// gemv_int.cu (digits.cuh; ncp columns, D digits): grid nf / 256 blocks of 32 threads, a lane 8
+// consecutive values.
+extern "C" __global__ void gated_act_digits(const float* __restrict__ gu, float* __restrict__ y, int nf, int act,
+                                            i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
+                                            int ncp, int D) { GRID_DEP_WAIT();
+    const int sb = blockIdx.x, lane = threadIdx.x, e0 = sb * 256 + 8 * lane;
+    const float4 g0 = *(const float4*)(gu + e0), g1 = *(const float4*)(gu + e0 + 4);
+    const float4 u0 = *(const float4*)(gu + nf + e0), u1 = *(const float4*)(gu + nf + e0 + 4);
+    const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w}, u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = gated(g[i], u[i], act);
+    *(float4*)(y + e0) = make_float4(v[0], v[1], v[2], v[3]);
+    *(float4*)(y + e0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    digits_store(v, sb, lane, 0, D, ncp, D, xq, xs, xm);
+    digits_zero(sb, lane, D, ncp, ncp, xq, xs, xm);
 }
 
 // K/V of T tokens into f16 cells: K[cell[t]] = k[t] (kw floats per token), same for V.

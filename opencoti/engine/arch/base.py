@@ -135,6 +135,28 @@ class DecoderModel:
                     post_ffw_norm=opt(p + "post_ffw_norm.weight"),
                 )
             )
+        self.fuse_weights()
+
+    def fuse_weights(self) -> None:
+        """Offer each layer's q / k / v projections (with their biases; q / k alone when v's
+        type differs) and its FFN gate / up to the layer's backend to merge into row-concatenated
+        weights (``fuse_rows``, an optional backend op: the CUDA backend's), which ``attention``
+        (``mul_mat_split``) and ``gated_ffn`` then read in one launch. The layer's tensors become
+        the backend's views of the merged ones, holding the same values; a backend without the
+        op, or one that declines, leaves them as they are."""
+        for il, L in enumerate(self.layers):
+            fuse = getattr(self.layer_backend(il), "fuse_rows", None)
+            if fuse is None:
+                continue
+            for names in (("wq", "wk", "wv"), ("wq", "wk")):
+                views = fuse([getattr(L, n) for n in names], [getattr(L, "b" + n[1]) for n in names])
+                if views is not None:
+                    for n, w in zip(names, views):
+                        setattr(L, n, w)
+                    break
+            views = fuse([L.ffn_gate, L.ffn_up])
+            if views is not None:
+                L.ffn_gate, L.ffn_up = views
 
     # -- placement (partial offload, -ngl) --------------------------------------------
     def place(self, backend) -> None:
@@ -330,15 +352,7 @@ class DecoderModel:
     def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         B, hp = self.backend, self.hp
         T = h.shape[0]
-        q = B.mul_mat(h, L.wq)
-        k = B.mul_mat(h, L.wk)
-        v = B.mul_mat(h, L.wv)
-        if L.bq is not None:
-            q = q + L.bq
-        if L.bk is not None:
-            k = k + L.bk
-        if L.bv is not None:
-            v = v + L.bv
+        q, k, v = B.mul_mat_split(h, (L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv))
         q = q.reshape(T, hp.n_head, hp.n_embd_head_k)
         k = k.reshape(T, hp.n_head_kv, hp.n_embd_head_k)
         v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)

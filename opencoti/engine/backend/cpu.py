@@ -82,6 +82,14 @@ class CPUBackend:
         """``x [n, k] @ w[out, k].T`` -> ``[n, out]`` float32 (ggml_mul_mat with w as src0)."""
         return x @ w.T
 
+    def mul_mat_split(self, x: np.ndarray, ws, bs=None) -> list:
+        """``[x @ w.T + b for w, b in zip(ws, bs)]``, each ``[n, rows_i]`` float32 (``bs`` None: no
+        biases; a None bias: none): several weights over one input, e.g. a layer's q / k / v
+        projections, which a GPU backend may read as one product (``cuda.py``). Any backend's
+        ``mul_mat`` and ``+`` serve (the Vulkan backend uses this one)."""
+        bs = bs if bs is not None else (None,) * len(ws)
+        return [self.mul_mat(x, w) if b is None else self.mul_mat(x, w) + b for w, b in zip(ws, bs)]
+
     @staticmethod
     def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
         """RMSNorm over the last axis (Zhang & Sennrich 2019), times ``w`` if given."""

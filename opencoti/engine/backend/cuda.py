@@ -146,6 +146,11 @@ PREFILL_GEMM = ("f16" if os.environ.get("OPENCOTI_CUDA_F16_PREFILL", "0") == "1"
 F16X3_MIN_WEIGHT = int(os.environ.get("OPENCOTI_CUDA_F16X3_MIN_WEIGHT", str(1 << 22)))
 if PREFILL_GEMM not in ("f16x3", "f32", "f16"):
     raise ValueError(f"OPENCOTI_CUDA_PREFILL_GEMM={PREFILL_GEMM!r}: expected f16x3, f32 or f16")
+# a layer's q / k / v projections, and its FFN gate / up, each copied at load into one
+# row-concatenated weight when their types match (fuse_rows; read by mul_mat_split and gated_ffn in
+# one launch), and one-token norms / gated activations that feed the integer GEMV writing its
+# digit columns themselves (no xq_digits launch); OPENCOTI_CUDA_FUSE=0: neither
+FUSE = os.environ.get("OPENCOTI_CUDA_FUSE", "1") != "0"
 ATTN_HEAD_DIMS = (32, 64, 128, 256, 512)
 ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 stops at 4 (shared memory)
 # fewest heads per block such that rows x kv heads x head blocks stays within this (decode steps)
@@ -165,6 +170,7 @@ ATTN_KV_LANES_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_KV_LANES_CELLS", "2
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
+_NO_DIGITS = (_NULL, _NULL, _NULL, np.int32(0), np.int32(0))  # a kernel's digit arguments: none (_row_digits)
 _CUDA_R_16F, _CUDA_R_32F = 2, 0  # cudaDataType_t
 _CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
 _CUBLAS_GEMM_DEFAULT = -1
@@ -248,14 +254,18 @@ class QTensor:
 
     ``data``: uint8 CuPy array of the tensor's bytes (row r at ``r * row_bytes``);
     ``ggml_type``: ggml type id; ``shape``: NumPy shape ``(rows, cols)`` =
-    ``reversed(ne)`` (``[out, in]`` for a matrix).
+    ``reversed(ne)`` (``[out, in]`` for a matrix). ``parent``: the row-concatenated weight
+    (``CUDABackend.fuse_rows``) whose rows ``row0 ..`` this one is a view of, else None.
     """
 
-    def __init__(self, data, ggml_type: int, shape: tuple[int, int], row_bytes: int):
+    def __init__(self, data, ggml_type: int, shape: tuple[int, int], row_bytes: int, parent=None, row0: int = 0):
         self.data = data
         self.ggml_type = int(ggml_type)
         self.shape = shape
         self.row_bytes = int(row_bytes)
+        self.parent = parent
+        self.row0 = int(row0)
+        self.bias = None  # a fused parent's concatenated biases (fuse_rows), float32 [rows]
 
     @property
     def nbytes(self) -> int:
@@ -336,6 +346,7 @@ class CUDABackend:
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self._w16 = None  # f16 scratch of _gemm_f16
         self._digits_of = (None, None)  # (array, its gemv_int.cu digits): _digits
+        self._digit_cols: set = set()  # row lengths of the loaded K-quant matrices (_row_digits)
         self._split_of = (None, None)  # (array, its f16 split): _gemm_f16x3
         self._f16_ok = True  # False while a prefill-size MoE runs its expert GEMMs
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta
@@ -458,7 +469,51 @@ class CUDABackend:
         if len(info.ne) == 3:
             n_exp, rows = info.ne[2], info.ne[1]
             return QExperts(data, int(info.ggml_type), (n_exp, rows, cols), row_bytes, rows * row_bytes)
+        if int(info.ggml_type) in IMMA_TYPES:
+            self._digit_cols.add(cols)
         return QTensor(data, int(info.ggml_type), (info.ne[1], cols), row_bytes)
+
+    def fuse_rows(self, ws: list, bs: list | None = None):
+        """Copy weights ``ws`` (``QTensor`` s of one ggml type and row length, e.g. a layer's q / k /
+        v projections or its FFN gate and up) into one row-concatenated weight, so that
+        ``mul_mat_split`` and ``gated_ffn`` read them in one launch (vLLM's merged QKV / gate-up
+        linear layers; GGUF rows are independent runs of blocks, so the bytes are the rows'
+        own). ``bs``: their biases (float32 vectors or None), concatenated (zeros for None) as
+        the fused weight's ``bias``. Returns one view per weight (same type, shape and bytes;
+        ``parent`` = the fused weight, ``row0`` = its first row there): the caller replaces its
+        tensors with them, which frees the separate copies. Returns None, changing nothing, when
+        they cannot be fused: ``OPENCOTI_CUDA_FUSE=0``, fewer than two, another class or an
+        existing view, types or row lengths that differ."""
+        cp = self.cp
+        if (not FUSE or len(ws) < 2 or any(type(w) is not QTensor or w.parent is not None for w in ws)
+                or len({(w.ggml_type, w.shape[1], w.row_bytes) for w in ws}) != 1):
+            return None
+        t, cols, rb = ws[0].ggml_type, ws[0].shape[1], ws[0].row_bytes
+        rows = [w.shape[0] for w in ws]
+        data = cp.empty(sum(rows) * rb, dtype=cp.uint8)
+        parent = QTensor(data, t, (sum(rows), cols), rb)
+        views, r = [], 0
+        for w, n in zip(ws, rows):
+            data[r * rb:(r + n) * rb] = w.data.reshape(-1)[:n * rb]
+            views.append(QTensor(data[r * rb:(r + n) * rb], t, (n, cols), rb, parent=parent, row0=r))
+            r += n
+        if bs is not None and any(b is not None for b in bs):
+            parent.bias = cp.concatenate([cp.zeros(n, cp.float32) if b is None else cp.asarray(b, cp.float32).reshape(-1)
+                                          for b, n in zip(bs, rows)])
+        return views
+
+    @staticmethod
+    def _fused_run(ws, i: int) -> int:
+        """End of the run of ``ws[i:]`` that are, in order, the views of one fused weight
+        (``fuse_rows``) covering it whole; ``i + 1`` when there is none."""
+        P = getattr(ws[i], "parent", None)
+        if P is None or ws[i].row0:
+            return i + 1
+        j, r = i, 0
+        while j < len(ws) and getattr(ws[j], "parent", None) is P and ws[j].row0 == r:
+            r += ws[j].shape[0]
+            j += 1
+        return j if r == P.shape[0] else i + 1
 
     def dequantize(self, w: QTensor, dtype=np.float32):
         """Whole weight as a dense ``[rows, cols]`` device array (float32 or float16)."""
@@ -501,7 +556,7 @@ class CUDABackend:
                     and rows * cols >= F16X3_MIN_WEIGHT):
                 return self._gemm_f16x3(x, w)
             return cp.matmul(x, self.dequantize(w).T)
-        if self._imma(n, w):
+        if self._imma(n, w, x is self._digits_of[0]):
             return self._gemvi(self._digits(x), w)
         if MMQ_MIN_ROWS and n >= MMQ_MIN_ROWS and w.ggml_type != 0:
             return self._mmq(x, w)
@@ -516,6 +571,31 @@ class CUDABackend:
            (w.data, np.int64(w.row_bytes), x, y, np.int32(rows), np.int32(cols), np.int32(n), np.int32(wpr)))
         return y
 
+    def mul_mat_split(self, x, ws, bs=None) -> list:
+        """``[x @ w.T + b for w, b in zip(ws, bs)]`` (``bs`` None: no biases; a None bias: none),
+        each ``[n, rows_i]`` float32. Consecutive views covering one fused weight (``fuse_rows``)
+        run as one product plus one add of the fused bias (which must be the concatenation of
+        theirs), and come back as column slices of its output (contiguous for one row)."""
+        bs = list(bs) if bs is not None else [None] * len(ws)
+        out, i = [], 0
+        while i < len(ws):
+            j = self._fused_run(ws, i)
+            if j == i + 1:
+                y = self.mul_mat(x, ws[i])
+                out.append(y if bs[i] is None else y + bs[i])
+                i = j
+                continue
+            P = ws[i].parent
+            y = self.mul_mat(x, P)
+            if any(b is not None for b in bs[i:j]):
+                y = y + P.bias
+            n = y.shape[0]
+            for w in ws[i:j]:
+                a, b = w.row0, w.row0 + w.shape[0]
+                out.append(y.reshape(-1)[a:b].reshape(1, -1) if n == 1 else y[:, a:b])
+            i = j
+        return out
+
     def _digits(self, x):
         """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
         digit columns: ``(xq, xs, xm, n, nt, nd)`` (layout in gemv_int.cu's header; ``nd`` digits
@@ -527,33 +607,52 @@ class CUDABackend:
         set's rule that ops never write their inputs in place."""
         if x is self._digits_of[0]:
             return self._digits_of[1]
-        cp = self.cp
         key = x  # cached under the caller's array, also when a misaligned one is copied below
         if x.data.ptr % 16:  # xq_digits reads float4s
             x = x.copy()
         n, k = x.shape
+        d = self._digit_arrays(n, k)
+        xq, xs, xm, _, nt, nd = d
+        cw = 8 * nt
+        ng = xs.shape[1] // cw
+        self._fn("i", "xq_digits")((k // 256, ng * -(-cw // nd)), (32,),
+                                   (x, xq, xs, xm, np.int32(n), np.int32(k), np.int32(cw), np.int32(xs.shape[1]),
+                                    np.int32(nd)))
+        self._digits_of = (key, d)
+        return d
+
+    def _digit_arrays(self, n: int, k: int) -> tuple:
+        """Empty digit arrays for ``n`` rows of ``k`` values: ``(xq, xs, xm, n, nt, nd)`` as
+        ``_digits`` returns them (``nd`` from ``imma_digits``; ``nt`` column tiles)."""
+        cp = self.cp
         nd = imma_digits(n, self._decode_rows == n)
         # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 tokens: 2 nd column tiles
         nt = 2 * nd if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
         cw = 8 * nt
-        ng = -(-n // (cw // nd))
-        ncp = ng * cw
-        xq = cp.empty((ncp, k), dtype=cp.int8)
-        xs = cp.empty((k // 256, ncp), dtype=cp.float32)
-        xm = cp.empty((k // 256, ncp, 16), dtype=cp.int8)
-        self._fn("i", "xq_digits")((k // 256, ng * -(-cw // nd)), (32,),
-                                   (x, xq, xs, xm, np.int32(n), np.int32(k), np.int32(cw), np.int32(ncp),
-                                    np.int32(nd)))
-        self._digits_of = (key, (xq, xs, xm, n, nt, nd))
-        return self._digits_of[1]
+        ncp = -(-n // (cw // nd)) * cw
+        return (cp.empty((ncp, k), dtype=cp.int8), cp.empty((k // 256, ncp), dtype=cp.float32),
+                cp.empty((k // 256, ncp, 16), dtype=cp.int8), n, nt, nd)
+
+    def _row_digits(self, y):
+        """For a one-row ``y [1, k]`` that an integer GEMV will read (``k`` among the loaded
+        K-quant weights' row lengths, ``_digit_cols``): digit arrays (``_digit_arrays``) for the
+        kernel writing ``y`` to fill, registered as ``y``'s (``_digits_of``), and the kernel's
+        trailing arguments ``(xq, xs, xm, ncp, D)``; otherwise None and null arguments."""
+        n, k = y.shape
+        if not (FUSE and n == 1 and k % 256 == 0 and k in self._digit_cols and y.data.ptr % 16 == 0):
+            return _NO_DIGITS
+        d = self._digit_arrays(1, k)
+        self._digits_of = (y, d)
+        return (d[0], d[1], d[2], np.int32(d[1].shape[1]), np.int32(d[5]))
 
     @staticmethod
-    def _imma(n: int, w) -> bool:
+    def _imma(n: int, w, digits: bool = False) -> bool:
         """Whether ``n`` activation rows times ``w`` run on the integer tensor cores (gemv_int.cu;
         its Q4_K loads are 16-byte vectors, so the weight's bytes must start 16-byte aligned, as
-        every tensor upload and expert / row slice of one does)."""
+        every tensor upload and expert / row slice of one does). ``digits``: the activations'
+        digits exist already (no digit pass to pay), so small one-row weights take it too."""
         return (isinstance(w, QTensor) and w.ggml_type in IMMA_TYPES and 0 < n and w.data.data.ptr % 16 == 0
-                and (n > 1 or w.shape[0] * w.shape[1] >= IMMA_MIN_WEIGHT)
+                and (n > 1 or digits or w.shape[0] * w.shape[1] >= IMMA_MIN_WEIGHT)
                 and (n <= IMMA_MAX_ROWS or (IMMA_MAX_ROWS > 0 and IMMA_BATCH and n <= GEMV_MAX_TOKENS)))
 
     def _gemvi(self, digits, w: QTensor):
@@ -744,6 +843,21 @@ class CUDABackend:
         One token with gate and up of one type: a single fused GEMV."""
         cp = self.cp
         a = 1 if act == "gelu_tanh" else 0
+        P = gate.parent if self._fused_run([gate, up], 0) == 2 else None
+        n = x.shape[0]
+        if P is not None and not (n == 1 and not self._imma(1, P, x is self._digits_of[0])):
+            # gate and up fused (fuse_rows): one product [n, 2 n_ff] (one-token float GEMVs keep gemv_gated)
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            gu = self.mul_mat(x, P)
+            nf = gate.shape[0]
+            y = cp.empty((n, nf), dtype=cp.float32)
+            dg = self._row_digits(y)
+            if dg[0] is not _NULL:
+                self._fn("k", "gated_act_digits")((nf // 256,), (32,), (gu, y, np.int32(nf), np.int32(a)) + dg)
+            else:
+                self._fn("k", "gated_act_cat")(((y.size + 255) // 256,), (256,),
+                                               (gu, y, np.int64(y.size), np.int32(nf), np.int32(a)))
+            return y
         if self._imma(x.shape[0], gate) and self._imma(x.shape[0], up):
             d = self._digits(cp.ascontiguousarray(x, dtype=cp.float32))  # one quantization for both
             g, u = self._gemvi(d, gate), self._gemvi(d, up)
@@ -789,8 +903,9 @@ class CUDABackend:
         n = x.shape[-1]
         rows = x.size // n
         y = cp.empty_like(x)
+        dg = self._row_digits(y) if y.ndim == 2 else _NO_DIGITS
         self._fn("k", "rms_norm")((rows,), (_row_threads(n),),
-                                  (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)))
+                                  (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)) + dg)
         return y
 
     def add_rms_norm(self, x, h, w_post, w_next, eps: float):
@@ -803,10 +918,11 @@ class CUDABackend:
         rows = x.size // n
         xo = cp.empty_like(x)
         ho = cp.empty_like(x) if w_next is not None else None
+        dg = self._row_digits(ho) if ho is not None and ho.ndim == 2 else _NO_DIGITS
         self._fn("k", "post_norm_add_norm")((rows,), (_row_threads(n),),
                                             (x, h, w_post if w_post is not None else _NULL,
                                              w_next if w_next is not None else _NULL, xo,
-                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps)))
+                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps)) + dg)
         return xo, ho
 
     def _unary(self, name: str, x):

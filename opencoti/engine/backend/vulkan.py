@@ -79,7 +79,7 @@ import struct
 
 import numpy as np
 
-from opencoti.engine.backend.cpu import rope_cos_sin, rope_kv_write
+from opencoti.engine.backend.cpu import CPUBackend, rope_cos_sin, rope_kv_write
 from opencoti.engine.backend.experts import ExpertRows
 from opencoti.engine.backend.vk_runtime import GraphTooLarge, Runtime, describe
 from opencoti.model.gguf_file import GGUFFile
@@ -688,6 +688,8 @@ class VulkanBackend:
                     self.rt.dispatch(shader, [wb, xb, yb], push, (-(-nr // 64), -(-(t1 - t0) // 64), 1),
                                      writes=(2,))
         return y
+
+    mul_mat_split = CPUBackend.mul_mat_split  # one mul_mat per weight
 
     @_taped
     def gated_ffn(self, x, gate, up, act: str):
