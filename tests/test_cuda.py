@@ -506,14 +506,32 @@ def test_rope(gpu, cpu, mode, n_rot, factors):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _qkv_inputs(q, k, v, rng, sliced: bool):
+    """Device q / k / v for the fused rope + KV store: separate arrays (no biases), or, ``sliced``,
+    column slices of one [T, q + k + v] buffer (a fused projection's output: the token axis
+    strided) with biases. Returns ``(dq, bias_device, bias_host)``."""
+    if not sliced:
+        return [cp.asarray(a) for a in (q, k, v)], None, None
+    T = q.shape[0]
+    flat = [a.reshape(T, -1) for a in (q, k, v)]
+    buf = cp.asarray(np.concatenate(flat, axis=1))
+    cuts = np.cumsum([0] + [f.shape[1] for f in flat])
+    dq = [buf[:, cuts[i]:cuts[i + 1]].reshape(a.shape) for i, a in enumerate((q, k, v))]
+    bias = [rng.standard_normal(f.shape[1]).astype(np.float32) for f in flat]
+    bias[1 if T % 2 else 2] = None  # one projection without a bias
+    return dq, [None if b is None else cp.asarray(b) for b in bias], bias
+
+
 @pytest.mark.parametrize("mode", ["norm", "neox"])
 @pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("d,n_head,n_kv,T", [(128, 6, 2, 5), (256, 4, 1, 1), (64, 8, 8, 70)])
-def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T):
+@pytest.mark.parametrize("sliced", [False, True])
+def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T, sliced):
     """The fused rope + KV store (kernels.cu rope_kv_write, f16 caches) gives the bits of rope,
     rope and kv_write launched one by one (cpu.rope_kv_write's composition on the GPU), and the
     CPU's values: rotated q, and K / V in the planned cells (the second stream of a split cache,
-    so flat cell indices are exercised)."""
+    so flat cell indices are exercised). ``sliced``: q / k / v as column slices of one buffer read
+    in place (token strides) with the projections' biases added in the kernel."""
     from opencoti.engine.backend.cpu import rope_kv_write
 
     rng = np.random.default_rng(9 + d)
@@ -533,17 +551,17 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T):
         return c, plan
 
     outs = []
+    dq, bias, bias_h = _qkv_inputs(q, k, v, rng, sliced)
     for fused in (True, False):
         c, plan = cache(gpu.zeros)
-        dq = [cp.asarray(a) for a in (q, k, v)]
         dn = [None if a is None else cp.asarray(a) for a in (qn, kn)]
         f = gpu.rope_kv_write if fused else (lambda *a, **kw: rope_kv_write(gpu, *a, **kw))
-        y = f(*dq, pos, c, 0, plan, *dn, **rope)
+        y = f(*dq, pos, c, 0, plan, *dn, bias, **rope)
         outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0][1, plan.cell]), cp.asnumpy(c.v[0][1, plan.cell])))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
     cc, plan = cache(np.zeros)
-    want = cpu.rope_kv_write(q, k, v, pos, cc, 0, plan, qn, kn, **rope)
+    want = cpu.rope_kv_write(q, k, v, pos, cc, 0, plan, qn, kn, bias_h, **rope)
     np.testing.assert_allclose(outs[0][0], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(outs[0][1].astype(np.float32), cc.k[0][1, plan.cell].astype(np.float32), rtol=2e-3,
                                atol=2e-3)
@@ -556,13 +574,15 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T):
 @pytest.mark.parametrize("d,dv,n_head,n_kv,T,norms,mode,n_rot,ff", [
     (128, 128, 6, 2, 5, False, "neox", 128, True), (256, 128, 4, 1, 1, True, "norm", 64, False),
     (512, 512, 8, 2, 3, False, "neox", 512, False), (64, 64, 8, 8, 70, False, "norm", 64, False)])
-def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv, T, norms, mode, n_rot, ff):
+@pytest.mark.parametrize("sliced", [False, True])
+def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv, T, norms, mode, n_rot, ff, sliced):
     """rope + a scalar- or turbo-tier KV store in one launch (kv_write.cu rope_kv_write_q) gives the bits
     of rope, rope and the tier quantize kernels launched one by one (cpu.rope_kv_write's
     composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and the whole K / V stores
     (the planned cells are in the second stream of a split cache), for symmetric and mixed
     pairs, norm / neox, partial rotation, frequency factors, q / k norms, d_v < d_k, and head
-    sizes above the block's 256 threads (rope's strided loop, warps quantizing two blocks)."""
+    sizes above the block's 256 threads (rope's strided loop, warps quantizing two blocks);
+    ``sliced``: strided q / k / v slices of one buffer with biases (_qkv_inputs)."""
     from opencoti.engine.backend import cuda as cu
 
     rng = np.random.default_rng(19 + d)
@@ -582,9 +602,9 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
         c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=dv, type_k=tk, type_v=tv, zeros=gpu.zeros)
         plan = c.prepare(seqs, pos)
         c.apply(plan, seqs, pos)
-        dq = [cp.asarray(a) for a in (q, k, v)]
+        dq, bias, _ = _qkv_inputs(q, k, v, np.random.default_rng(7), sliced)
         dn = [None if a is None else cp.asarray(a) for a in (qn, kn)]
-        y = gpu.rope_kv_write(*dq, pos, c, 0, plan, *dn, **rope)
+        y = gpu.rope_kv_write(*dq, pos, c, 0, plan, *dn, bias, **rope)
         # the rotated tiers fuse at head sizes up to 256 with d_v = d_k for a rotated V
         rot_k, rot_v = tk in cuda_kv.ROPE_STORE_ROTATED, tv in cuda_kv.ROPE_STORE_ROTATED
         fusable = not (rot_k or rot_v) or (d <= 256 and (not rot_v or dv == d))

@@ -374,7 +374,7 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
                                 float ext_factor, float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
-    rope_head_row(x, y, blockIdx.x, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
+    rope_head_row(x, (long long)H * D, nullptr, y, blockIdx.x, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
                   corr_hi, mscale, buf, sh);
 }
 
@@ -383,26 +383,28 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
 // The rest: k head rows, rotated (k_norm first) and stored as f16 into K at the token's cell
 // (flat index cell[t]; row layout [n_kv][D]), with the same head's V row (dv values) into V:
 // the bits of rope + rope + kv_write.
-extern "C" __global__ void rope_kv_write(const float* __restrict__ q, const float* __restrict__ k,
-                                         const float* __restrict__ v, const int* __restrict__ pos,
+extern "C" __global__ void rope_kv_write(const float* q, const float* k, const float* v, const float* bq,
+                                         const float* bk, const float* bv, long long ldq, long long ldk, long long ldv,
+                                         const int* __restrict__ pos,
                                          float* __restrict__ q_out, u16* __restrict__ K, u16* __restrict__ V,
                                          const int* __restrict__ cell, int T, int Hq, int Hk, int D, int dv,
                                          int n_rot, float base, float freq_scale, int mode,
                                          const float* __restrict__ ff, const float* __restrict__ q_norm,
                                          const float* __restrict__ k_norm, float eps, float ext_factor,
                                          float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
+    const QKVIn in{q, k, v, bq, bk, bv, ldq, ldk, ldv};
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
     long long row;
-    if (rope_q_block(q, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+    if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
                      corr_hi, mscale, buf, sh, row))
         return;
-    const int t = (int)(row / Hk);
-    const long long c = (long long)cell[t] * Hk + row % Hk;  // the (cell, kv head) row
-    for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(v[row * dv + i]);
+    const int t = (int)(row / Hk), h = (int)(row % Hk);
+    const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(in.v_at(t, h, dv, i));
     u16* kr = K + c * D;
-    rope_row(k + row * D, pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor, corr_lo, corr_hi,
-             mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); });
+    rope_row(in.k_row(t, h, D), in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
+             corr_lo, corr_hi, mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); });
 }
 
 extern "C" __global__ void gelu_tanh(const float* __restrict__ x, float* __restrict__ y, long long n) { GRID_DEP_WAIT();

@@ -317,27 +317,28 @@ __device__ __forceinline__ long long tier_row_bytes(int t, int n) {
     }
 }
 
-extern "C" __global__ void rope_kv_write_q(const float* __restrict__ q, const float* __restrict__ k,
-                                           const float* __restrict__ v, const int* __restrict__ pos,
+extern "C" __global__ void rope_kv_write_q(const float* q, const float* k, const float* v, const float* bq,
+                                           const float* bk, const float* bv, long long ldq, long long ldk, long long ldv,
+                                           const int* __restrict__ pos,
                                            float* __restrict__ q_out, u8* __restrict__ K, u8* __restrict__ V,
                                            const int* __restrict__ cell, int T, int Hq, int Hk, int D, int dv,
                                            int n_rot, float base, float freq_scale, int mode,
                                            const float* __restrict__ ff, const float* __restrict__ q_norm,
                                            const float* __restrict__ k_norm, float eps, float ext_factor,
                                            float corr_lo, float corr_hi, float mscale, int tk, int tv) { GRID_DEP_WAIT();
+    const QKVIn in{q, k, v, bq, bk, bv, ldq, ldk, ldv};
     extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
     __shared__ float sh[32];
     long long row;
-    if (rope_q_block(q, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+    if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
                      corr_hi, mscale, rbuf, sh, row))
         return;
-    const int t = (int)(row / Hk);
-    const long long c = (long long)cell[t] * Hk + row % Hk;  // the (cell, kv head) row
+    const int t = (int)(row / Hk), h = (int)(row % Hk);
+    const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
     float *kb = rbuf + D, *sc = rbuf + 2 * D;
-    const float* vrow = v + row * dv;
-    tier_store_row(tv, dv, V + c * tier_row_bytes(tv, dv), sc, [&](int i) { return vrow[i]; });
-    rope_row(k + row * D, pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor, corr_lo, corr_hi,
-             mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
+    tier_store_row(tv, dv, V + c * tier_row_bytes(tv, dv), sc, [&](int i) { return in.v_at(t, h, dv, i); });
+    rope_row(in.k_row(t, h, D), in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
+             corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
     __syncthreads();
     tier_store_row(tk, D, K + c * tier_row_bytes(tk, D), sc, [&](int i) { return kb[i]; });
 }

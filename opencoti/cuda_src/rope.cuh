@@ -26,23 +26,26 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // ramp(i) = 1 - clamp((i - corr_lo) / max(0.001, corr_hi - corr_lo), 0, 1); otherwise
 // theta = theta_e * freq_scale. cos and sin are multiplied by mscale (1 without YaRN; the
 // caller folds attn_factor and YaRN's 1 + 0.1 ln(1/freq_scale) into it).
-// One row of D values (a head) of rope: xr normed (norm_w != null), rotated at position p, and
-// handed to store(i, value) for every i < D. buf: D floats of shared memory; all threads of the
-// block take part (block_sum, __syncthreads).
+// One row of D values (a head) of rope: xr (plus its projection's bias row br, when not null)
+// normed (norm_w != null), rotated at position p, and handed to store(i, value) for every i < D.
+// buf: D floats of shared memory; all threads of the block take part (block_sum, __syncthreads).
 template <class Store>
-__device__ __forceinline__ void rope_row(const float* __restrict__ xr, int pos, int D, int n_rot, float base,
-                                         float freq_scale, int mode, const float* __restrict__ ff,
-                                         const float* __restrict__ norm_w, float eps, float ext_factor,
-                                         float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
-                                         Store store) {
+__device__ __forceinline__ void rope_row(const float* __restrict__ xr, const float* __restrict__ br, int pos, int D,
+                                         int n_rot, float base, float freq_scale, int mode,
+                                         const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
+                                         float ext_factor, float corr_lo, float corr_hi, float mscale, float* buf,
+                                         float* sh, Store store) {
     float r = 1.f;
     if (norm_w) {
         float s = 0.f;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i] * xr[i];
+        for (int i = threadIdx.x; i < D; i += blockDim.x) {
+            const float x = br ? xr[i] + br[i] : xr[i];
+            s += x * x;
+        }
         s = block_sum(s, sh);
         r = rsqrtf(s / D + eps);
     }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = xr[i] * r * (norm_w ? norm_w[i] : 1.f);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = (br ? xr[i] + br[i] : xr[i]) * r * (norm_w ? norm_w[i] : 1.f);
     __syncthreads();
     int half = n_rot / 2;
     double p = (double)pos;
@@ -67,22 +70,40 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int pos, 
 }
 
 
-// Head row `row` of x [rows, D] (H head rows per token) rotated into the same row of y (the rope
+// Head row `row` of x (H head rows of D per token, a token's rows ldx floats after the last's;
+// bias: the projection's [H * D] bias or null) rotated into the same row of y [rows, D] (the rope
 // kernel; the q rows of the fused rope + KV store kernels).
-__device__ __forceinline__ void rope_head_row(const float* __restrict__ x, float* __restrict__ y, long long row, int H,
+__device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long long ldx, const float* __restrict__ bias,
+                                              float* __restrict__ y, long long row, int H,
                                               const int* __restrict__ pos, int D, int n_rot, float base,
                                               float freq_scale, int mode, const float* __restrict__ ff,
                                               const float* __restrict__ norm_w, float eps, float ext_factor,
                                               float corr_lo, float corr_hi, float mscale, float* buf, float* sh) {
     float* yr = y + row * D;
-    rope_row(x + row * D, pos[row / H], D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
-             corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
+    const long long t = row / H, h = row - t * H;
+    rope_row(x + t * ldx + h * D, bias ? bias + h * D : nullptr, pos[t], D, n_rot, base, freq_scale, mode, ff, norm_w,
+             eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
 }
 
+// The inputs of the fused rope + KV store kernels: q [T, Hq, D], k [T, Hk, D], v [T, Hk, dv] with
+// token strides ldq / ldk / ldv floats (column slices of one fused q / k / v product, or
+// contiguous), plus their projections' biases (null: none), added before the norms and rope.
+struct QKVIn {
+    const float *q, *k, *v, *bq, *bk, *bv;
+    long long ldq, ldk, ldv;
+    // k and v rows of (token t, kv head h): their first value and bias row (null without a bias)
+    __device__ __forceinline__ const float* k_row(int t, int h, int D) const { return k + t * ldk + (long long)h * D; }
+    __device__ __forceinline__ const float* k_bias(int h, int D) const { return bk ? bk + (long long)h * D : nullptr; }
+    __device__ __forceinline__ float v_at(int t, int h, int dv, int i) const {
+        const float x = v[t * ldv + (long long)h * dv + i];
+        return bv ? x + bv[(long long)h * dv + i] : x;
+    }
+};
+
 // The fused rope + KV store kernels' block roles (grid T * (Hq + Hk)): blocks [0, T * Hq) rotate
-// one q head row of q into q_out (rope_head_row, q_norm first) and return true; the others return
-// false with kv_row = their (token, kv head) row, token kv_row / Hk.
-__device__ __forceinline__ bool rope_q_block(const float* __restrict__ q, float* __restrict__ q_out, int T, int Hq,
+// one q head row into q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the
+// others return false with kv_row = their (token, kv head) row, token kv_row / Hk.
+__device__ __forceinline__ bool rope_q_block(const QKVIn& in, float* __restrict__ q_out, int T, int Hq,
                                              const int* __restrict__ pos, int D, int n_rot, float base,
                                              float freq_scale, int mode, const float* __restrict__ ff,
                                              const float* __restrict__ q_norm, float eps, float ext_factor,
@@ -90,8 +111,8 @@ __device__ __forceinline__ bool rope_q_block(const float* __restrict__ q, float*
                                              long long& kv_row) {
     const long long row = blockIdx.x;
     if (row < (long long)T * Hq) {
-        rope_head_row(q, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                      corr_hi, mscale, buf, sh);
+        rope_head_row(in.q, in.ldq, in.bq, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps,
+                      ext_factor, corr_lo, corr_hi, mscale, buf, sh);
         return true;
     }
     kv_row = row - (long long)T * Hq;

@@ -352,14 +352,15 @@ class DecoderModel:
     def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
         B, hp = self.backend, self.hp
         T = h.shape[0]
-        q, k, v = B.mul_mat_split(h, (L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv))
+        q, k, v = B.mul_mat_split(h, (L.wq, L.wk, L.wv))  # the biases are added by rope_kv_write
         q = q.reshape(T, hp.n_head, hp.n_embd_head_k)
         k = k.reshape(T, hp.n_head_kv, hp.n_embd_head_k)
         v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)
         base, scale = self.rope_params(il)  # q/k norms (if any) are fused into rope
         cache = kv.layer_cache[il]
         plan = ub.plans[kv.caches.index(cache)]
-        q = B.rope_kv_write(q, k, v, ub.pos, cache, il, plan, L.q_norm, L.k_norm, n_rot=hp.n_rot, base=base,
+        bias = (L.bq, L.bk, L.bv) if any(b is not None for b in (L.bq, L.bk, L.bv)) else None
+        q = B.rope_kv_write(q, k, v, ub.pos, cache, il, plan, L.q_norm, L.k_norm, bias, n_rot=hp.n_rot, base=base,
                             freq_scale=scale, mode=self.rope_type, freq_factors=self.rope_freqs,
                             eps=hp.f_norm_rms_eps, **self.rope_ext)
         n_swa = hp.n_swa if hp.swa_layers[il] else 0

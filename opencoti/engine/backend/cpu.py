@@ -17,13 +17,17 @@ import numpy as np
 from opencoti.model.gguf_file import GGUFFile
 
 
-def rope_kv_write(B, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, **rope):
+def rope_kv_write(B, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, bias=None, **rope):
     """An attention layer's step after the q / k / v projections, as ops of backend ``B``:
     ``q' = B.rope(q, pos, norm=q_norm, **rope)``, ``B.kv_write(cache, il, plan,
-    B.rope(k, pos, norm=k_norm, **rope), v)``; returns ``q'``. ``rope``: ``B.rope``'s keyword
-    arguments (n_rot, base, freq_scale, mode, freq_factors, eps, yarn). The op set's
-    ``rope_kv_write`` is this composition; a backend may fuse it into fewer launches (CUDA: one
-    kernel for f16 caches) with the same results."""
+    B.rope(k, pos, norm=k_norm, **rope), v)``; returns ``q'``. ``q [T, n_head, d_k]``,
+    ``k [T, n_kv, d_k]``, ``v [T, n_kv, d_v]``; ``bias``: the projections' biases ``(bq, bk, bv)``
+    (flat, any None), added first. ``rope``: ``B.rope``'s keyword arguments (n_rot, base,
+    freq_scale, mode, freq_factors, eps, yarn). The op set's ``rope_kv_write`` is this
+    composition; a backend may fuse it into fewer launches (CUDA: one kernel) with the same
+    results."""
+    if bias is not None:
+        q, k, v = (x if b is None else x + b.reshape(x.shape[1:]) for x, b in zip((q, k, v), bias))
     q = B.rope(q, pos, norm=q_norm, **rope)
     B.kv_write(cache, il, plan, B.rope(k, pos, norm=k_norm, **rope), v)
     return q

@@ -991,7 +991,7 @@ class CUDABackend:
         return (np.int32(2 if mode == "neox" else 0), freq_factors if freq_factors is not None else _NULL,
                 (np.float32(eps), np.float32(ext), np.float32(lo), np.float32(hi), np.float32(msc)))
 
-    def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, *, n_rot: int,
+    def rope_kv_write(self, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=None, bias=None, *, n_rot: int,
                       base: float, freq_scale: float = 1.0, mode: str = "norm", freq_factors=None, eps: float = 0.0,
                       yarn=None):
         """``cpu.rope_kv_write`` (rope q, rope k, store k and v into the layer's cells) in one
@@ -1001,7 +1001,10 @@ class CUDABackend:
         sizes 64, 128 or 256, d_v = d_k for a rotated V) by kv_write.cu's ``rope_kv_write_q``
         (``OPENCOTI_CUDA_ROPE_KV_TIERS=0``: the composition); the trellis tiers and other shapes
         run the composition. ``q [T, n_head, D]``, ``k [T, n_kv, D]``,
-        ``v [T, n_kv, dv]`` float32. Returns the rotated q."""
+        ``v [T, n_kv, dv]`` float32, each with unit strides inside a token (the token stride is
+        free: column slices of one fused q / k / v product are read in place); ``bias``: the
+        projections' biases ``(bq, bk, bv)`` (any None), added first, in the kernel. Returns the
+        rotated q ``[T, n_head, D]``."""
         cp = self.cp
         K, V = cache.k[il], cache.v[il]
         tk, tv = getattr(cache, "tier_k", None), getattr(cache, "tier_v", None)
@@ -1016,15 +1019,15 @@ class CUDABackend:
                  and V.shape[3] == tv.row_len(dv)
                  and (not (rot_k or rot_v) or D in (64, 128, 256)) and (not rot_v or dv == D))
         if not (f16 or tiers) or not T or k.shape[2] != D or Hk != K.shape[2]:
-            return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, n_rot=n_rot, base=base,
+            return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, bias, n_rot=n_rot, base=base,
                                  freq_scale=freq_scale, mode=mode, freq_factors=freq_factors, eps=eps, yarn=yarn)
-        q = cp.ascontiguousarray(q, dtype=cp.float32)
-        k = cp.ascontiguousarray(k, dtype=cp.float32)
-        v = cp.ascontiguousarray(v, dtype=cp.float32)
+        (q, ldq), (k, ldk), (v, ldv) = (self._token_rows(a) for a in (q, k, v))
+        bq, bk, bv = ((_NULL if b is None else cp.ascontiguousarray(b, dtype=cp.float32)) for b in (bias or (None,) * 3))
         meta = self._plan_meta(plan, K.shape[1])
-        y = cp.empty_like(q)
+        y = cp.empty((T, Hq, D), dtype=cp.float32)
         mode_i, ff, tail = self._rope_args(n_rot, base, freq_scale, mode, freq_factors, eps, yarn)
-        args = (q, k, v, self._idx(pos), y, K, V, meta["write"], np.int32(T), np.int32(Hq), np.int32(Hk), np.int32(D),
+        args = (q, k, v, bq, bk, bv, ldq, ldk, ldv, self._idx(pos), y, K, V, meta["write"], np.int32(T), np.int32(Hq),
+                np.int32(Hk), np.int32(D),
                 np.int32(dv), np.int32(n_rot), np.float32(base), np.float32(freq_scale), mode_i, ff,
                 q_norm if q_norm is not None else _NULL, k_norm if k_norm is not None else _NULL) + tail
         grid, block = (T * (Hq + Hk),), (min(256, (D + 31) // 32 * 32),)  # rope's threads
@@ -1035,6 +1038,20 @@ class CUDABackend:
             self._kv_write_fn("rope_kv_write_q")(grid, block, args + (np.int32(idx(nk)), np.int32(idx(nv))),
                                                  shared_mem=(24 if rot_k or rot_v else 8) * D)
         return y
+
+    def _token_rows(self, a):
+        """``a [T, ...]`` float32 as ``(array, token stride in floats)`` for a kernel that reads each
+        token's values contiguously: in place when only the token axis is strided (a column slice
+        of a wider product), else a contiguous copy."""
+        cp = self.cp
+        if a.dtype != cp.float32:
+            a = a.astype(cp.float32)
+        inner = int(np.prod(a.shape[1:]))
+        if a.flags.c_contiguous:
+            return a, np.int64(inner)
+        if a[0:1].flags.c_contiguous and a.strides[0] % 4 == 0 and a.strides[0] >= 4 * inner:
+            return a, np.int64(a.strides[0] // 4)
+        return cp.ascontiguousarray(a), np.int64(inner)
 
     # -- mixture of experts ----------------------------------------------------------------
     def moe_ffn(self, x, gate_inp, up_exps, gate_exps, down_exps, n_expert_used: int, norm_w: bool = True,
