@@ -324,34 +324,54 @@ def test_gated_ffn(gpu, cpu, act, n):
     assert rel_err(got, want) < 1e-5
 
 
+def _gguf_of(path, tensors: dict):
+    """A GGUF at ``path`` holding ``tensors`` (name -> (ggml type name, raw block bytes [rows, row_bytes])), opened."""
+    from gguf import GGUFWriter
+
+    from opencoti.model.gguf_file import GGUFFile
+
+    w = GGUFWriter(str(path), "llama")
+    for name, (t, raw) in tensors.items():
+        w.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[t])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return GGUFFile(str(path))
+
+
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0")])
 @pytest.mark.parametrize("n", [1, 5, 70])
-def test_fuse_rows_mul_mat_split(gpu, cpu, monkeypatch, types, n):
-    """fuse_rows: q / k / v weights of one type become views of one row-concatenated weight
-    (bytes equal), q / k only when v's type differs, nothing for mismatched row lengths;
-    mul_mat_split over the views (one product + one fused bias add) equals the CPU reference's
-    per-weight products + biases, one-token slices come back contiguous, and an absent bias stays
-    absent."""
+def test_fuse_rows_mul_mat_split(tmp_path, gpu, cpu, monkeypatch, types, n):
+    """fuse_rows: a file's q / k / v matrices of one type load as views of one row-concatenated
+    weight (bytes equal to each tensor's), nothing for mixed types or row lengths (q / k fuse when
+    only v's type differs); mul_mat_split over the views (one product + one fused bias add up to
+    64 rows, one product per weight for prompt-size chunks) equals the CPU reference's per-weight
+    products + biases, one-token slices come back contiguous, and an absent bias stays absent."""
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # these small K-quant weights on gemv_int.cu too
+    monkeypatch.setattr(gpu, "_digit_cols", set(gpu._digit_cols))  # fuse_rows registers the row length
     rng = np.random.default_rng(40 + n)
     cols, rows = 512, (256, 64, 64)
     raws = [random_blocks(t, r, cols, rng) for t, r in zip(types, rows)]
-    ws = [to_qtensor(r, t, cols) for r, t in zip(raws, types)]
+    names = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]
+    f = _gguf_of(tmp_path / "w.gguf", {**{nm: (t, r) for nm, t, r in zip(names, types, raws)},
+                                       "blk.0.other.weight": (types[0], random_blocks(types[0], 8, 256, rng))})
+    ws = [gpu.load_weight(f, nm) for nm in names]
     bs = [cp.asarray(rng.standard_normal(r).astype(np.float32)) for r in rows]
     bs[1] = None
-    views = gpu.fuse_rows(ws, bs)
+    views = gpu.fuse_rows(f, names, bs)
     if types[2] != types[0]:
         assert views is None
-        views = gpu.fuse_rows(ws[:2], bs[:2]) + [ws[2]]
+        views = gpu.fuse_rows(f, names[:2], bs[:2]) + [ws[2]]
     P = views[0].parent
     assert P is not None and views[1].parent is P and [v.row0 for v in views[:2]] == [0, rows[0]]
     for v, w in zip(views, ws):
         assert v.shape == w.shape and v.ggml_type == w.ggml_type
         np.testing.assert_array_equal(cp.asnumpy(v.data), cp.asnumpy(w.data))
-    assert gpu.fuse_rows([ws[0], to_qtensor(random_blocks(types[0], 8, 256, rng), types[0], 256)]) is None
-    assert gpu.fuse_rows(views[:2]) is None  # views are not fused again
+    assert gpu.fuse_rows(f, [names[0], "blk.0.other.weight"]) is None
+    assert gpu.fuse_rows(f, names[:1]) is None
     x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
     got = gpu.mul_mat_split(cp.asarray(x), views, bs)
     for i, (g, raw, t, b) in enumerate(zip(got, raws, types, bs)):
@@ -381,29 +401,38 @@ def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
     rng = np.random.default_rng(50 + n)
     cols, nf = 512, 768
     rg, ru = random_blocks(qname, nf, cols, rng), random_blocks(qname, nf, cols, rng)
-    g, u = gpu.fuse_rows([to_qtensor(rg, qname, cols), to_qtensor(ru, qname, cols)])
+    monkeypatch.setattr(gpu, "_digit_cols", gpu._digit_cols | {nf})
+    g, u = gpu._fused_weight([rg, ru], int(GGMLQuantizationType[qname]), cols, register=False)
     assert g.parent is u.parent and g.parent.shape == (2 * nf, cols)
     x = (rng.standard_normal((n, cols)) * 2).astype(np.float32)
     want = cpu.gated_ffn(x, ref_dequant(qname, rg, cols), ref_dequant(qname, ru, cols), act)
-    gpu._digit_cols.add(nf)
     y = gpu.gated_ffn(cp.asarray(x), g, u, act)
     assert rel_err(cp.asnumpy(y), want) < 1e-5
     if n == 1 and qname == "Q4_K":
         assert gpu._digits_of[0] is y
-        fused = [cp.asnumpy(a) for a in gpu._digits_of[1][:3]]
+        fused = _one_token_digits(gpu._digits_of[1])
         gpu._digits_of = (None, None)
-        plain = [cp.asnumpy(a) for a in gpu._digits(y)[:3]]
-        for a, b in zip(fused, plain):
+        for a, b in zip(fused, _one_token_digits(gpu._digits(y))):
             np.testing.assert_array_equal(a, b)
 
 
+def _one_token_digits(d) -> list:
+    """The token's own digit columns of one-row digits ``d`` (``_digits``' tuple) on the host:
+    xq [K/16, D, 16], xs [K/256, D], xm [K/256, D, 16] (the other columns are nobody's)."""
+    xq, xs, xm, n, nt, nd = d
+    assert n == 1
+    k, ncp = xq.shape[1], xs.shape[1]
+    return [cp.asnumpy(xq).reshape(k // 16, ncp, 16)[:, :nd], cp.asnumpy(xs)[:, :nd], cp.asnumpy(xm)[:, :nd]]
+
+
 @pytest.mark.parametrize("n", [256, 3584])
-def test_norm_digits_equal_xq_digits(gpu, cpu, n):
+def test_norm_digits_equal_xq_digits(gpu, cpu, monkeypatch, n):
     """One-row rms_norm / add_rms_norm whose row length is a K-quant weight's (``_digit_cols``)
-    write the output's gemv_int.cu digits themselves (digits.cuh): bit-equal to the xq_digits
-    pass on the same output, which a following mul_mat then skips (same product bits)."""
+    write the output's gemv_int.cu digits themselves (digits.cuh): the token's columns bit-equal
+    to the xq_digits pass on the same output; a following mul_mat takes them instead (the same
+    product bits as after the pass, whose other columns are zeros: they reach no result)."""
     rng = np.random.default_rng(60 + n)
-    gpu._digit_cols.add(n)
+    monkeypatch.setattr(gpu, "_digit_cols", gpu._digit_cols | {n})
     x, h = (rng.standard_normal((1, n)) * 2).astype(np.float32), rng.standard_normal((1, n)).astype(np.float32)
     w1, w2 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     raw = random_blocks("Q4_K", 96, n, rng)
@@ -416,12 +445,12 @@ def test_norm_digits_equal_xq_digits(gpu, cpu, n):
         y = make()
         assert rel_err(cp.asnumpy(y), want) < 1e-6
         assert gpu._digits_of[0] is y
-        fused = [cp.asnumpy(a) for a in gpu._digits_of[1][:3]]
+        fused = _one_token_digits(gpu._digits_of[1])
         via = cp.asnumpy(gpu.mul_mat(y, w))  # takes the registered digits
         gpu._digits_of = (None, None)
         plain = gpu._digits(y)
-        for a, b in zip(fused, plain[:3]):
-            np.testing.assert_array_equal(a, cp.asnumpy(b))
+        for a, b in zip(fused, _one_token_digits(plain)):
+            np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(via, cp.asnumpy(gpu._gemvi(plain, w)))
     y3 = gpu.rms_norm(cp.asarray(np.repeat(x, 3, 0)), W1, 1e-6)  # several rows: no digits written
     assert gpu._digits_of[0] is not y3

@@ -50,31 +50,17 @@ __device__ __forceinline__ void digits_store(const float (&v)[8], int sb, int la
     }
 }
 
-// Zero digit columns [c0, c1) of super-block sb (columns of no token), as xq_digits writes them.
-__device__ __forceinline__ void digits_zero(int sb, int lane, int c0, int c1, int ncp, i8* __restrict__ xq,
-                                            float* __restrict__ xs, i8* __restrict__ xm) {
-    const int e0 = sb * 256 + 8 * lane;
-    for (int c = c0; c < c1; c++) {
-        *(uint2*)(xq + ((long long)(e0 >> 4) * ncp + c) * 16 + 8 * (lane & 1)) = make_uint2(0u, 0u);
-        if (lane == 0) xs[(long long)sb * ncp + c] = 0.f;
-        if ((lane & 3) == 0) {
-            i8* o = xm + ((long long)sb * ncp + c) * 16 + (lane >> 2);
-            o[0] = 0;
-            o[8] = 0;
-        }
-    }
-}
-
-// A one-token row y [K] (K a multiple of 256, written by this block before a __syncthreads) as
-// the digit columns of a single-token GEMV: D columns from 0, zeros up to ncp. Warp w takes
-// super-blocks w, w + warps, ...
+// A one-token row y [K] (K a multiple of 256; the block's own values, e.g. in shared memory after
+// a __syncthreads) as the digit columns 0 .. D - 1 of a single-token GEMV. The other columns of
+// the ncp are left as they are: a column's products never reach another's (gemvi_store sums a
+// token's own columns only), so a column of no token needs no zeros. Warp w takes super-blocks
+// w, w + warps, ...
 __device__ __forceinline__ void digits_row(const float* y, int K, int ncp, int D, i8* __restrict__ xq,
                                            float* __restrict__ xs, i8* __restrict__ xm) {
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     for (int sb = threadIdx.x >> 5; sb < K / 256; sb += nw) {
-        const float4 a = *(const float4*)(y + sb * 256 + 8 * lane), b = *(const float4*)(y + sb * 256 + 8 * lane + 4);
-        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const float* r = y + sb * 256 + 8 * lane;
+        const float v[8] = {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
         digits_store(v, sb, lane, 0, D, ncp, D, xq, xs, xm);
-        digits_zero(sb, lane, D, ncp, ncp, xq, xs, xm);
     }
 }

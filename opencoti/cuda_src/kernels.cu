@@ -282,8 +282,9 @@ extern "C" __global__ void split_f16_rows(const float* __restrict__ x, u16* __re
 // waited for each load in turn: ~13 us for one 3,584-float row on the H200).
 #define NV 8
 // y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n. With xq (one row,
-// n a multiple of 256): y's digit columns for gemv_int.cu too (digits.cuh digits_row; ncp
-// columns, D digits), so the integer GEMV that reads y needs no xq_digits launch.
+// n a multiple of 256, at most NV * blockDim; 4 n bytes of dynamic shared memory): y's digit
+// columns for gemv_int.cu too (digits.cuh digits_row; D digit columns of ncp), so the integer
+// GEMV that reads y needs no xq_digits launch.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                     int n, float eps, i8* __restrict__ xq, float* __restrict__ xs,
                                     i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
@@ -308,9 +309,13 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
         if (i < n) yr[i] = v[k] * r * wv[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) yr[i] = xr[i] * r * (w ? w[i] : 1.f);
-    if (xq) {
-        __syncthreads();  // y's row is the block's own writes
-        digits_row(yr, n, ncp, D, xq, xs, xm);
+    if (xq) {  // one row of n <= NV * blockDim: its values through shared memory (4 n bytes)
+        extern __shared__ float row_sh[];
+#pragma unroll
+        for (int k = 0; k < NV; k++)
+            if (t + k * bd < n) row_sh[t + k * bd] = v[k] * r * wv[k];
+        __syncthreads();
+        digits_row(row_sh, n, ncp, D, xq, xs, xm);
     }
 }
 
@@ -361,9 +366,13 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
         if (i < n) h_out[o + i] = xv[k] * r2 * wn[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
-    if (xq) {
+    if (xq) {  // as rms_norm's
+        extern __shared__ float row_sh[];
+#pragma unroll
+        for (int k = 0; k < NV; k++)
+            if (t + k * bd < n) row_sh[t + k * bd] = xv[k] * r2 * wn[k];
         __syncthreads();
-        digits_row(h_out + o, n, ncp, D, xq, xs, xm);
+        digits_row(row_sh, n, ncp, D, xq, xs, xm);
     }
 }
 
@@ -433,7 +442,7 @@ extern "C" __global__ void gated_act_cat(const float* __restrict__ gu, float* __
     y[i] = gated(gu[2 * r * nf + c], gu[(2 * r + 1) * nf + c], act);
 }
 // gated_act_cat for one row (nf a multiple of 256), also writing y's digit columns for
-// gemv_int.cu (digits.cuh; ncp columns, D digits): grid nf / 256 blocks of 32 threads, a lane 8
+// gemv_int.cu (digits.cuh; D digit columns of ncp): grid nf / 256 blocks of 32 threads, a lane 8
 // consecutive values.
 extern "C" __global__ void gated_act_digits(const float* __restrict__ gu, float* __restrict__ y, int nf, int act,
                                             i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
@@ -447,8 +456,7 @@ extern "C" __global__ void gated_act_digits(const float* __restrict__ gu, float*
     for (int i = 0; i < 8; i++) v[i] = gated(g[i], u[i], act);
     *(float4*)(y + e0) = make_float4(v[0], v[1], v[2], v[3]);
     *(float4*)(y + e0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
-    digits_store(v, sb, lane, 0, D, ncp, D, xq, xs, xm);
-    digits_zero(sb, lane, D, ncp, ncp, xq, xs, xm);
+    digits_store(v, sb, lane, 0, D, ncp, D, xq, xs, xm);  // (digits_row: no other columns)
 }
 
 // K/V of T tokens into f16 cells: K[cell[t]] = k[t] (kw floats per token), same for V.

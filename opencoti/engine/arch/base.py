@@ -114,20 +114,23 @@ class DecoderModel:
         self.layers: list[LayerWeights] = []
         for il in range(hp.n_layer):
             p = f"blk.{il}."
+            bq, bk, bv = (opt(p + f"attn_{n}.bias") for n in "qkv")
+            wq, wk, wv = self.require_rows([p + f"attn_{n}.weight" for n in "qkv"], [bq, bk, bv])
+            ffn_gate, ffn_up = self.require_rows([p + "ffn_gate.weight", p + "ffn_up.weight"])
             self.layers.append(
                 LayerWeights(
                     attn_norm=req(p + "attn_norm.weight"),
-                    wq=req(p + "attn_q.weight"),
-                    wk=req(p + "attn_k.weight"),
-                    wv=req(p + "attn_v.weight"),
+                    wq=wq,
+                    wk=wk,
+                    wv=wv,
                     wo=req(p + "attn_output.weight"),
                     ffn_norm=req(p + "ffn_norm.weight"),
-                    ffn_gate=req(p + "ffn_gate.weight"),
-                    ffn_up=req(p + "ffn_up.weight"),
+                    ffn_gate=ffn_gate,
+                    ffn_up=ffn_up,
                     ffn_down=req(p + "ffn_down.weight"),
-                    bq=opt(p + "attn_q.bias"),
-                    bk=opt(p + "attn_k.bias"),
-                    bv=opt(p + "attn_v.bias"),
+                    bq=bq,
+                    bk=bk,
+                    bv=bv,
                     bo=opt(p + "attn_output.bias"),
                     q_norm=opt(p + "attn_q_norm.weight"),
                     k_norm=opt(p + "attn_k_norm.weight"),
@@ -135,28 +138,6 @@ class DecoderModel:
                     post_ffw_norm=opt(p + "post_ffw_norm.weight"),
                 )
             )
-        self.fuse_weights()
-
-    def fuse_weights(self) -> None:
-        """Offer each layer's q / k / v projections (with their biases; q / k alone when v's
-        type differs) and its FFN gate / up to the layer's backend to merge into row-concatenated
-        weights (``fuse_rows``, an optional backend op: the CUDA backend's), which ``attention``
-        (``mul_mat_split``) and ``gated_ffn`` then read in one launch. The layer's tensors become
-        the backend's views of the merged ones, holding the same values; a backend without the
-        op, or one that declines, leaves them as they are."""
-        for il, L in enumerate(self.layers):
-            fuse = getattr(self.layer_backend(il), "fuse_rows", None)
-            if fuse is None:
-                continue
-            for names in (("wq", "wk", "wv"), ("wq", "wk")):
-                views = fuse([getattr(L, n) for n in names], [getattr(L, "b" + n[1]) for n in names])
-                if views is not None:
-                    for n, w in zip(names, views):
-                        setattr(L, n, w)
-                    break
-            views = fuse([L.ffn_gate, L.ffn_up])
-            if views is not None:
-                L.ffn_gate, L.ffn_up = views
 
     # -- placement (partial offload, -ngl) --------------------------------------------
     def place(self, backend) -> None:
@@ -211,6 +192,23 @@ class DecoderModel:
         """Names ``require`` / ``optional`` loaded so far (an architecture that must use every
         tensor of its file compares them with ``gguf.tensors``)."""
         return self.__dict__.setdefault("_tensors_read", set())
+
+    def require_rows(self, names: list, biases: list | None = None) -> list:
+        """``[require(n) for n in names]`` for matrices that one input multiplies (a layer's q / k /
+        v projections, its FFN gate / up): their backend may load them as views of one
+        row-concatenated weight (``fuse_rows``, an optional backend op: the CUDA backend's), which
+        ``mul_mat_split`` and ``gated_ffn`` then read in one launch, with ``biases`` (theirs, each
+        None when absent) concatenated alongside. Tries all of ``names``, then the first two
+        (v's type often differs: Q4_K_M's Q6_K layers), then loads them one by one."""
+        B = self.backend_of(names[0])
+        fuse = getattr(B, "fuse_rows", None)
+        if fuse is not None and all(n in self.gguf.tensors for n in names):
+            for m in range(len(names), 1, -1):
+                views = fuse(self.gguf, names[:m], None if biases is None else biases[:m])
+                if views is not None:
+                    self.tensors_read.update(names[:m])
+                    return views + [self.require(n) for n in names[m:]]
+        return [self.require(n) for n in names]
 
     def optional(self, name: str, shape: tuple | None = None):
         """``require(name, shape)`` when the file has tensor ``name``, else None."""

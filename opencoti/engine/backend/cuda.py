@@ -469,37 +469,48 @@ class CUDABackend:
         if len(info.ne) == 3:
             n_exp, rows = info.ne[2], info.ne[1]
             return QExperts(data, int(info.ggml_type), (n_exp, rows, cols), row_bytes, rows * row_bytes)
-        if int(info.ggml_type) in IMMA_TYPES:
-            self._digit_cols.add(cols)
+        if int(info.ggml_type) in IMMA_TYPES and name.startswith("blk."):
+            self._digit_cols.add(cols)  # a layer's input length: one-row norms feeding it write digits
         return QTensor(data, int(info.ggml_type), (info.ne[1], cols), row_bytes)
 
-    def fuse_rows(self, ws: list, bs: list | None = None):
-        """Copy weights ``ws`` (``QTensor`` s of one ggml type and row length, e.g. a layer's q / k /
-        v projections or its FFN gate and up) into one row-concatenated weight, so that
-        ``mul_mat_split`` and ``gated_ffn`` read them in one launch (vLLM's merged QKV / gate-up
-        linear layers; GGUF rows are independent runs of blocks, so the bytes are the rows'
-        own). ``bs``: their biases (float32 vectors or None), concatenated (zeros for None) as
-        the fused weight's ``bias``. Returns one view per weight (same type, shape and bytes;
-        ``parent`` = the fused weight, ``row0`` = its first row there): the caller replaces its
-        tensors with them, which frees the separate copies. Returns None, changing nothing, when
-        they cannot be fused: ``OPENCOTI_CUDA_FUSE=0``, fewer than two, another class or an
-        existing view, types or row lengths that differ."""
-        cp = self.cp
-        if (not FUSE or len(ws) < 2 or any(type(w) is not QTensor or w.parent is not None for w in ws)
-                or len({(w.ggml_type, w.shape[1], w.row_bytes) for w in ws}) != 1):
+    def fuse_rows(self, gguf: GGUFFile, names: list, bs: list | None = None):
+        """Load matrices ``names`` of ``gguf`` (one ggml type and row length, e.g. a layer's q / k /
+        v projections or its FFN gate and up) as one row-concatenated weight, uploaded once, so
+        that ``mul_mat_split`` and ``gated_ffn`` read them in one launch (vLLM's merged QKV /
+        gate-up linear layers; GGUF rows are independent runs of blocks, so the bytes are the
+        rows' own). ``bs``: their biases (float32 device vectors or None), concatenated (zeros for
+        None) as the fused weight's ``bias``. Returns one ``QTensor`` view per name (its type,
+        shape and bytes; ``parent`` = the fused weight, ``row0`` = its first row there), or None,
+        loading nothing, when they cannot be fused: ``OPENCOTI_CUDA_FUSE=0``, fewer than two,
+        types or row lengths that differ, a matrix ``load_weight`` keeps dense."""
+        if not FUSE or len(names) < 2:
             return None
-        t, cols, rb = ws[0].ggml_type, ws[0].shape[1], ws[0].row_bytes
-        rows = [w.shape[0] for w in ws]
-        data = cp.empty(sum(rows) * rb, dtype=cp.uint8)
-        parent = QTensor(data, t, (sum(rows), cols), rb)
+        infos = [gguf.tensors[n] for n in names]
+        keys = {(int(t.ggml_type), tuple(t.ne[:1]), len(t.ne)) for t in infos}
+        t, (cols,), nd = next(iter(keys))
+        if len(keys) != 1 or nd != 2 or t not in QTYPES or cols % 32 or any(i.ne[1] == 1 for i in infos):
+            return None
+        raws = [gguf.raw(n) for n in names]  # [rows, row_bytes] each
+        return self._fused_weight(raws, t, cols, bs, register=names[0].startswith("blk."))
+
+    def _fused_weight(self, raws: list, ggml_type: int, cols: int, bs=None, register: bool = True) -> list:
+        """``fuse_rows`` on host block bytes ``raws`` (uint8 ``[rows_i, row_bytes]`` each, one type
+        ``ggml_type`` and row length ``cols``): the views. ``register``: the rows' length joins
+        ``_digit_cols`` (a layer's K-quant weight)."""
+        cp = self.cp
+        rb = raws[0].shape[1]
+        rows = [r.shape[0] for r in raws]
+        data = cp.asarray(np.concatenate([np.ascontiguousarray(r).reshape(-1) for r in raws]))
+        parent = QTensor(data, ggml_type, (sum(rows), cols), rb)
         views, r = [], 0
-        for w, n in zip(ws, rows):
-            data[r * rb:(r + n) * rb] = w.data.reshape(-1)[:n * rb]
-            views.append(QTensor(data[r * rb:(r + n) * rb], t, (n, cols), rb, parent=parent, row0=r))
+        for n in rows:
+            views.append(QTensor(data[r * rb:(r + n) * rb], ggml_type, (n, cols), rb, parent=parent, row0=r))
             r += n
         if bs is not None and any(b is not None for b in bs):
             parent.bias = cp.concatenate([cp.zeros(n, cp.float32) if b is None else cp.asarray(b, cp.float32).reshape(-1)
                                           for b, n in zip(bs, rows)])
+        if register and ggml_type in IMMA_TYPES:
+            self._digit_cols.add(cols)
         return views
 
     @staticmethod
@@ -556,7 +567,7 @@ class CUDABackend:
                     and rows * cols >= F16X3_MIN_WEIGHT):
                 return self._gemm_f16x3(x, w)
             return cp.matmul(x, self.dequantize(w).T)
-        if self._imma(n, w, x is self._digits_of[0]):
+        if self._imma(n, w, FUSE and x is self._digits_of[0]):
             return self._gemvi(self._digits(x), w)
         if MMQ_MIN_ROWS and n >= MMQ_MIN_ROWS and w.ggml_type != 0:
             return self._mmq(x, w)
@@ -575,11 +586,13 @@ class CUDABackend:
         """``[x @ w.T + b for w, b in zip(ws, bs)]`` (``bs`` None: no biases; a None bias: none),
         each ``[n, rows_i]`` float32. Consecutive views covering one fused weight (``fuse_rows``)
         run as one product plus one add of the fused bias (which must be the concatenation of
-        theirs), and come back as column slices of its output (contiguous for one row)."""
+        theirs), and come back as column slices of its output (contiguous for one row); prompt
+        chunks (more than ``GEMV_MAX_TOKENS`` rows) take the weights one by one."""
         bs = list(bs) if bs is not None else [None] * len(ws)
         out, i = [], 0
         while i < len(ws):
-            j = self._fused_run(ws, i)
+            # (prompt-size products one weight at a time: their dequantized scratch stays a weight's)
+            j = self._fused_run(ws, i) if x.shape[0] <= GEMV_MAX_TOKENS else i + 1
             if j == i + 1:
                 y = self.mul_mat(x, ws[i])
                 out.append(y if bs[i] is None else y + bs[i])
@@ -635,11 +648,12 @@ class CUDABackend:
 
     def _row_digits(self, y):
         """For a one-row ``y [1, k]`` that an integer GEMV will read (``k`` among the loaded
-        K-quant weights' row lengths, ``_digit_cols``): digit arrays (``_digit_arrays``) for the
-        kernel writing ``y`` to fill, registered as ``y``'s (``_digits_of``), and the kernel's
-        trailing arguments ``(xq, xs, xm, ncp, D)``; otherwise None and null arguments."""
+        layers' K-quant weights' row lengths, ``_digit_cols``): digit arrays (``_digit_arrays``)
+        for the kernel writing ``y`` to fill (its token's digit columns; the others stay unset,
+        which gemv_int.cu never reads into a result), registered as ``y``'s (``_digits_of``); returns
+        the kernel's trailing arguments ``(xq, xs, xm, ncp, D)``, else ``_NO_DIGITS``."""
         n, k = y.shape
-        if not (FUSE and n == 1 and k % 256 == 0 and k in self._digit_cols and y.data.ptr % 16 == 0):
+        if not (FUSE and IMMA_MAX_ROWS and n == 1 and k % 256 == 0 and k in self._digit_cols and y.data.ptr % 16 == 0):
             return _NO_DIGITS
         d = self._digit_arrays(1, k)
         self._digits_of = (y, d)
@@ -845,7 +859,7 @@ class CUDABackend:
         a = 1 if act == "gelu_tanh" else 0
         P = gate.parent if self._fused_run([gate, up], 0) == 2 else None
         n = x.shape[0]
-        if P is not None and not (n == 1 and not self._imma(1, P, x is self._digits_of[0])):
+        if P is not None and n <= GEMV_MAX_TOKENS and not (n == 1 and not self._imma(1, P, x is self._digits_of[0])):
             # gate and up fused (fuse_rows): one product [n, 2 n_ff] (one-token float GEMVs keep gemv_gated)
             x = cp.ascontiguousarray(x, dtype=cp.float32)
             gu = self.mul_mat(x, P)
@@ -903,9 +917,10 @@ class CUDABackend:
         n = x.shape[-1]
         rows = x.size // n
         y = cp.empty_like(x)
-        dg = self._row_digits(y) if y.ndim == 2 else _NO_DIGITS
-        self._fn("k", "rms_norm")((rows,), (_row_threads(n),),
-                                  (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)) + dg)
+        nt = _row_threads(n)
+        dg = self._row_digits(y) if y.ndim == 2 and n <= 8 * nt else _NO_DIGITS  # kernels.cu NV = 8 per thread
+        self._fn("k", "rms_norm")((rows,), (nt,), (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)) + dg,
+                                  shared_mem=4 * n if dg[0] is not _NULL else 0)
         return y
 
     def add_rms_norm(self, x, h, w_post, w_next, eps: float):
@@ -918,11 +933,13 @@ class CUDABackend:
         rows = x.size // n
         xo = cp.empty_like(x)
         ho = cp.empty_like(x) if w_next is not None else None
-        dg = self._row_digits(ho) if ho is not None and ho.ndim == 2 else _NO_DIGITS
-        self._fn("k", "post_norm_add_norm")((rows,), (_row_threads(n),),
+        nt = _row_threads(n)
+        dg = self._row_digits(ho) if ho is not None and ho.ndim == 2 and n <= 8 * nt else _NO_DIGITS
+        self._fn("k", "post_norm_add_norm")((rows,), (nt,),
                                             (x, h, w_post if w_post is not None else _NULL,
                                              w_next if w_next is not None else _NULL, xo,
-                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps)) + dg)
+                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps)) + dg,
+                                            shared_mem=4 * n if dg[0] is not _NULL else 0)
         return xo, ho
 
     def _unary(self, name: str, x):
