@@ -86,7 +86,8 @@ def test_greedy_steps_take_the_runners_argmax(engine, model, monkeypatch):
     copy) and give the logits path's tokens; a request with n_probs gets logits."""
     calls = []
     decode = engine.runner.decode
-    monkeypatch.setattr(engine.runner, "decode", lambda ub, argmax=False: calls.append(argmax) or decode(ub, argmax))
+    monkeypatch.setattr(engine.runner, "decode",
+                        lambda ub, argmax=False, **kw: calls.append(argmax) or decode(ub, argmax, **kw))
     toks = model.tokenizer.tokenize("The sky is", add_special=True)
     _, ids, _ = run(engine, toks, n_predict=10, sampling=GREEDY, cache_prompt=False)
     assert len(calls) >= 10 and all(calls)
@@ -98,6 +99,62 @@ def test_greedy_steps_take_the_runners_argmax(engine, model, monkeypatch):
     monkeypatch.setattr(engine, "_argmax_step", lambda ub, owners: False)
     _, ids_l, _ = run(engine, toks, n_predict=10, sampling=GREEDY, cache_prompt=False)
     assert ids_l == ids and len(calls) >= 10 and not any(calls)
+
+
+def test_step_events_delivered_while_the_next_step_runs(engine, model, monkeypatch):
+    """A step's token events are held (api.EventHold) and reach the reader's queue when the next
+    step is queued on the device (``runner.decode``'s ``on_launch``): one event per launch of a
+    one-sequence decode, none before it; the last ones when the engine goes idle. The text is
+    unchanged."""
+    import time
+
+    decode = engine.runner.decode
+    seen, box = [], []
+
+    def dec(ub, argmax=False, on_launch=None):
+        def launched():
+            q = box[0]._queue if box else None
+            before = q.qsize() if q else None
+            on_launch()
+            seen.append((before, q.qsize() if q else None))
+        return decode(ub, argmax, on_launch=launched)
+
+    toks = model.tokenizer.tokenize("The sky is", add_special=True)
+    want = run(engine, toks, n_predict=10, sampling=GREEDY, cache_prompt=False)[1]
+    monkeypatch.setattr(engine.runner, "decode", dec)
+    h = engine.submit(CompletionRequest(list(toks), n_predict=10, sampling=GREEDY, cache_prompt=False))
+    box.append(h)
+    t = time.monotonic()
+    while not h.done and time.monotonic() - t < 120:  # nobody reads until the request is over
+        time.sleep(0.01)
+    evs = list(h.events(timeout=10))
+    assert [ev.token for ev in evs if isinstance(ev, TokenEvent)] == want and isinstance(evs[-1], FinishEvent)
+    steps = [(a, b) for a, b in seen if a is not None]
+    assert len(steps) >= 8
+    assert all(b == a + 1 for a, b in steps[1:]), steps  # the previous step's token, at the launch
+
+
+def test_event_hold_orders_and_stays_on_its_thread():
+    """EventHold: pushes on the holding thread wait for ``release`` and arrive in push order
+    (across handles, finish events included); other threads' pushes are not held."""
+    from opencoti.engine.api import EventHold, RequestHandle
+
+    a, b = RequestHandle(CompletionRequest([1])), RequestHandle(CompletionRequest([1]))
+    hold = EventHold()
+    hold.hold()
+    assert hold.holding
+    a.push(TokenEvent(token=5, text="x"))
+    b.push(TokenEvent(token=6, text="y"))
+    a.push(FinishEvent(stop_type="eos"))
+    other = threading.Thread(target=lambda: b.push(TokenEvent(token=7, text="z")))
+    other.start()
+    other.join()
+    assert a._queue.qsize() == 0 and b._queue.qsize() == 1 and not a.done
+    hold.release()
+    assert not hold.holding and a.done
+    assert [type(ev).__name__ for ev in a.events(timeout=1)] == ["TokenEvent", "FinishEvent"]
+    assert [b._queue.get_nowait().token for _ in range(2)] == [7, 6]
+    hold.release()  # releasing with nothing held is harmless
 
 
 def test_stop_string(engine, model):

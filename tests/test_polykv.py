@@ -308,7 +308,7 @@ def test_failed_pooled_request_leaves_its_pool(model, failure):
         real = e.runner.decode
         calls = []
 
-        def failing(ub, argmax=False):  # the pooled request's first ubatch fails
+        def failing(ub, argmax=False, on_launch=None):  # the pooled request's first ubatch fails
             calls.append(ub.n_tokens)
             if failure == "kv_full":
                 raise KVCacheFullError("no room (test)")

@@ -220,6 +220,15 @@ class RequestHandle:
 
     # engine side
     def push(self, event: Event) -> None:
+        """Queue ``event`` for the reader; while the pushing thread holds events (``EventHold``)
+        it is kept, in order with every other held event, until the hold's ``release``."""
+        held = getattr(_HOLD, "items", None)
+        if held is not None:
+            held.append((self, event))
+            return
+        self._deliver(event)
+
+    def _deliver(self, event: Event) -> None:
         if isinstance(event, (FinishEvent, ErrorEvent)):
             self._done = True
         if isinstance(event, FinishEvent):
@@ -262,6 +271,34 @@ class RequestHandle:
             yield ev
             if isinstance(ev, (FinishEvent, ErrorEvent)):
                 return
+
+
+_HOLD = threading.local()  # the current thread's held events (EventHold), or no attribute / None
+
+
+class EventHold:
+    """Events that handles' ``push`` receives on one thread between ``hold()`` and ``release()``,
+    delivered in push order at ``release()``. The engine holds a step's token and finish events
+    until its next step is running on the device, so the readers it wakes (HTTP / client
+    threads) take the interpreter while the engine thread only waits for the device, instead of
+    contending with the step's host work (cell planning, staging). vLLM overlaps output
+    processing with the next step for the same reason. Use from one thread."""
+
+    def hold(self) -> None:
+        """Start holding this thread's pushes (no-op while already holding)."""
+        if getattr(_HOLD, "items", None) is None:
+            _HOLD.items = []
+
+    def release(self) -> None:
+        """Stop holding and deliver what was held, in order."""
+        items = getattr(_HOLD, "items", None)
+        _HOLD.items = None
+        for h, ev in items or ():
+            h._deliver(ev)
+
+    @property
+    def holding(self) -> bool:
+        return getattr(_HOLD, "items", None) is not None
 
 
 def _call_hook(fn, event) -> None:

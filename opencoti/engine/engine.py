@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, RequestHandle, TokenProb
+from opencoti.engine.api import CompletionRequest, ErrorEvent, EventHold, FinishEvent, RequestHandle, TokenProb
 from opencoti.engine.backend import select_backend
 from opencoti.engine.backend.offload import offload_message
 from opencoti.engine.batch import UBatch
@@ -158,6 +158,7 @@ class Engine:
         self._waiting: list[RequestHandle] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._events = EventHold()  # a step's events, delivered once the next step runs (step)
         self.n_steps = 0
         self.n_tokens_processed = 0
         self.n_admissions_refused = 0
@@ -263,6 +264,8 @@ class Engine:
         while not self._stop.is_set():
             active = (any(s.busy for s in self.slots) or self._waiting
                       or (self.polykv is not None and self.polykv.building()))
+            if not active:
+                self._events.release()  # nothing runs next: deliver before waiting for work
             try:
                 h = self._queue.get(block=not active, timeout=None if not active else 0)
                 while h is not None:
@@ -279,7 +282,9 @@ class Engine:
                 self.step()
             except Exception as e:  # never let one bad step kill the server
                 log.exception("engine step failed")
+                self._events.release()
                 self._fail_all(500, "server_error", f"internal error: {type(e).__name__}: {e}")
+        self._events.release()
 
     def _fail_all(self, status: int, typ: str, msg: str) -> None:
         for s in self.slots:
@@ -293,23 +298,32 @@ class Engine:
         self._waiting = []
 
     def step(self) -> None:
-        """One schedule -> run -> postprocess iteration (engine thread only)."""
+        """One schedule -> run -> postprocess iteration (engine thread only).
+
+        The events a step's postprocess pushes are held (``api.EventHold``) and delivered once
+        the next step is queued on the device (``runner.decode``'s ``on_launch``), so the
+        threads they wake run while this one waits for the device; a step that runs nothing
+        delivers them at once, and so does ``_loop`` before it blocks or fails requests."""
         self._drop_cancelled()
         self._bind_waiting()
         ub, owners = self._build_ubatch()
         if ub is None:
+            self._events.release()
             return
         t0 = time.perf_counter()
         argmax = self._argmax_step(ub, owners)
         while True:
             try:
-                logits = self.runner.decode(ub, argmax=argmax)
+                logits = self.runner.decode(ub, argmax=argmax, on_launch=self._events.release)
                 break
             except KVCacheFullError as e:
                 # first drop sliding-window cells no slot can see again (lossless), then idle KV
                 if not self.runner.kv.trim_swa([s.seq_id for s in self.slots]) and not self._evict_idle(ub):
+                    self._events.release()
                     self._on_kv_full(owners, str(e))
                     return
+        self._events.release()  # (a path that ran without calling on_launch)
+        self._events.hold()
         self.n_steps += 1
         self.n_tokens_processed += ub.n_tokens
         if self.polykv is not None:

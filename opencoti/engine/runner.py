@@ -63,22 +63,26 @@ class ModelRunner:
                              zeros_for=zeros_for, kv_ops=_kv_ops(self.backend),
                              kv_ops_for=(lambda il: _kv_ops(self.net.layer_backend(il))) if self.split else None)
 
-    def decode(self, ub: UBatch, argmax: bool = False):
+    def decode(self, ub: UBatch, argmax: bool = False, on_launch=None):
         """Plan cells, commit, run the forward. Returns logits float32
         ``[len(ub.out_rows), n_vocab]``; with ``argmax``, ``rows_argmax`` of them instead
         (``(ids int64 [n_out], max float32 [n_out])``), reduced on the device where the backend
         can (``argmax_on_device``: the logits never cross to the host). Raises
         ``KVCacheFullError`` (nothing changed) when the cache has no room for the ubatch. A split
         (``-ngl``) runs eagerly: its GPU part is not captured as a graph (the hidden state leaves
-        the device mid-step)."""
+        the device mid-step). ``on_launch``: called once the step's work is queued on the device
+        (a replayed graph: before waiting for it; otherwise before the forward), e.g. the
+        engine's delivery of the previous step's events."""
         ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
         self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
         if self.split is None and getattr(self.backend, "graphs", False):  # device backends replay graphs
             fwd = lambda: self.net.forward(ub, self.kv)  # noqa: E731
             if argmax and getattr(self.backend, "argmax_on_device", False):
-                return self.backend.run_graph(ub, self.kv.caches, fwd, self.graphs, argmax=True)
-            logits = self.backend.run_graph(ub, self.kv.caches, fwd, self.graphs)
+                return self.backend.run_graph(ub, self.kv.caches, fwd, self.graphs, argmax=True, on_launch=on_launch)
+            logits = self.backend.run_graph(ub, self.kv.caches, fwd, self.graphs, on_launch=on_launch)
         else:
+            if on_launch is not None:
+                on_launch()
             logits = self.net.forward(ub, self.kv)
         return rows_argmax(logits) if argmax else logits
 

@@ -1358,7 +1358,7 @@ class CUDABackend:
         return m["grp"]
 
     # -- CUDA graphs ----------------------------------------------------------------------
-    def run_graph(self, ub, caches, forward, graphs: dict, argmax: bool = False):
+    def run_graph(self, ub, caches, forward, graphs: dict, argmax: bool = False, on_launch=None):
         """Run ``forward()`` (the network on ``ub``) as a replayed CUDA graph.
 
         Decode steps launch ~200 small kernels; from Python each costs ~9 us, inside a
@@ -1376,7 +1376,9 @@ class CUDABackend:
         ``graphs``: the caller's graph store (one per runner: a graph holds that
         network's weights, KV and recurrent-state addresses, so it must never serve
         another runner). Returns host logits; with ``argmax``, ``sampling.rows_argmax`` of them
-        computed on the device (only the two short arrays are copied).
+        computed on the device (only the two short arrays are copied). ``on_launch()`` (optional)
+        runs once the step is queued on the device: a replay calls it between the graph's
+        launch and the wait for it; the other paths before the forward.
 
         A new key runs the forward once eagerly on the capture stream (warm-up: compiles
         CuPy kernels, fills the graph's pool), captures it, and returns the warm-up's
@@ -1389,6 +1391,8 @@ class CUDABackend:
         cp = self.cp
         T = ub.n_tokens
         if T > GEMV_MAX_TOKENS or (F16_GEMM_MIN_ROWS and T >= F16_GEMM_MIN_ROWS):
+            if on_launch is not None:
+                on_launch()
             lg = forward()  # cuBLAS (f16 GEMM, prefill) cannot be captured through CuPy
             return rows_argmax(lg) if argmax else lg
         n_kv = len(caches)
@@ -1437,6 +1441,8 @@ class CUDABackend:
                 raise RuntimeError(f"run_graph: graph {key} was captured for slots {g['slots']}, got {slots}")
             try:
                 g["graph"].launch(stream=st)
+                if on_launch is not None:
+                    on_launch()
                 if argmax:
                     return self._rows_argmax(g["out"])
                 if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here
@@ -1457,6 +1463,8 @@ class CUDABackend:
             self._meta[id(kv_plans[i])][1]["grp"] = self._group_views(buf[o[j]:o[j + len(parts)]], parts, info)
         self._staged = True
         try:
+            if on_launch is not None:
+                on_launch()
             st.synchronize()
             stream = cp.cuda.Stream(non_blocking=True)
             # a private pool per graph (as PyTorch's graph pools): the graph's scratch

@@ -490,7 +490,7 @@ class VulkanBackend:
                 raise _NotCapturable("a graph input changed size")
             self.rt.upload_prologue(t.alloc, 0, host)
 
-    def run_graph(self, ub, caches, forward, graphs: dict):
+    def run_graph(self, ub, caches, forward, graphs: dict, on_launch=None):
         """Run ``forward()`` (the network on ``ub``) as a replayed command buffer.
 
         The key is (rows, output rows, per cache: views and cell-list bucket, and the
@@ -501,8 +501,11 @@ class VulkanBackend:
         runs it); later ones rewrite its inputs and resubmit it, with the ops returning
         their recorded results (``_taped``). ``graphs``: the caller's store (a graph
         holds that runner's KV addresses). Ubatches over ``GEMV_MAX_TOKENS`` rows, or
-        with no output rows, run eagerly. Returns host logits.
+        with no output rows, run eagerly. Returns host logits. ``on_launch()`` (optional) runs
+        first (the step's submission happens inside ``forward``).
         """
+        if on_launch is not None:
+            on_launch()
         T = ub.n_tokens
         if not self.graphs or T > GEMV_MAX_TOKENS or len(ub.out_rows) == 0 or self._mode is not None:
             return forward()
