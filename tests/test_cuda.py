@@ -345,8 +345,8 @@ def _gguf_of(path, tensors: dict):
 def test_fuse_rows_mul_mat_split(tmp_path, gpu, cpu, monkeypatch, types, n):
     """fuse_rows: a file's q / k / v matrices of one type load as views of one row-concatenated
     weight (bytes equal to each tensor's), nothing for mixed types or row lengths (q / k fuse when
-    only v's type differs); mul_mat_split over the views (one product + one fused bias add up to
-    64 rows, one product per weight for prompt-size chunks) equals the CPU reference's per-weight
+    only v's type differs); mul_mat_split over the views (one product up to 64 rows, one product
+    per weight for prompt-size chunks; biases added to the slices) equals the CPU reference's per-weight
     products + biases, one-token slices come back contiguous, and an absent bias stays absent."""
     from opencoti.engine.backend import cuda as cu
 
@@ -361,10 +361,10 @@ def test_fuse_rows_mul_mat_split(tmp_path, gpu, cpu, monkeypatch, types, n):
     ws = [gpu.load_weight(f, nm) for nm in names]
     bs = [cp.asarray(rng.standard_normal(r).astype(np.float32)) for r in rows]
     bs[1] = None
-    views = gpu.fuse_rows(f, names, bs)
+    views = gpu.fuse_rows(f, names)
     if types[2] != types[0]:
         assert views is None
-        views = gpu.fuse_rows(f, names[:2], bs[:2]) + [ws[2]]
+        views = gpu.fuse_rows(f, names[:2]) + [ws[2]]
     P = views[0].parent
     assert P is not None and views[1].parent is P and [v.row0 for v in views[:2]] == [0, rows[0]]
     for v, w in zip(views, ws):
@@ -481,7 +481,7 @@ def test_fused_weights_model_matches_unfused(tmp_path, gpu, cpu, monkeypatch):
 
     model, fused = run(gpu)
     L = model.network(gpu).layers[0]
-    assert L.wq.parent is not None and L.wq.parent is L.wk.parent is L.wv.parent and L.wq.parent.bias is not None
+    assert L.wq.parent is not None and L.wq.parent is L.wk.parent is L.wv.parent and L.bq is not None
     assert L.ffn_gate.parent is not None and L.ffn_gate.parent is L.ffn_up.parent
     monkeypatch.setattr(cu, "FUSE", False)
     model_u, plain = run(gpu)

@@ -222,6 +222,8 @@ class RequestHandle:
     def push(self, event: Event) -> None:
         """Queue ``event`` for the reader; while the pushing thread holds events (``EventHold``)
         it is kept, in order with every other held event, until the hold's ``release``."""
+        if isinstance(event, (FinishEvent, ErrorEvent)):
+            self._done = True  # pushed, if not yet delivered: no other thread fails this request now
         held = getattr(_HOLD, "items", None)
         if held is not None:
             held.append((self, event))
@@ -258,7 +260,8 @@ class RequestHandle:
 
     @property
     def done(self) -> bool:
-        """True once the final event (Finish or Error) has been pushed."""
+        """True once the final event (Finish or Error) has been pushed (it may still be held
+        for delivery, ``EventHold``)."""
         return self._done
 
     # front-end side
@@ -290,11 +293,18 @@ class EventHold:
             _HOLD.items = []
 
     def release(self) -> None:
-        """Stop holding and deliver what was held, in order."""
+        """Stop holding and deliver what was held, in order (all of it, also when a delivery
+        raises: the first exception is re-raised afterwards)."""
         items = getattr(_HOLD, "items", None)
         _HOLD.items = None
+        err = None
         for h, ev in items or ():
-            h._deliver(ev)
+            try:
+                h._deliver(ev)
+            except BaseException as e:  # noqa: BLE001 - delivered the rest first
+                err = err or e
+        if err is not None:
+            raise err
 
     @property
     def holding(self) -> bool:

@@ -261,6 +261,12 @@ class Engine:
 
     # -- engine thread ------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run_loop()
+        finally:
+            self._events.release()  # whatever ends the thread, what was held is delivered
+
+    def _run_loop(self) -> None:
         while not self._stop.is_set():
             active = (any(s.busy for s in self.slots) or self._waiting
                       or (self.polykv is not None and self.polykv.building()))
@@ -279,12 +285,11 @@ class Engine:
             if self._stop.is_set():
                 break
             try:
-                self.step()
+                self.step(hold_events=True)
             except Exception as e:  # never let one bad step kill the server
                 log.exception("engine step failed")
                 self._events.release()
                 self._fail_all(500, "server_error", f"internal error: {type(e).__name__}: {e}")
-        self._events.release()
 
     def _fail_all(self, status: int, typ: str, msg: str) -> None:
         for s in self.slots:
@@ -297,13 +302,14 @@ class Engine:
             h.push(ErrorEvent(status, typ, msg))
         self._waiting = []
 
-    def step(self) -> None:
+    def step(self, hold_events: bool = False) -> None:
         """One schedule -> run -> postprocess iteration (engine thread only).
 
-        The events a step's postprocess pushes are held (``api.EventHold``) and delivered once
-        the next step is queued on the device (``runner.decode``'s ``on_launch``), so the
-        threads they wake run while this one waits for the device; a step that runs nothing
-        delivers them at once, and so does ``_loop`` before it blocks or fails requests."""
+        ``hold_events`` (the engine loop's steps): the events this step's postprocess pushes are
+        held (``api.EventHold``) and delivered once the next step is queued on the device
+        (``runner.decode``'s ``on_launch``), so the threads they wake run while this one waits
+        for the device; a step that runs nothing delivers them at once, and so does ``_loop``
+        before it blocks, fails requests or ends. Otherwise they are delivered when pushed."""
         self._drop_cancelled()
         self._bind_waiting()
         ub, owners = self._build_ubatch()
@@ -323,7 +329,8 @@ class Engine:
                     self._on_kv_full(owners, str(e))
                     return
         self._events.release()  # (a path that ran without calling on_launch)
-        self._events.hold()
+        if hold_events:
+            self._events.hold()
         self.n_steps += 1
         self.n_tokens_processed += ub.n_tokens
         if self.polykv is not None:

@@ -115,7 +115,7 @@ class DecoderModel:
         for il in range(hp.n_layer):
             p = f"blk.{il}."
             bq, bk, bv = (opt(p + f"attn_{n}.bias") for n in "qkv")
-            wq, wk, wv = self.require_rows([p + f"attn_{n}.weight" for n in "qkv"], [bq, bk, bv])
+            wq, wk, wv = self.require_rows([p + f"attn_{n}.weight" for n in "qkv"])
             ffn_gate, ffn_up = self.require_rows([p + "ffn_gate.weight", p + "ffn_up.weight"])
             self.layers.append(
                 LayerWeights(
@@ -193,18 +193,18 @@ class DecoderModel:
         tensor of its file compares them with ``gguf.tensors``)."""
         return self.__dict__.setdefault("_tensors_read", set())
 
-    def require_rows(self, names: list, biases: list | None = None) -> list:
+    def require_rows(self, names: list) -> list:
         """``[require(n) for n in names]`` for matrices that one input multiplies (a layer's q / k /
         v projections, its FFN gate / up): their backend may load them as views of one
-        row-concatenated weight (``fuse_rows``, an optional backend op: the CUDA backend's), which
-        ``mul_mat_split`` and ``gated_ffn`` then read in one launch, with ``biases`` (theirs, each
-        None when absent) concatenated alongside. Tries all of ``names``, then the first two
-        (v's type often differs: Q4_K_M's Q6_K layers), then loads them one by one."""
+        row-concatenated weight (``fuse_rows``, an optional backend op: the CUDA backend's),
+        which ``mul_mat_split`` and ``gated_ffn`` then read in one launch. Tries all of
+        ``names``, then fewer (v's type often differs: Q4_K_M's Q6_K layers), then loads them
+        one by one."""
         B = self.backend_of(names[0])
         fuse = getattr(B, "fuse_rows", None)
         if fuse is not None and all(n in self.gguf.tensors for n in names):
             for m in range(len(names), 1, -1):
-                views = fuse(self.gguf, names[:m], None if biases is None else biases[:m])
+                views = fuse(self.gguf, names[:m])
                 if views is not None:
                     self.tensors_read.update(names[:m])
                     return views + [self.require(n) for n in names[m:]]

@@ -265,7 +265,6 @@ class QTensor:
         self.row_bytes = int(row_bytes)
         self.parent = parent
         self.row0 = int(row0)
-        self.bias = None  # a fused parent's concatenated biases (fuse_rows), float32 [rows]
 
     @property
     def nbytes(self) -> int:
@@ -473,13 +472,12 @@ class CUDABackend:
             self._digit_cols.add(cols)  # a layer's input length: one-row norms feeding it write digits
         return QTensor(data, int(info.ggml_type), (info.ne[1], cols), row_bytes)
 
-    def fuse_rows(self, gguf: GGUFFile, names: list, bs: list | None = None):
+    def fuse_rows(self, gguf: GGUFFile, names: list):
         """Load matrices ``names`` of ``gguf`` (one ggml type and row length, e.g. a layer's q / k /
         v projections or its FFN gate and up) as one row-concatenated weight, uploaded once, so
         that ``mul_mat_split`` and ``gated_ffn`` read them in one launch (vLLM's merged QKV /
         gate-up linear layers; GGUF rows are independent runs of blocks, so the bytes are the
-        rows' own). ``bs``: their biases (float32 device vectors or None), concatenated (zeros for
-        None) as the fused weight's ``bias``. Returns one ``QTensor`` view per name (its type,
+        rows' own). Returns one ``QTensor`` view per name (its type,
         shape and bytes; ``parent`` = the fused weight, ``row0`` = its first row there), or None,
         loading nothing, when they cannot be fused: ``OPENCOTI_CUDA_FUSE=0``, fewer than two,
         types or row lengths that differ, a matrix ``load_weight`` keeps dense."""
@@ -491,9 +489,9 @@ class CUDABackend:
         if len(keys) != 1 or nd != 2 or t not in QTYPES or cols % 32 or any(i.ne[1] == 1 for i in infos):
             return None
         raws = [gguf.raw(n) for n in names]  # [rows, row_bytes] each
-        return self._fused_weight(raws, t, cols, bs, register=names[0].startswith("blk."))
+        return self._fused_weight(raws, t, cols, register=names[0].startswith("blk."))
 
-    def _fused_weight(self, raws: list, ggml_type: int, cols: int, bs=None, register: bool = True) -> list:
+    def _fused_weight(self, raws: list, ggml_type: int, cols: int, register: bool = True) -> list:
         """``fuse_rows`` on host block bytes ``raws`` (uint8 ``[rows_i, row_bytes]`` each, one type
         ``ggml_type`` and row length ``cols``): the views. ``register``: the rows' length joins
         ``_digit_cols`` (a layer's K-quant weight)."""
@@ -506,9 +504,6 @@ class CUDABackend:
         for n in rows:
             views.append(QTensor(data[r * rb:(r + n) * rb], ggml_type, (n, cols), rb, parent=parent, row0=r))
             r += n
-        if bs is not None and any(b is not None for b in bs):
-            parent.bias = cp.concatenate([cp.zeros(n, cp.float32) if b is None else cp.asarray(b, cp.float32).reshape(-1)
-                                          for b, n in zip(bs, rows)])
         if register and ggml_type in IMMA_TYPES:
             self._digit_cols.add(cols)
         return views
@@ -585,8 +580,8 @@ class CUDABackend:
     def mul_mat_split(self, x, ws, bs=None) -> list:
         """``[x @ w.T + b for w, b in zip(ws, bs)]`` (``bs`` None: no biases; a None bias: none),
         each ``[n, rows_i]`` float32. Consecutive views covering one fused weight (``fuse_rows``)
-        run as one product plus one add of the fused bias (which must be the concatenation of
-        theirs), and come back as column slices of its output (contiguous for one row); prompt
+        run as one product and come back as column slices of its output (contiguous for one row;
+        a bias makes its slice a new array); prompt
         chunks (more than ``GEMV_MAX_TOKENS`` rows) take the weights one by one."""
         bs = list(bs) if bs is not None else [None] * len(ws)
         out, i = [], 0
@@ -598,14 +593,12 @@ class CUDABackend:
                 out.append(y if bs[i] is None else y + bs[i])
                 i = j
                 continue
-            P = ws[i].parent
-            y = self.mul_mat(x, P)
-            if any(b is not None for b in bs[i:j]):
-                y = y + P.bias
+            y = self.mul_mat(x, ws[i].parent)
             n = y.shape[0]
-            for w in ws[i:j]:
+            for w, bias in zip(ws[i:j], bs[i:j]):
                 a, b = w.row0, w.row0 + w.shape[0]
-                out.append(y.reshape(-1)[a:b].reshape(1, -1) if n == 1 else y[:, a:b])
+                part = y.reshape(-1)[a:b].reshape(1, -1) if n == 1 else y[:, a:b]
+                out.append(part if bias is None else part + bias)
             i = j
         return out
 
