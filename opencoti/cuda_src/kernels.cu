@@ -281,6 +281,20 @@ extern "C" __global__ void split_f16_rows(const float* __restrict__ x, u16* __re
 // rest), so that every load of the row is issued before the first sum needs it (a strided loop
 // waited for each load in turn: ~13 us for one 3,584-float row on the H200).
 #define NV 8
+// The one-row norms' digit epilogue: the row's values v[k] * r * w[k] (NV per thread, element
+// threadIdx.x + k * blockDim.x; n <= NV * blockDim) through shared memory (4 n bytes of dynamic
+// shared memory) into digits.cuh's digits_row. Every thread of the block calls it.
+__device__ __forceinline__ void norm_row_digits(const float (&v)[NV], float r, const float (&w)[NV], int n, int ncp,
+                                                int D, i8* __restrict__ xq, float* __restrict__ xs,
+                                                i8* __restrict__ xm) {
+    extern __shared__ float row_sh[];
+    const int t = threadIdx.x, bd = blockDim.x;
+#pragma unroll
+    for (int k = 0; k < NV; k++)
+        if (t + k * bd < n) row_sh[t + k * bd] = v[k] * r * w[k];
+    __syncthreads();
+    digits_row(row_sh, n, ncp, D, xq, xs, xm);
+}
 // y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n. With xq (one row,
 // n a multiple of 256, at most NV * blockDim; 4 n bytes of dynamic shared memory): y's digit
 // columns for gemv_int.cu too (digits.cuh digits_row; D digit columns of ncp), so the integer
@@ -309,14 +323,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
         if (i < n) yr[i] = v[k] * r * wv[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) yr[i] = xr[i] * r * (w ? w[i] : 1.f);
-    if (xq) {  // one row of n <= NV * blockDim: its values through shared memory (4 n bytes)
-        extern __shared__ float row_sh[];
-#pragma unroll
-        for (int k = 0; k < NV; k++)
-            if (t + k * bd < n) row_sh[t + k * bd] = v[k] * r * wv[k];
-        __syncthreads();
-        digits_row(row_sh, n, ncp, D, xq, xs, xm);
-    }
+    if (xq) norm_row_digits(v, r, wv, n, ncp, D, xq, xs, xm);
 }
 
 // x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
@@ -366,14 +373,7 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
         if (i < n) h_out[o + i] = xv[k] * r2 * wn[k];
     }
     for (int i = t + NV * bd; i < n; i += bd) h_out[o + i] = x_out[o + i] * r2 * w_next[i];
-    if (xq) {  // as rms_norm's
-        extern __shared__ float row_sh[];
-#pragma unroll
-        for (int k = 0; k < NV; k++)
-            if (t + k * bd < n) row_sh[t + k * bd] = xv[k] * r2 * wn[k];
-        __syncthreads();
-        digits_row(row_sh, n, ncp, D, xq, xs, xm);
-    }
+    if (xq) norm_row_digits(xv, r2, wn, n, ncp, D, xq, xs, xm);
 }
 
 // RoPE (ggml_rope_ext) on x [T, H, D]: grid = T*H rows (rope.cuh rope_row).
