@@ -191,9 +191,36 @@ def test_errors(engine, model):
     assert isinstance(ev, ErrorEvent) and ev.type == "exceed_context_size_error"
     _, _, ev = run(engine, [10**9])
     assert isinstance(ev, ErrorEvent) and ev.status == 400
+    _, _, ev = run(engine, [2, "bad", 818])  # a token that is not an integer (it used to kill the engine thread)
+    assert isinstance(ev, ErrorEvent) and ev.status == 400 and "'bad'" in ev.message
     # the engine still serves afterwards
     text, _, fin = run(engine, [2, 818], n_predict=2, sampling=GREEDY)
     assert isinstance(fin, FinishEvent) and fin.n_predicted == 2
+
+
+def test_failure_accepting_a_request_fails_only_that_request(engine, model, monkeypatch):
+    """An unexpected exception while the engine accepts a request (here: from the admission
+    gate) answers that request with a 500 and leaves the engine and a running session serving."""
+    toks = model.tokenizer.tokenize("The sky is", add_special=True)
+    want = run(engine, toks, n_predict=16, sampling=GREEDY, cache_prompt=False)[1]
+    admit = engine._admit
+
+    def flaky(h):
+        if h.request.n_predict == 3:
+            raise RuntimeError("admission bug (test)")
+        return admit(h)
+
+    monkeypatch.setattr(engine, "_admit", flaky)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("a", run(engine, toks, n_predict=16, sampling=GREEDY,
+                                                                   cache_prompt=False)))
+    t.start()
+    _, _, ev = run(engine, toks, n_predict=3, sampling=GREEDY)
+    t.join()
+    assert isinstance(ev, ErrorEvent) and ev.status == 500 and "admission bug" in ev.message
+    assert out["a"][1] == want and isinstance(out["a"][2], FinishEvent)
+    monkeypatch.setattr(engine, "_admit", admit)
+    assert isinstance(run(engine, toks, n_predict=2, sampling=GREEDY)[2], FinishEvent)
 
 
 def test_context_limit_truncates(model):

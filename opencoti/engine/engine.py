@@ -278,7 +278,7 @@ class Engine:
                     if isinstance(h, _Control):
                         h.run(self)
                     else:
-                        self._accept(h)
+                        self._accept_guarded(h)
                     h = self._queue.get_nowait()
             except queue.Empty:
                 pass
@@ -369,6 +369,9 @@ class Engine:
         if n == 0:
             return ErrorEvent(400, "invalid_request_error", "the prompt is empty")
         n_vocab = self.model.hparams.n_vocab
+        bad = [t for t in req.prompt_tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if bad:
+            return ErrorEvent(400, "invalid_request_error", f"token {bad[0]!r} is not an integer token id")
         bad = [t for t in req.prompt_tokens if not (0 <= t < n_vocab)]
         if bad:
             return ErrorEvent(400, "invalid_request_error", f"token id {bad[0]} out of range [0, {n_vocab})")
@@ -425,6 +428,16 @@ class Engine:
         return min(free, key=lambda s: s.t_last_used)
 
     # -- admission (KV gate) ---------------------------------------------------------------
+    def _accept_guarded(self, h: RequestHandle) -> None:
+        """``_accept``, where an unexpected exception fails only this request (500), never the
+        engine thread and the other sessions."""
+        try:
+            self._accept(h)
+        except Exception as e:
+            log.exception("engine: accepting a request failed")
+            if not h.done:
+                h.push(ErrorEvent(500, "server_error", f"internal error: {type(e).__name__}: {e}"))
+
     def _accept(self, h: RequestHandle) -> None:
         """A new request: validate, pass the KV admission gate, queue it."""
         err = self._validate(h)
