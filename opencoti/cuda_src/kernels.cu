@@ -392,16 +392,8 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
 // The rest: k head rows, rotated (k_norm first) and stored as f16 into K at the token's cell
 // (flat index cell[t]; row layout [n_kv][D]), with the same head's V row (dv values) into V:
 // the bits of rope + rope + kv_write.
-extern "C" __global__ void rope_kv_write(const float* q, const float* k, const float* v, const float* bq,
-                                         const float* bk, const float* bv, long long ldq, long long ldk, long long ldv,
-                                         const int* __restrict__ pos,
-                                         float* __restrict__ q_out, u16* __restrict__ K, u16* __restrict__ V,
-                                         const int* __restrict__ cell, int T, int Hq, int Hk, int D, int dv,
-                                         int n_rot, float base, float freq_scale, int mode,
-                                         const float* __restrict__ ff, const float* __restrict__ q_norm,
-                                         const float* __restrict__ k_norm, float eps, float ext_factor,
-                                         float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
-    const QKVIn in{q, k, v, bq, bk, bv, ldq, ldk, ldv};
+extern "C" __global__ void rope_kv_write(ROPE_KV_WRITE_PARAMS(u16)) { GRID_DEP_WAIT();
+    const QKVIn in = ROPE_KV_WRITE_IN;
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
     long long row;

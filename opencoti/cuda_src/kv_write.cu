@@ -317,16 +317,8 @@ __device__ __forceinline__ long long tier_row_bytes(int t, int n) {
     }
 }
 
-extern "C" __global__ void rope_kv_write_q(const float* q, const float* k, const float* v, const float* bq,
-                                           const float* bk, const float* bv, long long ldq, long long ldk, long long ldv,
-                                           const int* __restrict__ pos,
-                                           float* __restrict__ q_out, u8* __restrict__ K, u8* __restrict__ V,
-                                           const int* __restrict__ cell, int T, int Hq, int Hk, int D, int dv,
-                                           int n_rot, float base, float freq_scale, int mode,
-                                           const float* __restrict__ ff, const float* __restrict__ q_norm,
-                                           const float* __restrict__ k_norm, float eps, float ext_factor,
-                                           float corr_lo, float corr_hi, float mscale, int tk, int tv) { GRID_DEP_WAIT();
-    const QKVIn in{q, k, v, bq, bk, bv, ldq, ldk, ldv};
+extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8), int tk, int tv) { GRID_DEP_WAIT();
+    const QKVIn in = ROPE_KV_WRITE_IN;
     extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
     __shared__ float sh[32];
     long long row;

@@ -100,6 +100,17 @@ struct QKVIn {
     }
 };
 
+// The fused rope + KV store kernels' parameters (kernels.cu rope_kv_write: KV_T u16, f16 rows;
+// kv_write.cu rope_kv_write_q: u8, tier rows, then its tier indices), one list for both, and the
+// QKVIn they build from the first nine.
+#define ROPE_KV_WRITE_PARAMS(KV_T)                                                                                   \
+    const float *q, const float *k, const float *v, const float *bq, const float *bk, const float *bv, long long ldq, \
+        long long ldk, long long ldv, const int *__restrict__ pos, float *__restrict__ q_out, KV_T *__restrict__ K,    \
+        KV_T *__restrict__ V, const int *__restrict__ cell, int T, int Hq, int Hk, int D, int dv, int n_rot,         \
+        float base, float freq_scale, int mode, const float *__restrict__ ff, const float *__restrict__ q_norm,      \
+        const float *__restrict__ k_norm, float eps, float ext_factor, float corr_lo, float corr_hi, float mscale
+#define ROPE_KV_WRITE_IN QKVIn{q, k, v, bq, bk, bv, ldq, ldk, ldv}
+
 // The fused rope + KV store kernels' block roles (grid T * (Hq + Hk)): blocks [0, T * Hq) rotate
 // one q head row into q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the
 // others return false with kv_row = their (token, kv head) row, token kv_row / Hk.

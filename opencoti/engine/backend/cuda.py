@@ -852,7 +852,7 @@ class CUDABackend:
         a = 1 if act == "gelu_tanh" else 0
         P = gate.parent if self._fused_run([gate, up], 0) == 2 else None
         n = x.shape[0]
-        if P is not None and n <= GEMV_MAX_TOKENS and not (n == 1 and not self._imma(1, P, x is self._digits_of[0])):
+        if P is not None and n <= GEMV_MAX_TOKENS and (n > 1 or self._imma(1, P, x is self._digits_of[0])):
             # gate and up fused (fuse_rows): one product [n, 2 n_ff] (one-token float GEMVs keep gemv_gated)
             x = cp.ascontiguousarray(x, dtype=cp.float32)
             gu = self.mul_mat(x, P)
@@ -911,9 +911,9 @@ class CUDABackend:
         rows = x.size // n
         y = cp.empty_like(x)
         nt = _row_threads(n)
-        dg = self._row_digits(y) if y.ndim == 2 and n <= 8 * nt else _NO_DIGITS  # kernels.cu NV = 8 per thread
+        dg, smem = self._norm_digits(y, nt)
         self._fn("k", "rms_norm")((rows,), (nt,), (x, w if w is not None else _NULL, y, np.int32(n), np.float32(eps)) + dg,
-                                  shared_mem=4 * n if dg[0] is not _NULL else 0)
+                                  shared_mem=smem)
         return y
 
     def add_rms_norm(self, x, h, w_post, w_next, eps: float):
@@ -927,13 +927,22 @@ class CUDABackend:
         xo = cp.empty_like(x)
         ho = cp.empty_like(x) if w_next is not None else None
         nt = _row_threads(n)
-        dg = self._row_digits(ho) if ho is not None and ho.ndim == 2 and n <= 8 * nt else _NO_DIGITS
+        dg, smem = self._norm_digits(ho, nt)
         self._fn("k", "post_norm_add_norm")((rows,), (nt,),
                                             (x, h, w_post if w_post is not None else _NULL,
                                              w_next if w_next is not None else _NULL, xo,
                                              ho if ho is not None else _NULL, np.int32(n), np.float32(eps)) + dg,
-                                            shared_mem=4 * n if dg[0] is not _NULL else 0)
+                                            shared_mem=smem)
         return xo, ho
+
+    def _norm_digits(self, y, nt: int) -> tuple:
+        """``_row_digits`` of a row kernel's output ``y`` (rms_norm, post_norm_add_norm: ``nt``
+        threads holding kernels.cu's NV = 8 values each, staged through 4 bytes of shared memory
+        per value for the digits): ``(trailing arguments, dynamic shared memory bytes)``."""
+        if y is None or y.ndim != 2 or y.shape[1] > 8 * nt:
+            return _NO_DIGITS, 0
+        dg = self._row_digits(y)
+        return dg, (4 * y.shape[1] if dg[0] is not _NULL else 0)
 
     def _unary(self, name: str, x):
         cp = self.cp
