@@ -5,9 +5,10 @@
 One query row (a decode step of one sequence) over N cells of f16 K/V, for two head layouts
 (Qwen2.5-7B: 28 query heads, 4 KV heads, head dim 128; gemma-3-270m: 4 / 1 / 256), timed
 inside a captured CUDA graph (``bench_gemv._graph_time``): ``attn_partial`` for each split count
-(those with >= 8 cells per split), plus ``attn_merge`` when it splits. Prints one row per
-(layout, N): us per call for each split count; the backend picks its count in
-``CUDABackend._attn_splits``.
+(those with >= 8 cells per split), plus ``attn_merge`` when it splits, and the same for the
+streaming kernel ``attn_stream`` (head dims 64-256). Prints one row per (kernel, layout, N): us
+per call for each split count and the K/V bytes per second of the best; the backend picks its
+counts in ``CUDABackend._attn_splits`` / ``_attn_stream_splits``.
 """
 
 from __future__ import annotations
@@ -43,32 +44,44 @@ def main() -> None:
     for name in a.layouts.split(";"):
         H, nkv, D, g = LAYOUTS[name.strip()]
         print(f"{name}: {H} heads, {nkv} kv heads, head dim {D}\n")
-        print("| cells | " + " | ".join(f"s{s}" for s in splits) + " |")
-        print("| ---: |" + " ---: |" * len(splits))
-        fn, merge = be._fn("a", f"attn_partial_d{D}_g{g}"), be._fn("a", "attn_merge")
+        print("| kernel | cells | " + " | ".join(f"s{s}" for s in splits) + " | GB/s (best) |")
+        print("| --- | ---: |" + " ---: |" * (len(splits) + 1))
+        fns = {"partial": (be._fn("a", f"attn_partial_d{D}_g{g}"), nkv * -(-H // nkv // g), 0)}
+        if D in cu.AS_HEAD_DIMS:
+            smem = cu._as_smem(D, 2 * D, 2 * D)
+            fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}", smem), nkv * -(-H // nkv // 16), smem)
+        merge = be._fn("a", "attn_merge")
         for L in (int(v) for v in a.cells.split(",")):
             q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
             K = (cp.random.standard_normal((L, nkv, D), dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint16)
             V = cp.random.standard_normal((L, nkv, D), dtype=cp.float32).astype(cp.float16).view(cp.uint16)
             qpos, rv, vo = cp.array([L], cp.int32), cp.zeros(1, cp.int32), cp.array([0, L], cp.int32)
             cells, cpos = cp.arange(L, dtype=cp.int32), cp.arange(L, dtype=cp.int32)
-            row = []
-            for ns in splits:
-                if ns > max(1, L // 8):
-                    row.append("")
-                    continue
-                out = cp.empty((1, H * D), cp.float32)
-                pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
+            for kname, (fn, gy, smem) in fns.items():
+                row, best = [], None
+                for ns in splits:
+                    if ns > max(1, L // 8):
+                        row.append("")
+                        continue
+                    out = cp.empty((1, H * D), cp.float32)
+                    pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
 
-                def call(ns=ns, out=out, pa=pa, pm=pm):
-                    fn((1, nkv * -(-H // nkv // g), ns), (128,),
-                       (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
-                        np.int32(0), np.float32(0), np.int32(ns), out, pa, pm))
-                    if ns > 1:
-                        merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
+                    def call(ns=ns, out=out, pa=pa, pm=pm, fn=fn, gy=gy, smem=smem):
+                        fn((1, gy, ns), (128,),
+                           (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
+                            np.int32(0), np.float32(0), np.int32(ns), out, pa, pm), shared_mem=smem)
+                        if ns > 1:
+                            merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
 
-                row.append(f"{_graph_time(cp, call, a.reps):.1f}")
-            print(f"| {L:,} | " + " | ".join(row) + " |", flush=True)
+                    us = _graph_time(cp, call, a.reps)
+                    best = us if best is None else min(best, us)
+                    row.append(f"{us:.1f}")
+                gbs = 2 * L * nkv * D * 2 / (best * 1e3)  # K and V bytes per microsecond -> GB/s
+                print(f"| {kname} | {L:,} | " + " | ".join(row) + f" | {gbs:,.0f} |", flush=True)
+        if "stream" in fns:
+            print("\nthe backend's stream split count at each length: "
+                  + ", ".join(f"{L:,}: s{be._attn_stream_splits(L, nkv * -(-H // nkv // 16), 1, smem)}"
+                              for L in (int(v) for v in a.cells.split(","))))
         print()
 
 

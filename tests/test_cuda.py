@@ -682,6 +682,56 @@ def test_attention_cells(gpu, cpu, d, n_head, n_kv, n_swa, softcap, n_ctx):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (128, 28, 4), (64, 6, 6), (128, 16, 1), (64, 40, 2)])
+@pytest.mark.parametrize("n_swa,softcap", [(0, 0.0), (37, 0.0), (0, 50.0)])
+@pytest.mark.parametrize("n_split", [1, 3, 40])
+def test_stream_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa, softcap, n_split):
+    """The streaming decode kernel (attention.cu attn_stream_d<D>, taken for long rows) equals the
+    CPU's attention: 5 rows of two sequences (1,460 cells in shuffled places, and 40), causal,
+    sliding window, softcap, 1, 3 or 40 splits (40: splits of under one tile, and empty ones for
+    the 40-cell row), up to 16 query heads per block (20 per kv head: a second, partial block).
+    Row 2's query is 1e6 times the others (|q * scale| beyond the f16 range): it is staged scaled
+    by a power of two and its scores scaled back."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(5)
+    cc, plan, ub_pos = _cache_with_two_seqs(n_kv, d, 1500, rng, np.zeros)
+    k_all = rng.standard_normal(cc.k[0].shape).astype(np.float16)
+    v_all = rng.standard_normal(cc.v[0].shape).astype(np.float16)
+    q = rng.standard_normal((5, n_head, d)).astype(np.float32)
+    q[2] *= 1e6
+    scale = 1 / np.sqrt(d)
+    want = cpu.attention_cells(q, ub_pos, k_all, v_all, plan, scale, n_swa, softcap)
+    monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 1)
+    monkeypatch.setattr(gpu, "_attn_stream_splits", lambda *a: n_split)
+    launched = []
+    orig = gpu._big_smem_fn
+    monkeypatch.setattr(gpu, "_big_smem_fn", lambda mod, name, smem: launched.append(name) or orig(mod, name, smem))
+    got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(k_all), cp.asarray(v_all), plan,
+                                         scale, n_swa, softcap))
+    assert launched == [f"attn_stream_d{d}"]
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_stream_attention_splits(gpu):
+    """attn_stream's split count: about ATTN_STREAM_WAVES waves of resident blocks, splits of at
+    least ATTN_STREAM_MIN_SPLIT cells of the mean row, ATTN_MAX_SPLITS at most, 1 at least."""
+    from opencoti.engine.backend import cuda as cu
+
+    smem = cu._as_smem(128, 256, 256)
+    per_sm = gpu.smem_per_sm // (smem + 1024)
+    assert per_sm >= 1
+    want = -(-int(cu.ATTN_STREAM_WAVES * gpu.n_sm * per_sm) // 4)
+    assert gpu._attn_stream_splits(32768, 4, 1, smem) == min(want, 32768 // cu.ATTN_STREAM_MIN_SPLIT,
+                                                             cu.ATTN_MAX_SPLITS)
+    assert gpu._attn_stream_splits(300, 4, 1, smem) == 1
+    assert gpu._attn_stream_splits(32768, 4, 64, smem) == 2  # 64 rows of 512 cells
+    smem = cu._as_smem(64, 128, 128)
+    per_sm = gpu.smem_per_sm // (smem + 1024)
+    assert gpu._attn_stream_splits(1 << 24, 1, 1, smem) == min(int(cu.ATTN_STREAM_WAVES * gpu.n_sm * per_sm),
+                                                               cu.ATTN_MAX_SPLITS)
+
+
 @pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (128, 28, 4), (64, 6, 6), (32, 3, 1)])
 @pytest.mark.parametrize("n_swa,softcap", [(0, 0.0), (37, 0.0), (0, 50.0)])
 @pytest.mark.parametrize("n_prior", [0, 700])
@@ -1339,19 +1389,33 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
     cc, plan, ub_pos = _cache_with_two_seqs(n_kv, d, n_ctx, rng, np.zeros)
     kq, vq = _tier_stores(rng, cc, tk, tv)
     q = rng.standard_normal((5, n_head, d)).astype(np.float32)
+    q[2] *= 1e6  # |q * scale| past f16's range: the streaming kernel stages it scaled (a one-hot row)
     scale = 1 / np.sqrt(d)
     Tk, Tv = get_tier(tk), get_tier(tv)
     want = cpu.attention_cells(q, ub_pos, kq, vq, plan, scale, n_swa, softcap, type_k=Tk, type_v=Tv)
     from opencoti.engine.backend import cuda as cu
 
-    # both kernels: a lane per cell (no split short enough) and several lanes per cell (every split)
-    for lanes_cells in (0, 1 << 30):
+    # the three kernels: a lane per cell (no split short enough), several lanes per cell (every
+    # split), and the streaming one (every row long; one split and three) where the rows allow it
+    # (head size <= 256, rows of a multiple of 4 bytes, not f32 / bf16)
+    rb_ok = ((kq.shape[-1] * kq.dtype.itemsize) % 4 == 0 and (vq.shape[-1] * vq.dtype.itemsize) % 4 == 0
+             and not {tk, tv} & {"f32", "bf16"})
+    for label, lanes_cells, stream_cells, n_split in (("a lane per cell", 0, 0, 0), ("lanes per cell", 1 << 30, 0, 0),
+                                                      ("stream", 0, 1, 1), ("stream, 3 splits", 0, 1, 3)):
+        streamed = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cu, "ATTN_KV_LANES_CELLS", lanes_cells)
+            mp.setattr(cu, "ATTN_STREAM_CELLS", stream_cells)
+            if n_split:
+                mp.setattr(gpu, "_attn_stream_splits", lambda *a, n=n_split: n)
+            orig = gpu._kv_attn_fn
+            mp.setattr(gpu, "_kv_attn_fn", lambda *a, **kw: streamed.append(kw.get("smem", 0) > 0) or orig(*a, **kw))
             got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan,
                                                  scale, n_swa, softcap, type_k=Tk, type_v=Tv))
         assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, **KV_TOL, err_msg=f"lanes per cell: {lanes_cells > 0}")
+        np.testing.assert_allclose(got, want, **KV_TOL, err_msg=label)
+        if (tk, tv) != ("f16", "f16"):  # f16 / f16 takes the f16 kernels (test_stream_attention_matches)
+            assert streamed == [bool(stream_cells) and d <= 256 and rb_ok], label
 
 
 @pytest.mark.parametrize("n_swa,softcap,n_ctx", _KV_MASKS)

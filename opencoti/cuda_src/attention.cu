@@ -18,6 +18,7 @@
 // attn_merge combines by log-sum-exp (Dao et al., flash-decoding).
 #include "quants.cuh"
 #include "lse_merge.cuh"
+#include "attn_stream.cuh"
 
 #define NWARP 4
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -202,14 +203,7 @@ __device__ __forceinline__ void attn_partial_impl(
     __shared__ float s_acc[NWARP][MAXG][D];
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
     merge_warps<D, MAXG, E>(acc, m, l, Gb, warp, lane, s_acc, s_m, s_l, [&](int g, int d, float M, float L, float A) {
-        int h = kh * G + g0 + g;
-        if (n_split == 1) {
-            out[((long long)r * n_head + h) * D + d] = L > 0.f ? A / L : 0.f;
-        } else {
-            long long pi = ((long long)r * n_head + h) * n_split + sp;
-            part_acc[pi * D + d] = A;
-            if (d == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
-        }
+        store_head(out, part_acc, part_ml, r, n_head, kh * G + g0 + g, D, d, n_split, sp, M, L, A);
     });
 }
 
@@ -238,6 +232,26 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
         out[rh * D + d] = L > 0.f ? A / L : 0.f;
     }
 }
+// attn_stream_d<D>: attn_partial's partials for long rows, K / V streamed through shared memory
+// (attn_stream.cuh) from f16 rows
+template <int D>
+struct AsF16 {
+    static constexpr int RB = 2 * D, CA = 16, NT = 0;
+    static constexpr bool F16 = true;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float dec(const u32*, int, const float*) { return 0.f; }  // unused: F16
+    static __device__ __forceinline__ void rotate(float*, int, bool) {}
+    static constexpr bool ROT = false;
+};
+#define DEF_ATTN_STREAM(D)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attn_stream_d##D(                                       \
+        const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
+        const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
+        attn_stream_impl<D, AsF16<D>, AsF16<D>>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head,  \
+                                                n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
+DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
+
 #endif  // KV_TK
 
 #ifdef KV_TK
@@ -412,6 +426,39 @@ __device__ __forceinline__ void attn_kv_impl(
             else part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = s_acc[0][g][d];
         }
     }
+}
+
+// attn_kv_stream: attn_stream_impl over the module's tiers (long rows): each tier row is copied
+// as its bytes (kv_align chunks, at least 4 bytes: head sizes whose rows are only 2-aligned keep
+// attn_kv_g*) and decoded into the MMA fragments, value by value, as float32 split into f16
+// hi + lo (a third product per tile: hi * hi + lo * hi + hi * lo). Rotated tiers rotate the
+// queries and un-rotate the output as attn_kv_impl does.
+template <class T, int D>
+struct AsTier {
+    static constexpr int RB = D / T::BS * T::BB, CA = kv_align(RB) > 16 ? 16 : kv_align(RB), NT = T::NT;
+    static constexpr bool F16 = false, ROT = T::ROT != 0;
+    static __device__ __forceinline__ const float* tab() { return T::tab(); }
+    // value i of a row whose bytes start at w (4-aligned): scale * code (+ min)
+    static __device__ __forceinline__ float dec(const u32* w, int i, const float* t) {
+        const int b = i / T::BS, j = i % T::BS;
+        float v = T::scale(w, b) * T::code(w, b, j, t);
+        if constexpr (T::HASMIN != 0) v += T::mn(w, b);
+        return v;
+    }
+    static __device__ __forceinline__ void rotate(float* rows, int n, bool inverse) {
+        fwht_shared<D>(rows, n, inverse, false);
+    }
+};
+// defined for every module, launched only where its rows allow (cuda.py stream_ok: head size <=
+// 256, both rows' bytes a multiple of 4)
+constexpr bool AS_KV_OK = KV_D <= 256 && AsTier<KV_TK, KV_D>::RB % 4 == 0 && AsTier<KV_TV, KV_D>::RB % 4 == 0;
+extern "C" __global__ void __launch_bounds__(128) attn_kv_stream(
+    const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,
+    const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,
+    float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();
+    if constexpr (AS_KV_OK)
+        attn_stream_impl<KV_D, AsTier<KV_TK, KV_D>, AsTier<KV_TV, KV_D>>(q, q_pos, row_view, view_off, cells,
+            cell_pos, K, V, n_head, n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml);
 }
 
 #define DEF_ATTN_KV1(G, NAME, LPC)                                                                             \

@@ -45,16 +45,9 @@
 #include "quants.cuh"
 #include "digits.cuh"
 #include "mma.cuh"
+#include "async_copy.cuh"
 
 #define FULL 0xffffffffu
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // x [T, K] f32 -> digits (layout above). grid = (K / 256, (ncp / CW) * ceil(CW / D)), 32 threads:
 // one warp per (super-block, a token's D columns); a lane quantizes 8 consecutive elements.

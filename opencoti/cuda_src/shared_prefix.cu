@@ -30,24 +30,11 @@
 #include "quants.cuh"
 #include "lse_merge.cuh"
 #include "mma.cuh"
+#include "f16_split.cuh"
 
 #define SP_NW 4
 #define SP_QT (16 * SP_NW)
 #define SP_NEG_INF (-__int_as_float(0x7f800000))
-
-__device__ __forceinline__ u16 sp_f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-// (hi, lo) f16x2 pairs of two floats (a in the low half: the lower column index)
-__device__ __forceinline__ void sp_split2(float a, float b, u32& hi, u32& lo) {
-    u16 ah = sp_f2h(a), bh = sp_f2h(b);
-    u16 al = sp_f2h(a - h2f(ah)), bl = sp_f2h(b - h2f(bh));
-    hi = (u32)ah | ((u32)bh << 16);
-    lo = (u32)al | ((u32)bl << 16);
-}
 
 template <int D, int CT>
 __device__ __forceinline__ void sp_attn_impl(
@@ -85,9 +72,7 @@ __device__ __forceinline__ void sp_attn_impl(
         }
 #pragma unroll
         for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        // mx >= 2^14 (inf included): e = exponent(mx) - 13, so mx * 2^-e < 2^15
-        int e = mx >= 16384.f ? ((__float_as_int(mx) >> 23) & 0xff) - 127 - 13 : 0;
-        if (lane == 0) s_qup[qi] = __int_as_float((127 + e) << 23);
+        if (lane == 0) s_qup[qi] = sp_stage_factor(mx);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < SP_QT * D; i += blockDim.x) {

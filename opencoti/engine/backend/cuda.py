@@ -187,6 +187,17 @@ SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
 # (_attention_prefill); OPENCOTI_CUDA_PREFILL_TC_ATTN=0: attention.cu's per-row kernel
 PREFILL_TC_ATTN = os.environ.get("OPENCOTI_CUDA_PREFILL_TC_ATTN", "1") != "0"
 PREFILL_TC_ROWS = 16  # query rows per sequence (mean over the ubatch) from which that path is taken
+# decode attention over long rows, f16 K/V (attention.cu attn_stream_d<D>: K / V tiles streamed
+# through shared memory with cp.async, tensor-core products): taken when the rows' cells average
+# at least ATTN_STREAM_CELLS (0: never); its splits give about ATTN_STREAM_WAVES waves of resident
+# blocks, each at least ATTN_STREAM_MIN_SPLIT cells (half a wave measured best on the H200,
+# bench_attn: Qwen2.5-7B heads at 32k cells 34.3 us with 32 splits, 37.8 with 64; gemma-3-270m's
+# 35.3 with 64, 36.1 with 128: fewer, longer splits pay less prologue and merge)
+ATTN_STREAM_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_CELLS", "2048"))
+ATTN_STREAM_WAVES = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_WAVES", "0.5"))
+ATTN_STREAM_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_MIN_SPLIT", "256"))
+AS_CT = 64  # cells per tile (attention.cu AS_CT)
+AS_HEAD_DIMS = (64, 128, 256)
 
 
 def imma_digits(n: int, decode: bool) -> int:
@@ -207,6 +218,20 @@ def _sp_smem(d: int) -> int:
     """Dynamic shared memory bytes of ``sp_attn_d<d>`` (shared_prefix.cu ``SP_SMEM``)."""
     ct = SP_TILE[d]
     return (2 * SP_QT + 2 * ct) * (d + 8) * 2 + 4 * (ct + 2 * SP_QT)
+
+
+def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: bool = False, tab_v: bool = False) -> int:
+    """Dynamic shared memory bytes of attention.cu's streaming kernels at head size ``d`` for K /
+    V rows of ``rb_k`` / ``rb_v`` bytes, ``tab_k`` / ``tab_v`` where that tier decodes through a
+    code table (attn_stream.cuh ``AsLayout::BYTES``)."""
+    def srb(rb: int) -> int:  # as_srb: 16-aligned, an odd multiple of 16
+        a = -(-rb // 16) * 16
+        return a + 16 if a % 32 == 0 else a
+
+    sb = AS_CT * (srb(rb_k) + srb(rb_v))
+    ns = 3 if 3 * sb <= 110592 else 2
+    return (2 * 16 * (d + 8) * 2 + max(ns * sb, 4 * 16 * d * 4 + 2 * 4 * 16 * 4) + ns * AS_CT * 4 + 64
+            + 1024 * (int(tab_k) + int(tab_v)))
 
 
 def _bucket(n: int) -> int:
@@ -1602,18 +1627,21 @@ class CUDABackend:
         x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
         self._kv_quant(store, tier, x, self._flat_cells(store, stream, cells))
 
-    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int, lanes: bool = False):
+    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int, lanes: bool = False, smem: int = 0):
         """The tier attention kernel of (K tier, V tier, head size) for ``g`` query heads per
         block: ``attn_kv_g<g>`` (a lane per cell) or, ``lanes``, ``attn_kv_g<g>_l`` (up to 4
-        lanes per cell: short splits)."""
+        lanes per cell: short splits); with ``smem`` (its dynamic shared memory bytes) the
+        streaming ``attn_kv_stream`` instead (long rows)."""
         key = ("kva", tk, tv, d)
         m = self._kv_mods.get(key)
         if m is None:
             m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d), f"attn_{tk}_{tv}_d{d}")
-        fkey = key + (g, lanes)
+        fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
         if f is None:
-            f = self._fns[fkey] = self._kernel(m, f"attn_kv_g{g}" + ("_l" if lanes else ""))
+            f = self._fns[fkey] = self._kernel(m, "attn_kv_stream" if smem else f"attn_kv_g{g}" + ("_l" if lanes else ""))
+            if smem > 48 * 1024:
+                f.max_dynamic_shared_size_bytes = smem
         return f
 
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
@@ -1623,7 +1651,9 @@ class CUDABackend:
         ``[n_stream, n_cells, n_head_kv, row]`` in their tiers ``type_k`` / ``type_v``
         (``KVTier``; None = f16 storage). f16 / f16 runs the f16 kernels; any other pair the
         tier-generic kernel (module per pair and head size, compiled on first use), which
-        needs head size 64, 128, 256 or 512. Masks as ``CPUBackend.attention``. Returns
+        needs head size 64, 128, 256 or 512. Rows of ATTN_STREAM_CELLS cells or more (the
+        mean) take the streaming kernel (attn_stream.cuh; head sizes 64-256, rows of a
+        multiple of 4 bytes, not the f32 / bf16 tiers). Masks as ``CPUBackend.attention``. Returns
         ``[T, n_head * d]`` float32. Raises ``ValueError`` for a tier without kernels."""
         cp = self.cp
         tk = self._kv_tier(type_k, k_store, "attention_cells")
@@ -1653,7 +1683,19 @@ class CUDABackend:
                 and not quant and not self._capturing):
             return self._attention_prefill(q, q_pos, k_store, v_store, plan, meta, scale, n_swa, softcap)
         out = cp.empty((T, H * D), dtype=cp.float32)
-        n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
+        # long rows (eager: the longest row's cells / T; in a graph: the bucket of all rows' cells /
+        # T, the mean): the streaming kernel, for rows of a multiple of 4 bytes (its copy chunks)
+        # whose values fit f16's range (not the f32 / bf16 tiers) and a block that fits the SM
+        rb_k, rb_v = k_store.shape[3] * k_store.dtype.itemsize, v_store.shape[3] * v_store.dtype.itemsize
+        smem = _as_smem(D, rb_k, rb_v, cuda_kv.has_table(tk.name), cuda_kv.has_table(tv.name))
+        stream = (ATTN_STREAM_CELLS > 0 and D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0
+                  and not {tk.name, tv.name} & {"f32", "bf16"} and smem <= self.smem_per_block
+                  and meta["max_len"] >= ATTN_STREAM_CELLS * T)
+        if stream:
+            n_hg = -(-G // 16)
+            n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T, smem)
+        else:
+            n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
         if n_split > 1:
             part_acc = cp.empty((T * H * n_split * D,), dtype=cp.float32)
             part_ml = cp.empty((T * H * n_split * 2,), dtype=cp.float32)
@@ -1661,11 +1703,16 @@ class CUDABackend:
             part_acc = part_ml = out
         # tier kernels: splits of up to ATTN_KV_LANES_CELLS cells take several lanes per cell
         lanes = -(-meta["max_len"] // n_split) <= ATTN_KV_LANES_CELLS
-        fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
-        fn((T, n_kv * n_hg, n_split), (128,),
-           (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
-            k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
-            np.float32(softcap), np.int32(n_split), out, part_acc, part_ml))
+        args = (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
+                k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
+                np.float32(softcap), np.int32(n_split), out, part_acc, part_ml)
+        if stream:
+            fn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem) if quant else \
+                self._big_smem_fn("a", f"attn_stream_d{D}", smem)
+            fn((T, n_kv * n_hg, n_split), (128,), args, shared_mem=smem)
+        else:
+            fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
+            fn((T, n_kv * n_hg, n_split), (128,), args)
         if n_split > 1:
             self._fn("a", "attn_merge")((T, H), (min(256, D),),
                                         (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))
@@ -1749,6 +1796,17 @@ class CUDABackend:
             return lo
         want = max(-(-2 * self.n_sm // base), -(-n_cells // (ATTN_SPLIT_CELLS * max(1, rows))))
         return int(max(lo, min(n_cells // 32, want, ATTN_MAX_SPLITS)))
+
+    def _attn_stream_splits(self, n_cells: int, base: int, rows: int, smem: int) -> int:
+        """Split count of the streaming kernels (``smem`` bytes of shared memory per block) when
+        ``base`` blocks (rows x kv heads x 16-head groups) are launched per split for ``rows``
+        query rows of ``n_cells`` cells (as ``_attn_splits``): about ATTN_STREAM_WAVES waves of
+        the blocks an SM holds at once (its shared memory), splits of at least
+        ATTN_STREAM_MIN_SPLIT of the mean row's cells, at most ATTN_MAX_SPLITS, at least 1."""
+        per_sm = max(1, self.smem_per_sm // (smem + 1024))
+        want = -(-int(ATTN_STREAM_WAVES * self.n_sm * per_sm) // base)
+        longest = n_cells // (max(1, rows) * max(1, ATTN_STREAM_MIN_SPLIT))
+        return int(max(1, min(want, longest, ATTN_MAX_SPLITS)))
 
     def _attention_groups(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int, softcap: float,
                           g: int, n_hg: int):

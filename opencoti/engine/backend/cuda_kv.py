@@ -43,6 +43,12 @@ ROPE_STORE_ROTATED = ("turbo8", "turbo4", "turbo3", "turbo2")
 SCALAR_FAMILY = ("float", "scalar")
 
 
+def has_table(name: str) -> bool:
+    """Whether tier ``name``'s values decode through a code table (kv_tiers.cuh ``NT > 0``: the
+    rotated turbo and trellis tiers)."""
+    return TIER_STRUCTS[name].startswith(("KTurbo", "KTcq"))
+
+
 def _hexf(v) -> str:
     """A float32 value as an exact C hex-float literal (``0x1.8p-1f``)."""
     f = float(np.float32(v))
@@ -107,5 +113,5 @@ def write_kernel(tier, d: int) -> tuple[str, int]:
     return f"kv_quant_{s}_d{d}", 256
 
 
-__all__ = ["KV_HEAD_DIMS", "KV_TYPES", "TIER_STRUCTS", "attention_source", "tables_prefix", "write_kernel",
+__all__ = ["KV_HEAD_DIMS", "KV_TYPES", "TIER_STRUCTS", "attention_source", "has_table", "tables_prefix", "write_kernel",
            "write_source"]

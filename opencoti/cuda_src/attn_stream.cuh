@@ -1,0 +1,346 @@
+// Decode attention over long rows, K / V streamed through shared memory (attention.cu's
+// attn_stream_d<D> for f16 rows, attn_kv_stream for a KV tier pair).
+//
+// attn_partial keeps one tile of 8 cells in flight per warp (cell index -> K row -> V row, three
+// dependent round trips per tile): at 32k cells a 7B layer took ~150 us for its 67 MB of K / V
+// (0.45 TB/s, H200). Here a block (one query row, one kv head, up to 16 of its query heads, one
+// split of the row's cells: grid (T, n_kv * ceil(G / 16), n_split), 128 threads) walks its cells
+// in tiles of AS_CT. Each tile's K and V rows are copied, as their bytes, into a ring of NS
+// shared-memory stages with cp.async (two threads per row; zero-filled past the split), NS - 1
+// tiles in flight while the block computes on the oldest; a thread's next cell index is loaded
+// into a register one tile ahead. Each warp takes 16 cells of a tile: S = Q K^T and O += P V on
+// the tensor cores (mma m16n8k16) as sp_attn (shared_prefix.cu): the block's query heads are the
+// rows of one m16 tile, Q and P are split into f16 hi + lo terms (float32 accuracy,
+// f16_split.cuh), S stays in registers as P's fragments (FlashAttention-2's layout). f16 rows are
+// exact f16 operands (the V fragments by ldmatrix .trans); a tier's values are decoded (policy
+// dec(): scale * code [+ min]) and split into hi + lo too. Each warp keeps its own online softmax
+// (Milakov & Gimelshein 2018) over its cells; the four are merged at the end as attn_partial's
+// warps are. Masks, softcap and the output format (n_split == 1: normalized rows, else (acc, m,
+// l) partials for attn_merge) are attn_partial's.
+//
+// Row policy P (K and V each): RB bytes per (cell, kv head) row, copied in CA-byte chunks; F16
+// (raw f16 rows); NT table entries and tab() (copied to shared memory); dec(w, i, tab) value i
+// of a row whose bytes start at w; ROT and rotate(rows, n, inverse) (a rotated tier: the queries
+// are rotated before the split, the output un-rotated after the merge). Decoded values must lie
+// in f16's range (their hi term): cuda.py keeps the f32 / bf16 tiers on attn_kv_g*.
+#include "quants.cuh"
+#include "mma.cuh"
+#include "async_copy.cuh"
+#include "f16_split.cuh"
+
+#define AS_CT 64
+#define AS_NEG_INF (-__int_as_float(0x7f800000))
+
+// shared-memory stride of a row of rb bytes: 16-byte aligned and an odd multiple of 16, so the 8
+// rows of an MMA fragment fall in different banks
+__host__ __device__ constexpr int as_srb(int rb) {
+    return ((rb + 15) / 16 * 16) % 32 == 0 ? (rb + 15) / 16 * 16 + 16 : (rb + 15) / 16 * 16;
+}
+// byte offsets of the dynamic shared memory (cuda.py _as_smem mirrors BYTES): queries hi / lo
+// [16][D + 8] halves; NS stages of K rows [CT][SRBK] then V rows [CT][SRBV] (also the rotated
+// queries' float32 staging and the warps' merge tile); positions [NS][CT]; staging factors [16];
+// the K and V code tables, [256] each where the tier has one (TK / TV: f16 rows at D = 128 fit
+// two blocks per SM only without them)
+template <int D, int RBK, int RBV, bool TK, bool TV>
+struct AsLayout {
+    static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV), SB = AS_CT * (SRBK + SRBV);
+    static constexpr int NS = 3 * SB <= 110592 ? 3 : 2;
+    static constexpr int MS = 4 * 16 * D * 4 + 2 * 4 * 16 * 4;
+    static constexpr int R = NS * SB > MS ? NS * SB : MS;
+    static constexpr int ST = 2 * 16 * LDQ * 2, POS = ST + R, UP = POS + NS * AS_CT * 4, TAB = UP + 64;
+    static constexpr int TABV = TAB + (TK ? 256 * 4 : 0), BYTES = TABV + (TV ? 256 * 4 : 0);
+};
+
+// One (row r, head h, dim d) of a block's result from its merged max M, sum L and unnormalised
+// value A: the normalized output when the row's cells are one split, else the split's partial
+// (acc at part_acc[((r * n_head + h) * n_split + sp) * D + d], (M, L) at part_ml[2 * that index]).
+__device__ __forceinline__ void store_head(float* __restrict__ out, float* __restrict__ part_acc,
+                                           float* __restrict__ part_ml, int r, int n_head, int h, int D, int d,
+                                           int n_split, int sp, float M, float L, float A) {
+    if (n_split == 1) {
+        out[((long long)r * n_head + h) * D + d] = L > 0.f ? A / L : 0.f;
+    } else {
+        const long long pi = ((long long)r * n_head + h) * n_split + sp;
+        part_acc[pi * D + d] = A;
+        if (d == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
+    }
+}
+
+template <int D, class KP, class VP>
+__device__ __forceinline__ void attn_stream_impl(
+    const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
+    const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
+    const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
+    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    using L = AsLayout<D, KP::RB, VP::RB, (KP::NT > 0), (VP::NT > 0)>;
+    constexpr int CT = AS_CT, NS = L::NS, LDQ = L::LDQ, ND = D / 8;
+    constexpr int NCK = KP::RB / KP::CA, NCV = VP::RB / VP::CA;  // copy chunks per row
+    extern __shared__ __align__(16) unsigned char as_smem[];
+    u16* s_qh = (u16*)as_smem;
+    u16* s_ql = s_qh + 16 * LDQ;
+    u8* s_st = as_smem + L::ST;
+    int* s_pos = (int*)(as_smem + L::POS);
+    float* s_up = (float*)(as_smem + L::UP);
+    float* s_tk = (float*)(as_smem + L::TAB);
+    float* s_tv = (float*)(as_smem + L::TABV);
+
+    const int r = blockIdx.x, sp = blockIdx.z;
+    const int G = n_head / n_kv, n_hg = (G + 15) / 16;
+    const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * 16, Gb = min(16, G - g0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const int qp = q_pos[r], vw = row_view[r];
+    const int b0 = view_off[vw], len = view_off[vw + 1] - b0;
+    const int chunk = (len + n_split - 1) / n_split;
+    const int c0 = b0 + min(len, sp * chunk), c1 = min(b0 + len, c0 + chunk);
+    const int ntile = (c1 - c0 + CT - 1) / CT;
+
+    // this thread's row of every tile (two threads per row: chunks ch, ch + 2, ...), its cell
+    // index (-1 past the split)
+    const int crow = threadIdx.x >> 1, ch = threadIdx.x & 1;
+    auto cell_of = [&](int j) {
+        const int i = c0 + j * CT + crow;
+        return j < ntile && i < c1 ? cells[i] : -1;
+    };
+    int pre[NS - 1];
+#pragma unroll
+    for (int j = 0; j < NS - 1; j++) pre[j] = cell_of(j);
+    auto fill = [&](int j, int cell) {
+        u8* st = s_st + (j % NS) * L::SB;
+        const bool ok = cell >= 0;
+        if (ch == 0) cp_async_z<4>(s_pos + (j % NS) * CT + crow, cell_pos + (ok ? c0 + j * CT + crow : c0), ok);
+        const u8* kr = K + ((long long)(ok ? cell : 0) * n_kv + kh) * KP::RB;
+        const u8* vr = V + ((long long)(ok ? cell : 0) * n_kv + kh) * VP::RB;
+        u8* dk = st + crow * L::SRBK;
+        u8* dv = st + CT * L::SRBK + crow * L::SRBV;
+#pragma unroll
+        for (int u = ch; u < NCK; u += 2) cp_async_z<KP::CA>(dk + u * KP::CA, kr + u * KP::CA, ok);
+#pragma unroll
+        for (int u = ch; u < NCV; u += 2) cp_async_z<VP::CA>(dv + u * VP::CA, vr + u * VP::CA, ok);
+    };
+
+    // tables, then the heads' scaled queries (rows g >= Gb zero) as f16 hi + lo
+    if constexpr (KP::NT > 0) for (int i = threadIdx.x; i < KP::NT; i += blockDim.x) s_tk[i] = KP::tab()[i];
+    if constexpr (VP::NT > 0) for (int i = threadIdx.x; i < VP::NT; i += blockDim.x) s_tv[i] = VP::tab()[i];
+    // q * scale in float32 (rotated for a rotated K tier: q -> R q) in the stages, free until the
+    // first fill; each head's staging factor from those values; then the hi + lo split
+    float* qf = (float*)s_st;
+    for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+        const int g = i / D;
+        qf[i] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] * scale : 0.f;
+    }
+    __syncthreads();
+    if constexpr (KP::ROT) KP::rotate(qf, 16, false);
+    for (int g = warp; g < 16; g += 4) {
+        float mx = 0.f;
+        for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qf[g * D + d]));
+#pragma unroll
+        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (lane == 0) s_up[g] = sp_stage_factor(mx);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        const float x = qf[i] / s_up[g];
+        const u16 h = sp_f2h(x);
+        s_qh[g * LDQ + d] = h;
+        s_ql[g * LDQ + d] = sp_f2h(x - h2f(h));
+    }
+    __syncthreads();  // the queries are staged (and the stages free)
+#pragma unroll
+    for (int j = 0; j < NS - 1; j++) {
+        if (j < ntile) fill(j, pre[j]);
+        cp_async_commit();
+    }
+    int nxt = cell_of(NS - 1);
+
+    const int cw = 16 * warp;  // the warp's first cell of a tile
+    const float up[2] = {s_up[gid], s_up[gid + 8]};
+    float m[2] = {AS_NEG_INF, AS_NEG_INF}, l[2] = {0.f, 0.f};
+    float o[ND][4];
+#pragma unroll
+    for (int nd = 0; nd < ND; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+
+    for (int j = 0; j < ntile; j++) {
+        if (j + NS - 1 < ntile) {
+            fill(j + NS - 1, nxt);
+            nxt = cell_of(j + NS);
+        }
+        cp_async_commit();
+        cp_async_wait<NS - 1>();  // this thread's copies of tile j have landed
+        __syncthreads();          // ... and every thread's
+        const u8* sk = s_st + (j % NS) * L::SB;
+        const u8* sv = sk + CT * L::SRBK;
+        const int* spos = s_pos + (j % NS) * CT;
+        const int n = c1 - (c0 + j * CT);  // cells of the tile (the rest are zero-filled)
+
+        // S = Q K^T for the warp's 16 cells (two n8 tiles); four accumulators per n8 tile (hi /
+        // lo terms, even / odd k steps) keep the MMA chains short
+        float sa[2][2][4], sb[2][2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sa[a][nt][e] = sb[a][nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const u16* qa = s_qh + gid * LDQ + kk * 16 + 2 * tig;
+            const u16* qb = s_ql + gid * LDQ + kk * 16 + 2 * tig;
+            const u32 h0 = *(const u32*)qa, h1 = *(const u32*)(qa + 8 * LDQ), h2 = *(const u32*)(qa + 8),
+                      h3 = *(const u32*)(qa + 8 * LDQ + 8);
+            const u32 l0 = *(const u32*)qb, l1 = *(const u32*)(qb + 8 * LDQ), l2 = *(const u32*)(qb + 8),
+                      l3 = *(const u32*)(qb + 8 * LDQ + 8);
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const u8* row = sk + (cw + nt * 8 + gid) * L::SRBK;
+                if constexpr (KP::F16) {
+                    const u16* kb = (const u16*)row + kk * 16 + 2 * tig;
+                    const u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
+                    mma_m16n8k16(sa[kk & 1][nt], h0, h1, h2, h3, b0, b1);
+                    mma_m16n8k16(sb[kk & 1][nt], l0, l1, l2, l3, b0, b1);
+                } else {
+                    const u32* w = (const u32*)row;
+                    const int i0 = kk * 16 + 2 * tig;
+                    u32 bh0, bl0, bh1, bl1;
+                    sp_split2(KP::dec(w, i0, s_tk), KP::dec(w, i0 + 1, s_tk), bh0, bl0);
+                    sp_split2(KP::dec(w, i0 + 8, s_tk), KP::dec(w, i0 + 9, s_tk), bh1, bl1);
+                    mma_m16n8k16(sa[kk & 1][nt], h0, h1, h2, h3, bh0, bh1);
+                    mma_m16n8k16(sb[kk & 1][nt], l0, l1, l2, l3, bh0, bh1);
+                    mma_m16n8k16(sb[kk & 1][nt], h0, h1, h2, h3, bl0, bl1);
+                }
+            }
+        }
+        // masks (cells past the split included), softcap, online softmax of rows gid, gid + 8
+        float s[2][4], mx[2] = {AS_NEG_INF, AS_NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int c = cw + nt * 8 + 2 * tig + e, cpos = spos[c];
+                const bool ok = c < n && cpos <= qp && !(n_swa > 0 && qp - cpos >= n_swa);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int x = 2 * h + e;
+                    float v = (sa[0][nt][x] + sa[1][nt][x] + sb[0][nt][x] + sb[1][nt][x]) * up[h];
+                    if (softcap > 0.f) v = softcap * tanhf(v / softcap);
+                    s[nt][x] = ok ? v : AS_NEG_INF;
+                    mx[h] = fmaxf(mx[h], s[nt][x]);
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float mn = fmaxf(m[h], mx[h]);
+            const float corr = m[h] == AS_NEG_INF ? 0.f : __expf(m[h] - mn);
+            m[h] = mn;
+            l[h] *= corr;
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) { o[nd][2 * h] *= corr; o[nd][2 * h + 1] *= corr; }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float v = s[nt][e];
+                const float p = v == AS_NEG_INF ? 0.f : __expf(v - m[e >> 1]);
+                s[nt][e] = p;
+                l[e >> 1] += p;
+            }
+        }
+        // O += P V: P of the warp's 16 cells as the A operand (hi + lo)
+        u32 ph0, pl0, ph1, pl1, ph2, pl2, ph3, pl3;
+        sp_split2(s[0][0], s[0][1], ph0, pl0);
+        sp_split2(s[0][2], s[0][3], ph1, pl1);
+        sp_split2(s[1][0], s[1][1], ph2, pl2);
+        sp_split2(s[1][2], s[1][3], ph3, pl3);
+        if constexpr (VP::F16) {  // V's B fragments by ldmatrix .trans, two n8 tiles of dims each
+            const u16* vrow = (const u16*)(sv + (cw + (lane & 15)) * L::SRBV) + (lane >> 4) * 8;
+#pragma unroll
+            for (int nd = 0; nd < ND; nd += 2) {
+                u32 b0, b1, b2, b3;
+                const u32 addr = (u32)__cvta_generic_to_shared(vrow + nd * 8);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
+                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, b0, b1);
+                mma_m16n8k16(o[nd], pl0, pl1, pl2, pl3, b0, b1);
+                mma_m16n8k16(o[nd + 1], ph0, ph1, ph2, ph3, b2, b3);
+                mma_m16n8k16(o[nd + 1], pl0, pl1, pl2, pl3, b2, b3);
+            }
+        } else {  // B = V[cells 2tig, 2tig + 1 | + 8, + 9][dim nd * 8 + gid], decoded
+            const u32* w0 = (const u32*)(sv + (cw + 2 * tig) * L::SRBV);
+            const u32* w1 = (const u32*)(sv + (cw + 2 * tig + 1) * L::SRBV);
+            const u32* w2 = (const u32*)(sv + (cw + 2 * tig + 8) * L::SRBV);
+            const u32* w3 = (const u32*)(sv + (cw + 2 * tig + 9) * L::SRBV);
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+                const int i = nd * 8 + gid;
+                u32 bh0, bl0, bh1, bl1;
+                sp_split2(VP::dec(w0, i, s_tv), VP::dec(w1, i, s_tv), bh0, bl0);
+                sp_split2(VP::dec(w2, i, s_tv), VP::dec(w3, i, s_tv), bh1, bl1);
+                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, bh0, bh1);
+                mma_m16n8k16(o[nd], pl0, pl1, pl2, pl3, bh0, bh1);
+                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, bl0, bl1);
+            }
+        }
+        __syncthreads();  // the stage is refilled next iteration
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    // merge the four warps (their tiles reuse the stages): s_o [4][16][D], s_m / s_l [4][16]
+    __syncthreads();
+    float* s_o = (float*)s_st;
+    float* s_m = s_o + 4 * 16 * D;
+    float* s_l = s_m + 4 * 16;
+#pragma unroll
+    for (int nd = 0; nd < ND; nd++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            *(float2*)(s_o + (warp * 16 + gid + 8 * h) * D + nd * 8 + 2 * tig) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+    if (tig == 0) {
+        s_m[warp * 16 + gid] = m[0]; s_m[warp * 16 + gid + 8] = m[1];
+        s_l[warp * 16 + gid] = l[0]; s_l[warp * 16 + gid + 8] = l[1];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < Gb * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float M = AS_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; w++) M = fmaxf(M, s_m[w * 16 + g]);
+        float Ls = 0.f, A = 0.f;
+        if (M != AS_NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                const float mw = s_m[w * 16 + g];
+                if (mw == AS_NEG_INF) continue;
+                const float f = __expf(mw - M);
+                Ls += s_l[w * 16 + g] * f;
+                A += s_o[(w * 16 + g) * D + d] * f;
+            }
+        }
+        if constexpr (VP::ROT) {  // the head's row (normalized or the partial's acc), un-rotated below
+            s_o[g * D + d] = n_split == 1 ? (Ls > 0.f ? A / Ls : 0.f) : A;  // only this thread reads (., g, d)
+            if (n_split > 1 && d == 0) {
+                const long long pi = ((long long)r * n_head + kh * G + g0 + g) * n_split + sp;
+                part_ml[2 * pi] = M; part_ml[2 * pi + 1] = Ls;
+            }
+        } else {
+            store_head(out, part_acc, part_ml, r, n_head, kh * G + g0 + g, D, d, n_split, sp, M, Ls, A);
+        }
+    }
+    if constexpr (VP::ROT) {  // o = R^T y, once per head
+        __syncthreads();
+        VP::rotate(s_o, Gb, true);
+        for (int i = threadIdx.x; i < Gb * D; i += blockDim.x) {
+            const int g = i / D, d = i % D;
+            const long long rh = (long long)r * n_head + kh * G + g0 + g;
+            if (n_split == 1) out[rh * D + d] = s_o[g * D + d];
+            else part_acc[(rh * n_split + sp) * D + d] = s_o[g * D + d];
+        }
+    }
+}
