@@ -237,11 +237,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 template <int D>
 struct AsF16 {
     static constexpr int RB = 2 * D, CA = 16, NT = 0;
-    static constexpr bool F16 = true;
-    static __device__ __forceinline__ const float* tab() { return nullptr; }
-    static __device__ __forceinline__ float dec(const u32*, int, const float*) { return 0.f; }  // unused: F16
-    static __device__ __forceinline__ void rotate(float*, int, bool) {}
-    static constexpr bool ROT = false;
+    static constexpr bool F16 = true, ROT = false;
 };
 #define DEF_ATTN_STREAM(D)                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attn_stream_d##D(                                       \

@@ -19,9 +19,10 @@
 // l) partials for attn_merge) are attn_partial's.
 //
 // Row policy P (K and V each): RB bytes per (cell, kv head) row, copied in CA-byte chunks; F16
-// (raw f16 rows); NT table entries and tab() (copied to shared memory); dec(w, i, tab) value i
-// of a row whose bytes start at w; ROT and rotate(rows, n, inverse) (a rotated tier: the queries
-// are rotated before the split, the output un-rotated after the merge). Decoded values must lie
+// (raw f16 rows); NT table entries; ROT (a rotated tier: the queries are rotated before the split,
+// the output un-rotated after the merge). Only where used: tab() (NT > 0; copied to shared
+// memory), dec(w, i, tab) value i of a row whose bytes start at w (not F16), rotate(rows, n,
+// inverse) (ROT). Decoded values must lie
 // in f16's range (their hi term): cuda.py keeps the f32 / bf16 tiers on attn_kv_g*.
 #include "quants.cuh"
 #include "mma.cuh"
@@ -184,29 +185,26 @@ __device__ __forceinline__ void attn_stream_impl(
                 for (int e = 0; e < 4; e++) sa[a][nt][e] = sb[a][nt][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            const u16* qa = s_qh + gid * LDQ + kk * 16 + 2 * tig;
-            const u16* qb = s_ql + gid * LDQ + kk * 16 + 2 * tig;
-            const u32 h0 = *(const u32*)qa, h1 = *(const u32*)(qa + 8 * LDQ), h2 = *(const u32*)(qa + 8),
-                      h3 = *(const u32*)(qa + 8 * LDQ + 8);
-            const u32 l0 = *(const u32*)qb, l1 = *(const u32*)(qb + 8 * LDQ), l2 = *(const u32*)(qb + 8),
-                      l3 = *(const u32*)(qb + 8 * LDQ + 8);
+            u32 h[4], lo[4];
+            ld_a_frag(s_qh + gid * LDQ + kk * 16 + 2 * tig, LDQ, h);
+            ld_a_frag(s_ql + gid * LDQ + kk * 16 + 2 * tig, LDQ, lo);
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
                 const u8* row = sk + (cw + nt * 8 + gid) * L::SRBK;
                 if constexpr (KP::F16) {
                     const u16* kb = (const u16*)row + kk * 16 + 2 * tig;
                     const u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
-                    mma_m16n8k16(sa[kk & 1][nt], h0, h1, h2, h3, b0, b1);
-                    mma_m16n8k16(sb[kk & 1][nt], l0, l1, l2, l3, b0, b1);
+                    mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], b0, b1);
+                    mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], b0, b1);
                 } else {
                     const u32* w = (const u32*)row;
                     const int i0 = kk * 16 + 2 * tig;
                     u32 bh0, bl0, bh1, bl1;
                     sp_split2(KP::dec(w, i0, s_tk), KP::dec(w, i0 + 1, s_tk), bh0, bl0);
                     sp_split2(KP::dec(w, i0 + 8, s_tk), KP::dec(w, i0 + 9, s_tk), bh1, bl1);
-                    mma_m16n8k16(sa[kk & 1][nt], h0, h1, h2, h3, bh0, bh1);
-                    mma_m16n8k16(sb[kk & 1][nt], l0, l1, l2, l3, bh0, bh1);
-                    mma_m16n8k16(sb[kk & 1][nt], h0, h1, h2, h3, bl0, bl1);
+                    mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], bh0, bh1);
+                    mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], bh0, bh1);
+                    mma_m16n8k16(sb[kk & 1][nt], h[0], h[1], h[2], h[3], bl0, bl1);
                 }
             }
         }
@@ -250,24 +248,10 @@ __device__ __forceinline__ void attn_stream_impl(
             }
         }
         // O += P V: P of the warp's 16 cells as the A operand (hi + lo)
-        u32 ph0, pl0, ph1, pl1, ph2, pl2, ph3, pl3;
-        sp_split2(s[0][0], s[0][1], ph0, pl0);
-        sp_split2(s[0][2], s[0][3], ph1, pl1);
-        sp_split2(s[1][0], s[1][1], ph2, pl2);
-        sp_split2(s[1][2], s[1][3], ph3, pl3);
-        if constexpr (VP::F16) {  // V's B fragments by ldmatrix .trans, two n8 tiles of dims each
-            const u16* vrow = (const u16*)(sv + (cw + (lane & 15)) * L::SRBV) + (lane >> 4) * 8;
-#pragma unroll
-            for (int nd = 0; nd < ND; nd += 2) {
-                u32 b0, b1, b2, b3;
-                const u32 addr = (u32)__cvta_generic_to_shared(vrow + nd * 8);
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
-                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, b0, b1);
-                mma_m16n8k16(o[nd], pl0, pl1, pl2, pl3, b0, b1);
-                mma_m16n8k16(o[nd + 1], ph0, ph1, ph2, ph3, b2, b3);
-                mma_m16n8k16(o[nd + 1], pl0, pl1, pl2, pl3, b2, b3);
-            }
+        u32 ph[4], pl[4];
+        split_p(s[0], s[1], ph, pl);
+        if constexpr (VP::F16) {
+            pv_f16<ND>(o, ph, pl, (const u16*)(sv + (cw + (lane & 15)) * L::SRBV) + (lane >> 4) * 8);
         } else {  // B = V[cells 2tig, 2tig + 1 | + 8, + 9][dim nd * 8 + gid], decoded
             const u32* w0 = (const u32*)(sv + (cw + 2 * tig) * L::SRBV);
             const u32* w1 = (const u32*)(sv + (cw + 2 * tig + 1) * L::SRBV);
@@ -279,9 +263,9 @@ __device__ __forceinline__ void attn_stream_impl(
                 u32 bh0, bl0, bh1, bl1;
                 sp_split2(VP::dec(w0, i, s_tv), VP::dec(w1, i, s_tv), bh0, bl0);
                 sp_split2(VP::dec(w2, i, s_tv), VP::dec(w3, i, s_tv), bh1, bl1);
-                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, bh0, bh1);
-                mma_m16n8k16(o[nd], pl0, pl1, pl2, pl3, bh0, bh1);
-                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, bl0, bl1);
+                mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], bh0, bh1);
+                mma_m16n8k16(o[nd], pl[0], pl[1], pl[2], pl[3], bh0, bh1);
+                mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], bl0, bl1);
             }
         }
         __syncthreads();  // the stage is refilled next iteration

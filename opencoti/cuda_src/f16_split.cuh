@@ -3,6 +3,7 @@
 // hi * k + lo * k keeps ~2^-22 relative accuracy instead of f16's 2^-11 (the split-operand idea
 // of CUTLASS's 3xTF32 emulation; Markidis et al. 2018).
 #include "quants.cuh"
+#include "mma.cuh"
 
 __device__ __forceinline__ u16 sp_f2h(float f) {
     u16 h;
@@ -24,4 +25,35 @@ __device__ __forceinline__ void sp_split2(float a, float b, u32& hi, u32& lo) {
 __device__ __forceinline__ float sp_stage_factor(float mx) {
     const int e = mx >= 16384.f ? ((__float_as_int(mx) >> 23) & 0xff) - 127 - 13 : 0;
     return __int_as_float((127 + e) << 23);
+}
+
+// The A fragments (mma.cuh) of a 16 x 16 f16 tile at p (row-major, ld halves per row; p points at
+// row gid, column 2 tig): a[0..3]
+__device__ __forceinline__ void ld_a_frag(const u16* p, int ld, u32 (&a)[4]) {
+    a[0] = *(const u32*)p; a[1] = *(const u32*)(p + 8 * ld); a[2] = *(const u32*)(p + 8); a[3] = *(const u32*)(p + 8 * ld + 8);
+}
+
+// P's A fragments as hi + lo from the score fragments of two n8 tiles (16 cells: s0 the first 8)
+__device__ __forceinline__ void split_p(const float (&s0)[4], const float (&s1)[4], u32 (&ph)[4], u32 (&pl)[4]) {
+    sp_split2(s0[0], s0[1], ph[0], pl[0]);
+    sp_split2(s0[2], s0[3], ph[1], pl[1]);
+    sp_split2(s1[0], s1[1], ph[2], pl[2]);
+    sp_split2(s1[2], s1[3], ph[3], pl[3]);
+}
+
+// o += (ph + pl) V for 16 cells of f16 V rows in shared memory: vrow = row (lane & 15) of the 16,
+// column (lane >> 4) * 8; V's B fragments by ldmatrix .trans, two n8 tiles of dims each
+template <int ND>
+__device__ __forceinline__ void pv_f16(float (&o)[ND][4], const u32 (&ph)[4], const u32 (&pl)[4], const u16* vrow) {
+#pragma unroll
+    for (int nd = 0; nd < ND; nd += 2) {
+        u32 b0, b1, b2, b3;
+        const u32 addr = (u32)__cvta_generic_to_shared(vrow + nd * 8);
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
+        mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], b0, b1);
+        mma_m16n8k16(o[nd], pl[0], pl[1], pl[2], pl[3], b0, b1);
+        mma_m16n8k16(o[nd + 1], ph[0], ph[1], ph[2], ph[3], b2, b3);
+        mma_m16n8k16(o[nd + 1], pl[0], pl[1], pl[2], pl[3], b2, b3);
+    }
 }

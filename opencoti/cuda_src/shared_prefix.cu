@@ -122,18 +122,15 @@ __device__ __forceinline__ void sp_attn_impl(
         for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            const u16* qa = s_qh + (mr + gid) * LD + kk * 16 + 2 * tig;
-            const u16* qb = s_ql + (mr + gid) * LD + kk * 16 + 2 * tig;
-            u32 h0 = *(const u32*)qa, h1 = *(const u32*)(qa + 8 * LD), h2 = *(const u32*)(qa + 8),
-                h3 = *(const u32*)(qa + 8 * LD + 8);
-            u32 l0 = *(const u32*)qb, l1 = *(const u32*)(qb + 8 * LD), l2 = *(const u32*)(qb + 8),
-                l3 = *(const u32*)(qb + 8 * LD + 8);
+            u32 h[4], lo[4];
+            ld_a_frag(s_qh + (mr + gid) * LD + kk * 16 + 2 * tig, LD, h);
+            ld_a_frag(s_ql + (mr + gid) * LD + kk * 16 + 2 * tig, LD, lo);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const u16* kb = s_k + (nt * 8 + gid) * LD + kk * 16 + 2 * tig;
                 u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
-                mma_m16n8k16(s[nt], h0, h1, h2, h3, b0, b1);
-                mma_m16n8k16(s[nt], l0, l1, l2, l3, b0, b1);
+                mma_m16n8k16(s[nt], h[0], h[1], h[2], h[3], b0, b1);
+                mma_m16n8k16(s[nt], lo[0], lo[1], lo[2], lo[3], b0, b1);
             }
         }
         // masks, softcap, online softmax (rows gid and gid + 8 of the warp's tile)
@@ -179,23 +176,9 @@ __device__ __forceinline__ void sp_attn_impl(
         // V's B fragments come transposed from shared memory (ldmatrix .trans, two n8 tiles each)
 #pragma unroll
         for (int kc = 0; kc < CT / 16; kc++) {
-            u32 ph0, pl0, ph1, pl1, ph2, pl2, ph3, pl3;
-            sp_split2(s[2 * kc][0], s[2 * kc][1], ph0, pl0);
-            sp_split2(s[2 * kc][2], s[2 * kc][3], ph1, pl1);
-            sp_split2(s[2 * kc + 1][0], s[2 * kc + 1][1], ph2, pl2);
-            sp_split2(s[2 * kc + 1][2], s[2 * kc + 1][3], ph3, pl3);
-            const u16* vrow = s_v + (kc * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
-#pragma unroll
-            for (int nd = 0; nd < ND; nd += 2) {
-                u32 b0, b1, b2, b3;
-                u32 addr = (u32)__cvta_generic_to_shared(vrow + nd * 8);
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
-                mma_m16n8k16(o[nd], ph0, ph1, ph2, ph3, b0, b1);
-                mma_m16n8k16(o[nd], pl0, pl1, pl2, pl3, b0, b1);
-                mma_m16n8k16(o[nd + 1], ph0, ph1, ph2, ph3, b2, b3);
-                mma_m16n8k16(o[nd + 1], pl0, pl1, pl2, pl3, b2, b3);
-            }
+            u32 ph[4], pl[4];
+            split_p(s[2 * kc], s[2 * kc + 1], ph, pl);
+            pv_f16<ND>(o, ph, pl, s_v + (kc * 16 + (lane & 15)) * LD + (lane >> 4) * 8);
         }
     }
 #pragma unroll

@@ -234,6 +234,14 @@ def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: bool = False, tab_v: bool = Fa
             + 1024 * (int(tab_k) + int(tab_v)))
 
 
+def _raise_smem(f, smem: int):
+    """Kernel ``f`` with its dynamic shared memory limit raised to ``smem`` bytes where that
+    exceeds the default 48 KiB; returns ``f``."""
+    if smem > 48 * 1024:
+        f.max_dynamic_shared_size_bytes = smem
+    return f
+
+
 def _bucket(n: int) -> int:
     """Cell-list capacity of a graph key: a power of two >= 256."""
     return max(256, 1 << (max(n, 1) - 1).bit_length())
@@ -1639,9 +1647,8 @@ class CUDABackend:
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
         if f is None:
-            f = self._fns[fkey] = self._kernel(m, "attn_kv_stream" if smem else f"attn_kv_g{g}" + ("_l" if lanes else ""))
-            if smem > 48 * 1024:
-                f.max_dynamic_shared_size_bytes = smem
+            f = self._fns[fkey] = _raise_smem(
+                self._kernel(m, "attn_kv_stream" if smem else f"attn_kv_g{g}" + ("_l" if lanes else "")), smem)
         return f
 
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
@@ -1687,10 +1694,11 @@ class CUDABackend:
         # T, the mean): the streaming kernel, for rows of a multiple of 4 bytes (its copy chunks)
         # whose values fit f16's range (not the f32 / bf16 tiers) and a block that fits the SM
         rb_k, rb_v = k_store.shape[3] * k_store.dtype.itemsize, v_store.shape[3] * v_store.dtype.itemsize
-        smem = _as_smem(D, rb_k, rb_v, cuda_kv.has_table(tk.name), cuda_kv.has_table(tv.name))
         stream = (ATTN_STREAM_CELLS > 0 and D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0
-                  and not {tk.name, tv.name} & {"f32", "bf16"} and smem <= self.smem_per_block
-                  and meta["max_len"] >= ATTN_STREAM_CELLS * T)
+                  and not {tk.name, tv.name} & {"f32", "bf16"} and meta["max_len"] >= ATTN_STREAM_CELLS * T)
+        if stream:
+            smem = _as_smem(D, rb_k, rb_v, cuda_kv.has_table(tk.name), cuda_kv.has_table(tv.name))
+            stream = smem <= self.smem_per_block
         if stream:
             n_hg = -(-G // 16)
             n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T, smem)
@@ -1871,7 +1879,5 @@ class CUDABackend:
         when first fetched) to ``smem`` bytes where that exceeds the default 48 KiB."""
         f = self._fns.get(name)
         if f is None:
-            f = self._fn(mod, name)
-            if smem > 48 * 1024:
-                f.max_dynamic_shared_size_bytes = smem
+            f = _raise_smem(self._fn(mod, name), smem)
         return f
