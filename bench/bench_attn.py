@@ -1,6 +1,7 @@
 """The f16 decode attention kernel alone on a GPU: microseconds per call by cells and split count.
 
     python bench/bench_attn.py [--cells 32,128,512,2048,8192] [--splits 1,2,4,...,128] [--layouts ...] [--reps 20]
+                               [--tiers q8_0,q4_0,turbo3]
 
 One query row (a decode step of one sequence) over N cells of f16 K/V, for two head layouts
 (Qwen2.5-7B: 28 query heads, 4 KV heads, head dim 128; gemma-3-270m: 4 / 1 / 256), timed
@@ -9,6 +10,11 @@ inside a captured CUDA graph (``bench_gemv._graph_time``): ``attn_partial`` for 
 streaming kernel ``attn_stream`` (head dims 64-256). Prints one row per (kernel, layout, N): us
 per call for each split count and the K/V bytes per second of the best; the backend picks its
 counts in ``CUDABackend._attn_splits`` / ``_attn_stream_splits``.
+
+``--tiers``: then, per layout and N, the streaming kernel over each KV tier pair (``-ctk`` =
+``-ctv``; ``attn_kv_stream`` of the pair's module, rows quantized by the CPU tier) at the
+backend's split count, next to f16 at the same count: us per call, bytes per second, and the
+time relative to f16.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--layouts", default=";".join(LAYOUTS), help="';'-separated list of: " + "; ".join(LAYOUTS))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tiers", default="", help="comma-separated KV tiers for the streaming kernel (e.g. q8_0,turbo3)")
     a = ap.parse_args()
     import cupy as cp
     from bench_gemv import _graph_time
@@ -83,6 +90,58 @@ def main() -> None:
                   + ", ".join(f"{L:,}: s{be._attn_stream_splits(L, nkv * -(-H // nkv // 16), 1, smem)}"
                               for L in (int(v) for v in a.cells.split(","))))
         print()
+        if a.tiers and D in cu.AS_HEAD_DIMS:
+            _tier_table(be, cp, cu, a, H, nkv, D)
+
+
+def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
+    """The streaming kernel over each tier of ``--tiers`` (K and V) at the backend's split
+    count for each ``--cells`` length, against f16: one table."""
+    from bench_gemv import _graph_time
+
+    from opencoti.engine.backend import cuda_kv
+    from opencoti.engine.kv_tiers import get_tier
+
+    tiers = ["f16"] + [t for t in a.tiers.split(",") if t and t != "f16"]
+    print(f"streaming kernel by KV tier ({H} heads, {nkv} kv heads, head dim {D})\n")
+    print("| -ctk/-ctv | cells | splits | us | GB/s | vs f16 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    rng = np.random.default_rng(0)
+    gy = nkv * -(-H // nkv // 16)
+    for L in (int(v) for v in a.cells.split(",")):
+        kf = (rng.standard_normal((L, nkv, D)) * 0.5).astype(np.float32)
+        vf = rng.standard_normal((L, nkv, D)).astype(np.float32)
+        q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
+        qpos, rv, vo = cp.array([L], cp.int32), cp.zeros(1, cp.int32), cp.array([0, L], cp.int32)
+        cells, cpos = cp.arange(L, dtype=cp.int32), cp.arange(L, dtype=cp.int32)
+        base = None
+        for t in tiers:
+            T = get_tier(t)
+            K, V = cp.asarray(T.quantize(kf)), cp.asarray(T.quantize(vf))
+            rb = K.shape[-1] * K.dtype.itemsize
+            if t == "f16":
+                smem = cu._as_smem(D, rb, rb)
+                fn = be._big_smem_fn("a", f"attn_stream_d{D}", smem)
+            else:
+                smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False))
+                fn = be._kv_attn_fn(t, t, D, 0, smem=smem)
+            ns = be._attn_stream_splits(L, gy, 1, smem)
+            out = cp.empty((1, H * D), cp.float32)
+            pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
+            merge = be._fn("a", "attn_merge")
+
+            def call(fn=fn, ns=ns, smem=smem, K=K, V=V, out=out, pa=pa, pm=pm):
+                fn((1, gy, ns), (128,),
+                   (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
+                    np.int32(0), np.float32(0), np.int32(ns), out, pa, pm), shared_mem=smem)
+                if ns > 1:
+                    merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
+
+            us = _graph_time(cp, call, a.reps)
+            base = us if t == "f16" else base
+            gbs = 2 * L * nkv * rb / (us * 1e3)
+            print(f"| {t} | {L:,} | {ns} | {us:.1f} | {gbs:,.0f} | {us / base:.2f} |", flush=True)
+    print()
 
 
 if __name__ == "__main__":

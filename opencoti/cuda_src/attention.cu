@@ -236,8 +236,10 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 // (attn_stream.cuh) from f16 rows
 template <int D>
 struct AsF16 {
-    static constexpr int RB = 2 * D, CA = 16, NT = 0;
-    static constexpr bool F16 = true, ROT = false;
+    static constexpr int RB = 2 * D, CA = 16, NT = 0, TBK = 0, TBV = 0;
+    static constexpr bool F16 = true, ROT = false, CODES = false;
+    static __host__ __device__ constexpr int kperm(int d) { return d; }
+    static __host__ __device__ constexpr int vperm(int nd, int c) { return 8 * nd + c; }
 };
 #define DEF_ATTN_STREAM(D)                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attn_stream_d##D(                                       \
@@ -266,6 +268,7 @@ DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 // the split's partial: the rotation is linear, so attn_merge's log-sum-exp merge is unchanged)
 // once per head: o = R^T sum_c p_c y_c.
 #include "kv_tiers.cuh"
+#include "kv_codes.cuh"
 
 __host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 : (nb & 7) == 0 ? 8 : (nb & 3) == 0 ? 4 : 2; }
 
@@ -426,14 +429,31 @@ __device__ __forceinline__ void attn_kv_impl(
 
 // attn_kv_stream: attn_stream_impl over the module's tiers (long rows): each tier row is copied
 // as its bytes (kv_align chunks, at least 4 bytes: head sizes whose rows are only 2-aligned keep
-// attn_kv_g*) and decoded into the MMA fragments, value by value, as float32 split into f16
-// hi + lo (a third product per tile: hi * hi + lo * hi + hi * lo). Rotated tiers rotate the
-// queries and un-rotate the output as attn_kv_impl does.
+// attn_kv_g*). q8_0, q4_0 and turbo2/3/4 feed their codes to the MMAs as f16 operands with the
+// block scales outside the products (kv_codes.cuh); the other tiers are decoded into the MMA
+// fragments value by value, as float32 split into f16 hi + lo (a third product per tile: hi * hi
+// + lo * hi + hi * lo). Rotated tiers rotate the queries and un-rotate the output as attn_kv_impl
+// does.
 template <class T, int D>
 struct AsTier {
+    using C = KvCodes<T>;
     static constexpr int RB = D / T::BS * T::BB, CA = kv_align(RB) > 16 ? 16 : kv_align(RB), NT = T::NT;
-    static constexpr bool F16 = false, ROT = T::ROT != 0;
-    static __device__ __forceinline__ const float* tab() { return T::tab(); }
+    static constexpr bool F16 = false, ROT = T::ROT != 0, CODES = C::ON;
+    // shared-memory table bytes as the K / as the V tier: kv_codes.cuh's, else the float levels
+    static constexpr int TBK = CODES ? C::TBK : 4 * NT, TBV = CODES ? C::TBV : 4 * NT;
+    static __device__ __forceinline__ void tab_k(u8* t) {
+        if constexpr (CODES) C::tab_k(t);
+        else for (int i = threadIdx.x; i < NT; i += blockDim.x) ((float*)t)[i] = T::tab()[i];
+    }
+    static __device__ __forceinline__ void tab_v(u8* t) {
+        if constexpr (CODES) C::tab_v(t);
+        else for (int i = threadIdx.x; i < NT; i += blockDim.x) ((float*)t)[i] = T::tab()[i];
+    }
+    // the dim of K's MMA k index d / of column c of V's n8 tile nd (CODES: kv_codes.cuh's orders)
+    static __host__ __device__ constexpr int kperm(int d) { return CODES ? d / C::BS * C::BS + C::kdim(d % C::BS) : d; }
+    static __host__ __device__ constexpr int vperm(int nd, int c) {
+        return CODES ? nd / (C::BS / 8) * C::BS + C::vdim(c, nd % (C::BS / 8)) : 8 * nd + c;
+    }
     // value i of a row whose bytes start at w (4-aligned): scale * code (+ min)
     static __device__ __forceinline__ float dec(const u32* w, int i, const float* t) {
         const int b = i / T::BS, j = i % T::BS;

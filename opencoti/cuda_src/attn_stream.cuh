@@ -42,14 +42,14 @@ __host__ __device__ constexpr int as_srb(int rb) {
 // queries' float32 staging and the warps' merge tile); positions [NS][CT]; staging factors [16];
 // the K and V code tables, [256] each where the tier has one (TK / TV: f16 rows at D = 128 fit
 // two blocks per SM only without them)
-template <int D, int RBK, int RBV, bool TK, bool TV>
+template <int D, int RBK, int RBV, int TBK, int TBV>
 struct AsLayout {
     static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV), SB = AS_CT * (SRBK + SRBV);
     static constexpr int NS = 3 * SB <= 110592 ? 3 : 2;
     static constexpr int MS = 4 * 16 * D * 4 + 2 * 4 * 16 * 4;
     static constexpr int R = NS * SB > MS ? NS * SB : MS;
     static constexpr int ST = 2 * 16 * LDQ * 2, POS = ST + R, UP = POS + NS * AS_CT * 4, TAB = UP + 64;
-    static constexpr int TABV = TAB + (TK ? 256 * 4 : 0), BYTES = TABV + (TV ? 256 * 4 : 0);
+    static constexpr int TABV = TAB + TBK, BYTES = TABV + TBV;
 };
 
 // One (row r, head h, dim d) of a block's result from its merged max M, sum L and unnormalised
@@ -73,7 +73,7 @@ __device__ __forceinline__ void attn_stream_impl(
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
     const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
-    using L = AsLayout<D, KP::RB, VP::RB, (KP::NT > 0), (VP::NT > 0)>;
+    using L = AsLayout<D, KP::RB, VP::RB, KP::TBK, VP::TBV>;
     constexpr int CT = AS_CT, NS = L::NS, LDQ = L::LDQ, ND = D / 8;
     constexpr int NCK = KP::RB / KP::CA, NCV = VP::RB / VP::CA;  // copy chunks per row
     extern __shared__ __align__(16) unsigned char as_smem[];
@@ -82,8 +82,8 @@ __device__ __forceinline__ void attn_stream_impl(
     u8* s_st = as_smem + L::ST;
     int* s_pos = (int*)(as_smem + L::POS);
     float* s_up = (float*)(as_smem + L::UP);
-    float* s_tk = (float*)(as_smem + L::TAB);
-    float* s_tv = (float*)(as_smem + L::TABV);
+    u8* s_tk = as_smem + L::TAB;
+    u8* s_tv = as_smem + L::TABV;
 
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv, n_hg = (G + 15) / 16;
@@ -120,8 +120,8 @@ __device__ __forceinline__ void attn_stream_impl(
     };
 
     // tables, then the heads' scaled queries (rows g >= Gb zero) as f16 hi + lo
-    if constexpr (KP::NT > 0) for (int i = threadIdx.x; i < KP::NT; i += blockDim.x) s_tk[i] = KP::tab()[i];
-    if constexpr (VP::NT > 0) for (int i = threadIdx.x; i < VP::NT; i += blockDim.x) s_tv[i] = VP::tab()[i];
+    if constexpr (KP::TBK > 0) KP::tab_k(s_tk);
+    if constexpr (VP::TBV > 0) VP::tab_v(s_tv);
     // q * scale in float32 (rotated for a rotated K tier: q -> R q) in the stages, free until the
     // first fill; each head's staging factor from those values; then the hi + lo split
     float* qf = (float*)s_st;
@@ -140,8 +140,8 @@ __device__ __forceinline__ void attn_stream_impl(
     }
     __syncthreads();
     for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        const float x = qf[i] / s_up[g];
+        const int g = i / D, d = i % D;  // d: the MMA's k index (the tier's dim order)
+        const float x = qf[g * D + KP::kperm(d)] / s_up[g];
         const u16 h = sp_f2h(x);
         s_qh[g * LDQ + d] = h;
         s_ql[g * LDQ + d] = sp_f2h(x - h2f(h));
@@ -183,28 +183,75 @@ __device__ __forceinline__ void attn_stream_impl(
             for (int nt = 0; nt < 2; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) sa[a][nt][e] = sb[a][nt][e] = 0.f;
+        if constexpr (KP::CODES) {  // per block: codes times the query, then times the block scale
+            using C = typename KP::C;
+            constexpr int NSB = C::BS / 16;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            u32 h[4], lo[4];
-            ld_a_frag(s_qh + gid * LDQ + kk * 16 + 2 * tig, LDQ, h);
-            ld_a_frag(s_ql + gid * LDQ + kk * 16 + 2 * tig, LDQ, lo);
+            for (int b = 0; b < D / C::BS; b++) {
+                u32 w[2][C::NW];
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const u8* row = sk + (cw + nt * 8 + gid) * L::SRBK;
-                if constexpr (KP::F16) {
-                    const u16* kb = (const u16*)row + kk * 16 + 2 * tig;
-                    const u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
-                    mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], b0, b1);
-                    mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], b0, b1);
-                } else {
-                    const u32* w = (const u32*)row;
-                    const int i0 = kk * 16 + 2 * tig;
-                    u32 bh0, bl0, bh1, bl1;
-                    sp_split2(KP::dec(w, i0, s_tk), KP::dec(w, i0 + 1, s_tk), bh0, bl0);
-                    sp_split2(KP::dec(w, i0 + 8, s_tk), KP::dec(w, i0 + 9, s_tk), bh1, bl1);
-                    mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], bh0, bh1);
-                    mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], bh0, bh1);
-                    mma_m16n8k16(sb[kk & 1][nt], h[0], h[1], h[2], h[3], bl0, bl1);
+                for (int nt = 0; nt < 2; nt++) {
+                    const u8* blk = sk + (cw + nt * 8 + gid) * L::SRBK + b * C::BB;
+                    if ((C::BB * b + 2) % 4 == 0) C::template kraw<true>(blk, tig, w[nt]);
+                    else C::template kraw<false>(blk, tig, w[nt]);
+                }
+                float t[2][2][4];
+#pragma unroll
+                for (int a = 0; a < 2; a++)
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) t[a][nt][e] = 0.f;
+#pragma unroll
+                for (int s = 0; s < NSB; s++) {
+                    const int kk = b * NSB + s;
+                    u32 h[4], lo[4];
+                    ld_a_frag(s_qh + gid * LDQ + kk * 16 + 2 * tig, LDQ, h);
+                    ld_a_frag(s_ql + gid * LDQ + kk * 16 + 2 * tig, LDQ, lo);
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        u32 bh0, bh1, bl0 = 0u, bl1 = 0u;
+                        C::kpair(w[nt], s, 0, s_tk, bh0, bl0);
+                        C::kpair(w[nt], s, 1, s_tk, bh1, bl1);
+                        mma_m16n8k16(t[s & 1][nt], h[0], h[1], h[2], h[3], bh0, bh1);
+                        mma_m16n8k16(t[s & 1][nt], lo[0], lo[1], lo[2], lo[3], bh0, bh1);
+                        if constexpr (C::LO) mma_m16n8k16(t[s & 1][nt], h[0], h[1], h[2], h[3], bl0, bl1);
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {  // column 2 tig + e: that cell's block scale
+                        const float d = h2f(C::dh(sk + (cw + nt * 8 + 2 * tig + e) * L::SRBK + b * C::BB));
+                        sa[b & 1][nt][e] += (t[0][nt][e] + t[1][nt][e]) * d;
+                        sa[b & 1][nt][2 + e] += (t[0][nt][2 + e] + t[1][nt][2 + e]) * d;
+                    }
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                u32 h[4], lo[4];
+                ld_a_frag(s_qh + gid * LDQ + kk * 16 + 2 * tig, LDQ, h);
+                ld_a_frag(s_ql + gid * LDQ + kk * 16 + 2 * tig, LDQ, lo);
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    const u8* row = sk + (cw + nt * 8 + gid) * L::SRBK;
+                    if constexpr (KP::F16) {
+                        const u16* kb = (const u16*)row + kk * 16 + 2 * tig;
+                        const u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
+                        mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], b0, b1);
+                        mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], b0, b1);
+                    } else {
+                        const u32* w = (const u32*)row;
+                        const int i0 = kk * 16 + 2 * tig;
+                        u32 bh0, bl0, bh1, bl1;
+                        const float* tk = (const float*)s_tk;
+                        sp_split2(KP::dec(w, i0, tk), KP::dec(w, i0 + 1, tk), bh0, bl0);
+                        sp_split2(KP::dec(w, i0 + 8, tk), KP::dec(w, i0 + 9, tk), bh1, bl1);
+                        mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], bh0, bh1);
+                        mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], bh0, bh1);
+                        mma_m16n8k16(sb[kk & 1][nt], h[0], h[1], h[2], h[3], bl0, bl1);
+                    }
                 }
             }
         }
@@ -252,6 +299,37 @@ __device__ __forceinline__ void attn_stream_impl(
         split_p(s[0], s[1], ph, pl);
         if constexpr (VP::F16) {
             pv_f16<ND>(o, ph, pl, (const u16*)(sv + (cw + (lane & 15)) * L::SRBV) + (lane >> 4) * 8);
+        } else if constexpr (VP::CODES) {  // B = the codes of cells (2tig, 2tig + 1 | + 8, + 9) times their block scales
+            using C = typename VP::C;
+            constexpr int NK = C::BS / 8;
+            const u8* v0 = sv + (cw + 2 * tig) * L::SRBV;
+            const u8* v1 = v0 + L::SRBV;
+            const u8* v2 = v0 + 8 * L::SRBV;
+            const u8* v3 = v0 + 9 * L::SRBV;
+#pragma unroll
+            for (int b = 0; b < D / C::BS; b++) {
+                const int ob = b * C::BB;
+                const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;
+                const u32 d23 = (u32)C::dh(v2 + ob) | (u32)C::dh(v3 + ob) << 16;
+                u32 r0, r1, r2, r3;
+                if ((C::BB * b + 2) % 4 == 0) {
+                    r0 = C::template vraw<true>(v0 + ob, gid); r1 = C::template vraw<true>(v1 + ob, gid);
+                    r2 = C::template vraw<true>(v2 + ob, gid); r3 = C::template vraw<true>(v3 + ob, gid);
+                } else {
+                    r0 = C::template vraw<false>(v0 + ob, gid); r1 = C::template vraw<false>(v1 + ob, gid);
+                    r2 = C::template vraw<false>(v2 + ob, gid); r3 = C::template vraw<false>(v3 + ob, gid);
+                }
+#pragma unroll
+                for (int k = 0; k < NK; k++) {
+                    u32 h0, l0, h1, l1;
+                    C::vpair(r0, r1, k, d01, s_tv, h0, l0);
+                    C::vpair(r2, r3, k, d23, s_tv, h1, l1);
+                    float* acc = o[b * NK + k];
+                    mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], h0, h1);
+                    mma_m16n8k16(acc, pl[0], pl[1], pl[2], pl[3], h0, h1);
+                    mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], l0, l1);
+                }
+            }
         } else {  // B = V[cells 2tig, 2tig + 1 | + 8, + 9][dim nd * 8 + gid], decoded
             const u32* w0 = (const u32*)(sv + (cw + 2 * tig) * L::SRBV);
             const u32* w1 = (const u32*)(sv + (cw + 2 * tig + 1) * L::SRBV);
@@ -261,8 +339,9 @@ __device__ __forceinline__ void attn_stream_impl(
             for (int nd = 0; nd < ND; nd++) {
                 const int i = nd * 8 + gid;
                 u32 bh0, bl0, bh1, bl1;
-                sp_split2(VP::dec(w0, i, s_tv), VP::dec(w1, i, s_tv), bh0, bl0);
-                sp_split2(VP::dec(w2, i, s_tv), VP::dec(w3, i, s_tv), bh1, bl1);
+                const float* tv = (const float*)s_tv;
+                sp_split2(VP::dec(w0, i, tv), VP::dec(w1, i, tv), bh0, bl0);
+                sp_split2(VP::dec(w2, i, tv), VP::dec(w3, i, tv), bh1, bl1);
                 mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], bh0, bh1);
                 mma_m16n8k16(o[nd], pl[0], pl[1], pl[2], pl[3], bh0, bh1);
                 mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], bl0, bl1);
@@ -284,8 +363,15 @@ __device__ __forceinline__ void attn_stream_impl(
 #pragma unroll
     for (int nd = 0; nd < ND; nd++)
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-            *(float2*)(s_o + (warp * 16 + gid + 8 * h) * D + nd * 8 + 2 * tig) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+        for (int h = 0; h < 2; h++) {
+            float* so = s_o + (warp * 16 + gid + 8 * h) * D;
+            if constexpr (VP::CODES) {  // the tier's column order back to dims
+                so[VP::vperm(nd, 2 * tig)] = o[nd][2 * h];
+                so[VP::vperm(nd, 2 * tig + 1)] = o[nd][2 * h + 1];
+            } else {
+                *(float2*)(so + nd * 8 + 2 * tig) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+            }
+        }
     if (tig == 0) {
         s_m[warp * 16 + gid] = m[0]; s_m[warp * 16 + gid + 8] = m[1];
         s_l[warp * 16 + gid] = l[0]; s_l[warp * 16 + gid + 8] = l[1];

@@ -220,10 +220,10 @@ def _sp_smem(d: int) -> int:
     return (2 * SP_QT + 2 * ct) * (d + 8) * 2 + 4 * (ct + 2 * SP_QT)
 
 
-def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: bool = False, tab_v: bool = False) -> int:
+def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0) -> int:
     """Dynamic shared memory bytes of attention.cu's streaming kernels at head size ``d`` for K /
-    V rows of ``rb_k`` / ``rb_v`` bytes, ``tab_k`` / ``tab_v`` where that tier decodes through a
-    code table (attn_stream.cuh ``AsLayout::BYTES``)."""
+    V rows of ``rb_k`` / ``rb_v`` bytes and K / V tables of ``tab_k`` / ``tab_v`` bytes
+    (``cuda_kv.stream_table_bytes``; attn_stream.cuh ``AsLayout::BYTES``)."""
     def srb(rb: int) -> int:  # as_srb: 16-aligned, an odd multiple of 16
         a = -(-rb // 16) * 16
         return a + 16 if a % 32 == 0 else a
@@ -231,7 +231,7 @@ def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: bool = False, tab_v: bool = Fa
     sb = AS_CT * (srb(rb_k) + srb(rb_v))
     ns = 3 if 3 * sb <= 110592 else 2
     return (2 * 16 * (d + 8) * 2 + max(ns * sb, 4 * 16 * d * 4 + 2 * 4 * 16 * 4) + ns * AS_CT * 4 + 64
-            + 1024 * (int(tab_k) + int(tab_v)))
+            + tab_k + tab_v)
 
 
 def _raise_smem(f, smem: int):
@@ -1697,7 +1697,8 @@ class CUDABackend:
         stream = (ATTN_STREAM_CELLS > 0 and D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0
                   and not {tk.name, tv.name} & {"f32", "bf16"} and meta["max_len"] >= ATTN_STREAM_CELLS * T)
         if stream:
-            smem = _as_smem(D, rb_k, rb_v, cuda_kv.has_table(tk.name), cuda_kv.has_table(tv.name))
+            smem = _as_smem(D, rb_k, rb_v, cuda_kv.stream_table_bytes(tk.name, True),
+                            cuda_kv.stream_table_bytes(tv.name, False))
             stream = smem <= self.smem_per_block
         if stream:
             n_hg = -(-G // 16)

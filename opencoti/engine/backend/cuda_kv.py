@@ -43,10 +43,26 @@ ROPE_STORE_ROTATED = ("turbo8", "turbo4", "turbo3", "turbo2")
 SCALAR_FAMILY = ("float", "scalar")
 
 
+# tiers whose codes the streaming attention kernel feeds to the MMAs as f16 operands (kv_codes.cuh
+# KvCodes<T>::ON)
+STREAM_CODE_TIERS = ("q8_0", "q4_0", "turbo2", "turbo3", "turbo4")
+
+
 def has_table(name: str) -> bool:
     """Whether tier ``name``'s values decode through a code table (kv_tiers.cuh ``NT > 0``: the
     rotated turbo and trellis tiers)."""
     return TIER_STRUCTS[name].startswith(("KTurbo", "KTcq"))
+
+
+def stream_table_bytes(name: str, as_k: bool) -> int:
+    """Shared-memory bytes of tier ``name``'s table in the streaming attention kernel, as the K
+    tier (``as_k``) or the V tier (attention.cu ``AsTier::TBK`` / ``TBV``): the turbo2/3/4 pair
+    table (8 bytes per pair of indices) for K and level table (4 bytes per level) for V
+    (kv_codes.cuh), the other table tiers' float32 levels (256 of them at most: 1 KiB), else 0."""
+    if name in STREAM_CODE_TIERS and has_table(name):
+        bits = int(name[-1])
+        return (8 << (2 * bits)) if as_k else (4 << bits)
+    return 1024 if has_table(name) else 0
 
 
 def _hexf(v) -> str:
@@ -113,5 +129,5 @@ def write_kernel(tier, d: int) -> tuple[str, int]:
     return f"kv_quant_{s}_d{d}", 256
 
 
-__all__ = ["KV_HEAD_DIMS", "KV_TYPES", "TIER_STRUCTS", "attention_source", "has_table", "tables_prefix", "write_kernel",
-           "write_source"]
+__all__ = ["KV_HEAD_DIMS", "KV_TYPES", "STREAM_CODE_TIERS", "TIER_STRUCTS", "attention_source", "has_table",
+           "stream_table_bytes", "tables_prefix", "write_kernel", "write_source"]

@@ -1,0 +1,193 @@
+// KV tier codes as tensor-core operands for the streaming decode kernel (attn_stream.cuh): a
+// tier's stored codes become exact f16 MMA operands in a few instructions per pair, and the
+// block scales are applied outside the products, instead of decoding every value to float32
+// and splitting it (dec(), ~8 instructions a value).
+//
+//   S = Q K^T: the codes of a block are the B operand as they are (the integer tiers: q8_0's int8,
+//     q4_0's nibble - 8, exact in f16), or as a level's f16 hi + lo pair (turbo2/3/4: one shared
+//     memory load of a pair table gives two values' hi and lo terms); each block's partial
+//     scores are multiplied by that cell's block scale in float32 and summed.
+//   O += P V: the two cells of a B register each carry their block scale d: hi = f16(code * d),
+//     lo = code * d - hi by an f16 fma (exact for the integer tiers: code * d has at most 19
+//     significant bits), plus tl * d for a level's lo term tl.
+//
+// The MMA's k index (dims in S) and n index (dims in O) may run over a block's dims in any
+// order: each tier picks the order in which a thread's codes sit together in its bytes. kdim(L)
+// is the block dim of a block's k index L (the queries are staged in that order), vdim(c, k) the
+// block dim of column c of the block's n8 tile k (the output is stored back in dim order).
+//
+// Members of KvCodes<T> (ON = false: the tier keeps dec()):
+//   BS, BB: block values / bytes; LO: the K operand has a lo term (table levels);
+//   TBK, TBV: table bytes in shared memory (K pair table, V level table), built by tab_init();
+//   kraw(blk, tig, w) / kpair(w, s, r, tk, hi, lo): thread tig's code bytes of a block (blk: the
+//     block's first byte in shared memory), and its B registers for k step s, register r;
+//   vraw(blk, gid) / vpair(ra, rb, k, d2, tv, hi, lo): column gid's codes of a cell's block, and
+//     the (hi, lo) B registers of n8 tile k for two cells (ra, rb) with block scales d2 (f16x2);
+//   dh(blk): the block scale's f16 bits.
+// A4: the reads of that block are 4-aligned (rows start 16-aligned in shared memory; a block at
+// byte o of its row reads from o + 2: aligned when o % 4 == 2).
+// Byte layouts: kv_tiers.cuh / the CPU tiers (scalar.py, turbo.py).
+#include "quants.cuh"
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+// 4 bytes at p (2-aligned; A4: 4-aligned)
+template <bool A4>
+__device__ __forceinline__ u32 ld4b(const u8* p) {
+    if constexpr (A4) return *(const u32*)p;
+    else return (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);
+}
+// (hi, lo) of code pair c (f16x2) times block scales d2: hi = f16(c d), lo = c d - hi (fma, exact
+// for integer codes); with a level's lo pair cl: lo += cl d
+__device__ __forceinline__ void scale_pair(u32 c, u32 d2, u32& hi, u32& lo) {
+    hi = hmul2(c, d2);
+    lo = hfma2(c, d2, hi ^ 0x80008000u);
+}
+
+template <class T>
+struct KvCodes {
+    static constexpr bool ON = false, LO = false;
+    static constexpr int BS = 32, BB = 0, TBK = 0, TBV = 0, NW = 1;
+    static __host__ __device__ constexpr int kdim(int L) { return L; }
+    static __host__ __device__ constexpr int vdim(int c, int k) { return 8 * k + c; }
+};
+
+// q8_0: d (f16) + 32 int8. K: thread tig's bytes 8 tig .. 8 tig + 7, as f16 pairs 1024 + (b ^ 0x80)
+// - 1152; V: column c's bytes 4c .. 4c + 3 (n8 tile k: byte k)
+template <>
+struct KvCodes<KQ8_0> {
+    static constexpr bool ON = true, LO = false;
+    static constexpr int BS = 32, BB = 34, TBK = 0, TBV = 0, NW = 2;
+    static __host__ __device__ constexpr int kdim(int L) { return 8 * ((L & 7) >> 1) + 4 * (L >> 4) + 2 * ((L >> 3) & 1) + (L & 1); }
+    static __host__ __device__ constexpr int vdim(int c, int k) { return 4 * c + k; }
+    static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
+    template <bool A4>
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, u32 (&w)[NW]) {
+        w[0] = ld4b<A4>(blk + 2 + 8 * tig) ^ 0x80808080u;
+        w[1] = ld4b<A4>(blk + 6 + 8 * tig) ^ 0x80808080u;
+    }
+    static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8*, u32& hi, u32&) {
+        hi = hsub2(__byte_perm(w[s], 0x64646464u, r ? 0x4342 : 0x4140), 0x64806480u);
+    }
+    template <bool A4>
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid) { return ld4b<A4>(blk + 2 + 4 * gid) ^ 0x80808080u; }
+    static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
+        const u32 c = hsub2((__byte_perm(ra, rb, k | ((4 + k) << 8)) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
+        scale_pair(c, d2, hi, lo);
+    }
+};
+
+// q4_0: d (f16) + 16 bytes, code j in the low nibble of byte j (j < 16) or the high nibble of byte
+// j - 16, value (code - 8) d; f16 pairs 1024 + nibble - 1032. K: thread tig's bytes 4 tig .. 4 tig
+// + 3 (dims 4 tig .. + 3 and 16 + those); V: column c's bytes 2c, 2c + 1 (dims 2c, 2c + 1, 16 + 2c,
+// 17 + 2c)
+template <>
+struct KvCodes<KQ4_0> {
+    static constexpr bool ON = true, LO = false;
+    static constexpr int BS = 32, BB = 18, TBK = 0, TBV = 0, NW = 1;
+    static __host__ __device__ constexpr int kdim(int L) { return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1); }
+    static __host__ __device__ constexpr int vdim(int c, int k) { return 16 * (k >> 1) + 2 * c + (k & 1); }
+    static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
+    template <bool A4>
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, u32 (&w)[NW]) { w[0] = ld4b<A4>(blk + 2 + 4 * tig); }
+    static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8*, u32& hi, u32&) {
+        hi = hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
+    }
+    template <bool A4>
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid) { return *(const u16*)(blk + 2 + 2 * gid); }
+    static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
+        const u32 m = __byte_perm(ra, rb, 0x5410);
+        const u32 c = hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
+        scale_pair(c, d2, hi, lo);
+    }
+};
+
+// turbo2/3/4 (turbo.py): d (f16) + 64 Lloyd-Max indices of BITS bits (turbo3: the low 2 bits four
+// to a byte, then the high bits eight to a byte), value d * level. Levels as f16 hi + lo. K: thread
+// tig's indices 16 tig .. 16 tig + 15, as 8 pairs of adjacent indices; the pair table (TBK bytes)
+// maps a pair's bits to its (hi, hi) and (lo, lo) f16x2 registers. V: column c's indices 8c .. 8c +
+// 7 (n8 tile k: index 8c + k), each through the level table (th | tl << 16, TBV bytes).
+template <int BITS>
+struct KvCodes<KTurbo<BITS>> {
+    static constexpr bool ON = BITS <= 4, LO = true;
+    static constexpr int BS = 64, BB = 2 + 8 * BITS, TBK = 8 << (2 * BITS), TBV = 4 << BITS;
+    static constexpr int NW = BITS == 2 ? 1 : 2;
+    static __host__ __device__ constexpr int kdim(int L) { return 16 * ((L & 7) >> 1) + 2 * (2 * (L >> 4) + ((L >> 3) & 1)) + (L & 1); }
+    static __host__ __device__ constexpr int vdim(int c, int k) { return 8 * c + k; }
+    static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
+    // the two indices of pair table entry e
+    static __device__ __forceinline__ void pair_of(int e, int& a, int& b) {
+        if constexpr (BITS == 3) {
+            a = (e & 3) | ((e >> 4) & 1) << 2;
+            b = ((e >> 2) & 3) | ((e >> 5) & 1) << 2;
+        } else {
+            a = e & ((1 << BITS) - 1);
+            b = e >> BITS;
+        }
+    }
+    // a level's f16 hi and lo terms
+    static __device__ __forceinline__ void hl(int i, u32& h, u32& l) {
+        const float x = KTurbo<BITS>::tab()[i];
+        u16 hh, ll;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hh) : "f"(x));
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(ll) : "f"(x - h2f(hh)));
+        h = hh; l = ll;
+    }
+    // the tables from the float32 levels (every thread of the block; the caller syncs)
+    static __device__ __forceinline__ void tab_k(u8* tk) {
+        for (int e = threadIdx.x; e < (1 << (2 * BITS)); e += blockDim.x) {
+            int a, b;
+            pair_of(e, a, b);
+            u32 ha, la, hb, lb;
+            hl(a, ha, la);
+            hl(b, hb, lb);
+            ((uint2*)tk)[e] = make_uint2(ha | hb << 16, la | lb << 16);
+        }
+    }
+    static __device__ __forceinline__ void tab_v(u8* tv) {
+        for (int i = threadIdx.x; i < (1 << BITS); i += blockDim.x) {
+            u32 h, l;
+            hl(i, h, l);
+            ((u32*)tv)[i] = h | l << 16;
+        }
+    }
+    template <bool A4>
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, u32 (&w)[NW]) {
+        if constexpr (BITS == 4) {
+            w[0] = ld4b<A4>(blk + 2 + 8 * tig);
+            w[1] = ld4b<A4>(blk + 6 + 8 * tig);
+        } else {
+            w[0] = ld4b<A4>(blk + 2 + 4 * tig);
+            if constexpr (BITS == 3) w[1] = *(const u16*)(blk + 18 + 2 * tig);
+        }
+    }
+    static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8* tk, u32& hi, u32& lo) {
+        const int p = 2 * s + r;  // indices 16 tig + 2p, + 1
+        u32 e;
+        if constexpr (BITS == 4) e = (w[p >> 2] >> (8 * (p & 3))) & 0xFFu;
+        else if constexpr (BITS == 3) e = ((w[0] >> (4 * p)) & 15u) | ((w[1] >> (2 * p)) & 3u) << 4;
+        else e = (w[0] >> (4 * p)) & 15u;
+        const uint2 t = ((const uint2*)tk)[e];
+        hi = t.x; lo = t.y;
+    }
+    // column c's indices 8c .. 8c + 7 (turbo3: the high bits in bits 16-23)
+    template <bool A4>
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid) {
+        if constexpr (BITS == 4) return ld4b<A4>(blk + 2 + 4 * gid);
+        else if constexpr (BITS == 3) return (u32)*(const u16*)(blk + 2 + 2 * gid) | (u32)blk[18 + gid] << 16;
+        else return *(const u16*)(blk + 2 + 2 * gid);
+    }
+    static __device__ __forceinline__ u32 vidx(u32 x, int k) {
+        if constexpr (BITS == 4) return (x >> (4 * k)) & 15u;
+        else if constexpr (BITS == 3) return ((x >> (2 * k)) & 3u) | ((x >> (16 + k)) & 1u) << 2;
+        else return (x >> (2 * k)) & 3u;
+    }
+    static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8* tv, u32& hi, u32& lo) {
+        const u32 la = ((const u32*)tv)[vidx(ra, k)], lb = ((const u32*)tv)[vidx(rb, k)];
+        scale_pair(__byte_perm(la, lb, 0x5410), d2, hi, lo);
+        lo = hfma2(__byte_perm(la, lb, 0x7632), d2, lo);
+    }
+};
