@@ -57,6 +57,7 @@ def main() -> None:
         if D in cu.AS_HEAD_DIMS:
             smem = cu._as_smem(D, 2 * D, 2 * D)
             fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}", smem), nkv * -(-H // nkv // 16), smem)
+        threads = {"partial": 128, "stream": 2 * cu._as_tile(2 * D, 2 * D)}  # the stream's: 2 per tile cell
         merge = be._fn("a", "attn_merge")
         for L in (int(v) for v in a.cells.split(",")):
             q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
@@ -73,8 +74,8 @@ def main() -> None:
                     out = cp.empty((1, H * D), cp.float32)
                     pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
 
-                    def call(ns=ns, out=out, pa=pa, pm=pm, fn=fn, gy=gy, smem=smem):
-                        fn((1, gy, ns), (128,),
+                    def call(ns=ns, out=out, pa=pa, pm=pm, fn=fn, gy=gy, smem=smem, nt=threads[kname]):
+                        fn((1, gy, ns), (nt,),
                            (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
                             np.int32(0), np.float32(0), np.int32(ns), out, pa, pm), shared_mem=smem)
                         if ns > 1:
@@ -87,7 +88,7 @@ def main() -> None:
                 print(f"| {kname} | {L:,} | " + " | ".join(row) + f" | {gbs:,.0f} |", flush=True)
         if "stream" in fns:
             print("\nthe backend's stream split count at each length: "
-                  + ", ".join(f"{L:,}: s{be._attn_stream_splits(L, nkv * -(-H // nkv // 16), 1, smem)}"
+                  + ", ".join(f"{L:,}: s{be._attn_stream_splits(L, nkv * -(-H // nkv // 16), 1)}"
                               for L in (int(v) for v in a.cells.split(","))))
         print()
         if a.tiers and D in cu.AS_HEAD_DIMS:
@@ -125,13 +126,13 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
             else:
                 smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False))
                 fn = be._kv_attn_fn(t, t, D, 0, smem=smem)
-            ns = be._attn_stream_splits(L, gy, 1, smem)
+            ns = be._attn_stream_splits(L, gy, 1)
             out = cp.empty((1, H * D), cp.float32)
             pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
             merge = be._fn("a", "attn_merge")
 
-            def call(fn=fn, ns=ns, smem=smem, K=K, V=V, out=out, pa=pa, pm=pm):
-                fn((1, gy, ns), (128,),
+            def call(fn=fn, ns=ns, smem=smem, K=K, V=V, out=out, pa=pa, pm=pm, nt=2 * cu._as_tile(rb, rb)):
+                fn((1, gy, ns), (nt,),
                    (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
                     np.int32(0), np.float32(0), np.int32(ns), out, pa, pm), shared_mem=smem)
                 if ns > 1:

@@ -714,22 +714,15 @@ def test_stream_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa,
 
 
 def test_stream_attention_splits(gpu):
-    """attn_stream's split count: about ATTN_STREAM_WAVES waves of resident blocks, splits of at
-    least ATTN_STREAM_MIN_SPLIT cells of the mean row, ATTN_MAX_SPLITS at most, 1 at least."""
+    """attn_stream's split count: about ATTN_STREAM_SM_BLOCKS blocks per SM, splits of at least
+    ATTN_STREAM_MIN_SPLIT cells of the mean row, ATTN_MAX_SPLITS at most, 1 at least."""
     from opencoti.engine.backend import cuda as cu
 
-    smem = cu._as_smem(128, 256, 256)
-    per_sm = gpu.smem_per_sm // (smem + 1024)
-    assert per_sm >= 1
-    want = -(-int(cu.ATTN_STREAM_WAVES * gpu.n_sm * per_sm) // 4)
-    assert gpu._attn_stream_splits(32768, 4, 1, smem) == min(want, 32768 // cu.ATTN_STREAM_MIN_SPLIT,
-                                                             cu.ATTN_MAX_SPLITS)
-    assert gpu._attn_stream_splits(300, 4, 1, smem) == 1
-    assert gpu._attn_stream_splits(32768, 4, 64, smem) == 2  # 64 rows of 512 cells
-    smem = cu._as_smem(64, 128, 128)
-    per_sm = gpu.smem_per_sm // (smem + 1024)
-    assert gpu._attn_stream_splits(1 << 24, 1, 1, smem) == min(int(cu.ATTN_STREAM_WAVES * gpu.n_sm * per_sm),
-                                                               cu.ATTN_MAX_SPLITS)
+    want = -(-int(cu.ATTN_STREAM_SM_BLOCKS * gpu.n_sm) // 4)
+    assert gpu._attn_stream_splits(32768, 4, 1) == min(want, 32768 // cu.ATTN_STREAM_MIN_SPLIT, cu.ATTN_MAX_SPLITS)
+    assert gpu._attn_stream_splits(300, 4, 1) == 1
+    assert gpu._attn_stream_splits(32768, 4, 64) == 2  # 64 rows of 512 cells
+    assert gpu._attn_stream_splits(1 << 24, 1, 1) == min(int(cu.ATTN_STREAM_SM_BLOCKS * gpu.n_sm), cu.ATTN_MAX_SPLITS)
 
 
 @pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (128, 28, 4), (64, 6, 6), (32, 3, 1)])

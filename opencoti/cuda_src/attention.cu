@@ -242,7 +242,7 @@ struct AsF16 {
     static __host__ __device__ constexpr int vperm(int nd, int c) { return 8 * nd + c; }
 };
 #define DEF_ATTN_STREAM(D)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128) attn_stream_d##D(                                       \
+    extern "C" __global__ void __launch_bounds__(256) attn_stream_d##D(                                       \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
         float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
@@ -468,7 +468,7 @@ struct AsTier {
 // defined for every module, launched only where its rows allow (cuda.py stream_ok: head size <=
 // 256, both rows' bytes a multiple of 4)
 constexpr bool AS_KV_OK = KV_D <= 256 && AsTier<KV_TK, KV_D>::RB % 4 == 0 && AsTier<KV_TV, KV_D>::RB % 4 == 0;
-extern "C" __global__ void __launch_bounds__(128) attn_kv_stream(
+extern "C" __global__ void __launch_bounds__(256) attn_kv_stream(
     const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,
     const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();

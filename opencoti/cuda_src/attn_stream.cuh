@@ -4,32 +4,39 @@
 // attn_partial keeps one tile of 8 cells in flight per warp (cell index -> K row -> V row, three
 // dependent round trips per tile): at 32k cells a 7B layer took ~150 us for its 67 MB of K / V
 // (0.45 TB/s, H200). Here a block (one query row, one kv head, up to 16 of its query heads, one
-// split of the row's cells: grid (T, n_kv * ceil(G / 16), n_split), 128 threads) walks its cells
-// in tiles of AS_CT. Each tile's K and V rows are copied, as their bytes, into a ring of NS
-// shared-memory stages with cp.async (two threads per row; zero-filled past the split), NS - 1
-// tiles in flight while the block computes on the oldest; a thread's next cell index is loaded
-// into a register one tile ahead. Each warp takes 16 cells of a tile: S = Q K^T and O += P V on
-// the tensor cores (mma m16n8k16) as sp_attn (shared_prefix.cu): the block's query heads are the
-// rows of one m16 tile, Q and P are split into f16 hi + lo terms (float32 accuracy,
-// f16_split.cuh), S stays in registers as P's fragments (FlashAttention-2's layout). f16 rows are
-// exact f16 operands (the V fragments by ldmatrix .trans); a tier's values are decoded (policy
-// dec(): scale * code [+ min]) and split into hi + lo too. Each warp keeps its own online softmax
-// (Milakov & Gimelshein 2018) over its cells; the four are merged at the end as attn_partial's
-// warps are. Masks, softcap and the output format (n_split == 1: normalized rows, else (acc, m,
-// l) partials for attn_merge) are attn_partial's.
+// split of the row's cells: grid (T, n_kv * ceil(G / 16), n_split), 2 CT threads) walks its cells
+// in tiles of CT (AsLayout: 128 cells and 8 warps where two stages fit, else 64 and 4). Each
+// tile's K and V rows are copied, as their bytes, into a ring of NS shared-memory stages with
+// cp.async (two threads per row; zero-filled past the split), NS - 1 tiles in flight while the
+// block computes on the oldest; a thread's next cell index is loaded into a register one tile
+// ahead. Each warp takes 16 cells of a tile: S = Q K^T and O += P V on the tensor cores (mma
+// m16n8k16) as sp_attn (shared_prefix.cu): the block's query heads are the rows of one m16 tile,
+// Q and P are split into f16 hi + lo terms (float32 accuracy, f16_split.cuh), S stays in registers
+// as P's fragments (FlashAttention-2's layout). f16 rows are exact f16 operands (the V fragments by
+// ldmatrix .trans); q8_0, q4_0 and turbo2/3/4 codes are f16 operands too, their block scales
+// applied outside the products (kv_codes.cuh); any other tier's values are decoded (policy dec():
+// scale * code [+ min]) and split into hi + lo. Each warp keeps its own online softmax (Milakov &
+// Gimelshein 2018) over its cells; the warps are merged at the end as attn_partial's are. Masks,
+// softcap and the output format (n_split == 1: normalized rows, else (acc, m, l) partials for
+// attn_merge) are attn_partial's.
 //
 // Row policy P (K and V each): RB bytes per (cell, kv head) row, copied in CA-byte chunks; F16
-// (raw f16 rows); NT table entries; ROT (a rotated tier: the queries are rotated before the split,
-// the output un-rotated after the merge). Only where used: tab() (NT > 0; copied to shared
-// memory), dec(w, i, tab) value i of a row whose bytes start at w (not F16), rotate(rows, n,
-// inverse) (ROT). Decoded values must lie
-// in f16's range (their hi term): cuda.py keeps the f32 / bf16 tiers on attn_kv_g*.
+// (raw f16 rows); CODES (kv_codes.cuh's operands: C = KvCodes<tier>; kperm / vperm map the MMA's
+// k / n index to the dim); TBK / TBV table bytes (tab_k / tab_v fill them); ROT (a rotated tier:
+// the queries are rotated before the split, the output un-rotated after the merge). Only where
+// used: dec(w, i, tab) value i of a row whose bytes start at w (neither F16 nor CODES),
+// rotate(rows, n, inverse) (ROT). Decoded values must lie in f16's range (their hi term): cuda.py
+// keeps the f32 / bf16 tiers on attn_kv_g*.
 #include "quants.cuh"
 #include "mma.cuh"
 #include "async_copy.cuh"
 #include "f16_split.cuh"
 
+// cells per tile: AS_CT_BIG (8 warps) where two stages of them take at most AS_BIG_BYTES of shared
+// memory, else AS_CT (4 warps; f16 rows at head size 256)
 #define AS_CT 64
+#define AS_CT_BIG 128
+#define AS_BIG_BYTES 196608
 #define AS_NEG_INF (-__int_as_float(0x7f800000))
 
 // shared-memory stride of a row of rb bytes: 16-byte aligned and an odd multiple of 16, so the 8
@@ -37,18 +44,20 @@
 __host__ __device__ constexpr int as_srb(int rb) {
     return ((rb + 15) / 16 * 16) % 32 == 0 ? (rb + 15) / 16 * 16 + 16 : (rb + 15) / 16 * 16;
 }
-// byte offsets of the dynamic shared memory (cuda.py _as_smem mirrors BYTES): queries hi / lo
-// [16][D + 8] halves; NS stages of K rows [CT][SRBK] then V rows [CT][SRBV] (also the rotated
-// queries' float32 staging and the warps' merge tile); positions [NS][CT]; staging factors [16];
-// the K and V code tables, [256] each where the tier has one (TK / TV: f16 rows at D = 128 fit
-// two blocks per SM only without them)
+// The block's tile (CT cells, NW = CT / 16 warps of 32 threads) and the byte offsets of its
+// dynamic shared memory (cuda.py _as_tile / _as_smem mirror CT / BYTES): queries hi / lo [16][D + 8]
+// halves; NS stages of K rows [CT][SRBK] then V rows [CT][SRBV] (also the rotated queries' float32
+// staging and the warps' merge tile); positions [NS][CT]; staging factors [16]; the K and V tables
+// (TBK / TBV bytes: AsTier)
 template <int D, int RBK, int RBV, int TBK, int TBV>
 struct AsLayout {
-    static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV), SB = AS_CT * (SRBK + SRBV);
+    static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV);
+    static constexpr int CT = 2 * AS_CT_BIG * (SRBK + SRBV) <= AS_BIG_BYTES ? AS_CT_BIG : AS_CT, NW = CT / 16;
+    static constexpr int SB = CT * (SRBK + SRBV);
     static constexpr int NS = 3 * SB <= 110592 ? 3 : 2;
-    static constexpr int MS = 4 * 16 * D * 4 + 2 * 4 * 16 * 4;
+    static constexpr int MS = NW * 16 * D * 4 + 2 * NW * 16 * 4;
     static constexpr int R = NS * SB > MS ? NS * SB : MS;
-    static constexpr int ST = 2 * 16 * LDQ * 2, POS = ST + R, UP = POS + NS * AS_CT * 4, TAB = UP + 64;
+    static constexpr int ST = 2 * 16 * LDQ * 2, POS = ST + R, UP = POS + NS * CT * 4, TAB = UP + 64;
     static constexpr int TABV = TAB + TBK, BYTES = TABV + TBV;
 };
 
@@ -74,7 +83,7 @@ __device__ __forceinline__ void attn_stream_impl(
     const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     using L = AsLayout<D, KP::RB, VP::RB, KP::TBK, VP::TBV>;
-    constexpr int CT = AS_CT, NS = L::NS, LDQ = L::LDQ, ND = D / 8;
+    constexpr int CT = L::CT, NW = L::NW, NS = L::NS, LDQ = L::LDQ, ND = D / 8;
     constexpr int NCK = KP::RB / KP::CA, NCV = VP::RB / VP::CA;  // copy chunks per row
     extern __shared__ __align__(16) unsigned char as_smem[];
     u16* s_qh = (u16*)as_smem;
@@ -131,7 +140,7 @@ __device__ __forceinline__ void attn_stream_impl(
     }
     __syncthreads();
     if constexpr (KP::ROT) KP::rotate(qf, 16, false);
-    for (int g = warp; g < 16; g += 4) {
+    for (int g = warp; g < 16; g += NW) {
         float mx = 0.f;
         for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qf[g * D + d]));
 #pragma unroll
@@ -355,11 +364,11 @@ __device__ __forceinline__ void attn_stream_impl(
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     }
-    // merge the four warps (their tiles reuse the stages): s_o [4][16][D], s_m / s_l [4][16]
+    // merge the warps (their tiles reuse the stages): s_o [NW][16][D], s_m / s_l [NW][16]
     __syncthreads();
     float* s_o = (float*)s_st;
-    float* s_m = s_o + 4 * 16 * D;
-    float* s_l = s_m + 4 * 16;
+    float* s_m = s_o + NW * 16 * D;
+    float* s_l = s_m + NW * 16;
 #pragma unroll
     for (int nd = 0; nd < ND; nd++)
 #pragma unroll
@@ -381,11 +390,11 @@ __device__ __forceinline__ void attn_stream_impl(
         const int g = i / D, d = i % D;
         float M = AS_NEG_INF;
 #pragma unroll
-        for (int w = 0; w < 4; w++) M = fmaxf(M, s_m[w * 16 + g]);
+        for (int w = 0; w < NW; w++) M = fmaxf(M, s_m[w * 16 + g]);
         float Ls = 0.f, A = 0.f;
         if (M != AS_NEG_INF) {
 #pragma unroll
-            for (int w = 0; w < 4; w++) {
+            for (int w = 0; w < NW; w++) {
                 const float mw = s_m[w * 16 + g];
                 if (mw == AS_NEG_INF) continue;
                 const float f = __expf(mw - M);

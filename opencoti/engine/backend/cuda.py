@@ -187,16 +187,17 @@ SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
 # (_attention_prefill); OPENCOTI_CUDA_PREFILL_TC_ATTN=0: attention.cu's per-row kernel
 PREFILL_TC_ATTN = os.environ.get("OPENCOTI_CUDA_PREFILL_TC_ATTN", "1") != "0"
 PREFILL_TC_ROWS = 16  # query rows per sequence (mean over the ubatch) from which that path is taken
-# decode attention over long rows, f16 K/V (attention.cu attn_stream_d<D>: K / V tiles streamed
-# through shared memory with cp.async, tensor-core products): taken when the rows' cells average
-# at least ATTN_STREAM_CELLS (0: never); its splits give about ATTN_STREAM_WAVES waves of resident
-# blocks, each at least ATTN_STREAM_MIN_SPLIT cells (half a wave measured best on the H200,
-# bench_attn: Qwen2.5-7B heads at 32k cells 34.3 us with 32 splits, 37.8 with 64; gemma-3-270m's
-# 35.3 with 64, 36.1 with 128: fewer, longer splits pay less prologue and merge)
+# decode attention over long rows (attention.cu attn_stream_d<D> for f16 K/V, attn_kv_stream for a
+# tier pair: K / V tiles streamed through shared memory with cp.async, tensor-core products): taken
+# when the rows' cells average at least ATTN_STREAM_CELLS (0: never); its splits give about
+# ATTN_STREAM_SM_BLOCKS blocks per SM, each at least ATTN_STREAM_MIN_SPLIT cells (one block per SM
+# measured best on the H200, bench_attn: Qwen2.5-7B heads at 32k cells, 4-warp blocks, 34.3 us at
+# one block per SM, 37.8 at two; a tier pair's two to four blocks per SM were slower too: fewer,
+# longer splits pay less prologue and merge)
 ATTN_STREAM_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_CELLS", "2048"))
-ATTN_STREAM_WAVES = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_WAVES", "0.5"))
+ATTN_STREAM_SM_BLOCKS = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_SM_BLOCKS", "1"))
 ATTN_STREAM_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_MIN_SPLIT", "256"))
-AS_CT = 64  # cells per tile (attention.cu AS_CT)
+AS_CT, AS_CT_BIG, AS_BIG_BYTES = 64, 128, 196608  # tiles (attn_stream.cuh AS_CT, AS_CT_BIG, AS_BIG_BYTES)
 AS_HEAD_DIMS = (64, 128, 256)
 
 
@@ -220,17 +221,29 @@ def _sp_smem(d: int) -> int:
     return (2 * SP_QT + 2 * ct) * (d + 8) * 2 + 4 * (ct + 2 * SP_QT)
 
 
+def _as_srb(rb: int) -> int:
+    """Shared-memory stride of a ``rb``-byte K / V row in the streaming kernels (attn_stream.cuh
+    ``as_srb``): 16-aligned, an odd multiple of 16."""
+    a = -(-rb // 16) * 16
+    return a + 16 if a % 32 == 0 else a
+
+
+def _as_tile(rb_k: int, rb_v: int) -> int:
+    """Cells per tile of the streaming kernels for K / V rows of ``rb_k`` / ``rb_v`` bytes
+    (attn_stream.cuh ``AsLayout::CT``; the block has ``2 * tile`` threads): AS_CT_BIG where two
+    stages of it take at most AS_BIG_BYTES, else AS_CT."""
+    return AS_CT_BIG if 2 * AS_CT_BIG * (_as_srb(rb_k) + _as_srb(rb_v)) <= AS_BIG_BYTES else AS_CT
+
+
 def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0) -> int:
     """Dynamic shared memory bytes of attention.cu's streaming kernels at head size ``d`` for K /
     V rows of ``rb_k`` / ``rb_v`` bytes and K / V tables of ``tab_k`` / ``tab_v`` bytes
     (``cuda_kv.stream_table_bytes``; attn_stream.cuh ``AsLayout::BYTES``)."""
-    def srb(rb: int) -> int:  # as_srb: 16-aligned, an odd multiple of 16
-        a = -(-rb // 16) * 16
-        return a + 16 if a % 32 == 0 else a
-
-    sb = AS_CT * (srb(rb_k) + srb(rb_v))
+    ct = _as_tile(rb_k, rb_v)
+    nw = ct // 16
+    sb = ct * (_as_srb(rb_k) + _as_srb(rb_v))
     ns = 3 if 3 * sb <= 110592 else 2
-    return (2 * 16 * (d + 8) * 2 + max(ns * sb, 4 * 16 * d * 4 + 2 * 4 * 16 * 4) + ns * AS_CT * 4 + 64
+    return (2 * 16 * (d + 8) * 2 + max(ns * sb, nw * 16 * d * 4 + 2 * nw * 16 * 4) + ns * ct * 4 + 64
             + tab_k + tab_v)
 
 
@@ -1702,7 +1715,7 @@ class CUDABackend:
             stream = smem <= self.smem_per_block
         if stream:
             n_hg = -(-G // 16)
-            n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T, smem)
+            n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T)
         else:
             n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
         if n_split > 1:
@@ -1718,7 +1731,7 @@ class CUDABackend:
         if stream:
             fn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem) if quant else \
                 self._big_smem_fn("a", f"attn_stream_d{D}", smem)
-            fn((T, n_kv * n_hg, n_split), (128,), args, shared_mem=smem)
+            fn((T, n_kv * n_hg, n_split), (2 * _as_tile(rb_k, rb_v),), args, shared_mem=smem)
         else:
             fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
             fn((T, n_kv * n_hg, n_split), (128,), args)
@@ -1806,14 +1819,12 @@ class CUDABackend:
         want = max(-(-2 * self.n_sm // base), -(-n_cells // (ATTN_SPLIT_CELLS * max(1, rows))))
         return int(max(lo, min(n_cells // 32, want, ATTN_MAX_SPLITS)))
 
-    def _attn_stream_splits(self, n_cells: int, base: int, rows: int, smem: int) -> int:
-        """Split count of the streaming kernels (``smem`` bytes of shared memory per block) when
-        ``base`` blocks (rows x kv heads x 16-head groups) are launched per split for ``rows``
-        query rows of ``n_cells`` cells (as ``_attn_splits``): about ATTN_STREAM_WAVES waves of
-        the blocks an SM holds at once (its shared memory), splits of at least
+    def _attn_stream_splits(self, n_cells: int, base: int, rows: int) -> int:
+        """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x 16-head
+        groups) are launched per split for ``rows`` query rows of ``n_cells`` cells (as
+        ``_attn_splits``): about ATTN_STREAM_SM_BLOCKS blocks per SM, splits of at least
         ATTN_STREAM_MIN_SPLIT of the mean row's cells, at most ATTN_MAX_SPLITS, at least 1."""
-        per_sm = max(1, self.smem_per_sm // (smem + 1024))
-        want = -(-int(ATTN_STREAM_WAVES * self.n_sm * per_sm) // base)
+        want = -(-int(ATTN_STREAM_SM_BLOCKS * self.n_sm) // base)
         longest = n_cells // (max(1, rows) * max(1, ATTN_STREAM_MIN_SPLIT))
         return int(max(1, min(want, longest, ATTN_MAX_SPLITS)))
 
