@@ -57,7 +57,7 @@ def main() -> None:
         if D in cu.AS_HEAD_DIMS:
             smem = cu._as_smem(D, 2 * D, 2 * D)
             fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}", smem), nkv * -(-H // nkv // 16), smem)
-        threads = {"partial": 128, "stream": 2 * cu._as_tile(2 * D, 2 * D)}  # the stream's: 2 per tile cell
+        threads = {"partial": 128, "stream": 2 * cu._as_tile(D, 2 * D, 2 * D)}  # the stream's: 2 per tile cell
         merge = be._fn("a", "attn_merge")
         for L in (int(v) for v in a.cells.split(",")):
             q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
@@ -131,7 +131,7 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
             pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
             merge = be._fn("a", "attn_merge")
 
-            def call(fn=fn, ns=ns, smem=smem, K=K, V=V, out=out, pa=pa, pm=pm, nt=2 * cu._as_tile(rb, rb)):
+            def call(fn=fn, ns=ns, smem=smem, K=K, V=V, out=out, pa=pa, pm=pm, nt=2 * cu._as_tile(D, rb, rb)):
                 fn((1, gy, ns), (nt,),
                    (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
                     np.int32(0), np.float32(0), np.int32(ns), out, pa, pm), shared_mem=smem)

@@ -90,3 +90,37 @@ def test_attn_group_heads_per_block():
     assert group(1, 2, 16, 512, 100) == 2  # 2 kv heads x 8 blocks of 2 <= 16
     assert group(4, 2, 16, 512, 100) == 4  # head size 512: 4 heads at most
     assert group(1, 2, 16, 512, 1 << 20) == 4
+
+
+def test_stream_tile_and_shared_memory():
+    """The streaming attention kernel's tile (``_as_tile``, attn_stream.cuh ``AsLayout::CT``) and
+    shared memory (``_as_smem``): 128-cell tiles of 8 warps up to head size 128 where two stages
+    fit AS_BIG_BYTES, 64 cells otherwise; every stream-eligible tier pair's block fits an H200
+    block (so the kernel is taken), and the turbo tables add their bytes (kv_codes.cuh)."""
+    import numpy as np
+
+    from opencoti.engine.backend import cuda_kv
+    from opencoti.engine.kv_tiers import get_tier
+
+    assert cu._as_tile(128, 256, 256) == 128  # f16, 7B heads
+    assert cu._as_tile(256, 512, 512) == 64  # f16, gemma-3-270m heads
+    assert cu._as_tile(256, 272, 272) == 64  # q8_0 at 256: 4 warps (splits of ~256 cells there)
+    assert cu._as_tile(64, 68, 68) == 128
+    # f16 / f16 at 128: queries 8,704 + 2 stages of 128 x (272 + 272) + positions 1,024 + 64
+    assert cu._as_smem(128, 256, 256) == 8704 + 2 * 128 * 544 + 2 * 128 * 4 + 64
+    # q8_0 / q8_0 at 128: rows of 136 bytes, stride 144; three stages fit 110,592
+    assert cu._as_smem(128, 136, 136) == 8704 + 3 * 128 * 288 + 3 * 128 * 4 + 64
+    assert cuda_kv.stream_table_bytes("turbo3", True) == 512 and cuda_kv.stream_table_bytes("turbo3", False) == 32
+    assert cuda_kv.stream_table_bytes("turbo4", True) == 2048 and cuda_kv.stream_table_bytes("q8_0", True) == 0
+    assert cuda_kv.stream_table_bytes("turbo2_tcq", False) == 1024
+    for d in cu.AS_HEAD_DIMS:
+        for name in cuda_kv.KV_TYPES:
+            if name in ("f32", "bf16"):
+                continue
+            x = get_tier(name).quantize(np.zeros((1, d), np.float32))
+            rb = x.shape[-1] * x.dtype.itemsize
+            if rb % 4:
+                continue
+            smem = cu._as_smem(d, rb, rb, cuda_kv.stream_table_bytes(name, True),
+                               cuda_kv.stream_table_bytes(name, False))
+            assert smem <= H200.smem_per_block, (name, d, smem)

@@ -5,7 +5,7 @@
 // dependent round trips per tile): at 32k cells a 7B layer took ~150 us for its 67 MB of K / V
 // (0.45 TB/s, H200). Here a block (one query row, one kv head, up to 16 of its query heads, one
 // split of the row's cells: grid (T, n_kv * ceil(G / 16), n_split), 2 CT threads) walks its cells
-// in tiles of CT (AsLayout: 128 cells and 8 warps where two stages fit, else 64 and 4). Each
+// in tiles of CT (AsLayout: 128 cells and 8 warps at head sizes up to 128, else 64 and 4). Each
 // tile's K and V rows are copied, as their bytes, into a ring of NS shared-memory stages with
 // cp.async (two threads per row; zero-filled past the split), NS - 1 tiles in flight while the
 // block computes on the oldest; a thread's next cell index is loaded into a register one tile
@@ -32,8 +32,9 @@
 #include "async_copy.cuh"
 #include "f16_split.cuh"
 
-// cells per tile: AS_CT_BIG (8 warps) where two stages of them take at most AS_BIG_BYTES of shared
-// memory, else AS_CT (4 warps; f16 rows at head size 256)
+// cells per tile: AS_CT_BIG (8 warps) up to head size 128 where two stages of them take at most
+// AS_BIG_BYTES of shared memory, else AS_CT (4 warps): at head size 256 (gemma-3-270m: one kv head,
+// splits of ~256 cells at 32k) the 8-warp block's prologue and merge cost more than its tiles gain
 #define AS_CT 64
 #define AS_CT_BIG 128
 #define AS_BIG_BYTES 196608
@@ -52,7 +53,8 @@ __host__ __device__ constexpr int as_srb(int rb) {
 template <int D, int RBK, int RBV, int TBK, int TBV>
 struct AsLayout {
     static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV);
-    static constexpr int CT = 2 * AS_CT_BIG * (SRBK + SRBV) <= AS_BIG_BYTES ? AS_CT_BIG : AS_CT, NW = CT / 16;
+    static constexpr int CT = D <= 128 && 2 * AS_CT_BIG * (SRBK + SRBV) <= AS_BIG_BYTES ? AS_CT_BIG : AS_CT;
+    static constexpr int NW = CT / 16;
     static constexpr int SB = CT * (SRBK + SRBV);
     static constexpr int NS = 3 * SB <= 110592 ? 3 : 2;
     static constexpr int MS = NW * 16 * D * 4 + 2 * NW * 16 * 4;

@@ -228,18 +228,19 @@ def _as_srb(rb: int) -> int:
     return a + 16 if a % 32 == 0 else a
 
 
-def _as_tile(rb_k: int, rb_v: int) -> int:
-    """Cells per tile of the streaming kernels for K / V rows of ``rb_k`` / ``rb_v`` bytes
-    (attn_stream.cuh ``AsLayout::CT``; the block has ``2 * tile`` threads): AS_CT_BIG where two
-    stages of it take at most AS_BIG_BYTES, else AS_CT."""
-    return AS_CT_BIG if 2 * AS_CT_BIG * (_as_srb(rb_k) + _as_srb(rb_v)) <= AS_BIG_BYTES else AS_CT
+def _as_tile(d: int, rb_k: int, rb_v: int) -> int:
+    """Cells per tile of the streaming kernels at head size ``d`` for K / V rows of ``rb_k`` /
+    ``rb_v`` bytes (attn_stream.cuh ``AsLayout::CT``; the block has ``2 * tile`` threads):
+    AS_CT_BIG up to head size 128 where two stages of it take at most AS_BIG_BYTES, else AS_CT."""
+    big = d <= 128 and 2 * AS_CT_BIG * (_as_srb(rb_k) + _as_srb(rb_v)) <= AS_BIG_BYTES
+    return AS_CT_BIG if big else AS_CT
 
 
 def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0) -> int:
     """Dynamic shared memory bytes of attention.cu's streaming kernels at head size ``d`` for K /
     V rows of ``rb_k`` / ``rb_v`` bytes and K / V tables of ``tab_k`` / ``tab_v`` bytes
     (``cuda_kv.stream_table_bytes``; attn_stream.cuh ``AsLayout::BYTES``)."""
-    ct = _as_tile(rb_k, rb_v)
+    ct = _as_tile(d, rb_k, rb_v)
     nw = ct // 16
     sb = ct * (_as_srb(rb_k) + _as_srb(rb_v))
     ns = 3 if 3 * sb <= 110592 else 2
@@ -1731,7 +1732,7 @@ class CUDABackend:
         if stream:
             fn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem) if quant else \
                 self._big_smem_fn("a", f"attn_stream_d{D}", smem)
-            fn((T, n_kv * n_hg, n_split), (2 * _as_tile(rb_k, rb_v),), args, shared_mem=smem)
+            fn((T, n_kv * n_hg, n_split), (2 * _as_tile(D, rb_k, rb_v),), args, shared_mem=smem)
         else:
             fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
             fn((T, n_kv * n_hg, n_split), (128,), args)
