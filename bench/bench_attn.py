@@ -71,16 +71,8 @@ def main() -> None:
                     if ns > max(1, L // 8):
                         row.append("")
                         continue
-                    out = cp.empty((1, H * D), cp.float32)
-                    pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
-
-                    def call(ns=ns, out=out, pa=pa, pm=pm, fn=fn, gy=gy, smem=smem, nt=threads[kname]):
-                        fn((1, gy, ns), (nt,),
-                           (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
-                            np.int32(0), np.float32(0), np.int32(ns), out, pa, pm), shared_mem=smem)
-                        if ns > 1:
-                            merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
-
+                    call = _decode_call(cp, fn, merge, (1, gy, ns), threads[kname], smem,
+                                        (q, qpos, rv, vo, cells, cpos, K, V), H, nkv, D, ns)
                     us = _graph_time(cp, call, a.reps)
                     best = us if best is None else min(best, us)
                     row.append(f"{us:.1f}")
@@ -93,6 +85,23 @@ def main() -> None:
         print()
         if a.tiers and D in cu.AS_HEAD_DIMS:
             _tier_table(be, cp, cu, a, H, nkv, D)
+
+
+def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: tuple, H: int, nkv: int, D: int,
+                 ns: int):
+    """A closure launching decode kernel ``fn`` (grid, threads, shared memory) on ``inputs`` (q,
+    q_pos, row_view, view_off, cells, cell_pos, K, V) with ``ns`` splits, plus ``attn_merge`` when
+    it splits, into buffers of its own."""
+    out = cp.empty((1, H * D), cp.float32)
+    pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
+
+    def call():
+        fn(grid, (threads,), inputs + (np.int32(H), np.int32(nkv), np.float32(D ** -0.5), np.int32(0), np.float32(0),
+                                       np.int32(ns), out, pa, pm), shared_mem=smem)
+        if ns > 1:
+            merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
+
+    return call
 
 
 def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
@@ -127,17 +136,8 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
                 smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False))
                 fn = be._kv_attn_fn(t, t, D, 0, smem=smem)
             ns = be._attn_stream_splits(L, gy, 1)
-            out = cp.empty((1, H * D), cp.float32)
-            pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
-            merge = be._fn("a", "attn_merge")
-
-            def call(fn=fn, ns=ns, smem=smem, K=K, V=V, out=out, pa=pa, pm=pm, nt=2 * cu._as_tile(D, rb, rb)):
-                fn((1, gy, ns), (nt,),
-                   (q, qpos, rv, vo, cells, cpos, K, V, np.int32(H), np.int32(nkv), np.float32(D ** -0.5),
-                    np.int32(0), np.float32(0), np.int32(ns), out, pa, pm), shared_mem=smem)
-                if ns > 1:
-                    merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
-
+            call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), 2 * cu._as_tile(D, rb, rb), smem,
+                                (q, qpos, rv, vo, cells, cpos, K, V), H, nkv, D, ns)
             us = _graph_time(cp, call, a.reps)
             base = us if t == "f16" else base
             gbs = 2 * L * nkv * rb / (us * 1e3)
