@@ -203,8 +203,7 @@ __device__ __forceinline__ void attn_stream_impl(
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++) {
                     const u8* blk = sk + (cw + nt * 8 + gid) * L::SRBK + b * C::BB;
-                    if ((C::BB * b + 2) % 4 == 0) C::template kraw<true>(blk, tig, w[nt]);
-                    else C::template kraw<false>(blk, tig, w[nt]);
+                    C::kraw(blk, tig, (C::BB * b + 2) % 4 == 0, w[nt]);
                 }
                 float t[2][2][4];
 #pragma unroll
@@ -322,14 +321,9 @@ __device__ __forceinline__ void attn_stream_impl(
                 const int ob = b * C::BB;
                 const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;
                 const u32 d23 = (u32)C::dh(v2 + ob) | (u32)C::dh(v3 + ob) << 16;
-                u32 r0, r1, r2, r3;
-                if ((C::BB * b + 2) % 4 == 0) {
-                    r0 = C::template vraw<true>(v0 + ob, gid); r1 = C::template vraw<true>(v1 + ob, gid);
-                    r2 = C::template vraw<true>(v2 + ob, gid); r3 = C::template vraw<true>(v3 + ob, gid);
-                } else {
-                    r0 = C::template vraw<false>(v0 + ob, gid); r1 = C::template vraw<false>(v1 + ob, gid);
-                    r2 = C::template vraw<false>(v2 + ob, gid); r3 = C::template vraw<false>(v3 + ob, gid);
-                }
+                const bool a4 = (C::BB * b + 2) % 4 == 0;
+                const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v1 + ob, gid, a4);
+                const u32 r2 = C::vraw(v2 + ob, gid, a4), r3 = C::vraw(v3 + ob, gid, a4);
 #pragma unroll
                 for (int k = 0; k < NK; k++) {
                     u32 h0, l0, h1, l1;

@@ -19,29 +19,28 @@
 // Members of KvCodes<T> (ON = false: the tier keeps dec()):
 //   BS, BB: block values / bytes; LO: the K operand has a lo term (table levels);
 //   TBK, TBV: table bytes in shared memory (K pair table, V level table), built by tab_init();
-//   kraw(blk, tig, w) / kpair(w, s, r, tk, hi, lo): thread tig's code bytes of a block (blk: the
+//   kraw(blk, tig, a4, w) / kpair(w, s, r, tk, hi, lo): thread tig's code bytes of a block (blk: the
 //     block's first byte in shared memory), and its B registers for k step s, register r;
-//   vraw(blk, gid) / vpair(ra, rb, k, d2, tv, hi, lo): column gid's codes of a cell's block, and
+//   vraw(blk, gid, a4) / vpair(ra, rb, k, d2, tv, hi, lo): column gid's codes of a cell's block, and
 //     the (hi, lo) B registers of n8 tile k for two cells (ra, rb) with block scales d2 (f16x2);
 //   dh(blk): the block scale's f16 bits.
-// A4: the reads of that block are 4-aligned (rows start 16-aligned in shared memory; a block at
+// a4: the reads of that block are 4-aligned (rows start 16-aligned in shared memory; a block at
 // byte o of its row reads from o + 2: aligned when o % 4 == 2).
 // Byte layouts: kv_tiers.cuh / the CPU tiers (scalar.py, turbo.py).
 #include "quants.cuh"
+#include "f16_split.cuh"
 
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
 }
 __device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-// 4 bytes at p (2-aligned; A4: 4-aligned)
-template <bool A4>
-__device__ __forceinline__ u32 ld4b(const u8* p) {
-    if constexpr (A4) return *(const u32*)p;
-    else return (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);
+// 4 bytes at p (2-aligned; a4: 4-aligned, a constant where the caller's loop is unrolled)
+__device__ __forceinline__ u32 ld4b(const u8* p, bool a4) {
+    return a4 ? *(const u32*)p : (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);
 }
 // (hi, lo) of code pair c (f16x2) times block scales d2: hi = f16(c d), lo = c d - hi (fma, exact
-// for integer codes); with a level's lo pair cl: lo += cl d
+// for integer codes)
 __device__ __forceinline__ void scale_pair(u32 c, u32 d2, u32& hi, u32& lo) {
     hi = hmul2(c, d2);
     lo = hfma2(c, d2, hi ^ 0x80008000u);
@@ -64,16 +63,14 @@ struct KvCodes<KQ8_0> {
     static __host__ __device__ constexpr int kdim(int L) { return 8 * ((L & 7) >> 1) + 4 * (L >> 4) + 2 * ((L >> 3) & 1) + (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 4 * c + k; }
     static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
-    template <bool A4>
-    static __device__ __forceinline__ void kraw(const u8* blk, int tig, u32 (&w)[NW]) {
-        w[0] = ld4b<A4>(blk + 2 + 8 * tig) ^ 0x80808080u;
-        w[1] = ld4b<A4>(blk + 6 + 8 * tig) ^ 0x80808080u;
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) {
+        w[0] = ld4b(blk + 2 + 8 * tig, a4) ^ 0x80808080u;
+        w[1] = ld4b(blk + 6 + 8 * tig, a4) ^ 0x80808080u;
     }
     static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8*, u32& hi, u32&) {
         hi = hsub2(__byte_perm(w[s], 0x64646464u, r ? 0x4342 : 0x4140), 0x64806480u);
     }
-    template <bool A4>
-    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid) { return ld4b<A4>(blk + 2 + 4 * gid) ^ 0x80808080u; }
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) { return ld4b(blk + 2 + 4 * gid, a4) ^ 0x80808080u; }
     static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
         const u32 c = hsub2((__byte_perm(ra, rb, k | ((4 + k) << 8)) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
         scale_pair(c, d2, hi, lo);
@@ -91,13 +88,11 @@ struct KvCodes<KQ4_0> {
     static __host__ __device__ constexpr int kdim(int L) { return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 16 * (k >> 1) + 2 * c + (k & 1); }
     static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
-    template <bool A4>
-    static __device__ __forceinline__ void kraw(const u8* blk, int tig, u32 (&w)[NW]) { w[0] = ld4b<A4>(blk + 2 + 4 * tig); }
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) { w[0] = ld4b(blk + 2 + 4 * tig, a4); }
     static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8*, u32& hi, u32&) {
         hi = hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
     }
-    template <bool A4>
-    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid) { return *(const u16*)(blk + 2 + 2 * gid); }
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) { return *(const u16*)(blk + 2 + 2 * gid); }
     static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
         const u32 m = __byte_perm(ra, rb, 0x5410);
         const u32 c = hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
@@ -131,10 +126,9 @@ struct KvCodes<KTurbo<BITS>> {
     // a level's f16 hi and lo terms
     static __device__ __forceinline__ void hl(int i, u32& h, u32& l) {
         const float x = KTurbo<BITS>::tab()[i];
-        u16 hh, ll;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hh) : "f"(x));
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(ll) : "f"(x - h2f(hh)));
-        h = hh; l = ll;
+        const u16 hh = sp_f2h(x);
+        h = hh;
+        l = sp_f2h(x - h2f(hh));
     }
     // the tables from the float32 levels (every thread of the block; the caller syncs)
     static __device__ __forceinline__ void tab_k(u8* tk) {
@@ -154,13 +148,12 @@ struct KvCodes<KTurbo<BITS>> {
             ((u32*)tv)[i] = h | l << 16;
         }
     }
-    template <bool A4>
-    static __device__ __forceinline__ void kraw(const u8* blk, int tig, u32 (&w)[NW]) {
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) {
         if constexpr (BITS == 4) {
-            w[0] = ld4b<A4>(blk + 2 + 8 * tig);
-            w[1] = ld4b<A4>(blk + 6 + 8 * tig);
+            w[0] = ld4b(blk + 2 + 8 * tig, a4);
+            w[1] = ld4b(blk + 6 + 8 * tig, a4);
         } else {
-            w[0] = ld4b<A4>(blk + 2 + 4 * tig);
+            w[0] = ld4b(blk + 2 + 4 * tig, a4);
             if constexpr (BITS == 3) w[1] = *(const u16*)(blk + 18 + 2 * tig);
         }
     }
@@ -174,9 +167,8 @@ struct KvCodes<KTurbo<BITS>> {
         hi = t.x; lo = t.y;
     }
     // column c's indices 8c .. 8c + 7 (turbo3: the high bits in bits 16-23)
-    template <bool A4>
-    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid) {
-        if constexpr (BITS == 4) return ld4b<A4>(blk + 2 + 4 * gid);
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) {
+        if constexpr (BITS == 4) return ld4b(blk + 2 + 4 * gid, a4);
         else if constexpr (BITS == 3) return (u32)*(const u16*)(blk + 2 + 2 * gid) | (u32)blk[18 + gid] << 16;
         else return *(const u16*)(blk + 2 + 2 * gid);
     }
