@@ -236,7 +236,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
 // (attn_stream.cuh) from f16 rows
 template <int D>
 struct AsF16 {
-    static constexpr int RB = 2 * D, CA = 16, NT = 0, TBK = 0, TBV = 0;
+    static constexpr int RB = 2 * D, CA = 16, TBK = 0, TBV = 0;
     static constexpr bool F16 = true, ROT = false, CODES = false;
     static __host__ __device__ constexpr int kperm(int d) { return d; }
     static __host__ __device__ constexpr int vperm(int nd, int c) { return 8 * nd + c; }
@@ -273,14 +273,13 @@ DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 __host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 : (nb & 7) == 0 ? 8 : (nb & 3) == 0 ? 4 : 2; }
 
 // s[g] += (q_g . k[o0, o0 + DL)) for the Gb queries sq[g] (shared, scaled): the DL values (whole
-// blocks) of a K row from value o0, whose bytes start at `part` (segments of SB bytes divide a
-// part's and a row's bytes, so kv_align(SB) is the alignment of every segment)
+// blocks) of a K row from value o0, whose bytes start at `row` (segments of SB bytes divide a
+// lane's part and a row's bytes, so kv_align(SB) is the alignment of every segment)
 template <class TK, int D, int DL, int MAXG>
-__device__ __forceinline__ void kv_qk(const u8* __restrict__ part, const float (*sq)[D], int o0, int Gb,
+__device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*sq)[D], int o0, int Gb,
                                       const float* tab, float* s) {
     constexpr int SV = TK::SV < DL ? TK::SV : DL;  // values per register segment
     constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, A = kv_align(SB), NW = (SB + 3) / 4;
-    const u8* row = part;
 #pragma unroll
     for (int sg = 0; sg < DL / SV; sg++) {
         u32 w[NW];
@@ -441,13 +440,16 @@ struct AsTier {
     static constexpr bool F16 = false, ROT = T::ROT != 0, CODES = C::ON;
     // shared-memory table bytes as the K / as the V tier: kv_codes.cuh's, else the float levels
     static constexpr int TBK = CODES ? C::TBK : 4 * NT, TBV = CODES ? C::TBV : 4 * NT;
+    static __device__ __forceinline__ void levels(u8* t) {
+        for (int i = threadIdx.x; i < NT; i += blockDim.x) ((float*)t)[i] = T::tab()[i];
+    }
     static __device__ __forceinline__ void tab_k(u8* t) {
         if constexpr (CODES) C::tab_k(t);
-        else for (int i = threadIdx.x; i < NT; i += blockDim.x) ((float*)t)[i] = T::tab()[i];
+        else levels(t);
     }
     static __device__ __forceinline__ void tab_v(u8* t) {
         if constexpr (CODES) C::tab_v(t);
-        else for (int i = threadIdx.x; i < NT; i += blockDim.x) ((float*)t)[i] = T::tab()[i];
+        else levels(t);
     }
     // the dim of K's MMA k index d / of column c of V's n8 tile nd (CODES: kv_codes.cuh's orders)
     static __host__ __device__ constexpr int kperm(int d) { return CODES ? d / C::BS * C::BS + C::kdim(d % C::BS) : d; }
