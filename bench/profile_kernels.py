@@ -10,7 +10,8 @@ three eager decode steps (CUDA graphs off, so every kernel is its own launch) an
 inside an NVTX range named ``step``, which the ncu command above profiles kernel by kernel
 (``--cache-control none --clock-control none``: warm caches and real clocks, as in a graph
 replay; ncu's defaults flush the caches and lock the clocks, which inflates small kernels).
-``--prefill N`` profiles one N-token prefill ubatch instead. ``--summarize`` aggregates such a
+``--prefill N`` profiles one N-token prefill ubatch instead. ``-ctk`` / ``-ctv`` pick the KV
+cache tiers (default f16 / f16). ``--summarize`` aggregates such a
 CSV by kernel name and grid: calls, total and mean microseconds, largest first.
 """
 
@@ -25,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def step(model_path: str, n_seq: int, depth: int) -> None:
+def step(model_path: str, n_seq: int, depth: int, type_k: str = "f16", type_v: str = "f16") -> None:
     import cupy as cp
     from cupy.cuda import nvtx
 
@@ -36,7 +37,8 @@ def step(model_path: str, n_seq: int, depth: int) -> None:
     from opencoti.model.loader import load_model
 
     model = load_model(model_path, with_tokenizer=False)
-    r = ModelRunner(model, "cuda", n_ctx=n_seq * (depth + 64) + 256, n_seq_max=n_seq, n_ubatch=512)
+    r = ModelRunner(model, "cuda", n_ctx=n_seq * (depth + 64) + 256, n_seq_max=n_seq, n_ubatch=512,
+                    type_k=type_k, type_v=type_v)
     r.backend.graphs = False
     for s in range(n_seq):
         prefill(r, depth, seq=s, seed=s)
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--depth", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill ubatch instead")
+    ap.add_argument("-ctk", "--cache-type-k", default="f16")
+    ap.add_argument("-ctv", "--cache-type-v", default="f16")
     ap.add_argument("--summarize", metavar="CSV", default=None, help="aggregate an ncu --csv dump instead")
     a = ap.parse_args()
     if a.summarize:
@@ -102,7 +106,7 @@ def main() -> None:
     elif a.model and a.prefill:
         prefill_step(a.model, a.prefill)
     elif a.model:
-        step(a.model, a.seqs, a.depth)
+        step(a.model, a.seqs, a.depth, a.cache_type_k, a.cache_type_v)
     else:
         ap.error("-m MODEL (run a step) or --summarize CSV")
 

@@ -422,28 +422,56 @@ typedef KTcq<2> KTcq2;
 
 // ---- the fast Walsh-Hadamard transform in shared memory (turbo.rotate's order): rows of D
 // floats, n_rows of them at stride D; every thread of the block takes part (syncs inside).
-// fwd: y = H (s * x) * isqrt; inverse: x = s * (H y) * isqrt. exact: PTX add/sub/mul.
+// fwd: y = H (s * x) * isqrt; inverse: x = s * (H y) * isqrt. exact: PTX add/sub/mul. The sign
+// flips ride on the first butterfly stage's loads and the scaling on the last stage's stores
+// (the same operations in the same order: one sync per stage).
 template <int D>
 __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, bool exact) {
     const int nt = blockDim.x, tid = threadIdx.x;
-    if (!inverse) {
-        for (int i = tid; i < n_rows * D; i += nt) v[i] = kv_neg(i % D) ? xneg(v[i]) : v[i];  // x * s, exact
-        __syncthreads();
-    }
-#pragma unroll 1
+#pragma unroll
     for (int h = 1; h < D; h <<= 1) {
         for (int t = tid; t < n_rows * (D / 2); t += nt) {
-            int r = t / (D / 2), u = t % (D / 2);
-            int i = r * D + (u / h) * 2 * h + (u % h);
+            const int u = t % (D / 2), i = t / (D / 2) * D + (u / h) * 2 * h + (u % h), c = i % D;
             float a = v[i], b = v[i + h];
-            v[i] = exact ? xadd(a, b) : a + b;
-            v[i + h] = exact ? xsub(a, b) : a - b;
+            if (h == 1 && !inverse) {  // x * s, exact
+                a = kv_neg(c) ? xneg(a) : a;
+                b = kv_neg(c + h) ? xneg(b) : b;
+            }
+            float y0 = exact ? xadd(a, b) : a + b, y1 = exact ? xsub(a, b) : a - b;
+            if (2 * h == D) {
+                y0 = exact ? xmul(y0, kv_isqrt(D)) : y0 * kv_isqrt(D);
+                y1 = exact ? xmul(y1, kv_isqrt(D)) : y1 * kv_isqrt(D);
+                if (inverse) {
+                    y0 = kv_neg(c) ? xneg(y0) : y0;
+                    y1 = kv_neg(c + h) ? xneg(y1) : y1;
+                }
+            }
+            v[i] = y0;
+            v[i + h] = y1;
         }
         __syncthreads();
     }
-    for (int i = tid; i < n_rows * D; i += nt) {
-        float y = exact ? xmul(v[i], kv_isqrt(D)) : v[i] * kv_isqrt(D);
-        v[i] = inverse && kv_neg(i % D) ? xneg(y) : y;
+}
+
+// fwht_shared's exact forward transform of one row held one value per thread (the block's D
+// threads: thread t holds x_t; returns y_t): the stages h < 32 by warp shuffles (the thread with
+// bit h clear keeps a + b, its partner a - b: the same roundings), the others through sc's two
+// D-float buffers in turn (one sync each; sc is free again after the block's next sync).
+template <int D>
+__device__ __forceinline__ float fwht_thread(float x, float* sc) {
+    const int tid = threadIdx.x;
+    x = kv_neg(tid) ? xneg(x) : x;
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, x, h);
+        x = (tid & h) ? xsub(o, x) : xadd(x, o);
     }
-    __syncthreads();
+#pragma unroll
+    for (int h = 32, k = 0; h < D; h <<= 1, k ^= 1) {
+        sc[k * D + tid] = x;
+        __syncthreads();
+        const float o = sc[k * D + (tid ^ h)];
+        x = (tid & h) ? xsub(o, x) : xadd(x, o);
+    }
+    return xmul(x, kv_isqrt(D));
 }

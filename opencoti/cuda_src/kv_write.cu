@@ -41,6 +41,30 @@ __device__ __forceinline__ void tree64(float* p, int tid, int j, bool active) {
     }
 }
 
+// tree64 of two quantities a, b held one value per thread of whole 64-thread groups (the block's
+// threads: value j = threadIdx.x & 63 of group base b0): the group sums (a_0 + .., b_0 + ..) in
+// tree64's order -- h = 32 through sc (the upper warp's values), h = 16 .. 1 by shuffles down (lane
+// j < h adds lane j + h) -- broadcast to every thread of the group. sc: 2 * blockDim floats, free
+// again after the block's next sync.
+__device__ __forceinline__ float2 tree64_pair(float a, float b, float* sc) {
+    const int tid = threadIdx.x, j = tid & 63, n = blockDim.x;
+    if (j >= 32) { sc[tid] = a; sc[n + tid] = b; }
+    __syncthreads();
+    if (j < 32) {  // a whole (lower) warp
+        a = xadd(a, sc[tid + 32]);
+        b = xadd(b, sc[n + tid + 32]);
+#pragma unroll
+        for (int h = 16; h > 0; h >>= 1) {
+            const float oa = __shfl_down_sync(0xffffffffu, a, h), ob = __shfl_down_sync(0xffffffffu, b, h);
+            a = xadd(a, oa);
+            b = xadd(b, ob);
+        }
+        if (j == 0) { sc[tid] = a; sc[n + tid] = b; }
+    }
+    __syncthreads();
+    return make_float2(sc[tid - j], sc[n + tid - j]);
+}
+
 // payload byte m of a turbo block from its 64 indices
 template <int BITS>
 __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
@@ -54,19 +78,15 @@ __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
 }
 
 // One row of D values quantized to the turbo tier T at dst_row (its D / 64 blocks): thread tid
-// (of exactly D) holds value x = row[tid]; v, p, p2 (D floats) and idx (D ints) are shared
-// scratch, free again when it returns (the next call's first writes follow syncs).
+// (of exactly D) holds value x = row[tid]; sc: 4 D floats of shared scratch, free again after the
+// block's next sync. turbo.py's arithmetic: the rotation (fwht_thread), per-64 norms and
+// least-squares scales summed in tree64's order (tree64_pair), the code search over the thresholds.
 template <class T, int D>
-__device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* v, float* p, float* p2, int* idx) {
+__device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* sc) {
     const int tid = threadIdx.x, j = tid & 63, b0 = tid - j;
-    v[tid] = x;
-    __syncthreads();
-    fwht_shared<D>(v, 1, false, true);
-    const float y = v[tid];
-    p[tid] = xmul(y, y);
-    __syncthreads();
-    tree64(p, tid, j, true);
-    const float n = xsqrt(p[b0]);
+    int* idx = (int*)sc;  // after the rotation's buffers are read (tree64_pair's syncs follow)
+    const float y = fwht_thread<D>(x, sc);
+    const float n = xsqrt(tree64_pair(xmul(y, y), 0.f, sc + 2 * D).x);
     const float u = xlt(0.f, n) ? xmul(y, xdiv(8.f, n)) : 0.f;
     const float* th = T::thr();
     int lo = 0, hi = T::NT - 1;  // searchsorted(thresholds, u, side="left"): the thresholds below u
@@ -76,14 +96,8 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
     }
     const float c = T::tab()[lo];
     idx[tid] = lo;
-    __syncthreads();
-    p[tid] = xmul(y, c);
-    p2[tid] = xmul(c, c);
-    __syncthreads();
-    tree64(p, tid, j, true);
-    tree64(p2, tid, j, true);
-    const float num = p[b0], den = p2[b0];
-    const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
+    const float2 nd = tree64_pair(xmul(y, c), xmul(c, c), sc + 2 * D);  // its syncs publish idx
+    const float scale = xlt(0.f, nd.y) ? xdiv(nd.x, nd.y) : 0.f;
     u8* dst = dst_row + (long long)(tid >> 6) * T::BB;
     if (j == 0) st16(dst, f2h(scale));
     if (j < T::BB - 2) dst[2 + j] = turbo_pack<T::KBITS>(idx + b0, j);
@@ -92,11 +106,10 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
 template <class T, int D>
 __device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* __restrict__ store,
                                                const int* __restrict__ cell, int n_kv) {
-    __shared__ float v[D], p[D], p2[D];
-    __shared__ int idx[D];
+    __shared__ float sc[4 * D];
     const int r = blockIdx.x, t = r / n_kv, h = r % n_kv;
     turbo_row<T, D>(x[(long long)r * D + threadIdx.x], store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB),
-                    v, p, p2, idx);
+                    sc);
 }
 
 // Viterbi search of the right-shift trellis (trellis.py _viterbi) over ys[0..n), 256 threads
@@ -244,17 +257,18 @@ DEF_DQ_ALL(KQ5_0) DEF_DQ_ALL(KQ4_0) DEF_DQ_ALL(KTurbo8) DEF_DQ_ALL(KTurbo4) DEF_
 DEF_DQ_ALL(KTurbo2) DEF_DQ_ALL(KTcq3) DEF_DQ_ALL(KTcq2)
 
 // An attention layer's rope + quantized KV store in one launch (cpu.rope_kv_write with scalar or
-// turbo tiers: the launches of rope, rope and kv_write's quantize kernels): grid T * (Hq + Hk)
+// turbo tiers: the launches of rope, rope and kv_write's quantize kernels): grid T * (Hq + 2 Hk)
 // blocks of blockDim (a multiple of 32) threads; blocks [0, T * Hq) rotate q head rows (q_norm
-// first) into q_out, the rest take one (token, kv head): its V row (dv values) quantized to tier
-// tv and its K row rotated (k_norm first) into shared memory and quantized to tier tk, at the
-// token's cell (flat index cell[t]; rows [n_kv][n / 32 blocks, turbo n / 64, of BB bytes]). Warp w quantizes the
-// 32-value blocks w, w + n_warps, ... (the scalar quantizers are warp-collective: lane = value),
-// so the stored bytes are kv_quant_<T>'s. Tiers by index (cuda_kv.ROPE_STORE_TIERS): 0 f32, 1 f16,
-// 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1, 6 q5_0, 7 q4_0, and the rotated 8 turbo8, 9 turbo4, 10 turbo3,
-// 11 turbo2 (turbo_row: the block's threads are the row's values, so a rotated K needs blockDim
-// == D, a rotated V blockDim == dv, a power of two up to 256). Dynamic shared memory: 2 D floats,
-// 6 D with a rotated tier.
+// first) into q_out, the next T * Hk take one (token, kv head) each: its K row rotated (k_norm
+// first) into shared memory and quantized to tier tk, and the last T * Hk its V row (dv values)
+// quantized to tier tv (apart, so that V's store runs beside K's rope instead of after it), at
+// the token's cell (flat index cell[t]; rows [n_kv][n / 32 blocks, turbo n / 64, of BB bytes]).
+// Warp w quantizes the 32-value blocks w, w + n_warps, ... (the scalar quantizers are
+// warp-collective: lane = value), so the stored bytes are kv_quant_<T>'s. Tiers by index
+// (cuda_kv.ROPE_STORE_TIERS): 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1, 6 q5_0, 7 q4_0, and the
+// rotated 8 turbo8, 9 turbo4, 10 turbo3, 11 turbo2 (turbo_row: the block's threads are the row's
+// values, so a rotated K needs blockDim == D, a rotated V blockDim == dv, a power of two up to
+// 256). Dynamic shared memory: 2 D floats, 6 D with a rotated tier.
 __device__ __forceinline__ int scalar_bb(int t) {
     switch (t) {
         case 0: return KF32::BB;
@@ -281,12 +295,10 @@ __device__ __forceinline__ void scalar_q32(int t, float v, u8* dst, int lane) {
 }
 template <class T>
 __device__ __forceinline__ void turbo_row_d(int n, float x, u8* dst, float* sc) {
-    float *v = sc, *p = sc + n, *p2 = sc + 2 * n;
-    int* idx = (int*)(sc + 3 * n);
     switch (n) {
-        case 64: turbo_row<T, 64>(x, dst, v, p, p2, idx); break;
-        case 128: turbo_row<T, 128>(x, dst, v, p, p2, idx); break;
-        default: turbo_row<T, 256>(x, dst, v, p, p2, idx); break;
+        case 64: turbo_row<T, 64>(x, dst, sc); break;
+        case 128: turbo_row<T, 128>(x, dst, sc); break;
+        default: turbo_row<T, 256>(x, dst, sc); break;
     }
 }
 // a row of n values (tier t, cuda_kv.ROPE_STORE_TIERS) stored at dst: the scalar tiers by warps of 32-value
@@ -325,10 +337,15 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8), int tk, int
     if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
                      corr_hi, mscale, rbuf, sh, row))
         return;
+    const bool is_v = row >= (long long)T * Hk;
+    if (is_v) row -= (long long)T * Hk;
     const int t = (int)(row / Hk), h = (int)(row % Hk);
     const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
     float *kb = rbuf + D, *sc = rbuf + 2 * D;
-    tier_store_row(tv, dv, V + c * tier_row_bytes(tv, dv), sc, [&](int i) { return in.v_at(t, h, dv, i); });
+    if (is_v) {
+        tier_store_row(tv, dv, V + c * tier_row_bytes(tv, dv), sc, [&](int i) { return in.v_at(t, h, dv, i); });
+        return;
+    }
     rope_row(in.k_row(t, h, D), in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
              corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
     __syncthreads();

@@ -1096,12 +1096,13 @@ class CUDABackend:
                 np.int32(Hk), np.int32(D),
                 np.int32(dv), np.int32(n_rot), np.float32(base), np.float32(freq_scale), mode_i, ff,
                 q_norm if q_norm is not None else _NULL, k_norm if k_norm is not None else _NULL) + tail
-        grid, block = (T * (Hq + Hk),), (min(256, (D + 31) // 32 * 32),)  # rope's threads
+        block = (min(256, (D + 31) // 32 * 32),)  # rope's threads
         if f16:
-            self._fn("k", "rope_kv_write")(grid, block, args, shared_mem=4 * D)
-        else:
+            self._fn("k", "rope_kv_write")((T * (Hq + Hk),), block, args, shared_mem=4 * D)
+        else:  # a block per q head row, per K row and per V row
             idx = cuda_kv.ROPE_STORE_TIERS.index
-            self._kv_write_fn("rope_kv_write_q")(grid, block, args + (np.int32(idx(nk)), np.int32(idx(nv))),
+            self._kv_write_fn("rope_kv_write_q")((T * (Hq + 2 * Hk),), block,
+                                                 args + (np.int32(idx(nk)), np.int32(idx(nv))),
                                                  shared_mem=(24 if rot_k or rot_v else 8) * D)
         return y
 
