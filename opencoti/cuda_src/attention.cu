@@ -348,14 +348,30 @@ __device__ __forceinline__ void attn_kv_impl(
 
     __shared__ __align__(16) float s_q[MAXG][D];
     __shared__ float s_tk[TK::NT > 0 ? TK::NT : 1], s_tv[TV::NT > 0 ? TV::NT : 1];
-    for (int i = threadIdx.x; i < MAXG * D; i += blockDim.x) {
-        int g = i / D, d = i % D;
-        s_q[g][d] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + d] * scale : 0.f;
+    __shared__ float s_acc[NWARP][MAXG][D];
+    constexpr int NV = (MAXG * D + 127) / 128;  // fwht_regs: a row's values per thread
+    if constexpr (TK::ROT) {  // q -> R q in registers (s_acc as the exchange buffer; the sync below frees it)
+        float x[NV];
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            const int i = threadIdx.x + 128 * k, g = i / D;
+            x[k] = i < MAXG * D && g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] * scale : 0.f;
+        }
+        fwht_regs<D, NV, MAXG * D>(x, &s_acc[0][0][0], false);
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            const int i = threadIdx.x + 128 * k;
+            if (i < MAXG * D) s_q[i / D][i % D] = x[k];
+        }
+    } else {
+        for (int i = threadIdx.x; i < MAXG * D; i += blockDim.x) {
+            int g = i / D, d = i % D;
+            s_q[g][d] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + d] * scale : 0.f;
+        }
     }
     if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
     if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];
     __syncthreads();
-    if constexpr (TK::ROT) fwht_shared<D>(&s_q[0][0], MAXG, false, false);  // q -> R q
 
     float acc[MAXG][E], m[MAXG], l[MAXG];
 #pragma unroll
@@ -398,7 +414,6 @@ __device__ __forceinline__ void attn_kv_impl(
             }
         }
     }
-    __shared__ float s_acc[NWARP][MAXG][D];
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
     merge_warps<D, MAXG, E>(acc, m, l, Gb, warp, lane, s_acc, s_m, s_l, [&](int g, int d, float M, float L, float A) {
         int h = kh * G + g0 + g;
@@ -415,13 +430,21 @@ __device__ __forceinline__ void attn_kv_impl(
             part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L;
         }
     });
-    if constexpr (TV::ROT) {  // o = R^T y, once per head
+    if constexpr (TV::ROT) {  // o = R^T y, once per head, in registers (s_acc[1..] as the exchange buffer)
         __syncthreads();
-        fwht_shared<D>(&s_acc[0][0][0], Gb, true, false);
-        for (int idx = threadIdx.x; idx < Gb * D; idx += blockDim.x) {
-            int g = idx / D, d = idx % D, h = kh * G + g0 + g;
-            if (n_split == 1) out[((long long)r * n_head + h) * D + d] = s_acc[0][g][d];
-            else part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = s_acc[0][g][d];
+        float x[NV];
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            const int i = threadIdx.x + 128 * k;
+            x[k] = i < Gb * D ? s_acc[0][i / D][i % D] : 0.f;
+        }
+        fwht_regs<D, NV, MAXG * D>(x, &s_acc[1][0][0], true);
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            const int i = threadIdx.x + 128 * k, g = i / D, d = i % D, h = kh * G + g0 + g;
+            if (i >= Gb * D) continue;
+            if (n_split == 1) out[((long long)r * n_head + h) * D + d] = x[k];
+            else part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = x[k];
         }
     }
 }

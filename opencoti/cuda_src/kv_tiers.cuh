@@ -475,3 +475,54 @@ __device__ __forceinline__ float fwht_thread(float x, float* sc) {
     }
     return xmul(x, kv_isqrt(D));
 }
+
+// fwht_shared (exact = false) of n_rows = NI / D rows held in registers by a block of 128
+// threads: thread t holds values i = t + 128 k (k < NV; row i / D, dim i % D; those with i >= NI
+// are padding and stay out of shared memory). Stages h < 32 by warp shuffles, 32 and 64 through
+// buf's two NI-float halves in turn (one sync each; buf is free again after the block's next
+// sync), h >= 128 inside a thread (values k and k + h / 128).
+template <int D, int NV, int NI>
+__device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inverse) {
+    const int tid = threadIdx.x;
+    if (!inverse) {
+#pragma unroll
+        for (int k = 0; k < NV; k++) x[k] = kv_neg((tid + 128 * k) % D) ? -x[k] : x[k];
+    }
+#pragma unroll
+    for (int h = 1, s = 0; h < D; h <<= 1) {
+        if (h < 32) {
+#pragma unroll
+            for (int k = 0; k < NV; k++) {
+                const float o = __shfl_xor_sync(0xffffffffu, x[k], h);
+                x[k] = (tid & h) ? o - x[k] : x[k] + o;
+            }
+        } else if (h < 128) {
+            float* b = buf + s * NI;
+            s ^= 1;
+#pragma unroll
+            for (int k = 0; k < NV; k++) if (tid + 128 * k < NI) b[tid + 128 * k] = x[k];
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < NV; k++) {
+                if (tid + 128 * k < NI) {
+                    const float o = b[(tid ^ h) + 128 * k];
+                    x[k] = (tid & h) ? o - x[k] : x[k] + o;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < NV; k++) {
+                if ((k & (h / 128)) == 0 && k + h / 128 < NV) {
+                    const float a = x[k], c = x[k + h / 128];
+                    x[k] = a + c;
+                    x[k + h / 128] = a - c;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+        const float y = x[k] * kv_isqrt(D);
+        x[k] = inverse && kv_neg((tid + 128 * k) % D) ? -y : y;
+    }
+}
