@@ -428,17 +428,19 @@ typedef KTcq<2> KTcq2;
 template <int D>
 __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, bool exact) {
     const int nt = blockDim.x, tid = threadIdx.x;
-#pragma unroll
-    for (int h = 1; h < D; h <<= 1) {
+    constexpr int LD = __builtin_ctz(D);  // log2 D
+#pragma unroll 1
+    for (int lh = 0; lh < LD; lh++) {  // stage h = 2^lh: pairs (i, i + h), u = the pair's rank in its row
+        const int h = 1 << lh;
         for (int t = tid; t < n_rows * (D / 2); t += nt) {
-            const int u = t % (D / 2), i = t / (D / 2) * D + (u / h) * 2 * h + (u % h), c = i % D;
+            const int u = t % (D / 2), i = t / (D / 2) * D + ((u >> lh) << (lh + 1)) + (u & (h - 1)), c = i % D;
             float a = v[i], b = v[i + h];
-            if (h == 1 && !inverse) {  // x * s, exact
+            if (lh == 0 && !inverse) {  // x * s, exact
                 a = kv_neg(c) ? xneg(a) : a;
                 b = kv_neg(c + h) ? xneg(b) : b;
             }
             float y0 = exact ? xadd(a, b) : a + b, y1 = exact ? xsub(a, b) : a - b;
-            if (2 * h == D) {
+            if (lh == LD - 1) {
                 y0 = exact ? xmul(y0, kv_isqrt(D)) : y0 * kv_isqrt(D);
                 y1 = exact ? xmul(y1, kv_isqrt(D)) : y1 * kv_isqrt(D);
                 if (inverse) {
