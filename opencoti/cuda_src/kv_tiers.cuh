@@ -428,7 +428,7 @@ typedef KTcq<2> KTcq2;
 template <int D>
 __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, bool exact) {
     const int nt = blockDim.x, tid = threadIdx.x;
-    constexpr int LD = __builtin_ctz(D);  // log2 D
+    constexpr int LD = D >= 512 ? 9 : D >= 256 ? 8 : D >= 128 ? 7 : D >= 64 ? 6 : 5;  // log2 D (D: 32 .. 512)
 #pragma unroll 1
     for (int lh = 0; lh < LD; lh++) {  // stage h = 2^lh: pairs (i, i + h), u = the pair's rank in its row
         const int h = 1 << lh;
