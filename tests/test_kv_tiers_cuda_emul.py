@@ -7,7 +7,11 @@ test_cuda.py, ``-k kv_tier``).
   ``dequantize`` (``dequantize_rotated`` for the rotated tiers).
 - The rotation trick of the attention kernel: rotate q by the butterfly WHT, score against
   the stored rotated rows, accumulate P.V rotated and un-rotate the output once; this equals
-  ``CPUBackend.attention`` over the dequantized cells (float32 rounding apart).
+  ``CPUBackend.attention`` over the dequantized cells (float32 rounding apart); the kernel's
+  register-held rotation (``fwht_regs``, every head group and head size) is ``fwht_shared``'s
+  transform bit for bit.
+- An op-by-op port of the rotated tiers' write kernels (warp-shuffle rotation and 64-value sums,
+  equal in every rounding to the shared-memory versions) gives the CPU tier's bytes.
 The compile / PTX / SASS checks of the same modules need the CUDA toolkit and live in
 test_cuda.py (``-k kv_module or kv_write_ or kv_sass``).
 """
@@ -225,23 +229,63 @@ def _emu_tree64(p):
     return p
 
 
+def _emu_fwht_thread(x):
+    """fwht_thread<D> (turbo_row's rotation) over rows ``x [R, D]``: thread t holds x_t, sign
+    flipped by xneg; stage h reads o = the value of thread t ^ h (a shuffle below 32, the shared
+    buffer above) and keeps x + o (xadd) where bit h of t is clear, o - x (xsub) where it is set;
+    then xmul(x, kv_isqrt(D))."""
+    v = np.array(x, dtype=np.float32)
+    D = v.shape[1]
+    v.view(np.uint32)[:, _TAB["neg"][:D]] ^= np.uint32(0x80000000)
+    t = np.arange(D)
+    h = 1
+    while h < D:
+        o = v[:, t ^ h]
+        v = np.where((t & h) == 0, v + o, o - v).astype(np.float32)
+        h *= 2
+    return v * _TAB["isqrt"][D]
+
+
+def _emu_shfl_down(v, h):
+    """__shfl_down_sync(v, h) over warps of the last axis: lane l reads lane l + h, or keeps its
+    own value where l + h is past its warp."""
+    lane = np.arange(v.shape[-1])
+    return v[..., np.where((lane & 31) + h < 32, lane + h, lane)]
+
+
+def _emu_tree64_pair(p):
+    """tree64_pair's sums over rows ``p [R, n]`` (thread tid, j = tid & 63): the lower warp's
+    lanes add the upper warp's values (xadd, through sc), then a = a + shfl_down(a, h) for h = 16
+    .. 1 (lanes past the warp keep their own value: garbage only lanes j >= h hold); lane j = 0's
+    value is broadcast to its group. Returns the sums at ``[:, 64 b]`` (and repeated)."""
+    p = np.array(p, dtype=np.float32)
+    tid = np.arange(p.shape[1])
+    low = (tid & 63) < 32
+    a = p.copy()
+    a[:, low] = p[:, low] + p[:, tid[low] + 32]
+    for h in (16, 8, 4, 2, 1):
+        a = (a + _emu_shfl_down(a, h)).astype(np.float32)
+    return np.repeat(a[:, 0::64], 64, axis=1)
+
+
 def _emu_f2h(v):
     """st16(dst, f2h(v)): cvt.rn.f16.f32 (round to nearest even; overflow to inf) as two
     little-endian bytes."""
     return np.ascontiguousarray(np.asarray(v, dtype=np.float32).astype(np.float16)).view(np.uint8).reshape(-1, 2)
 
 
-def _emu_norm(y):
-    """n = xsqrt(tree64(y * y)[b0]); u = 0 < n ? y * (8 / n) : 0 -> (y, u) [R, n]."""
-    p = _emu_tree64(y * y)
+def _emu_norm(y, tree=_emu_tree64):
+    """n = xsqrt(tree(y * y)[b0]); u = 0 < n ? y * (8 / n) : 0 -> u [R, n] (tree: tree64, or
+    turbo_row's tree64_pair)."""
+    p = tree(y * y)
     n = np.sqrt(np.repeat(p[:, 0::64], 64, axis=1))  # sqrt.rn (NumPy's float32 sqrt is IEEE)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(np.float32(0) < n, y * (np.float32(8) / n), np.float32(0)).astype(np.float32)
 
 
-def _emu_scale(y, c):
-    """num = tree64(y c), den = tree64(c c) per block; scale = 0 < den ? num / den : 0."""
-    num, den = _emu_tree64(y * c)[:, 0::64], _emu_tree64(c * c)[:, 0::64]
+def _emu_scale(y, c, tree=_emu_tree64):
+    """num = tree(y c), den = tree(c c) per block; scale = 0 < den ? num / den : 0."""
+    num, den = tree(y * c)[:, 0::64], tree(c * c)[:, 0::64]
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(np.float32(0) < den, num / den, np.float32(0)).astype(np.float32)
 
@@ -261,13 +305,14 @@ def _emu_search(u, th):
 
 
 def _emu_quant_turbo(bits, x):
-    """kv_quant_turbo<KTurbo<bits>, D> over rows x [R, D] -> bytes [R, D / 64 * BB]."""
+    """kv_quant_turbo<KTurbo<bits>, D> (turbo_row: fwht_thread, tree64_pair) over rows x [R, D]
+    -> bytes [R, D / 64 * BB]."""
     R, D = x.shape
-    y = _emu_fwht_fwd(x)
-    u = _emu_norm(y)
+    y = _emu_fwht_thread(x)
+    u = _emu_norm(y, _emu_tree64_pair)
     idx = _emu_search(u, _TAB[f"KV_TH{bits}"])
     c = _TAB[f"KV_LM{bits}"][idx]
-    scale = _emu_scale(y, c).reshape(-1)
+    scale = _emu_scale(y, c, _emu_tree64_pair).reshape(-1)
     BB = 2 + 64 * bits // 8
     idx = idx.reshape(-1, 64)
     out = np.zeros((len(idx), BB), np.uint8)
@@ -441,6 +486,80 @@ def test_write_kernel_port_float32_intermediates(d):
         flushed = ftz(_emu_tree64(ftz(yf * yf)))
     assert (_bits(yf) != _bits(y)).any()  # subnormal rotated values
     assert (_bits(flushed[:, 0::64]) != _bits(_emu_tree64(y * y)[:, 0::64])).any()  # subnormal squares / sums
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_write_kernel_shuffle_orders_equal_shared(d):
+    """turbo_row's warp-shuffle rotation (fwht_thread) and 64-value sums (tree64_pair) round
+    exactly as the shared-memory fwht_shared / tree64 that the trellis tiers keep: the same
+    additions in the same pairs and order, bit for bit on random and adversarial rows (squares,
+    products and level-sized values as the sums' inputs)."""
+    rng = np.random.default_rng(d)
+    x = np.concatenate([rng.standard_normal((16, d)).astype(np.float32), _adversarial_rows(d, rng)])
+    y = _emu_fwht_thread(x)
+    np.testing.assert_array_equal(_bits(y), _bits(_emu_fwht_fwd(x)))
+    with np.errstate(over="ignore", under="ignore"):
+        for p in (y * y, y * np.float32(0.7), x):
+            np.testing.assert_array_equal(_bits(_emu_tree64_pair(p)[:, 0::64]), _bits(_emu_tree64(p)[:, 0::64]))
+    # control: the same butterflies with the stages in the other order (h = D / 2 .. 1) round
+    # differently on these rows, so bit equality does pin the order
+    v = np.array(x, dtype=np.float32)
+    v.view(np.uint32)[:, _TAB["neg"][:d]] ^= np.uint32(0x80000000)
+    t, h = np.arange(d), d // 2
+    while h:
+        o = v[:, t ^ h]
+        v = np.where((t & h) == 0, v + o, o - v).astype(np.float32)
+        h //= 2
+    assert (_bits(v * _TAB["isqrt"][d]) != _bits(y)).any()
+
+
+def _emu_fwht_regs(rows, inverse):
+    """fwht_regs<D, NV, NI> (attention.cu's rotations, 128 threads) over ``rows [MAXG, D]``: thread
+    t holds the flat values i = t + 128 k (k < NV; those with i >= NI = MAXG D are padding);
+    stage h < 32: the shuffle partner t ^ h; 32 <= h < 128: the shared buffer at (t ^ h) + 128 k,
+    written only below NI (asserted: no valid value reads padding); h >= 128: value k ^ (h / 128)
+    of the same thread. Keeps x + o where the pair's bit is clear, o - x where it is set."""
+    maxg, D = rows.shape
+    NI = maxg * D
+    NV = -(-NI // 128)
+    x = np.zeros(128 * NV, np.float32)
+    x[:NI] = rows.reshape(-1)
+    x = x.reshape(NV, 128)
+    t = np.arange(128)[None, :]
+    k = np.arange(NV)[:, None]
+    i = t + 128 * k
+    neg = _TAB["neg"][i % D]
+    if not inverse:
+        x = np.where(neg, -x, x)
+    h = 1
+    while h < D:
+        if h < 128:
+            o = x[:, t[0] ^ h]
+            if h >= 32:
+                assert ((t ^ h) + 128 * k < NI)[i < NI].all()
+            bit = (t & h) != 0
+        else:
+            o = x[k[:, 0] ^ (h // 128), :]
+            bit = np.broadcast_to((k & (h // 128)) != 0, x.shape)
+        x = np.where(bit, o - x, x + o).astype(np.float32)
+        h *= 2
+    x = x * _TAB["isqrt"][D]
+    if inverse:
+        x = np.where(neg, -x, x)
+    return x.reshape(-1)[:NI].reshape(maxg, D)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("maxg", [1, 2, 4, 8])
+def test_attention_register_rotation_equals_fwht(d, maxg):
+    """The tier attention kernel's register rotation (fwht_regs: a query's rotation and the
+    output's un-rotation, every head group size and head size, padding at 64 x 1) computes
+    fwht_shared's transform bit for bit, and the inverse undoes the forward."""
+    rng = np.random.default_rng(d * maxg)
+    q = rng.standard_normal((maxg, d)).astype(np.float32)
+    for inverse in (False, True):
+        np.testing.assert_array_equal(_bits(_emu_fwht_regs(q, inverse)), _bits(_fwht(q, inverse)))
+    np.testing.assert_allclose(_emu_fwht_regs(_emu_fwht_regs(q, False), True), q, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
