@@ -14,7 +14,9 @@ counts in ``CUDABackend._attn_splits`` / ``_attn_stream_splits``.
 ``--tiers``: then, per layout and N, the streaming kernel over each KV tier pair (``-ctk`` =
 ``-ctv``; ``attn_kv_stream`` of the pair's module, rows quantized by the CPU tier) at the
 backend's split count, next to f16 at the same count: us per call, bytes per second, and the
-time relative to f16.
+time relative to f16. ``--split-cells 256,512,1024`` adds rows at N / 256, N / 512, ... splits:
+a tier's time against its cells per block separates the block's fixed cost (tables, rotations,
+merge) from its per-cell decode.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--layouts", default=";".join(LAYOUTS), help="';'-separated list of: " + "; ".join(LAYOUTS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tiers", default="", help="comma-separated KV tiers for the streaming kernel (e.g. q8_0,turbo3)")
+    ap.add_argument("--split-cells", default="", help="with --tiers: comma-separated cells per split to time besides "
+                    "the backend's count (a block's fixed cost vs its per-cell cost)")
     a = ap.parse_args()
     import cupy as cp
     from bench_gemv import _graph_time
@@ -124,7 +128,7 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
         q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
         qpos, rv, vo = cp.array([L], cp.int32), cp.zeros(1, cp.int32), cp.array([0, L], cp.int32)
         cells, cpos = cp.arange(L, dtype=cp.int32), cp.arange(L, dtype=cp.int32)
-        base = None
+        base: dict = {}
         for t in tiers:
             T = get_tier(t)
             K, V = cp.asarray(T.quantize(kf)), cp.asarray(T.quantize(vf))
@@ -135,13 +139,14 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
             else:
                 smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False))
                 fn = be._kv_attn_fn(t, t, D, 0, smem=smem)
-            ns = be._attn_stream_splits(L, gy, 1)
-            call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), 2 * cu._as_tile(D, rb, rb), smem,
-                                (q, qpos, rv, vo, cells, cpos, K, V), H, nkv, D, ns)
-            us = _graph_time(cp, call, a.reps)
-            base = us if t == "f16" else base
-            gbs = 2 * L * nkv * rb / (us * 1e3)
-            print(f"| {t} | {L:,} | {ns} | {us:.1f} | {gbs:,.0f} | {us / base:.2f} |", flush=True)
+            counts = [be._attn_stream_splits(L, gy, 1)] + [max(1, L // int(c)) for c in a.split_cells.split(",") if c]
+            for ns in dict.fromkeys(counts):
+                call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), 2 * cu._as_tile(D, rb, rb), smem,
+                                    (q, qpos, rv, vo, cells, cpos, K, V), H, nkv, D, ns)
+                us = _graph_time(cp, call, a.reps)
+                base[ns] = us if t == "f16" else base[ns]
+                gbs = 2 * L * nkv * rb / (us * 1e3)
+                print(f"| {t} | {L:,} | {ns} | {us:.1f} | {gbs:,.0f} | {us / base[ns]:.2f} |", flush=True)
     print()
 
 
