@@ -427,8 +427,9 @@ typedef KTcq<2> KTcq2;
 // (the same operations in the same order: one sync per stage).
 template <int D>
 __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, bool exact) {
+    static_assert(D == 32 || D == 64 || D == 128 || D == 256 || D == 512, "fwht_shared: D a power of two, 32 .. 512");
     const int nt = blockDim.x, tid = threadIdx.x;
-    constexpr int LD = D >= 512 ? 9 : D >= 256 ? 8 : D >= 128 ? 7 : D >= 64 ? 6 : 5;  // log2 D (D: 32 .. 512)
+    constexpr int LD = D >= 512 ? 9 : D >= 256 ? 8 : D >= 128 ? 7 : D >= 64 ? 6 : 5;  // log2 D
 #pragma unroll 1
     for (int lh = 0; lh < LD; lh++) {  // stage h = 2^lh: pairs (i, i + h), u = the pair's rank in its row
         const int h = 1 << lh;

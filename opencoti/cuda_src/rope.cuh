@@ -111,9 +111,11 @@ struct QKVIn {
         const float *__restrict__ k_norm, float eps, float ext_factor, float corr_lo, float corr_hi, float mscale
 #define ROPE_KV_WRITE_IN QKVIn{q, k, v, bq, bk, bv, ldq, ldk, ldv}
 
-// The fused rope + KV store kernels' block roles (grid T * (Hq + Hk)): blocks [0, T * Hq) rotate
-// one q head row into q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the
-// others return false with kv_row = their (token, kv head) row, token kv_row / Hk.
+// The fused rope + KV store kernels' q blocks: blocks [0, T * Hq) rotate one q head row into
+// q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the others return
+// false with kv_row = blockIdx.x - T * Hq (f16's rope_kv_write, grid T * (Hq + Hk): their
+// (token, kv head) row, token kv_row / Hk; kv_write.cu's rope_kv_write_q, grid T * (Hq + 2 Hk):
+// the K rows, then the V rows).
 __device__ __forceinline__ bool rope_q_block(const QKVIn& in, float* __restrict__ q_out, int T, int Hq,
                                              const int* __restrict__ pos, int D, int n_rot, float base,
                                              float freq_scale, int mode, const float* __restrict__ ff,
