@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--stages", default="0", help="gemv_int.cu ring slots per warp, one token row, to try (2, 4; 0: the default)")
     ap.add_argument("--gemmi-blocks", default="0", help="gemmi blocks per SM variants to try (comma list; 0: the default)")
     ap.add_argument("--digits", default="0", help="digits per activation value to try (comma list of 2, 3; 0: the default)")
+    ap.add_argument("--row-tiles", default="0", help="gemv_int.cu 16-row MMA tiles per warp, one token row, to try "
+                    "(comma list of 1, 2; 0: the default)")
     a = ap.parse_args()
     import cupy as cp
 
@@ -65,8 +67,9 @@ def main() -> None:
         for ns in (int(v) for v in a.stages.split(",")):
             for nb in (int(v) for v in a.gemmi_blocks.split(",")):
                 for nd in (int(v) for v in a.digits.split(",")):
-                    paths[f"imma w{nw} s{ns} o{nb} d{nd}"] = (
-                        lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd: _imma(cu, be, x, w, nw, ns, nb, nd))
+                    for rt in (int(v) for v in a.row_tiles.split(",")):
+                        paths[f"imma w{nw} s{ns} o{nb} d{nd}" + (f" r{rt}" if rt else "")] = (
+                            lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd, rt=rt: _imma(cu, be, x, w, nw, ns, nb, nd, rt))
     print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
           "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
@@ -104,8 +107,8 @@ def _without_imma(cu, f):
         cu.IMMA_MAX_ROWS = keep
 
 
-def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int):
-    keep = cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS
+def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0):
+    keep = cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES
     cu.GEMVI_WARPS = nw
     if ns:
         cu.GEMVI_STAGES = ns
@@ -113,11 +116,13 @@ def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int):
         cu.GEMMI_BLOCKS = nb
     if nd:
         cu.IMMA_DIGITS = nd
+    if rt:
+        cu.GEMVI_ROW_TILES = rt
     try:
         be._digits_of = (None, None)  # time the activation quantization as well
         return be._gemvi(be._digits(x), w)
     finally:
-        cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS = keep
+        cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES = keep
 
 
 def _graph_time(cp, f, reps: int) -> float:

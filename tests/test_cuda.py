@@ -270,17 +270,20 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
 
 
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("warps,stages", [(1, 2), (1, 4), (2, 4), (3, 2)])
+@pytest.mark.parametrize("warps,stages,row_tiles", [(1, 2, 1), (1, 4, 1), (2, 4, 1), (3, 2, 1), (1, 2, 2), (3, 2, 2)])
 @pytest.mark.parametrize("n", [1, 2])
-def test_gemvi_ring_slots(gpu, monkeypatch, qname, warps, stages, n):
+def test_gemvi_ring_slots(gpu, monkeypatch, qname, warps, stages, row_tiles, n):
     """gemvi_ring (one token row group: 1 or 2 tokens' digit columns) with its per-warp ring of
     shared-memory slots (cp.async) wrapping many times: 37 super-blocks per row over 1-3 warps
-    (uneven splits), 2 / 4 slots, 40 rows (a partial tile), Q6_K's 2-byte-aligned blocks at every
-    offset in their 16-byte chunks (rows of 7,770 bytes): float32 accuracy against float64."""
+    (uneven splits), 2 / 4 slots, one or two 16-row MMA tiles per warp (GEMVI_ROW_TILES), 40 rows
+    (a partial tile; with two, a block whose second tile lies past the last row), Q6_K's
+    2-byte-aligned blocks at every offset in their 16-byte chunks (rows of 7,770 bytes): float32
+    accuracy against float64."""
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "GEMVI_WARPS", warps)
     monkeypatch.setattr(cu, "GEMVI_STAGES", stages)
+    monkeypatch.setattr(cu, "GEMVI_ROW_TILES", row_tiles)
     monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)
     rows, cols = 40, 9472
     x, raw, want = _mmq_case(qname, rows, cols, n, 90 + n)

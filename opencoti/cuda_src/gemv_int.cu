@@ -67,33 +67,41 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
     digits_store(v, sb, lane, col0, CW - D * js, ncp, D, xq, xs, xm);
 }
 
-// Sums the warps' partial tiles (acc[nt][i]: rows gid / gid + 8, columns 8 nt + 2 tig + {0, 1})
-// in warp order and a token's D digit columns; writes y[t, row] for the block's tokens and rows.
-// red: shared memory for ks x 16 x (CW + 1) floats.
-template <int NT>
-__device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* red, float* __restrict__ y, int nrows,
-                                            int T, int D) {
-    constexpr int CW = 8 * NT, LD = CW + 1;
+// Sums the warps' partial tiles (acc[t][nt][i]: rows 16 t + gid / + 8, columns 8 nt + 2 tig +
+// {0, 1}) in warp order and a token's D digit columns; writes y[t, row] for the block's tokens and
+// its R = 16 RT rows. red: shared memory for ks x R x (CW + 1) floats.
+template <int NT, int RT>
+__device__ __forceinline__ void gemvi_store_rt(const float (&acc)[RT][NT][4], float* red, float* __restrict__ y,
+                                               int nrows, int T, int D) {
+    constexpr int CW = 8 * NT, LD = CW + 1, R = 16 * RT, LR = RT == 1 ? 4 : RT == 2 ? 5 : 6;  // log2 R
+    static_assert(RT == 1 || RT == 2 || RT == 4, "gemvi_store_rt: 1, 2 or 4 row tiles");
     const int TPB = CW / D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
-    float* mine = red + warp * 16 * LD;
+    float* mine = red + warp * R * LD;
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        mine[g * LD + 8 * nt + 2 * c] = acc[nt][0];
-        mine[g * LD + 8 * nt + 2 * c + 1] = acc[nt][1];
-        mine[(g + 8) * LD + 8 * nt + 2 * c] = acc[nt][2];
-        mine[(g + 8) * LD + 8 * nt + 2 * c + 1] = acc[nt][3];
-    }
+    for (int t = 0; t < RT; t++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            mine[(16 * t + g) * LD + 8 * nt + 2 * c] = acc[t][nt][0];
+            mine[(16 * t + g) * LD + 8 * nt + 2 * c + 1] = acc[t][nt][1];
+            mine[(16 * t + g + 8) * LD + 8 * nt + 2 * c] = acc[t][nt][2];
+            mine[(16 * t + g + 8) * LD + 8 * nt + 2 * c + 1] = acc[t][nt][3];
+        }
     __syncthreads();
-    const int row0 = blockIdx.y * 16, t0 = blockIdx.x * TPB;
-    for (int o = threadIdx.x; o < 16 * TPB; o += blockDim.x) {
-        const int r = o & 15, tl = o >> 4, t = t0 + tl, row = row0 + r;
+    const int row0 = blockIdx.y * R, t0 = blockIdx.x * TPB;
+    for (int o = threadIdx.x; o < R * TPB; o += blockDim.x) {
+        const int r = o & (R - 1), tl = o >> LR, t = t0 + tl, row = row0 + r;
         if (t >= T || row >= nrows) continue;
         float sum = 0.f;
         for (int w = 0; w < ks; w++)
-            for (int d = 0; d < D; d++) sum += red[(w * 16 + r) * LD + D * tl + d];
+            for (int d = 0; d < D; d++) sum += red[(w * R + r) * LD + D * tl + d];
         y[(long long)t * nrows + row] = sum;
     }
+}
+template <int NT>
+__device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* red, float* __restrict__ y, int nrows,
+                                            int T, int D) {
+    gemvi_store_rt<NT, 1>(reinterpret_cast<const float (&)[1][NT][4]>(acc), red, y, nrows, T, D);
 }
 
 // Q4_K's eight 6-bit scales and minima from the 12 scale bytes w[0..2] (ggml get_scale_min_k4),
@@ -280,6 +288,60 @@ __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6,
     }
 }
 
+// superblock for one column tile and RT row tiles (a lane's rows 16 t + gid, + 8 of each): each
+// B fragment is read once for all the tiles (the ring kernel's one-token products).
+template <int RT, bool Q6>
+__device__ __forceinline__ void superblock_rt(const Q4KRegs (&a4)[RT], const Q6KRegs (&a6)[RT],
+                                              const i8* __restrict__ xqb, long long stride,
+                                              const float* __restrict__ xsb, const i8* __restrict__ xmb, int g,
+                                              int c, int rc, float (&acc)[RT][1][4]) {
+    int cs[RT][4], cm[4];
+#pragma unroll
+    for (int t = 0; t < RT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) cs[t][i] = 0;
+    if (!Q6) {
+        Q4KScales k0[RT], k1[RT];
+#pragma unroll
+        for (int t = 0; t < RT; t++) {
+            k0[t] = q4k_scales(a4[t].h0.y, a4[t].h0.z, a4[t].h0.w);
+            k1[t] = q4k_scales(a4[t].h1.y, a4[t].h1.z, a4[t].h1.w);
+        }
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            Q4KStep o[RT];
+#pragma unroll
+            for (int t = 0; t < RT; t++) o[t] = q4k_step(a4[t], k0[t], k1[t], s);
+            const uint2 bq = g < rc ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + g) * 16 + 8 * (c & 1))
+                                    : make_uint2(0u, 0u);
+#pragma unroll
+            for (int t = 0; t < RT; t++) q4k_mma(o[t], bq, cs[t]);
+        }
+#pragma unroll
+        for (int t = 0; t < RT; t++) {
+            const u32 m0 = (c & 1) ? k0[t].mn[1] : k0[t].mn[0], m1 = (c & 1) ? k1[t].mn[1] : k1[t].mn[0];
+            const u32 ma0 = c < 2 ? m0 : 0u, ma1 = c < 2 ? m1 : 0u, mb0 = c < 2 ? 0u : m0, mb1 = c < 2 ? 0u : m1;
+            q4k_min(ma0, ma1, mb0, mb1, *(const u32*)(xmb + g * 16 + 4 * c), cm);
+            q4k_finish(a4[t], *(const float2*)(xsb + 2 * c), cs[t], cm, acc[t][0]);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                Q6KStep o[RT];
+#pragma unroll
+                for (int t = 0; t < RT; t++) o[t] = q6k_step(a6[t], i, q);
+                const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
+                const u32 bq = g < rc ? *(const u32*)(xqb + (gi * stride + g) * 16 + 4 * c) : 0u;
+#pragma unroll
+                for (int t = 0; t < RT; t++) q6k_mma(o[t], bq, cs[t]);
+            }
+#pragma unroll
+        for (int t = 0; t < RT; t++) q6k_finish(a6[t], *(const float2*)(xsb + 2 * c), cs[t], acc[t][0]);
+    }
+}
+
 // More token rows (NT = 3 or 6 column tiles, up to IMMA_MAX_ROWS rows): the warps split the
 // super-blocks of the block's 16 rows, each prefetching its next super-block into registers
 // (measured faster than the ring for these column counts: bench_gemv, 7B ffn_down 8 rows 51 vs
@@ -315,18 +377,19 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
     gemvi_store<NT>(acc, red, y, nrows, T, D);
 }
 
-// One token row group (NT = 1): a block's warps split the super-blocks of its 16 rows; each warp's
-// pass through the ring (slot i % S holds its i-th super-block, rows at SEG-byte strides), B
-// fragments straight from the digit array (L1 / L2).
+// One token row group (NT = 1): a block's warps split the super-blocks of its R = 16 RT rows (RT
+// MMA row tiles per warp, sharing each B fragment); each warp's pass through the ring (slot i % S
+// holds its i-th super-block, rows at SEG-byte strides), B fragments straight from the digit array
+// (L1 / L2).
 // Q4_K blocks (144 bytes) stay 16-byte aligned in a row; a Q6_K block (210 bytes, 2-aligned) is
 // copied as the 14 16-byte chunks that hold it (its offset in the first is even, <= 14; SEG = 240
 // leaves the 15th chunk of each row's segment unused), at offset (its address & 15).
-// A lane's share of filling one slot: the slot's 16 * NCH chunks are i = lane + 32 j; chunk i
+// A lane's share of filling one slot: the slot's R * NCH chunks are i = lane + 32 j; chunk i
 // is 16-byte piece i % NCH of row i / NCH's block. The lane's source offsets within the tile's
 // rows (super-block 0) are computed once (RingPlan), so a fill is an add and a cp.async per chunk.
-template <bool Q6>
+template <bool Q6, int RT>
 struct RingPlan {
-    static constexpr int SEG = Q6 ? 240 : 144, NCH = SEG / 16, NJ = (16 * NCH + 31) / 32;
+    static constexpr int SEG = Q6 ? 240 : 144, NCH = SEG / 16, R = 16 * RT, NJ = (R * NCH + 31) / 32;
     u32 off[NJ];  // Q4_K: the chunk's offset; Q6_K: its row's (the chunk's place depends on sb)
     __device__ __forceinline__ RingPlan(long long rb, int last_row, int lane) {
 #pragma unroll
@@ -335,12 +398,12 @@ struct RingPlan {
             off[j] = (u32)(r * rb) + (Q6 ? 0u : 16u * k);
         }
     }
-    // copy super-block sb of the tile's 16 rows (from Wt, the tile's first row) into slot
+    // copy super-block sb of the tile's R rows (from Wt, the tile's first row) into slot
     __device__ __forceinline__ void fill(u8* slot, const u8* __restrict__ Wt, int sb, int lane) const {
 #pragma unroll
         for (int j = 0; j < NJ; j++) {
             const int i = lane + 32 * j;
-            if (i >= 16 * NCH) break;
+            if (i >= R * NCH) break;
             if (!Q6) {
                 cp_async16(slot + 16 * i, Wt + off[j] + 144LL * sb);
             } else {
@@ -353,32 +416,38 @@ struct RingPlan {
     }
 };
 
-template <bool Q6, int S>
+template <bool Q6, int S, int RT>
 __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
     extern __shared__ __align__(16) u8 ring[];
-    constexpr int NT = 1, CW = 8, SEG = RingPlan<Q6>::SEG, SB = 16 * SEG;
+    constexpr int NT = 1, CW = 8, SEG = RingPlan<Q6, RT>::SEG, R = 16 * RT, SB = R * SEG;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
-    const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16, tpb = CW / D;
+    const int cb = blockIdx.x * CW, row0 = blockIdx.y * R, tpb = CW / D;
     const int rc = min(T - blockIdx.x * tpb, tpb) * D;  // columns holding a token's digits
     const int nsb = K >> 8, sb0 = warp * nsb / ks, sb1 = (warp + 1) * nsb / ks;
     u8* const mine = ring + warp * S * SB;
     const u8* const Wt = W + (long long)row0 * rb;
-    const RingPlan<Q6> plan(rb, nrows - 1 - row0, lane);
-    // the lane's two rows (Q6_K: a block's place in its first chunk is its address & 15)
-    const unsigned long long r0 = (unsigned long long)Wt + (unsigned long long)min(g, nrows - 1 - row0) * rb;
-    const unsigned long long r1 = (unsigned long long)Wt + (unsigned long long)min(g + 8, nrows - 1 - row0) * rb;
+    const RingPlan<Q6, RT> plan(rb, nrows - 1 - row0, lane);
+    // the lane's rows of each tile (Q6_K: a block's place in its first chunk is its address & 15)
+    unsigned long long r0[RT], r1[RT];
+#pragma unroll
+    for (int t = 0; t < RT; t++) {
+        r0[t] = (unsigned long long)Wt + (unsigned long long)min(16 * t + g, nrows - 1 - row0) * rb;
+        r1[t] = (unsigned long long)Wt + (unsigned long long)min(16 * t + g + 8, nrows - 1 - row0) * rb;
+    }
 #pragma unroll
     for (int i = 0; i < S - 1; i++) {
         if (sb0 + i < sb1) plan.fill(mine + i * SB, Wt, sb0 + i, lane);
         cp_async_commit();
     }
-    float acc[NT][4];
+    float acc[RT][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    Q4KRegs a4;
-    Q6KRegs a6;
+    for (int t = 0; t < RT; t++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) acc[t][nt][0] = acc[t][nt][1] = acc[t][nt][2] = acc[t][nt][3] = 0.f;
+    Q4KRegs a4[RT];
+    Q6KRegs a6[RT];
     for (int sb = sb0; sb < sb1; sb++) {
         const int i = sb - sb0;
         if (sb + S - 1 < sb1) plan.fill(mine + ((i + S - 1) % S) * SB, Wt, sb + S - 1, lane);
@@ -386,33 +455,39 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
         cp_async_wait<S - 1>();  // this lane's copies of super-block sb have landed
         __syncwarp();            // ... and every lane's
         const u8* slot = mine + (i % S) * SB;
-        if (Q6) {
-            const int o0 = (int)((r0 + 210ull * sb) & 15), o1 = (int)((r1 + 210ull * sb) & 15);
-            q6k_load(a6, slot + g * SEG + o0, slot + (g + 8) * SEG + o1, 0, c, false);
-        } else {
-            q4k_load(a4, slot + g * SEG, slot + (g + 8) * SEG, 0, c);
+#pragma unroll
+        for (int t = 0; t < RT; t++) {
+            const u8* st = slot + 16 * t * SEG;
+            if (Q6) {
+                const int o0 = (int)((r0[t] + 210ull * sb) & 15), o1 = (int)((r1[t] + 210ull * sb) & 15);
+                q6k_load(a6[t], st + g * SEG + o0, st + (g + 8) * SEG + o1, 0, c, false);
+            } else {
+                q4k_load(a4[t], st + g * SEG, st + (g + 8) * SEG, 0, c);
+            }
         }
-        superblock<NT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
-                           xm + ((long long)sb * ncp + cb) * 16, g, c, rc, acc);
+        superblock_rt<RT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
+                              xm + ((long long)sb * ncp + cb) * 16, g, c, rc, acc);
         __syncwarp();  // the slot is refilled next iteration
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring becomes the reduction's tile
-    gemvi_store<NT>(acc, (float*)ring, y, nrows, T, D);
+    gemvi_store_rt<NT, RT>(acc, (float*)ring, y, nrows, T, D);
 }
 
 #define GEMVI_ARGS                                                                                      \
     const u8* W, long long rb, const i8* xq, const float* xs, const i8* xm, float* y, int nrows, int K, int T, \
         int ncp, int D
 // gemvi_12_<SUFFIX> / gemvi_14_<SUFFIX> (Q4_K / Q6_K) calling F12 / F14: n1_s<S> one column tile
-// with S ring slots per warp (gemvi_ring), n<NT> 3 or 6 column tiles (gemvi_impl)
+// with S ring slots per warp (gemvi_ring), _r2 with two row tiles per warp, n<NT> 3 or 6 column
+// tiles (gemvi_impl)
 #define GEMVI_PAIR(SUFFIX, F12, F14)                                                                       \
     extern "C" __global__ void gemvi_12_##SUFFIX(GEMVI_ARGS) {                                            \
         GRID_DEP_WAIT(); F12(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                \
     extern "C" __global__ void gemvi_14_##SUFFIX(GEMVI_ARGS) {                                            \
         GRID_DEP_WAIT(); F14(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
-GEMVI_PAIR(n1_s2, (gemvi_ring<false, 2>), (gemvi_ring<true, 2>))
-GEMVI_PAIR(n1_s4, (gemvi_ring<false, 4>), (gemvi_ring<true, 4>))
+GEMVI_PAIR(n1_s2, (gemvi_ring<false, 2, 1>), (gemvi_ring<true, 2, 1>))
+GEMVI_PAIR(n1_s4, (gemvi_ring<false, 4, 1>), (gemvi_ring<true, 4, 1>))
+GEMVI_PAIR(n1_s2_r2, (gemvi_ring<false, 2, 2>), (gemvi_ring<true, 2, 2>))
 GEMVI_PAIR(n3, (gemvi_impl<3, false>), (gemvi_impl<3, true>))
 GEMVI_PAIR(n6, (gemvi_impl<6, false>), (gemvi_impl<6, true>))
 

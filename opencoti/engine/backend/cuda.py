@@ -123,6 +123,13 @@ if IMMA_DIGITS not in (None, 2, 3):
 GEMVI_STAGES = int(os.environ.get("OPENCOTI_CUDA_GEMVI_STAGES", "2"))
 if GEMVI_STAGES not in (2, 4):
     raise ValueError(f"OPENCOTI_CUDA_GEMVI_STAGES={GEMVI_STAGES}: expected 2 or 4")
+# gemvi_ring's MMA row tiles per warp (gemv_int.cu ``_r2``: two 16-row tiles share each B
+# fragment load and give a warp two independent MMA chains; 86 registers for Q4_K, 168 for Q6_K
+# under nvcc sm_90, against 64 / 80). OPENCOTI_CUDA_GEMVI_ROW_TILES=2 (2 slots only) is an
+# experiment: not yet run on a GPU, so 1 stays the default.
+GEMVI_ROW_TILES = int(os.environ.get("OPENCOTI_CUDA_GEMVI_ROW_TILES", "1"))
+if GEMVI_ROW_TILES not in (1, 2) or (GEMVI_ROW_TILES == 2 and GEMVI_STAGES != 2):
+    raise ValueError(f"OPENCOTI_CUDA_GEMVI_ROW_TILES={GEMVI_ROW_TILES}: expected 1, or 2 with 2 stages")
 GEMVI_WARPS_PER_SM = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS_PER_SM", "16"))
 GEMVI_MAX_WARPS = 8
 GEMVI_WARPS = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS", "0"))
@@ -712,8 +719,9 @@ class CUDABackend:
     def _gemvi(self, digits, w: QTensor):
         """``x @ w.T`` -> ``[n, rows]`` float32 for a Q4_K / Q6_K ``w`` and ``x`` given as
         ``_digits(x)``, on the integer tensor cores (gemv_int.cu): up to ``IMMA_MAX_ROWS`` rows 16
-        weight rows per block, the super-blocks split over up to 8 warps (``_gemvi_warps``; one
-        column tile streams them through shared memory, ``gemvi_ring``) and summed in warp order;
+        weight rows per block (one column tile: 16 GEMVI_ROW_TILES), the super-blocks split over
+        up to 8 warps (``_gemvi_warps``; one column tile streams them through shared memory,
+        ``gemvi_ring``) and summed in warp order;
         more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, the
         super-blocks split over blocks so the grid has >= 2 blocks per SM, partial sums added in
         split order by ``mmq_reduce``). Deterministic either way.
@@ -737,18 +745,21 @@ class CUDABackend:
                 self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
                                             (out, y, np.int64(y.size), np.int32(n_split)))
             return y
-        nsb, ntiles, ncb = k // 256, -(-rows // 16), xs.shape[1] // (8 * nt)
+        nsb, ncb = k // 256, xs.shape[1] // (8 * nt)
         y = cp.empty((n, rows), dtype=cp.float32)
         args = (w.data, np.int64(w.row_bytes), xq, xs, xm, y, np.int32(rows), np.int32(k), np.int32(n),
                 np.int32(xs.shape[1]), np.int32(nd))
         if nt > 1:
             ks = max(1, min(IMMA_WARPS[nt], nsb))
-            self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")((ncb, ntiles), (32 * ks,), args)
+            self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")((ncb, -(-rows // 16)), (32 * ks,), args)
             return y
+        rt = GEMVI_ROW_TILES if GEMVI_STAGES == 2 else 1  # _r2 is built with 2 slots
+        ntiles = -(-rows // (16 * rt))
         # limit raised once to the device's: _gemvi_warps keeps every block within it
-        fn = self._big_smem_fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}", self.smem_per_block)
-        # gemv_int.cu's ring slots (16 rows' blocks each), then gemvi_store's tile (576 bytes per warp)
-        warp_bytes = GEMVI_STAGES * 16 * (240 if w.ggml_type == 14 else 144)
+        fn = self._big_smem_fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}" + ("_r2" if rt == 2 else ""),
+                               self.smem_per_block)
+        # gemv_int.cu's ring slots (16 rt rows' blocks each), then gemvi_store's tile (576 rt bytes per warp)
+        warp_bytes = GEMVI_STAGES * 16 * rt * (240 if w.ggml_type == 14 else 144)
         ks = self._gemvi_warps(ntiles * ncb, nsb, warp_bytes, fn.raw.num_regs)
         fn((ncb, ntiles), (32 * ks,), args, shared_mem=ks * warp_bytes)
         return y
