@@ -73,6 +73,8 @@ def test_gemvi_warps(monkeypatch, dev):
     monkeypatch.setattr(cu, "GEMVI_WARPS", 64)  # forced: still a block that fits (<= 32 warps)
     ks = w(224, 74, q6)
     assert ks <= 32 and ks * q6 <= dev.smem_per_block
+    monkeypatch.setattr(cu, "GEMVI_WARPS", 13)  # forced, two row tiles of Q6_K: 13 x 32 x 168 registers > 65,536
+    assert w(112, 74, 2 * 32 * 240, 168) == 6
 
 
 def test_attn_group_heads_per_block():

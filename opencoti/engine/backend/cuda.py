@@ -765,16 +765,18 @@ class CUDABackend:
         return y
 
     def _gemvi_warps(self, blocks: int, nsb: int, warp_bytes: int, regs: int) -> int:
-        """Warps per 16-row tile of gemv_int.cu's gemvi for a grid of ``blocks`` tiles of ``nsb``
-        super-blocks, ``warp_bytes`` of shared memory per warp and ``regs`` registers per thread:
-        the power of two nearest GEMVI_WARPS_PER_SM warps per SM in all (<= GEMVI_MAX_WARPS,
-        <= nsb), halved while the grid would not be resident at once (registers, shared memory)
-        if a smaller one would be."""
+        """Warps per row tile (16 GEMVI_ROW_TILES rows) of gemv_int.cu's gemvi for a grid of
+        ``blocks`` tiles of ``nsb`` super-blocks, ``warp_bytes`` of shared memory per warp and
+        ``regs`` registers per thread: the power of two nearest GEMVI_WARPS_PER_SM warps per SM in
+        all (<= GEMVI_MAX_WARPS, <= nsb), halved while the grid would not be resident at once
+        (registers, shared memory) if a smaller one would be; a forced count (GEMVI_WARPS) is
+        halved until one block fits the SM's shared memory per block and its 65,536 registers."""
         if GEMVI_WARPS:
             ks = max(1, min(GEMVI_WARPS, nsb, 32))
         else:
             ks = self._gemvi_warps_auto(blocks, nsb, warp_bytes, regs)
-        while ks > 1 and ks * warp_bytes > self.smem_per_block:  # one block must fit (e.g. 4 slots on sm_86)
+        # one block must fit (e.g. 4 slots on sm_86; a forced count of a many-register kernel)
+        while ks > 1 and (ks * warp_bytes > self.smem_per_block or 32 * ks * max(regs, 1) > 65536):
             ks //= 2
         return ks
 
