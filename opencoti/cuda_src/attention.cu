@@ -416,19 +416,9 @@ __device__ __forceinline__ void attn_kv_impl(
     }
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
     merge_warps<D, MAXG, E>(acc, m, l, Gb, warp, lane, s_acc, s_m, s_l, [&](int g, int d, float M, float L, float A) {
-        int h = kh * G + g0 + g;
-        float o = n_split == 1 ? (L > 0.f ? A / L : 0.f) : A;
-        if constexpr (TV::ROT) {
-            s_acc[0][g][d] = o;  // only this thread reads s_acc[*][g][d]
-        } else if (n_split == 1) {
-            out[((long long)r * n_head + h) * D + d] = o;
-        } else {
-            part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = o;
-        }
-        if (n_split > 1 && d == 0) {
-            long long pi = ((long long)r * n_head + h) * n_split + sp;
-            part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L;
-        }
+        const int h = kh * G + g0 + g;
+        if constexpr (TV::ROT) s_acc[0][g][d] = rot_head(part_ml, r, n_head, h, d, n_split, sp, M, L, A);  // only this thread reads s_acc[*][g][d]
+        else store_head(out, part_acc, part_ml, r, n_head, h, D, d, n_split, sp, M, L, A);
     });
     if constexpr (TV::ROT) {  // o = R^T y, once per head, in registers (s_acc[1..] as the exchange buffer)
         __syncthreads();
@@ -441,10 +431,8 @@ __device__ __forceinline__ void attn_kv_impl(
         fwht_regs<D, NV, MAXG * D>(x, &s_acc[1][0][0], true);
 #pragma unroll
         for (int k = 0; k < NV; k++) {
-            const int i = threadIdx.x + 128 * k, g = i / D, d = i % D, h = kh * G + g0 + g;
-            if (i >= Gb * D) continue;
-            if (n_split == 1) out[((long long)r * n_head + h) * D + d] = x[k];
-            else part_acc[(((long long)r * n_head + h) * n_split + sp) * D + d] = x[k];
+            const int i = threadIdx.x + 128 * k;
+            if (i < Gb * D) store_rot(out, part_acc, r, n_head, kh * G + g0 + i / D, D, i % D, n_split, sp, x[k]);
         }
     }
 }

@@ -77,6 +77,23 @@ __device__ __forceinline__ void store_head(float* __restrict__ out, float* __res
         if (d == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
     }
 }
+// store_head for a rotated V tier, whose row is un-rotated in between: rot_head stores the
+// partial's (M, L) and returns the value to un-rotate (the normalized output, or the partial's
+// acc); store_rot stores an un-rotated value where store_head would.
+__device__ __forceinline__ float rot_head(float* __restrict__ part_ml, int r, int n_head, int h, int d, int n_split,
+                                          int sp, float M, float L, float A) {
+    if (n_split > 1 && d == 0) {
+        const long long pi = ((long long)r * n_head + h) * n_split + sp;
+        part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L;
+    }
+    return n_split == 1 ? (L > 0.f ? A / L : 0.f) : A;
+}
+__device__ __forceinline__ void store_rot(float* __restrict__ out, float* __restrict__ part_acc, int r, int n_head,
+                                          int h, int D, int d, int n_split, int sp, float v) {
+    const long long rh = (long long)r * n_head + h;
+    if (n_split == 1) out[rh * D + d] = v;
+    else part_acc[(rh * n_split + sp) * D + d] = v;
+}
 
 template <int D, class KP, class VP>
 __device__ __forceinline__ void attn_stream_impl(
@@ -398,12 +415,8 @@ __device__ __forceinline__ void attn_stream_impl(
                 A += s_o[(w * 16 + g) * D + d] * f;
             }
         }
-        if constexpr (VP::ROT) {  // the head's row (normalized or the partial's acc), un-rotated below
-            s_o[g * D + d] = n_split == 1 ? (Ls > 0.f ? A / Ls : 0.f) : A;  // only this thread reads (., g, d)
-            if (n_split > 1 && d == 0) {
-                const long long pi = ((long long)r * n_head + kh * G + g0 + g) * n_split + sp;
-                part_ml[2 * pi] = M; part_ml[2 * pi + 1] = Ls;
-            }
+        if constexpr (VP::ROT) {  // un-rotated below; only this thread reads (., g, d)
+            s_o[g * D + d] = rot_head(part_ml, r, n_head, kh * G + g0 + g, d, n_split, sp, M, Ls, A);
         } else {
             store_head(out, part_acc, part_ml, r, n_head, kh * G + g0 + g, D, d, n_split, sp, M, Ls, A);
         }
@@ -413,9 +426,7 @@ __device__ __forceinline__ void attn_stream_impl(
         VP::rotate(s_o, Gb, true);
         for (int i = threadIdx.x; i < Gb * D; i += blockDim.x) {
             const int g = i / D, d = i % D;
-            const long long rh = (long long)r * n_head + kh * G + g0 + g;
-            if (n_split == 1) out[rh * D + d] = s_o[g * D + d];
-            else part_acc[(rh * n_split + sp) * D + d] = s_o[g * D + d];
+            store_rot(out, part_acc, r, n_head, kh * G + g0 + g, D, d, n_split, sp, s_o[g * D + d]);
         }
     }
 }

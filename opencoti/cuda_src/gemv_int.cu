@@ -239,67 +239,23 @@ __device__ __forceinline__ void q6k_finish(const Q6KRegs& r, float2 sx, const in
     acc[3] += sx.y * d1 * (float)cs[3];
 }
 
-// One super-block of a lane's two rows against NT column tiles, added to acc. B fragments are
-// read from xqb: the super-block's 16 groups of 16 elements, group j's columns at
-// xqb + (j * stride + column) * 16 (the global digit array with stride ncp, or a shared stage);
-// xsb: the columns' scales. Columns from rc on hold zero digits (no token): not read.
-template <int NT, bool Q6>
-__device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6, const i8* __restrict__ xqb,
-                                           long long stride, const float* __restrict__ xsb,
-                                           const i8* __restrict__ xmb, int g, int c, int rc, float (&acc)[NT][4]) {
-    int cs[NT][4], cm[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) cs[nt][i] = 0;
-    if (!Q6) {
-        const Q4KScales k0 = q4k_scales(a4.h0.y, a4.h0.z, a4.h0.w), k1 = q4k_scales(a4.h1.y, a4.h1.z, a4.h1.w);
-#pragma unroll
-        for (int s = 0; s < 8; s++) {
-            const Q4KStep o = q4k_step(a4, k0, k1, s);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                q4k_mma(o, 8 * nt + g < rc ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + 8 * nt + g) * 16 +
-                                                              8 * (c & 1))
-                                           : make_uint2(0u, 0u),
-                        cs[nt]);
-        }
-        const u32 m0 = (c & 1) ? k0.mn[1] : k0.mn[0], m1 = (c & 1) ? k1.mn[1] : k1.mn[0];  // no local array
-        const u32 ma0 = c < 2 ? m0 : 0u, ma1 = c < 2 ? m1 : 0u, mb0 = c < 2 ? 0u : m0, mb1 = c < 2 ? 0u : m1;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            q4k_min(ma0, ma1, mb0, mb1, *(const u32*)(xmb + (8 * nt + g) * 16 + 4 * c), cm[nt]);
-            q4k_finish(a4, *(const float2*)(xsb + 8 * nt + 2 * c), cs[nt], cm[nt], acc[nt]);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const Q6KStep o = q6k_step(a6, i, q);
-                const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    q6k_mma(o, 8 * nt + g < rc ? *(const u32*)(xqb + (gi * stride + 8 * nt + g) * 16 + 4 * c) : 0u,
-                            cs[nt]);
-            }
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) q6k_finish(a6, *(const float2*)(xsb + 8 * nt + 2 * c), cs[nt], acc[nt]);
-    }
-}
-
-// superblock for one column tile and RT row tiles (a lane's rows 16 t + gid, + 8 of each): each
-// B fragment is read once for all the tiles (the ring kernel's one-token products).
-template <int RT, bool Q6>
-__device__ __forceinline__ void superblock_rt(const Q4KRegs (&a4)[RT], const Q6KRegs (&a6)[RT],
-                                              const i8* __restrict__ xqb, long long stride,
-                                              const float* __restrict__ xsb, const i8* __restrict__ xmb, int g,
-                                              int c, int rc, float (&acc)[RT][1][4]) {
-    int cs[RT][4], cm[4];
+// One super-block of RT row tiles (a lane's rows 16 t + gid and + 8 of tile t: a4[t] / a6[t])
+// against NT column tiles, added to acc[t][nt]; each B fragment is read once for all the row
+// tiles. B fragments are read from xqb: the super-block's 16 groups of 16 elements, group j's
+// columns at xqb + (j * stride + column) * 16 (the global digit array with stride ncp, or a shared
+// stage); xsb: the columns' scales. Columns from rc on hold zero digits (no token): not read.
+template <int NT, int RT, bool Q6>
+__device__ __forceinline__ void superblock_tiles(const Q4KRegs (&a4)[RT], const Q6KRegs (&a6)[RT],
+                                                 const i8* __restrict__ xqb, long long stride,
+                                                 const float* __restrict__ xsb, const i8* __restrict__ xmb, int g,
+                                                 int c, int rc, float (&acc)[RT][NT][4]) {
+    int cs[RT][NT][4], cm[NT][4];
 #pragma unroll
     for (int t = 0; t < RT; t++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) cs[t][i] = 0;
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) cs[t][nt][i] = 0;
     if (!Q6) {
         Q4KScales k0[RT], k1[RT];
 #pragma unroll
@@ -312,17 +268,24 @@ __device__ __forceinline__ void superblock_rt(const Q4KRegs (&a4)[RT], const Q6K
             Q4KStep o[RT];
 #pragma unroll
             for (int t = 0; t < RT; t++) o[t] = q4k_step(a4[t], k0[t], k1[t], s);
-            const uint2 bq = g < rc ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + g) * 16 + 8 * (c & 1))
-                                    : make_uint2(0u, 0u);
 #pragma unroll
-            for (int t = 0; t < RT; t++) q4k_mma(o[t], bq, cs[t]);
+            for (int nt = 0; nt < NT; nt++) {
+                const uint2 bq = 8 * nt + g < rc
+                                     ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + 8 * nt + g) * 16 + 8 * (c & 1))
+                                     : make_uint2(0u, 0u);
+#pragma unroll
+                for (int t = 0; t < RT; t++) q4k_mma(o[t], bq, cs[t][nt]);
+            }
         }
 #pragma unroll
         for (int t = 0; t < RT; t++) {
             const u32 m0 = (c & 1) ? k0[t].mn[1] : k0[t].mn[0], m1 = (c & 1) ? k1[t].mn[1] : k1[t].mn[0];
             const u32 ma0 = c < 2 ? m0 : 0u, ma1 = c < 2 ? m1 : 0u, mb0 = c < 2 ? 0u : m0, mb1 = c < 2 ? 0u : m1;
-            q4k_min(ma0, ma1, mb0, mb1, *(const u32*)(xmb + g * 16 + 4 * c), cm);
-            q4k_finish(a4[t], *(const float2*)(xsb + 2 * c), cs[t], cm, acc[t][0]);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                q4k_min(ma0, ma1, mb0, mb1, *(const u32*)(xmb + (8 * nt + g) * 16 + 4 * c), cm[nt]);
+                q4k_finish(a4[t], *(const float2*)(xsb + 8 * nt + 2 * c), cs[t][nt], cm[nt], acc[t][nt]);
+            }
         }
     } else {
 #pragma unroll
@@ -333,13 +296,26 @@ __device__ __forceinline__ void superblock_rt(const Q4KRegs (&a4)[RT], const Q6K
 #pragma unroll
                 for (int t = 0; t < RT; t++) o[t] = q6k_step(a6[t], i, q);
                 const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
-                const u32 bq = g < rc ? *(const u32*)(xqb + (gi * stride + g) * 16 + 4 * c) : 0u;
 #pragma unroll
-                for (int t = 0; t < RT; t++) q6k_mma(o[t], bq, cs[t]);
+                for (int nt = 0; nt < NT; nt++) {
+                    const u32 bq = 8 * nt + g < rc ? *(const u32*)(xqb + (gi * stride + 8 * nt + g) * 16 + 4 * c) : 0u;
+#pragma unroll
+                    for (int t = 0; t < RT; t++) q6k_mma(o[t], bq, cs[t][nt]);
+                }
             }
 #pragma unroll
-        for (int t = 0; t < RT; t++) q6k_finish(a6[t], *(const float2*)(xsb + 2 * c), cs[t], acc[t][0]);
+        for (int t = 0; t < RT; t++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) q6k_finish(a6[t], *(const float2*)(xsb + 8 * nt + 2 * c), cs[t][nt], acc[t][nt]);
     }
+}
+// one row tile (gemvi_impl, gemmi)
+template <int NT, bool Q6>
+__device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6, const i8* __restrict__ xqb,
+                                           long long stride, const float* __restrict__ xsb,
+                                           const i8* __restrict__ xmb, int g, int c, int rc, float (&acc)[NT][4]) {
+    superblock_tiles<NT, 1, Q6>(reinterpret_cast<const Q4KRegs (&)[1]>(a4), reinterpret_cast<const Q6KRegs (&)[1]>(a6),
+                                xqb, stride, xsb, xmb, g, c, rc, reinterpret_cast<float (&)[1][NT][4]>(acc));
 }
 
 // More token rows (NT = 3 or 6 column tiles, up to IMMA_MAX_ROWS rows): the warps split the
@@ -465,8 +441,8 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
                 q4k_load(a4[t], st + g * SEG, st + (g + 8) * SEG, 0, c);
             }
         }
-        superblock_rt<RT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
-                              xm + ((long long)sb * ncp + cb) * 16, g, c, rc, acc);
+        superblock_tiles<NT, RT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
+                                     xm + ((long long)sb * ncp + cb) * 16, g, c, rc, acc);
         __syncwarp();  // the slot is refilled next iteration
     }
     cp_async_wait<0>();

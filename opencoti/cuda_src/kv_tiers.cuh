@@ -456,40 +456,20 @@ __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, 
     }
 }
 
-// fwht_shared's exact forward transform of one row held one value per thread (the block's D
-// threads: thread t holds x_t; returns y_t): the stages h < 32 by warp shuffles (the thread with
-// bit h clear keeps a + b, its partner a - b: the same roundings), the others through sc's two
-// D-float buffers in turn (one sync each; sc is free again after the block's next sync).
-template <int D>
-__device__ __forceinline__ float fwht_thread(float x, float* sc) {
-    const int tid = threadIdx.x;
-    x = kv_neg(tid) ? xneg(x) : x;
-#pragma unroll
-    for (int h = 1; h < 32; h <<= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, x, h);
-        x = (tid & h) ? xsub(o, x) : xadd(x, o);
-    }
-#pragma unroll
-    for (int h = 32, k = 0; h < D; h <<= 1, k ^= 1) {
-        sc[k * D + tid] = x;
-        __syncthreads();
-        const float o = sc[k * D + (tid ^ h)];
-        x = (tid & h) ? xsub(o, x) : xadd(x, o);
-    }
-    return xmul(x, kv_isqrt(D));
-}
-
-// fwht_shared (exact = false) of n_rows = NI / D rows held in registers by a block of 128
-// threads: thread t holds values i = t + 128 k (k < NV; row i / D, dim i % D; those with i >= NI
-// are padding and stay out of shared memory). Stages h < 32 by warp shuffles, 32 and 64 through
-// buf's two NI-float halves in turn (one sync each; buf is free again after the block's next
-// sync), h >= 128 inside a thread (values k and k + h / 128).
-template <int D, int NV, int NI>
+// fwht_shared of n_rows = NI / D rows held in registers by a block of NT threads: thread t holds
+// values i = t + NT k (k < NV; row i / D, dim i % D; those with i >= NI are padding and stay out
+// of shared memory). Stages h < 32 by warp shuffles (the thread with bit h clear keeps a + b, its
+// partner a - b: fwht_shared's roundings), 32 <= h < NT through buf's two NI-float halves in turn
+// (one sync each; buf is free again after the block's next sync), h >= NT inside a thread (values
+// k and k + h / NT). EXACT: PTX add / sub / mul and sign flips on the bits, as fwht_shared's exact.
+template <int D, int NV, int NI, int NT = 128, bool EXACT = false>
 __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inverse) {
     const int tid = threadIdx.x;
+    auto neg = [](float v) { return EXACT ? xneg(v) : -v; };
+    auto valid = [&](int k) { return NI % NT == 0 || tid + NT * k < NI; };
     if (!inverse) {
 #pragma unroll
-        for (int k = 0; k < NV; k++) x[k] = kv_neg((tid + 128 * k) % D) ? -x[k] : x[k];
+        for (int k = 0; k < NV; k++) x[k] = kv_neg((tid + NT * k) & (D - 1)) ? neg(x[k]) : x[k];
     }
 #pragma unroll
     for (int h = 1, s = 0; h < D; h <<= 1) {
@@ -497,35 +477,44 @@ __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inver
 #pragma unroll
             for (int k = 0; k < NV; k++) {
                 const float o = __shfl_xor_sync(0xffffffffu, x[k], h);
-                x[k] = (tid & h) ? o - x[k] : x[k] + o;
+                x[k] = (tid & h) ? (EXACT ? xsub(o, x[k]) : o - x[k]) : (EXACT ? xadd(x[k], o) : x[k] + o);
             }
-        } else if (h < 128) {
+        } else if (h < NT) {
             float* b = buf + s * NI;
             s ^= 1;
 #pragma unroll
-            for (int k = 0; k < NV; k++) if (tid + 128 * k < NI) b[tid + 128 * k] = x[k];
+            for (int k = 0; k < NV; k++) if (valid(k)) b[tid + NT * k] = x[k];
             __syncthreads();
 #pragma unroll
             for (int k = 0; k < NV; k++) {
-                if (tid + 128 * k < NI) {
-                    const float o = b[(tid ^ h) + 128 * k];
-                    x[k] = (tid & h) ? o - x[k] : x[k] + o;
+                if (valid(k)) {
+                    const float o = b[(tid ^ h) + NT * k];
+                    x[k] = (tid & h) ? (EXACT ? xsub(o, x[k]) : o - x[k]) : (EXACT ? xadd(x[k], o) : x[k] + o);
                 }
             }
         } else {
 #pragma unroll
             for (int k = 0; k < NV; k++) {
-                if ((k & (h / 128)) == 0 && k + h / 128 < NV) {
-                    const float a = x[k], c = x[k + h / 128];
-                    x[k] = a + c;
-                    x[k + h / 128] = a - c;
+                if ((k & (h / NT)) == 0 && k + h / NT < NV) {
+                    const float a = x[k], c = x[k + h / NT];
+                    x[k] = EXACT ? xadd(a, c) : a + c;
+                    x[k + h / NT] = EXACT ? xsub(a, c) : a - c;
                 }
             }
         }
     }
 #pragma unroll
     for (int k = 0; k < NV; k++) {
-        const float y = x[k] * kv_isqrt(D);
-        x[k] = inverse && kv_neg((tid + 128 * k) % D) ? -y : y;
+        const float y = EXACT ? xmul(x[k], kv_isqrt(D)) : x[k] * kv_isqrt(D);
+        x[k] = inverse && kv_neg((tid + NT * k) & (D - 1)) ? neg(y) : y;
     }
+}
+
+// fwht_shared's exact forward transform of one row held one value per thread (the block's D
+// threads: thread t holds x_t; returns y_t): fwht_regs with one value per thread; sc: 2 D floats.
+template <int D>
+__device__ __forceinline__ float fwht_thread(float x, float* sc) {
+    float v[1] = {x};
+    fwht_regs<D, 1, D, D, true>(v, sc, false);
+    return v[0];
 }
