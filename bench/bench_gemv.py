@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--digits", default="0", help="digits per activation value to try (comma list of 2, 3; 0: the default)")
     ap.add_argument("--row-tiles", default="0", help="gemv_int.cu 16-row MMA tiles per warp, one token row, to try "
                     "(comma list of 1, 2; 0: the default)")
+    ap.add_argument("--weights", default="", help="only the preset's weights whose name contains this")
     a = ap.parse_args()
     import cupy as cp
 
@@ -77,6 +78,8 @@ def main() -> None:
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for name, t, rows, cols in PRESETS[a.preset]:
+        if a.weights not in name:
+            continue
         raw = random_weight(cp, t, rows, cols)
         mb = raw.nbytes / 1e6
         # copies of the weight cycled through by the graph's calls, >= 150 MB in all (H200 L2:
