@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--digits", default="0", help="digits per activation value to try (comma list of 2, 3; 0: the default)")
     ap.add_argument("--row-tiles", default="0", help="gemv_int.cu 16-row MMA tiles per warp, one token row, to try "
                     "(comma list of 1, 2; 0: the default)")
+    ap.add_argument("--gemmi-ring", default="0", help="gemmi shared-memory stages to try (comma list; 0: the "
+                    "default, -1: the register-prefetch kernel)")
     ap.add_argument("--weights", default="", help="only the preset's weights whose name contains this")
     a = ap.parse_args()
     import cupy as cp
@@ -71,8 +73,9 @@ def main() -> None:
                     for rt in (int(v) for v in a.row_tiles.split(",")):
                         if rt == 2 and ns not in (0, 2):
                             continue  # the two-tile kernels are built with 2 slots only
-                        paths[f"imma w{nw} s{ns} o{nb} d{nd}" + (f" r{rt}" if rt else "")] = (
-                            lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd, rt=rt: _imma(cu, be, x, w, nw, ns, nb, nd, rt))
+                        for rg in (int(v) for v in a.gemmi_ring.split(",")):
+                            paths[f"imma w{nw} s{ns} o{nb} d{nd}" + (f" r{rt}" if rt else "") + (f" g{rg}" if rg else "")] = (
+                                lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd, rt=rt, rg=rg: _imma(cu, be, x, w, nw, ns, nb, nd, rt, rg))
     print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
           "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
@@ -112,8 +115,8 @@ def _without_imma(cu, f):
         cu.IMMA_MAX_ROWS = keep
 
 
-def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0):
-    keep = cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES
+def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0, rg: int = 0):
+    keep = cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES, cu.GEMMI_RING
     cu.GEMVI_WARPS = nw
     if ns:
         cu.GEMVI_STAGES = ns
@@ -123,11 +126,13 @@ def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0):
         cu.IMMA_DIGITS = nd
     if rt:
         cu.GEMVI_ROW_TILES = rt
+    if rg:
+        cu.GEMMI_RING = max(rg, 0)
     try:
         be._digits_of = (None, None)  # time the activation quantization as well
         return be._gemvi(be._digits(x), w)
     finally:
-        cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES = keep
+        cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES, cu.GEMMI_RING = keep
 
 
 def _graph_time(cp, f, reps: int) -> float:

@@ -270,6 +270,32 @@ def test_gemvi_matches_reference(gpu, monkeypatch, qname, rows, cols, n, digits)
 
 
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows,cols", [(300, 512), (40, 2816), (200, 9472)])
+@pytest.mark.parametrize("n", [9, 40, 64])
+@pytest.mark.parametrize("digits", [2, 3])
+def test_gemmi_ring_equals_registers(gpu, monkeypatch, qname, rows, cols, n, digits):
+    """gemmi_ring (weights and digit columns through 2-4 shared-memory stages) gives gemmi_impl's
+    (next super-block prefetched into registers) results bit for bit with the same splits (both
+    run the same integer products and float sums in the same order): a block whose last warp's
+    rows all lie past the end (300 rows), splits of uneven length (11 and 37 super-blocks over
+    3), partial token groups, Q6_K's 2-byte-aligned blocks at every offset in their chunks."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_DIGITS", digits)
+    monkeypatch.setattr(cu, "gemmi_splits", lambda nb, nsb, n_sm, per_sm=0: min(nsb, 3))
+    x, raw, _ = _mmq_case(qname, rows, cols, n, 110 + n)
+    x[:, 3] *= 40
+    w = to_qtensor(raw, qname, cols)
+    monkeypatch.setattr(cu, "GEMMI_RING", 0)
+    want = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    for stages in cu.GEMMI_RING_KERNELS[2 * digits]:
+        monkeypatch.setattr(cu, "GEMMI_RING", stages)
+        got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
+        np.testing.assert_array_equal(got, want, err_msg=f"{stages} stages")
+
+
+@pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("warps,stages,row_tiles", [(1, 2, 1), (1, 4, 1), (2, 4, 1), (3, 2, 1), (1, 2, 2), (3, 2, 2)])
 @pytest.mark.parametrize("n", [1, 2])
 def test_gemvi_ring_slots(gpu, monkeypatch, qname, warps, stages, row_tiles, n):

@@ -126,3 +126,36 @@ def test_stream_tile_and_shared_memory():
             smem = cu._as_smem(d, rb, rb, cuda_kv.stream_table_bytes(name, True),
                                cuda_kv.stream_table_bytes(name, False))
             assert smem <= H200.smem_per_block, (name, d, smem)
+
+
+def test_gemvi_row_tiles(monkeypatch):
+    """Row tiles per warp of the one-token ring GEMV (``gemvi_row_tiles``): two for Q4_K, for
+    Q6_K only when the two-tile grid keeps GEMVI_R2_Q6_BLOCKS blocks per SM (the 7B's 152,064-row
+    output, not its 3,584-row ffn_down); one with 4 ring slots (no _r2 kernels); a forced count
+    wins."""
+    monkeypatch.setattr(cu, "GEMVI_ROW_TILES", 0)
+    monkeypatch.setattr(cu, "GEMVI_STAGES", 2)
+    assert cu.gemvi_row_tiles(12, 512, 132) == 2 and cu.gemvi_row_tiles(12, 18944, 132) == 2
+    assert cu.gemvi_row_tiles(14, 3584, 132) == 1 and cu.gemvi_row_tiles(14, 152064, 132) == 2
+    assert cu.gemvi_row_tiles(14, 32 * 8 * 132 - 1, 132) == 1 and cu.gemvi_row_tiles(14, 32 * 8 * 132, 132) == 2
+    monkeypatch.setattr(cu, "GEMVI_ROW_TILES", 1)
+    assert cu.gemvi_row_tiles(12, 18944, 132) == 1
+    monkeypatch.setattr(cu, "GEMVI_ROW_TILES", 0)
+    monkeypatch.setattr(cu, "GEMVI_STAGES", 4)
+    assert cu.gemvi_row_tiles(12, 18944, 132) == 1 and cu.gemvi_row_tiles(14, 152064, 132) == 1
+
+
+def test_gemmi_splits(monkeypatch):
+    """gemmi's super-block splits (``gemmi_splits``) on 132 SMs at 3 blocks per SM (396 slots),
+    7B shapes at 32 rows (2 token groups): ffn_up alone (592 blocks) splits in 2 (2.99 waves, not
+    1.49); the fused gate / up (1,184 blocks, 2.99 waves) and the output (4,752 blocks, 12 waves)
+    are not split; q / k / v (144 blocks) and attn_output / ffn_down (112), less than a wave,
+    keep the >= 2 blocks per SM; never more splits than super-blocks."""
+    monkeypatch.setattr(cu, "GEMMI_BLOCKS", 3)
+    assert cu.gemmi_splits(2 * 296, 14, 132) == 2
+    assert cu.gemmi_splits(2 * 592, 14, 132) == 1
+    assert cu.gemmi_splits(2 * 2376, 14, 132) == 1
+    assert cu.gemmi_splits(2 * 72, 14, 132) == 2
+    assert cu.gemmi_splits(2 * 56, 14, 132) == 3 and cu.gemmi_splits(2 * 56, 74, 132) == 3
+    assert cu.gemmi_splits(1, 2, 132) == 2 and cu.gemmi_splits(4, 1, 132) == 1
+    assert cu.gemmi_splits(600, 1, 132) == 1

@@ -568,6 +568,70 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
     gemmi_store<NT>(acc, (float*)st, y, nrows, T, D);
 }
 
+// gemmi with the weights in the stages too: stage i holds super-block sb0 + i's digit columns
+// (GmStage) and the block's 64 weight rows' blocks (SEG bytes each, laid out as gemvi_ring's
+// slots: Q6_K's at offset (address & 15) of their first 16-byte chunk), S stages in a ring of
+// dynamic shared memory, S - 1 of them in flight (cp.async) while the warps multiply the oldest,
+// with no registers holding the next super-block (gemmi_impl prefetches one into registers: the
+// loads' latency was 18 % of its stall samples under ncu, at ~2.8 warps per scheduler). One
+// barrier per super-block: after it every warp is done with the slot the next fill overwrites.
+// Each warp copies its own 16 rows (RingPlan), all threads the digit columns (gm_stage).
+// Dynamic shared memory S * (sizeof(GmStage<CW>) + 64 SEG) bytes.
+template <int NT, bool Q6, int S>
+__device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
+                                           const float* __restrict__ xs, const i8* __restrict__ xm,
+                                           float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
+    extern __shared__ __align__(16) u8 ring[];
+    constexpr int CW = 8 * NT, SEG = RingPlan<Q6, 1>::SEG, GS = (int)sizeof(GmStage<CW>), SB = GS + 64 * SEG;
+    static_assert(S >= 2 && GS % 16 == 0 && S * SB >= 64 * (CW + 1) * (int)sizeof(float), "gemmi_ring's stages");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int cb = blockIdx.x * CW, rw = min(blockIdx.y * 64 + 16 * warp, nrows - 1), last = nrows - 1 - rw;
+    const int nsb = K >> 8, ns = gridDim.z, sb0 = blockIdx.z * nsb / ns, sb1 = (blockIdx.z + 1) * nsb / ns;
+    y += (long long)blockIdx.z * T * nrows;
+    const u8* const Wt = W + (long long)rw * rb;  // the warp's first row (rows past the end: the last)
+    const RingPlan<Q6, 1> plan(rb, last, lane);
+    const unsigned long long r0 = (unsigned long long)Wt + (unsigned long long)min(g, last) * rb;
+    const unsigned long long r1 = (unsigned long long)Wt + (unsigned long long)min(g + 8, last) * rb;
+#pragma unroll
+    for (int i = 0; i < S - 1; i++) {
+        if (sb0 + i < sb1) {
+            u8* st = ring + i * SB;
+            gm_stage<CW>(*(GmStage<CW>*)st, xq, xs, xm, sb0 + i, cb, ncp);
+            plan.fill(st + GS + warp * 16 * SEG, Wt, sb0 + i, lane);
+        }
+        cp_async_commit();
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    Q4KRegs a4;
+    Q6KRegs a6;
+    for (int sb = sb0; sb < sb1; sb++) {
+        const int i = sb - sb0;
+        cp_async_wait<S - 2>();  // this thread's copies of super-block sb have landed
+        __syncthreads();         // ... every thread's, and every warp is done with super-block sb - 1
+        if (sb + S - 1 < sb1) {  // into the slot of super-block sb - 1
+            u8* st = ring + ((i + S - 1) % S) * SB;
+            gm_stage<CW>(*(GmStage<CW>*)st, xq, xs, xm, sb + S - 1, cb, ncp);
+            plan.fill(st + GS + warp * 16 * SEG, Wt, sb + S - 1, lane);
+        }
+        cp_async_commit();
+        const u8* st = ring + (i % S) * SB;
+        const GmStage<CW>& gs = *(const GmStage<CW>*)st;
+        const u8* wst = st + GS + warp * 16 * SEG;
+        if (Q6) {
+            const int o0 = (int)((r0 + 210ull * sb) & 15), o1 = (int)((r1 + 210ull * sb) & 15);
+            q6k_load(a6, wst + g * SEG + o0, wst + (g + 8) * SEG + o1, 0, c, false);
+        } else {
+            q4k_load(a4, wst + g * SEG, wst + (g + 8) * SEG, 0, c);
+        }
+        superblock<NT, Q6>(a4, a6, gs.xq, CW, gs.xs, gs.xm, g, c, CW, acc);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring becomes the reduction's tile
+    gemmi_store<NT>(acc, (float*)ring, y, nrows, T, D);
+}
+
 // _o<B>_n<NT>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B)), NT = 2 D
 #define GEMMI(B, NT)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT();                 \
@@ -580,3 +644,16 @@ GEMMI(4, 6)
 GEMMI(2, 4)
 GEMMI(3, 4)
 GEMMI(4, 4)
+
+// _s<S>_n<NT>: the ring variant with S stages, compiled for B resident blocks per SM (with 2 digits
+// the Q4_K kernel needs 114 registers, Q6_K 129 without the cap: 4 blocks fit with 3 stages)
+#define GEMMI_RING(B, S, NT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_s##S##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT();        \
+        gemmi_ring<NT, false, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                               \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_s##S##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT();        \
+        gemmi_ring<NT, true, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+GEMMI_RING(4, 2, 4)
+GEMMI_RING(4, 3, 4)
+GEMMI_RING(3, 4, 4)
+GEMMI_RING(3, 2, 6)
+GEMMI_RING(3, 3, 6)

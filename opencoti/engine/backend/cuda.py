@@ -93,6 +93,11 @@ IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
 # gemmi compiled for 2, 3 or 4 resident blocks per SM (register cap); 3 measured best on the H200
 # (7B ffn_up, 32 rows: 115 / 98 / 105 us; Q6_K the same within 2 %)
 GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
+# gemmi with its weights streamed through GEMMI_RING shared-memory stages with the digit columns
+# (gemv_int.cu gemmi_ring; 2, 3 or 4 stages with 2 digits, 2 or 3 with 3) instead of prefetched
+# into registers (0: gemmi_impl, GEMMI_BLOCKS).
+GEMMI_RING = int(os.environ.get("OPENCOTI_CUDA_GEMMI_RING", "0"))
+GEMMI_RING_KERNELS = {4: (2, 3, 4), 6: (2, 3)}  # column tiles -> stage counts built
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # ... except one-row products with weights of fewer elements: the float GEMV in one launch beats the
 # digit pass + integer GEMV there (two latency-bound launches; H200, gemma-3-270m attn_output 640 x
@@ -125,11 +130,15 @@ if GEMVI_STAGES not in (2, 4):
     raise ValueError(f"OPENCOTI_CUDA_GEMVI_STAGES={GEMVI_STAGES}: expected 2 or 4")
 # gemvi_ring's MMA row tiles per warp (gemv_int.cu ``_r2``: two 16-row tiles share each B
 # fragment load and give a warp two independent MMA chains; 86 registers for Q4_K, 168 for Q6_K
-# under nvcc sm_90, against 64 / 80). OPENCOTI_CUDA_GEMVI_ROW_TILES=2 (2 slots only) is an
-# experiment: not yet run on a GPU, so 1 stays the default.
-GEMVI_ROW_TILES = int(os.environ.get("OPENCOTI_CUDA_GEMVI_ROW_TILES", "1"))
-if GEMVI_ROW_TILES not in (1, 2) or (GEMVI_ROW_TILES == 2 and GEMVI_STAGES != 2):
+# under nvcc sm_90, against 64 / 80). Default (0, ``gemvi_row_tiles``): two for Q4_K, and for Q6_K
+# when the two-tile grid still has GEMVI_R2_Q6_BLOCKS blocks per SM; measured on the H200
+# (bench_gemv, 7B shapes, one row, us, one tile -> two): Q4_K ffn_up 20.8 -> 19.2, attn_q 8.5 ->
+# 8.0; Q6_K output (152,064 rows) 194.7 -> 161.6, ffn_down (3,584 rows) 37.3 -> 38.9.
+# OPENCOTI_CUDA_GEMVI_ROW_TILES=1 or 2 forces one count (2 only with 2 slots: _r2 is built so).
+GEMVI_ROW_TILES = int(os.environ.get("OPENCOTI_CUDA_GEMVI_ROW_TILES", "0"))
+if GEMVI_ROW_TILES not in (0, 1, 2) or (GEMVI_ROW_TILES == 2 and GEMVI_STAGES != 2):
     raise ValueError(f"OPENCOTI_CUDA_GEMVI_ROW_TILES={GEMVI_ROW_TILES}: expected 1, or 2 with 2 stages")
+GEMVI_R2_Q6_BLOCKS = 8
 GEMVI_WARPS_PER_SM = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS_PER_SM", "16"))
 GEMVI_MAX_WARPS = 8
 GEMVI_WARPS = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS", "0"))
@@ -214,6 +223,33 @@ def imma_digits(n: int, decode: bool) -> int:
     than IMMA_MAX_ROWS rows; prompts (whose K / V every later token reads) and direct op calls keep
     3, float32 accuracy."""
     return IMMA_DIGITS or (2 if decode and n > IMMA_MAX_ROWS else 3)
+
+
+def gemvi_row_tiles(ggml_type: int, rows: int, n_sm: int) -> int:
+    """16-row MMA tiles per warp of gemv_int.cu's one-token ring GEMV (``GEMVI_ROW_TILES``; the
+    two-tile kernels are built with 2 ring slots only): 2 for Q4_K (type 12), 2 for Q6_K (14)
+    when ``rows`` give at least GEMVI_R2_Q6_BLOCKS two-tile blocks per SM of ``n_sm``, else 1."""
+    if GEMVI_STAGES != 2:
+        return 1
+    if GEMVI_ROW_TILES:
+        return GEMVI_ROW_TILES
+    return 2 if ggml_type == 12 or rows >= 32 * GEMVI_R2_Q6_BLOCKS * n_sm else 1
+
+
+def gemmi_splits(nb: int, nsb: int, n_sm: int, per_sm: int = 0) -> int:
+    """Super-block splits of gemv_int.cu's gemmi grid of ``nb`` (token group, 64-row) blocks over
+    ``nsb`` super-blocks on ``n_sm`` SMs (``per_sm`` resident per SM, default GEMMI_BLOCKS): the
+    fewest that give >= 2
+    blocks per SM; when that grid fills at least one wave of resident blocks, the count up to
+    twice that whose last wave is fullest instead, i.e. the least ``ceil(nb * s / slots) / s``
+    (time in waves of one unsplit block; the fewer splits on a tie). A 7B's ffn_up alone at 32
+    rows: 592 blocks for 396 slots take 2 splits (2.99 waves), where 1 left a half-empty second
+    wave (1.49)."""
+    lo = max(1, min(nsb, -(-2 * n_sm // nb)))
+    slots = (per_sm or GEMMI_BLOCKS) * n_sm
+    if nb * lo < slots:
+        return lo
+    return min(range(lo, min(nsb, 2 * lo) + 1), key=lambda s: (-(-nb * s // slots) / s, s))
 
 
 def _decode_rows(ub) -> int:
@@ -734,13 +770,21 @@ class CUDABackend:
         if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
             ntok = xs.shape[1] // (16 * nd)  # 16-token column groups
             nb = ntok * -(-rows // 64)
-            n_split = max(1, min(k // 256, -(-2 * self.n_sm // nb)))  # >= 2 blocks per SM
             y = cp.empty((n, rows), dtype=cp.float32)
+            kw = {}
+            if GEMMI_RING and GEMMI_RING in GEMMI_RING_KERNELS.get(nt, ()):
+                cw = 8 * nt  # gemv_int.cu GmStage<cw> + the 64 rows' blocks, per stage
+                kw["shared_mem"] = GEMMI_RING * (17 * cw * 16 + cw * 4 + 64 * (240 if w.ggml_type == 14 else 144))
+                fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{GEMMI_RING}_n{nt}", kw["shared_mem"])
+                per_sm = max(1, min(65536 // (128 * max(fn.raw.num_regs, 1)),
+                                    self.smem_per_sm // (kw["shared_mem"] + 1024)))
+            else:
+                fn, per_sm = self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{nt}"), GEMMI_BLOCKS
+            n_split = gemmi_splits(nb, k // 256, self.n_sm, per_sm)
             out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
-            self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{2 * nd}")(
-                (ntok, -(-rows // 64), n_split), (128,),
-                (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
-                 np.int32(xs.shape[1]), np.int32(nd)))
+            fn((ntok, -(-rows // 64), n_split), (128,),
+               (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
+                np.int32(xs.shape[1]), np.int32(nd)), **kw)
             if n_split > 1:
                 self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
                                             (out, y, np.int64(y.size), np.int32(n_split)))
@@ -753,7 +797,7 @@ class CUDABackend:
             ks = max(1, min(IMMA_WARPS[nt], nsb))
             self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")((ncb, -(-rows // 16)), (32 * ks,), args)
             return y
-        rt = GEMVI_ROW_TILES if GEMVI_STAGES == 2 else 1  # _r2 is built with 2 slots
+        rt = gemvi_row_tiles(w.ggml_type, rows, self.n_sm)
         ntiles = -(-rows // (16 * rt))
         # limit raised once to the device's: _gemvi_warps keeps every block within it
         fn = self._big_smem_fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}" + ("_r2" if rt == 2 else ""),
