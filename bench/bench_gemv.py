@@ -127,7 +127,7 @@ def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0, rg: int
     if rt:
         cu.GEMVI_ROW_TILES = rt
     if rg:
-        cu.GEMMI_RING = max(rg, 0)
+        cu.GEMMI_RING = max(rg, 0)  # -1: the register kernel
     try:
         be._digits_of = (None, None)  # time the activation quantization as well
         return be._gemvi(be._digits(x), w)

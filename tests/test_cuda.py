@@ -287,10 +287,12 @@ def test_gemmi_ring_equals_registers(gpu, monkeypatch, qname, rows, cols, n, dig
     x[:, 3] *= 40
     w = to_qtensor(raw, qname, cols)
     monkeypatch.setattr(cu, "GEMMI_RING", 0)
+    assert cu.gemmi_ring_stages(2 * digits) == 0
     want = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
     assert np.isfinite(want).all() and np.abs(want).max() > 0
     for stages in cu.GEMMI_RING_KERNELS[2 * digits]:
         monkeypatch.setattr(cu, "GEMMI_RING", stages)
+        assert cu.gemmi_ring_stages(2 * digits) == stages
         got = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
         np.testing.assert_array_equal(got, want, err_msg=f"{stages} stages")
 

@@ -159,3 +159,15 @@ def test_gemmi_splits(monkeypatch):
     assert cu.gemmi_splits(2 * 56, 14, 132) == 3 and cu.gemmi_splits(2 * 56, 74, 132) == 3
     assert cu.gemmi_splits(1, 2, 132) == 2 and cu.gemmi_splits(4, 1, 132) == 1
     assert cu.gemmi_splits(600, 1, 132) == 1
+
+
+def test_gemmi_ring_stages(monkeypatch):
+    """gemmi_ring's stage count (``gemmi_ring_stages``): by default 3 for 2-digit tiles (4 column
+    tiles), 2 for 3-digit ones (6); a forced count where that kernel is built, else (and for 0)
+    the register-prefetch kernel."""
+    monkeypatch.setattr(cu, "GEMMI_RING", None)
+    assert cu.gemmi_ring_stages(4) == 3 and cu.gemmi_ring_stages(6) == 2
+    monkeypatch.setattr(cu, "GEMMI_RING", 4)
+    assert cu.gemmi_ring_stages(4) == 4 and cu.gemmi_ring_stages(6) == 0
+    monkeypatch.setattr(cu, "GEMMI_RING", 0)
+    assert cu.gemmi_ring_stages(4) == 0 and cu.gemmi_ring_stages(6) == 0

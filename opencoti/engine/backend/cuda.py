@@ -93,11 +93,29 @@ IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
 # gemmi compiled for 2, 3 or 4 resident blocks per SM (register cap); 3 measured best on the H200
 # (7B ffn_up, 32 rows: 115 / 98 / 105 us; Q6_K the same within 2 %)
 GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
-# gemmi with its weights streamed through GEMMI_RING shared-memory stages with the digit columns
-# (gemv_int.cu gemmi_ring; 2, 3 or 4 stages with 2 digits, 2 or 3 with 3) instead of prefetched
-# into registers (0: gemmi_impl, GEMMI_BLOCKS).
-GEMMI_RING = int(os.environ.get("OPENCOTI_CUDA_GEMMI_RING", "0"))
+# gemmi's weights: streamed through shared-memory stages beside the digit columns (gemv_int.cu
+# gemmi_ring; 3 stages with 2 digits, 2 with 3: ``gemmi_ring_stages``) rather than prefetched into
+# registers (gemmi_impl at GEMMI_BLOCKS per SM). Measured on the H200 (bench_gemv, 7B shapes, 32
+# rows, 2 digits, us, registers -> 2 / 3 / 4 stages): ffn_up 62.0 -> 55.6 / 55.5 / 54.5, Q6_K
+# ffn_down 98.0 -> 82.7 / 81.1 / 91.5, Q6_K output 631.7 -> 471.4 / 492.3 / 562.6; 3 digits:
+# ffn_up 77.1 -> 69.0 / 68.6, ffn_down 119.2 -> 102.0 / 110.9; 64 rows, 3 stages: ffn_up 102.8 ->
+# 92.7, ffn_down 180.2 -> 153.6. OPENCOTI_CUDA_GEMMI_RING=N forces N stages, 0 the register kernel.
+_GR = os.environ.get("OPENCOTI_CUDA_GEMMI_RING", "")
+GEMMI_RING = int(_GR) if _GR else None
 GEMMI_RING_KERNELS = {4: (2, 3, 4), 6: (2, 3)}  # column tiles -> stage counts built
+if GEMMI_RING not in (None, 0, 2, 3, 4):
+    raise ValueError(f"OPENCOTI_CUDA_GEMMI_RING={GEMMI_RING}: expected 0, 2, 3 or 4")
+
+
+def gemmi_ring_stages(nt: int) -> int:
+    """Shared-memory stages of gemmi_ring for ``nt`` column tiles (4: 2 digits, 6: 3), 0 for the
+    register-prefetch gemmi_impl: GEMMI_RING where that kernel is built, else 3 for 4 tiles and
+    2 for 6."""
+    if GEMMI_RING is not None:
+        return GEMMI_RING if GEMMI_RING in GEMMI_RING_KERNELS.get(nt, ()) else 0
+    return {4: 3, 6: 2}.get(nt, 0)
+
+
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # ... except one-row products with weights of fewer elements: the float GEMV in one launch beats the
 # digit pass + integer GEMV there (two latency-bound launches; H200, gemma-3-270m attn_output 640 x
@@ -758,9 +776,9 @@ class CUDABackend:
         weight rows per block (one column tile: 16 GEMVI_ROW_TILES), the super-blocks split over
         up to 8 warps (``_gemvi_warps``; one column tile streams them through shared memory,
         ``gemvi_ring``) and summed in warp order;
-        more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, the
-        super-blocks split over blocks so the grid has >= 2 blocks per SM, partial sums added in
-        split order by ``mmq_reduce``). Deterministic either way.
+        more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, weights and
+        digits through shared-memory stages, ``gemmi_ring_stages``; the super-blocks split over
+        blocks, ``gemmi_splits``, partial sums added in split order by ``mmq_reduce``). Deterministic either way.
         Relative error ~3e-7 of the largest |x w| term against float64 (float32 level) with 3
         digits; with 2 the activations carry 2^-16 of their block maximum (test_gemvi_matches_reference).
         Graph-safe."""
@@ -772,10 +790,11 @@ class CUDABackend:
             nb = ntok * -(-rows // 64)
             y = cp.empty((n, rows), dtype=cp.float32)
             kw = {}
-            if GEMMI_RING and GEMMI_RING in GEMMI_RING_KERNELS.get(nt, ()):
+            stages = gemmi_ring_stages(nt)
+            if stages:
                 cw = 8 * nt  # gemv_int.cu GmStage<cw> + the 64 rows' blocks, per stage
-                kw["shared_mem"] = GEMMI_RING * (17 * cw * 16 + cw * 4 + 64 * (240 if w.ggml_type == 14 else 144))
-                fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{GEMMI_RING}_n{nt}", kw["shared_mem"])
+                kw["shared_mem"] = stages * (17 * cw * 16 + cw * 4 + 64 * (240 if w.ggml_type == 14 else 144))
+                fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{stages}_n{nt}", kw["shared_mem"])
                 per_sm = max(1, min(65536 // (128 * max(fn.raw.num_regs, 1)),
                                     self.smem_per_sm // (kw["shared_mem"] + 1024)))
             else:
