@@ -231,6 +231,14 @@ PREFILL_TC_ROWS = 16  # query rows per sequence (mean over the ubatch) from whic
 ATTN_STREAM_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_CELLS", "2048"))
 ATTN_STREAM_SM_BLOCKS = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_SM_BLOCKS", "1"))
 ATTN_STREAM_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_MIN_SPLIT", "256"))
+# ... and for a step of several query rows (batched decode) from ATTN_STREAM_BATCH_CELLS cells per
+# row on average, in splits of at least ATTN_STREAM_BATCH_MIN_SPLIT: attn_partial walks each
+# row's cells with one block per (row, kv head, split), latency-bound (H200, bench_cuda, rows of
+# 512-640 cells, tok/s, 2,048 -> 256 cells with 256-cell splits: 7B x8 1,411 -> 1,663, x32 3,347
+# -> 3,816, PolyKV 32 sessions 2,087 -> 2,304; synthetic gemma-3-270m x8 3,811 -> 3,246, x32 9,765
+# -> 9,694, x64 12,149 -> 14,156)
+ATTN_STREAM_BATCH_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BATCH_CELLS", "256"))
+ATTN_STREAM_BATCH_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BATCH_MIN_SPLIT", "256"))
 AS_CT, AS_CT_BIG, AS_BIG_BYTES = 64, 128, 196608  # tiles (attn_stream.cuh AS_CT, AS_CT_BIG, AS_BIG_BYTES)
 AS_HEAD_DIMS = (64, 128, 256)
 
@@ -1750,7 +1758,7 @@ class CUDABackend:
         (``KVTier``; None = f16 storage). f16 / f16 runs the f16 kernels; any other pair the
         tier-generic kernel (module per pair and head size, compiled on first use), which
         needs head size 64, 128, 256 or 512. Rows of ATTN_STREAM_CELLS cells or more (the
-        mean) take the streaming kernel (attn_stream.cuh; head sizes 64-256, rows of a
+        mean; ATTN_STREAM_BATCH_CELLS for several query rows) take the streaming kernel (attn_stream.cuh; head sizes 64-256, rows of a
         multiple of 4 bytes, not the f32 / bf16 tiers). Masks as ``CPUBackend.attention``. Returns
         ``[T, n_head * d]`` float32. Raises ``ValueError`` for a tier without kernels."""
         cp = self.cp
@@ -1786,7 +1794,8 @@ class CUDABackend:
         # whose values fit f16's range (not the f32 / bf16 tiers) and a block that fits the SM
         rb_k, rb_v = k_store.shape[3] * k_store.dtype.itemsize, v_store.shape[3] * v_store.dtype.itemsize
         stream = (ATTN_STREAM_CELLS > 0 and D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0
-                  and not {tk.name, tv.name} & {"f32", "bf16"} and meta["max_len"] >= ATTN_STREAM_CELLS * T)
+                  and not {tk.name, tv.name} & {"f32", "bf16"}
+                  and meta["max_len"] >= (ATTN_STREAM_CELLS if T == 1 else ATTN_STREAM_BATCH_CELLS) * T)
         if stream:
             smem = _as_smem(D, rb_k, rb_v, cuda_kv.stream_table_bytes(tk.name, True),
                             cuda_kv.stream_table_bytes(tv.name, False))
@@ -1901,9 +1910,10 @@ class CUDABackend:
         """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x 16-head
         groups) are launched per split for ``rows`` query rows of ``n_cells`` cells (as
         ``_attn_splits``): about ATTN_STREAM_SM_BLOCKS blocks per SM, splits of at least
-        ATTN_STREAM_MIN_SPLIT of the mean row's cells, at most ATTN_MAX_SPLITS, at least 1."""
+        ATTN_STREAM_MIN_SPLIT of the mean row's cells (ATTN_STREAM_BATCH_MIN_SPLIT for several
+        rows), at most ATTN_MAX_SPLITS, at least 1."""
         want = -(-int(ATTN_STREAM_SM_BLOCKS * self.n_sm) // base)
-        longest = n_cells // (max(1, rows) * max(1, ATTN_STREAM_MIN_SPLIT))
+        longest = n_cells // (max(1, rows) * max(1, ATTN_STREAM_MIN_SPLIT if rows <= 1 else ATTN_STREAM_BATCH_MIN_SPLIT))
         return int(max(1, min(want, longest, ATTN_MAX_SPLITS)))
 
     def _attention_groups(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int, softcap: float,
