@@ -734,6 +734,7 @@ def test_stream_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa,
     scale = 1 / np.sqrt(d)
     want = cpu.attention_cells(q, ub_pos, k_all, v_all, plan, scale, n_swa, softcap)
     monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 1)
+    monkeypatch.setattr(cu, "ATTN_STREAM_BATCH_CELLS", 1)
     monkeypatch.setattr(gpu, "_attn_stream_splits", lambda *a: n_split)
     launched = []
     orig = gpu._big_smem_fn
@@ -1431,6 +1432,7 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cu, "ATTN_KV_LANES_CELLS", lanes_cells)
             mp.setattr(cu, "ATTN_STREAM_CELLS", stream_cells)
+            mp.setattr(cu, "ATTN_STREAM_BATCH_CELLS", stream_cells)
             if n_split:
                 mp.setattr(gpu, "_attn_stream_splits", lambda *a, n=n_split: n)
             orig = gpu._kv_attn_fn

@@ -171,3 +171,18 @@ def test_gemmi_ring_stages(monkeypatch):
     assert cu.gemmi_ring_stages(4) == 4 and cu.gemmi_ring_stages(6) == 0
     monkeypatch.setattr(cu, "GEMMI_RING", 0)
     assert cu.gemmi_ring_stages(4) == 0 and cu.gemmi_ring_stages(6) == 0
+
+
+def test_stream_rows(monkeypatch):
+    """Which decode rows take the streaming attention kernel (``_stream_rows``; cells as the
+    bucket of all rows): one row from ATTN_STREAM_CELLS (2,048) cells; several from 256 per row
+    when they give >= 32 blocks per split (the 7B's 4 kv heads at 8 rows, the 270m's 1 at 32),
+    else the one-row rule (the 270m at 8 rows); none with ATTN_STREAM_CELLS = 0."""
+    assert cu.ATTN_STREAM_CELLS == 2048 and cu.ATTN_STREAM_BATCH_CELLS == 256 and cu.ATTN_STREAM_BATCH_BLOCKS == 32
+    rows = cu.CUDABackend._stream_rows
+    assert not rows(2047, 1, 4) and rows(2048, 1, 4)
+    assert rows(8 * 256, 8, 4) and not rows(8 * 255, 8, 4)
+    assert not rows(8 * 600, 8, 1) and rows(8 * 2048, 8, 1)
+    assert rows(32 * 512, 32, 1)
+    monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 0)
+    assert not rows(1 << 20, 1, 4) and not rows(1 << 20, 32, 4)

@@ -232,13 +232,14 @@ ATTN_STREAM_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_CELLS", "2048"
 ATTN_STREAM_SM_BLOCKS = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_SM_BLOCKS", "1"))
 ATTN_STREAM_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_MIN_SPLIT", "256"))
 # ... and for a step of several query rows (batched decode) from ATTN_STREAM_BATCH_CELLS cells per
-# row on average, in splits of at least ATTN_STREAM_BATCH_MIN_SPLIT: attn_partial walks each
-# row's cells with one block per (row, kv head, split), latency-bound (H200, bench_cuda, rows of
-# 512-640 cells, tok/s, 2,048 -> 256 cells with 256-cell splits: 7B x8 1,411 -> 1,663, x32 3,347
-# -> 3,816, PolyKV 32 sessions 2,087 -> 2,304; synthetic gemma-3-270m x8 3,811 -> 3,246, x32 9,765
-# -> 9,694, x64 12,149 -> 14,156)
+# row on average, when a split's grid has at least ATTN_STREAM_BATCH_BLOCKS blocks (rows x kv heads
+# x 16-head groups): attn_partial walks each row's cells with one block per (row, kv head, split),
+# latency-bound. H200, bench_cuda, rows of 512-640 cells, tok/s, stream from 2,048 -> 256 cells:
+# 7B x8 1,411 -> 1,663, x32 3,347 -> 3,816, PolyKV 32 sessions 2,087 -> 2,304; synthetic
+# gemma-3-270m (1 kv head) x32 9,765 -> 10,936, x64 12,149 -> 13,405, but x8 (8 blocks per split)
+# 4,029 -> 3,638, hence the grid floor.
 ATTN_STREAM_BATCH_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BATCH_CELLS", "256"))
-ATTN_STREAM_BATCH_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BATCH_MIN_SPLIT", "256"))
+ATTN_STREAM_BATCH_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BATCH_BLOCKS", "32"))
 AS_CT, AS_CT_BIG, AS_BIG_BYTES = 64, 128, 196608  # tiles (attn_stream.cuh AS_CT, AS_CT_BIG, AS_BIG_BYTES)
 AS_HEAD_DIMS = (64, 128, 256)
 
@@ -1794,8 +1795,7 @@ class CUDABackend:
         # whose values fit f16's range (not the f32 / bf16 tiers) and a block that fits the SM
         rb_k, rb_v = k_store.shape[3] * k_store.dtype.itemsize, v_store.shape[3] * v_store.dtype.itemsize
         stream = (ATTN_STREAM_CELLS > 0 and D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0
-                  and not {tk.name, tv.name} & {"f32", "bf16"}
-                  and meta["max_len"] >= (ATTN_STREAM_CELLS if T == 1 else ATTN_STREAM_BATCH_CELLS) * T)
+                  and not {tk.name, tv.name} & {"f32", "bf16"} and self._stream_rows(meta["max_len"], T, n_kv * -(-G // 16)))
         if stream:
             smem = _as_smem(D, rb_k, rb_v, cuda_kv.stream_table_bytes(tk.name, True),
                             cuda_kv.stream_table_bytes(tv.name, False))
@@ -1906,14 +1906,25 @@ class CUDABackend:
         want = max(-(-2 * self.n_sm // base), -(-n_cells // (ATTN_SPLIT_CELLS * max(1, rows))))
         return int(max(lo, min(n_cells // 32, want, ATTN_MAX_SPLITS)))
 
+    @staticmethod
+    def _stream_rows(n_cells: int, rows: int, heads: int) -> bool:
+        """Whether ``rows`` query rows whose views hold ``n_cells`` cells (as ``_attn_splits``)
+        with ``heads`` blocks per row (kv heads x 16-head groups) take the streaming kernel: one
+        row from ATTN_STREAM_CELLS cells, several from ATTN_STREAM_BATCH_CELLS per row on
+        average when they give ATTN_STREAM_BATCH_BLOCKS blocks per split (else
+        ATTN_STREAM_CELLS)."""
+        if ATTN_STREAM_CELLS <= 0:
+            return False
+        batch = rows > 1 and rows * heads >= ATTN_STREAM_BATCH_BLOCKS
+        return n_cells >= (ATTN_STREAM_BATCH_CELLS if batch else ATTN_STREAM_CELLS) * max(1, rows)
+
     def _attn_stream_splits(self, n_cells: int, base: int, rows: int) -> int:
         """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x 16-head
         groups) are launched per split for ``rows`` query rows of ``n_cells`` cells (as
         ``_attn_splits``): about ATTN_STREAM_SM_BLOCKS blocks per SM, splits of at least
-        ATTN_STREAM_MIN_SPLIT of the mean row's cells (ATTN_STREAM_BATCH_MIN_SPLIT for several
-        rows), at most ATTN_MAX_SPLITS, at least 1."""
+        ATTN_STREAM_MIN_SPLIT of the mean row's cells, at most ATTN_MAX_SPLITS, at least 1."""
         want = -(-int(ATTN_STREAM_SM_BLOCKS * self.n_sm) // base)
-        longest = n_cells // (max(1, rows) * max(1, ATTN_STREAM_MIN_SPLIT if rows <= 1 else ATTN_STREAM_BATCH_MIN_SPLIT))
+        longest = n_cells // (max(1, rows) * max(1, ATTN_STREAM_MIN_SPLIT))
         return int(max(1, min(want, longest, ATTN_MAX_SPLITS)))
 
     def _attention_groups(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int, softcap: float,
