@@ -646,7 +646,8 @@ GEMMI(3, 4)
 GEMMI(4, 4)
 
 // _s<S>_n<NT>: the ring variant with S stages, compiled for B resident blocks per SM (with 2 digits
-// the Q4_K kernel needs 114 registers, Q6_K 129 without the cap: 4 blocks fit with 3 stages)
+// the Q4_K kernel needs 114 registers, Q6_K 129 without the cap; with 3 stages 4 Q4_K blocks fit
+// an H200 SM's shared memory, 3 Q6_K blocks)
 #define GEMMI_RING(B, S, NT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_s##S##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT();        \
         gemmi_ring<NT, false, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                               \

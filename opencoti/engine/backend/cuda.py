@@ -93,6 +93,8 @@ IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
 # gemmi compiled for 2, 3 or 4 resident blocks per SM (register cap); 3 measured best on the H200
 # (7B ffn_up, 32 rows: 115 / 98 / 105 us; Q6_K the same within 2 %)
 GEMMI_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_GEMMI_BLOCKS", "3"))
+if GEMMI_BLOCKS not in (2, 3, 4):
+    raise ValueError(f"OPENCOTI_CUDA_GEMMI_BLOCKS={GEMMI_BLOCKS}: expected 2, 3 or 4")
 # gemmi's weights: streamed through shared-memory stages beside the digit columns (gemv_int.cu
 # gemmi_ring; 3 stages with 2 digits, 2 with 3: ``gemmi_ring_stages``) rather than prefetched into
 # registers (gemmi_impl at GEMMI_BLOCKS per SM). Measured on the H200 (bench_gemv, 7B shapes, 32
@@ -799,10 +801,11 @@ class CUDABackend:
             nb = ntok * -(-rows // 64)
             y = cp.empty((n, rows), dtype=cp.float32)
             kw = {}
-            stages = gemmi_ring_stages(nt)
-            if stages:
-                cw = 8 * nt  # gemv_int.cu GmStage<cw> + the 64 rows' blocks, per stage
-                kw["shared_mem"] = stages * (17 * cw * 16 + cw * 4 + 64 * (240 if w.ggml_type == 14 else 144))
+            stages, cw = gemmi_ring_stages(nt), 8 * nt
+            # gemv_int.cu gemmi_ring's stages: GmStage<cw> (digits, sums, scales) + the 64 rows' blocks
+            smem = stages * (17 * cw * 16 + cw * 4 + 64 * (240 if w.ggml_type == 14 else 144))
+            if stages and smem <= self.smem_per_block:
+                kw["shared_mem"] = smem
                 fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{stages}_n{nt}", kw["shared_mem"])
                 per_sm = max(1, min(65536 // (128 * max(fn.raw.num_regs, 1)),
                                     self.smem_per_sm // (kw["shared_mem"] + 1024)))
