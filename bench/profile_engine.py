@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--temp", type=float, default=0.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--device-argmax", action="store_true",
+                    help="greedy rows' argmax as a GPU backend returns it (ids only; the stand-in's "
+                         "host argmax over the vocabulary not counted)")
     a = ap.parse_args()
     model = load_model(a.model)
     n = a.sessions
@@ -52,6 +55,11 @@ def main() -> None:
         return fixed[np.arange(len(ub.out_rows)) % len(fixed)]
 
     e.runner.net.forward = stand_in
+    if a.device_argmax:
+        from opencoti.engine import runner as runner_mod
+
+        ids, mx = fixed.argmax(axis=1), fixed.max(axis=1)
+        runner_mod.rows_argmax = lambda lg: (ids[np.arange(len(lg)) % len(ids)], mx[np.arange(len(lg)) % len(mx)])
     e.start()
 
     def run():
@@ -72,10 +80,10 @@ def main() -> None:
     prof = cProfile.Profile()
     step = engine_mod.Engine.step
 
-    def profiled(self):
+    def profiled(self, *args, **kwargs):
         prof.enable()
         try:
-            return step(self)
+            return step(self, *args, **kwargs)
         finally:
             prof.disable()
 
