@@ -115,7 +115,7 @@ def test_fast_paths_match_the_general_code(n_stream, n_swa, seed):
                 seqs = rng.permutation(n_seq)[: rng.integers(1, n_seq + 1)]
                 if rng.random() < 0.5:
                     seqs = np.sort(seqs)
-            share = {int(s): 0 for s in seqs if s != 0} if rng.random() < 0.1 else None
+            share = {int(s): 0 for s in seqs if s != 0} if rng.random() < 0.25 else None
             gap = rng.integers(0, 4, len(seqs)) * (rng.random() < 0.15)  # skipped positions now and then
             if rng.random() < 0.06:  # or earlier positions again: lists whose positions do not ascend
                 gap = -rng.integers(1, 4, len(seqs))
@@ -165,6 +165,53 @@ def test_fast_paths_match_the_general_code(n_stream, n_swa, seed):
     assert held > 40  # the layout served many steps
     if n_swa > 1:
         assert prune_first > 3  # and pruned some of them by each list's first cell
+
+
+@pytest.mark.parametrize("n_swa", [0, 5])
+def test_pooled_decode_steps_match_the_general_code(n_swa):
+    """Decode steps of sequences sharing a pool's prefix (``share_src``) take the array path
+    (``_apply_decode``) and then form their ``SharedGroup``s, cutting each member's private
+    cells from the flat lists: the same views, groups, private cells / positions and state as
+    the general code, while members join, leave (``seq_rm``), skip a step and a non-member
+    decodes beside them; two pools (two groups) in one ubatch; a sliding window prunes."""
+    n_cells, n_seq = 160, 8
+    fast, ref = _pair(n_cells, 1, n_seq, n_swa)
+    pools = {6: 12, 7: 9}  # pool seq -> prefix length
+    past = {}
+    for c in (fast, ref):
+        for p, n in pools.items():
+            c.apply(c.prepare(np.full(n, p), np.arange(n)), np.full(n, p), np.arange(n, dtype=np.int32))
+    members = {0: 6, 1: 6, 2: 6, 3: 7, 4: 7}  # seq -> pool; seq 5 decodes unpooled
+    for s, p in members.items():
+        _both(fast, ref, lambda c: c.seq_cp(p, s))
+        past[s] = pools[p]
+    past[5] = 0
+    n_groups = 0
+    for step in range(14):
+        if step == 5:  # seq 1 leaves (its cells freed), then rejoins the same pool
+            _both(fast, ref, lambda c: c.seq_rm(1))
+            _both(fast, ref, lambda c: c.seq_cp(6, 1))
+            past[1] = pools[6]
+        seqs = [s for s in sorted(past) if not (step == 8 and s == 2)]  # seq 2 skips a step
+        pos = [past[s] for s in seqs]
+        share = {s: members[s] for s in seqs if s in members}
+
+        def run(c):
+            q, ps = np.asarray(seqs, dtype=np.int64), np.asarray(pos, dtype=np.int32)
+            c.prune_swa(q, ps)
+            plan = c.prepare(q, ps)
+            c.apply(plan, q, ps, share)
+            return plan
+
+        a, b = _both(fast, ref, run)
+        assert a.arrays is not None  # the array path served the pooled step
+        _same_plan(a, b, n_cells)
+        _same_state(fast, ref)
+        n_groups += len(a.groups)
+        for s in seqs:
+            past[s] += 1
+    # both pools' groups in every step without a window; with one, until it prunes the prefixes
+    assert n_groups == 28 if n_swa == 0 else n_groups >= 4, n_groups
 
 
 def test_free_cell_hint_follows_freed_cells():

@@ -187,8 +187,8 @@ class CachePlan:
     """The cells a ubatch writes in one cache: ``stream[t]``, ``cell[t]`` for token row t.
 
     After ``KVCache.apply``: ``views`` (a ``SeqView`` per sequence of the ubatch, ascending
-    seq_id) and ``groups`` (PolyKV ``SharedGroup``s). A decode step (one row per sequence, no
-    sharers) is committed as ``arrays`` (``ViewArrays``) instead, so a device backend stages it
+    seq_id) and ``groups`` (PolyKV ``SharedGroup``s). A decode step (one row per sequence, with
+    or without sharers) is committed as ``arrays`` (``ViewArrays``) instead, so a device backend stages it
     without a Python object per sequence; ``views`` is then built from them on first access."""
 
     def __init__(self, stream: np.ndarray, cell: np.ndarray, views: list | None = None,
@@ -752,8 +752,10 @@ class KVCache:
         if not self.fast:
             self._apply_general(plan, seq_ids, share_src)
             return
-        if _one_row_each(seq_ids) and not (share_src and not share_src.keys().isdisjoint(seq_ids.tolist())):
+        if _one_row_each(seq_ids):  # a decode step: the array path, then any sharers' groups
             self._apply_decode(plan, seq_ids)
+            if share_src and not share_src.keys().isdisjoint(seq_ids.tolist()):
+                plan.groups = self._shared_groups(plan.views, share_src, plan.arrays)
             return
         if not self._neg and len(plan.cell) and int(self.pos[plan.stream, plan.cell].min()) < 0:
             self._neg_pos()
@@ -787,7 +789,8 @@ class KVCache:
         plan.groups = self._shared_groups(plan.views, share_src or {})
 
     def _apply_decode(self, plan: CachePlan, seq_ids: np.ndarray) -> None:
-        """``apply`` for one row per sequence and no sharers: every sequence's cell list grows
+        """``apply`` for one row per sequence (``apply`` adds any sharers' groups after it, from
+        the arrays: ``_shared_groups``): every sequence's cell list grows
         by its one new cell, done on arrays (``ViewArrays``) instead of a ``SeqView`` object
         per sequence; same cells, positions and order as the general path. The arrays become
         the layout; a step of the sequences the layout holds appends to it without gathering."""
@@ -837,14 +840,17 @@ class KVCache:
         else:
             self._set_layout(_Layout(seqs, streams, off, cells, cpos, self.n_seq_max, self.n_swa > 0))
 
-    def _shared_groups(self, views: list[SeqView], share_src: dict) -> list[SharedGroup]:
+    def _shared_groups(self, views: list[SeqView], share_src: dict,
+                       arrays: ViewArrays | None = None) -> list[SharedGroup]:
         """Group the ubatch's sequences that share one pool's prefix (same stream).
 
         A group's ``cells`` are the pool's cells that every member still holds;
         each member's ``private`` cells are the rest of its own. Attention may
         then read the shared cells once for all members' queries and merge by
         log-sum-exp (``SharedGroup``); ``view.cells`` stays complete, so a
-        backend that ignores groups is still exact.
+        backend that ignores groups is still exact. ``arrays``: the views' flat lists (a decode
+        step's ``ViewArrays``), from which the members' private cells and positions are cut with
+        one mask over all lists instead of a gather per member.
         """
         by_src: dict[tuple[int, int], list[int]] = {}
         for i, v in enumerate(views):
@@ -864,10 +870,18 @@ class KVCache:
                 continue
             in_shared = np.zeros(self.n_cells, dtype=bool)
             in_shared[shared] = True
-            for i in members:
-                v = views[i]
-                v.private = v.cells[~in_shared[v.cells]]
-                v.private_pos = self.pos[st, v.private]
+            if arrays is not None:
+                keep = ~in_shared[arrays.cells]
+                off = arrays.off.tolist()
+                for i in members:
+                    k = keep[off[i]:off[i + 1]]
+                    views[i].private = arrays.cells[off[i]:off[i + 1]][k]
+                    views[i].private_pos = arrays.cell_pos[off[i]:off[i + 1]][k]
+            else:
+                for i in members:
+                    v = views[i]
+                    v.private = v.cells[~in_shared[v.cells]]
+                    v.private_pos = self.pos[st, v.private]
             groups.append(SharedGroup(members, st, shared, self.pos[st, shared]))
         return groups
 
