@@ -268,9 +268,8 @@ def gemvi_row_tiles(ggml_type: int, rows: int, n_sm: int) -> int:
 def gemmi_splits(nb: int, nsb: int, n_sm: int, per_sm: int = 0) -> int:
     """Super-block splits of gemv_int.cu's gemmi grid of ``nb`` (token group, 64-row) blocks over
     ``nsb`` super-blocks on ``n_sm`` SMs (``per_sm`` resident per SM, default GEMMI_BLOCKS): the
-    fewest that give >= 2
-    blocks per SM; when that grid fills at least one wave of resident blocks, the count up to
-    twice that whose last wave is fullest instead, i.e. the least ``ceil(nb * s / slots) / s``
+    fewest that give >= 2 blocks per SM; when that grid fills at least one wave of resident
+    blocks, the count up to twice that whose last wave is fullest instead, i.e. the least ``ceil(nb * s / slots) / s``
     (time in waves of one unsplit block; the fewer splits on a tie). A 7B's ffn_up alone at 32
     rows: 592 blocks for 396 slots take 2 splits (2.99 waves), where 1 left a half-empty second
     wave (1.49)."""
@@ -789,7 +788,8 @@ class CUDABackend:
         ``gemvi_ring``) and summed in warp order;
         more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, weights and
         digits through shared-memory stages, ``gemmi_ring_stages``; the super-blocks split over
-        blocks, ``gemmi_splits``, partial sums added in split order by ``mmq_reduce``). Deterministic either way.
+        blocks, ``gemmi_splits``, partial sums added in split order by ``mmq_reduce``).
+        Deterministic either way.
         Relative error ~3e-7 of the largest |x w| term against float64 (float32 level) with 3
         digits; with 2 the activations carry 2^-16 of their block maximum (test_gemvi_matches_reference).
         Graph-safe."""
@@ -1762,8 +1762,9 @@ class CUDABackend:
         (``KVTier``; None = f16 storage). f16 / f16 runs the f16 kernels; any other pair the
         tier-generic kernel (module per pair and head size, compiled on first use), which
         needs head size 64, 128, 256 or 512. Rows of ATTN_STREAM_CELLS cells or more (the
-        mean; ATTN_STREAM_BATCH_CELLS for several query rows) take the streaming kernel (attn_stream.cuh; head sizes 64-256, rows of a
-        multiple of 4 bytes, not the f32 / bf16 tiers). Masks as ``CPUBackend.attention``. Returns
+        mean; ATTN_STREAM_BATCH_CELLS for several query rows, ``_stream_rows``) take the
+        streaming kernel (attn_stream.cuh; head sizes 64-256, rows of a multiple of 4 bytes, not
+        the f32 / bf16 tiers). Masks as ``CPUBackend.attention``. Returns
         ``[T, n_head * d]`` float32. Raises ``ValueError`` for a tier without kernels."""
         cp = self.cp
         tk = self._kv_tier(type_k, k_store, "attention_cells")
@@ -1797,8 +1798,8 @@ class CUDABackend:
         # T, the mean): the streaming kernel, for rows of a multiple of 4 bytes (its copy chunks)
         # whose values fit f16's range (not the f32 / bf16 tiers) and a block that fits the SM
         rb_k, rb_v = k_store.shape[3] * k_store.dtype.itemsize, v_store.shape[3] * v_store.dtype.itemsize
-        stream = (ATTN_STREAM_CELLS > 0 and D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0
-                  and not {tk.name, tv.name} & {"f32", "bf16"} and self._stream_rows(meta["max_len"], T, n_kv * -(-G // 16)))
+        stream = (D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0 and not {tk.name, tv.name} & {"f32", "bf16"}
+                  and self._stream_rows(meta["max_len"], T, n_kv * -(-G // 16)))
         if stream:
             smem = _as_smem(D, rb_k, rb_v, cuda_kv.stream_table_bytes(tk.name, True),
                             cuda_kv.stream_table_bytes(tv.name, False))
