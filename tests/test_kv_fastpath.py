@@ -206,6 +206,8 @@ def test_pooled_decode_steps_match_the_general_code(n_swa):
         a, b = _both(fast, ref, run)
         assert a.arrays is not None  # the array path served the pooled step
         _same_plan(a, b, n_cells)
+        for g in a.groups:  # private positions in the cache's dtype, as the general code's
+            assert all(a.views[i].private_pos.dtype == b.views[i].private_pos.dtype for i in g.views)
         _same_state(fast, ref)
         n_groups += len(a.groups)
         for s in seqs:

@@ -876,7 +876,7 @@ class KVCache:
                 for i in members:
                     k = keep[off[i]:off[i + 1]]
                     views[i].private = arrays.cells[off[i]:off[i + 1]][k]
-                    views[i].private_pos = arrays.cell_pos[off[i]:off[i + 1]][k]
+                    views[i].private_pos = arrays.cell_pos[off[i]:off[i + 1]][k].astype(self.pos.dtype)
             else:
                 for i in members:
                     v = views[i]
