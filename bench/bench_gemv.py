@@ -14,6 +14,7 @@ GB/s of weight bytes, and each path's error against float64 on the dequantized w
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -66,16 +67,13 @@ def main() -> None:
 
     be = cu.CUDABackend()
     paths = {"float": lambda x, w: _without_imma(cu, lambda: be.mul_mat(x, w))}
-    for nw in (int(v) for v in a.warps.split(",")):
-        for ns in (int(v) for v in a.stages.split(",")):
-            for nb in (int(v) for v in a.gemmi_blocks.split(",")):
-                for nd in (int(v) for v in a.digits.split(",")):
-                    for rt in (int(v) for v in a.row_tiles.split(",")):
-                        if rt == 2 and ns not in (0, 2):
-                            continue  # the two-tile kernels are built with 2 slots only
-                        for rg in (int(v) for v in a.gemmi_ring.split(",")):
-                            paths[f"imma w{nw} s{ns} o{nb} d{nd}" + (f" r{rt}" if rt else "") + (f" g{rg}" if rg else "")] = (
-                                lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd, rt=rt, rg=rg: _imma(cu, be, x, w, nw, ns, nb, nd, rt, rg))
+    ints = lambda arg: [int(v) for v in arg.split(",")]  # noqa: E731
+    for nw, ns, nb, nd, rt, rg in itertools.product(ints(a.warps), ints(a.stages), ints(a.gemmi_blocks),
+                                                    ints(a.digits), ints(a.row_tiles), ints(a.gemmi_ring)):
+        if rt == 2 and ns not in (0, 2):
+            continue  # the two-tile kernels are built with 2 slots only
+        paths[f"imma w{nw} s{ns} o{nb} d{nd}" + (f" r{rt}" if rt else "") + (f" g{rg}" if rg else "")] = (
+            lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd, rt=rt, rg=rg: _imma(cu, be, x, w, nw, ns, nb, nd, rt, rg))
     print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
           "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")

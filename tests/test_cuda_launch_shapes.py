@@ -16,6 +16,7 @@ class Device:
     _attn_splits = cu.CUDABackend._attn_splits
     _gemvi_warps = cu.CUDABackend._gemvi_warps
     _gemvi_warps_auto = cu.CUDABackend._gemvi_warps_auto
+    _blocks_per_sm = cu.CUDABackend._blocks_per_sm
 
     def __init__(self, n_sm: int, smem_per_sm: int, smem_per_block: int):
         self.n_sm, self.smem_per_sm, self.smem_per_block = n_sm, smem_per_sm, smem_per_block

@@ -392,6 +392,20 @@ struct RingPlan {
     }
 };
 
+// Rows 16 t + gid and + 8 of a slot's row tile (st: the tile's first row, SEG bytes per row) into
+// a4 / a6, as the ring fill laid super-block sb out: a Q6_K block at offset (its address & 15) of
+// its first chunk, the rows' addresses being r0 / r1 (gemvi_ring, gemmi_ring).
+template <bool Q6, int SEG>
+__device__ __forceinline__ void slot_load(Q4KRegs& a4, Q6KRegs& a6, const u8* st, unsigned long long r0,
+                                          unsigned long long r1, int sb, int g, int c) {
+    if (Q6) {
+        const int o0 = (int)((r0 + 210ull * sb) & 15), o1 = (int)((r1 + 210ull * sb) & 15);
+        q6k_load(a6, st + g * SEG + o0, st + (g + 8) * SEG + o1, 0, c, false);
+    } else {
+        q4k_load(a4, st + g * SEG, st + (g + 8) * SEG, 0, c);
+    }
+}
+
 template <bool Q6, int S, int RT>
 __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
@@ -432,15 +446,7 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
         __syncwarp();            // ... and every lane's
         const u8* slot = mine + (i % S) * SB;
 #pragma unroll
-        for (int t = 0; t < RT; t++) {
-            const u8* st = slot + 16 * t * SEG;
-            if (Q6) {
-                const int o0 = (int)((r0[t] + 210ull * sb) & 15), o1 = (int)((r1[t] + 210ull * sb) & 15);
-                q6k_load(a6[t], st + g * SEG + o0, st + (g + 8) * SEG + o1, 0, c, false);
-            } else {
-                q4k_load(a4[t], st + g * SEG, st + (g + 8) * SEG, 0, c);
-            }
-        }
+        for (int t = 0; t < RT; t++) slot_load<Q6, SEG>(a4[t], a6[t], slot + 16 * t * SEG, r0[t], r1[t], sb, g, c);
         superblock_tiles<NT, RT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
                                      xm + ((long long)sb * ncp + cb) * 16, g, c, rc, acc);
         __syncwarp();  // the slot is refilled next iteration
@@ -618,13 +624,7 @@ __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long r
         cp_async_commit();
         const u8* st = ring + (i % S) * SB;
         const GmStage<CW>& gs = *(const GmStage<CW>*)st;
-        const u8* wst = st + GS + warp * 16 * SEG;
-        if (Q6) {
-            const int o0 = (int)((r0 + 210ull * sb) & 15), o1 = (int)((r1 + 210ull * sb) & 15);
-            q6k_load(a6, wst + g * SEG + o0, wst + (g + 8) * SEG + o1, 0, c, false);
-        } else {
-            q4k_load(a4, wst + g * SEG, wst + (g + 8) * SEG, 0, c);
-        }
+        slot_load<Q6, SEG>(a4, a6, st + GS + warp * 16 * SEG, r0, r1, sb, g, c);
         superblock<NT, Q6>(a4, a6, gs.xq, CW, gs.xs, gs.xm, g, c, CW, acc);
     }
     cp_async_wait<0>();

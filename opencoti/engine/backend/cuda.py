@@ -807,8 +807,7 @@ class CUDABackend:
             if stages and smem <= self.smem_per_block:
                 kw["shared_mem"] = smem
                 fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{stages}_n{nt}", kw["shared_mem"])
-                per_sm = max(1, min(65536 // (128 * max(fn.raw.num_regs, 1)),
-                                    self.smem_per_sm // (kw["shared_mem"] + 1024)))
+                per_sm = max(1, self._blocks_per_sm(128, fn.raw.num_regs, smem))
             else:
                 fn, per_sm = self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{nt}"), GEMMI_BLOCKS
             n_split = gemmi_splits(nb, k // 256, self.n_sm, per_sm)
@@ -862,12 +861,18 @@ class CUDABackend:
         while 2 * ks <= min(GEMVI_MAX_WARPS, nsb) and 2 * ks <= 1.5 * want:
             ks *= 2
 
-        def resident(ks: int) -> int:  # blocks per SM
-            return min(32, 65536 // (32 * max(regs, 1) * ks), self.smem_per_sm // (ks * warp_bytes + 1024))
+        def resident(ks: int) -> int:
+            return self._blocks_per_sm(32 * ks, regs, ks * warp_bytes)
 
         while ks > 1 and blocks > self.n_sm * resident(ks) and blocks <= self.n_sm * resident(ks // 2):
             ks //= 2
         return ks
+
+    def _blocks_per_sm(self, threads: int, regs: int, smem: int) -> int:
+        """Resident blocks per SM of ``threads`` threads of ``regs`` registers each and ``smem``
+        bytes of shared memory (plus the 1 KiB the runtime reserves per block): the register
+        file's 65,536, the SM's shared memory and 32 blocks bound it."""
+        return min(32, 65536 // (threads * max(regs, 1)), self.smem_per_sm // (smem + 1024))
 
     def _mmq(self, x, w: QTensor):
         """``x [n, k] @ w.T`` -> ``[n, rows]`` float32 for ``n <= GEMV_MAX_TOKENS`` rows on tensor
