@@ -1783,6 +1783,59 @@ def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypat
         e.stop()
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_engine_ahead_steps_equal_synchronous(tmp_path_factory, gpu, pooled):
+    """Decode steps queued ahead on CUDA (``Engine._run_ahead``: each step's tokens chained from
+    the previous step's device argmax, ``run_graph(wait=False, after=...)``) give the
+    synchronous engine's greedy tokens: six sessions ending at different steps (their queued
+    rows rolled back), alone or attached to one pool; steps were queued ahead, and every slot's
+    KV holds exactly its cached tokens."""
+    import threading
+
+    from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent
+    from opencoti.engine.engine import Engine
+    from opencoti.model.loader import load_model
+    from opencoti.params import Params
+
+    path = _synth_file(tmp_path_factory, "qwen2_gqa", "qwen2.5-7b-q4_k_m", n_layer=2, n_embd=1024, n_ff=2048,
+                       n_head=8, n_head_kv=2, head_dim=128, n_vocab=8192)
+    model = load_model(path)
+    tok = model.tokenizer.tokenize
+    prefix = tok("Rules: answer briefly and exactly, cite the manual. " * 12, add_special=True)
+    n = 6
+    prompts = [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False) for i in range(n)]
+    greedy = SamplingParams(temperature=0)
+    results = {}
+    for ahead in (False, True):
+        e = Engine(model, Params(n_ctx=4096, n_parallel=n, kv_unified=True, n_ubatch=256, polykv_max_pools=1),
+                   backend="cuda")
+        assert e.async_decode
+        e.async_decode = ahead
+        e.start()
+        try:
+            kw = {"pool_id": e.create_pool(prefix).result(timeout=300)["id"]} if pooled else {}
+            out = [None] * n
+
+            def go(i):
+                evs = list(e.submit(CompletionRequest(prompts[i], n_predict=7 + 5 * i, sampling=greedy,
+                                                      id_slot=i, **kw)).events(timeout=300))
+                assert isinstance(evs[-1], FinishEvent), evs[-1]
+                out[i] = [ev.token for ev in evs if isinstance(ev, TokenEvent)]
+
+            ths = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+            for s in e.slots:
+                assert len(e.runner.kv.base.cells_of(s.seq_id)) == len(s.cache_tokens)
+            results[ahead] = (out, e.n_steps_ahead)
+        finally:
+            e.stop()
+    assert results[False][1] == 0 and results[True][1] >= 20
+    assert results[True][0] == results[False][0]
+
+
 # ---------------------------------------------------------------------------------------
 # partial offload (-ngl N): run with -k ngl
 # ---------------------------------------------------------------------------------------

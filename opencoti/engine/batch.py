@@ -1,5 +1,6 @@
 """The ubatch: one forward pass worth of tokens, and the per-step context
-that travels with it (STYLE lesson 13: batch metadata in one object).
+that travels with it (STYLE lesson 13: batch metadata in one object), and
+``StepResult``, a launched step's greedy result.
 
 A ubatch mixes tokens of several sequences: the next token of each decoding
 slot and chunks of prompts being prefilled. Rows are independent except
@@ -37,3 +38,29 @@ class UBatch:
             np.asarray(seq_id, dtype=np.int64),
             np.asarray(out_rows, dtype=np.int64),
         )
+
+
+class StepResult:
+    """A launched step's greedy result (``ModelRunner.launch``): ``result()`` waits for it and
+    returns ``(ids int64 [n_out], max float32 [n_out])`` (``sampling.rows_argmax``'s pair), the
+    same pair on every later call. ``ids_dev``: the ids on the device (int64 ``[n_out]``) for a
+    step chained after this one, None on the host. Built by ``done`` (already known) or by a
+    backend with its own ``wait`` (a device event) and ``fetch`` (the pair once it is there)."""
+
+    __slots__ = ("_pair", "_wait", "_fetch", "ids_dev")
+
+    def __init__(self, wait=None, fetch=None, ids_dev=None):
+        self._pair, self._wait, self._fetch, self.ids_dev = None, wait, fetch, ids_dev
+
+    @staticmethod
+    def done(pair) -> "StepResult":
+        r = StepResult()
+        r._pair = (np.asarray(pair[0], dtype=np.int64), np.asarray(pair[1], dtype=np.float32))
+        return r
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._pair is None:
+            self._wait()
+            self._pair = self._fetch()
+            self._wait = self._fetch = None
+        return self._pair

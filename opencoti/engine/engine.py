@@ -10,6 +10,14 @@ nano-vllm ``LLMEngine.step``):
     run       -> runner.decode(ubatch) -> logits for the rows that need them
     postprocess -> sample per slot, emit token events, finish slots
 
+On a backend that chains steps (CUDA), a step of greedy decode rows only is
+queued before the previous one is read (``_run_ahead``: vLLM's asynchronous
+scheduling): its tokens go from the previous step's argmax to its input on the
+device, and the host plans it, then postprocesses the previous step while the
+device runs it. A row whose slot stopped in that postprocess is rolled back
+(its one KV cell removed); anything else (a new request, a prompt, a control
+call, a cancellation) first settles the step in flight.
+
 Decoding slots are served first in every ubatch, so a long prompt arriving
 never stalls running sessions (chunked prefill). Slot choice for a new
 request follows llama.cpp's server: ``id_slot`` if given, else the idle slot
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -33,7 +42,7 @@ import numpy as np
 from opencoti.engine.api import CompletionRequest, ErrorEvent, EventHold, FinishEvent, RequestHandle, TokenProb
 from opencoti.engine.backend import select_backend
 from opencoti.engine.backend.offload import offload_message
-from opencoti.engine.batch import UBatch
+from opencoti.engine.batch import StepResult, UBatch
 from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
 from opencoti.engine.kv_auto_tier import decide_kv_types
 from opencoti.engine.kv_cache import KVCacheFullError
@@ -93,6 +102,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     x = np.asarray(a[:n]) != np.asarray(b[:n])
     i = int(np.argmax(x)) if x.any() else n
     return i
+
+
+class _Inflight:
+    """A step queued without waiting (``Engine._run_ahead``): its ubatch, owners (as
+    ``_build_ubatch``'s), each owner's request handle at launch, its ``StepResult`` and launch
+    time (``time.perf_counter``)."""
+
+    __slots__ = ("ub", "owners", "handles", "result", "t0")
+
+    def __init__(self, ub: UBatch, owners: list, result: StepResult, t0: float):
+        self.ub, self.owners, self.result, self.t0 = ub, owners, result, t0
+        self.handles = [s.handle for s, _, _ in owners]
 
 
 class Engine:
@@ -163,6 +184,14 @@ class Engine:
         self.n_tokens_processed = 0
         self.n_admissions_refused = 0
         self.recent_tps = 0.0  # EWMA of tokens processed per second of step time
+        # greedy decode steps queued before the previous one is read (module docstring): where the
+        # backend chains them, not for recurrent state (a rolled-back row would have advanced it);
+        # OPENCOTI_ASYNC_DECODE=0 turns it off
+        self.async_decode = (os.environ.get("OPENCOTI_ASYNC_DECODE", "1") != "0" and not hp.is_recurrent
+                             and self.runner.split is None
+                             and bool(getattr(self.runner.backend, "async_argmax", False)))
+        self._inflight: Optional[_Inflight] = None
+        self.n_steps_ahead = 0  # steps queued by _run_ahead
 
     def _say_offload(self, n_gpu_layers: int) -> None:
         """llama.cpp's boot line ``offloaded N/M layers to GPU`` on stderr: on a GPU backend
@@ -264,6 +293,10 @@ class Engine:
         try:
             self._run_loop()
         finally:
+            try:
+                self._settle(False)  # a step still in flight finishes its requests' tokens
+            except Exception:
+                log.exception("engine step failed")
             self._events.release()  # whatever ends the thread, what was held is delivered
 
     def _run_loop(self) -> None:
@@ -274,6 +307,8 @@ class Engine:
                 self._events.release()  # nothing runs next: deliver before waiting for work
             try:
                 h = self._queue.get(block=not active, timeout=None if not active else 0)
+                if h is not None:
+                    self._settle(True)  # requests and control calls see no step in flight
                 while h is not None:
                     if isinstance(h, _Control):
                         h.run(self)
@@ -285,9 +320,10 @@ class Engine:
             if self._stop.is_set():
                 break
             try:
-                self.step(hold_events=True)
+                self.step(hold_events=True, ahead=self.async_decode)
             except Exception as e:  # never let one bad step kill the server
                 log.exception("engine step failed")
+                self._inflight = None  # its requests fail below
                 self._events.release()
                 self._fail_all(500, "server_error", f"internal error: {type(e).__name__}: {e}")
 
@@ -302,14 +338,23 @@ class Engine:
             h.push(ErrorEvent(status, typ, msg))
         self._waiting = []
 
-    def step(self, hold_events: bool = False) -> None:
+    def step(self, hold_events: bool = False, ahead: bool = False) -> None:
         """One schedule -> run -> postprocess iteration (engine thread only).
 
         ``hold_events`` (the engine loop's steps): the events this step's postprocess pushes are
         held (``api.EventHold``) and delivered once the next step is queued on the device
         (``runner.decode``'s ``on_launch``), so the threads they wake run while this one waits
         for the device; a step that runs nothing delivers them at once, and so does ``_loop``
-        before it blocks, fails requests or ends. Otherwise they are delivered when pushed."""
+        before it blocks, fails requests or ends. Otherwise they are delivered when pushed.
+
+        ``ahead`` (the engine loop's steps when ``async_decode``): a step of greedy decode rows
+        only is queued and left in flight; the next call queues its successor first
+        (``_run_ahead``), then postprocesses it. Without ``ahead`` a step in flight is settled
+        first, so every call returns with its step's events pushed."""
+        if self._inflight is not None:
+            if ahead and self._can_run_ahead() and self._run_ahead(hold_events):
+                return
+            self._settle(hold_events)
         self._drop_cancelled()
         self._bind_waiting()
         ub, owners = self._build_ubatch()
@@ -318,8 +363,13 @@ class Engine:
             return
         t0 = time.perf_counter()
         argmax = self._argmax_step(ub, owners)
+        launch = ahead and argmax and self._decode_only(ub, owners)
         while True:
             try:
+                if launch:
+                    self._inflight = _Inflight(ub, owners, self.runner.launch(ub, on_launch=self._events.release), t0)
+                    self._events.release()
+                    return
                 logits = self.runner.decode(ub, argmax=argmax, on_launch=self._events.release)
                 break
             except KVCacheFullError as e:
@@ -329,6 +379,11 @@ class Engine:
                     self._on_kv_full(owners, str(e))
                     return
         self._events.release()  # (a path that ran without calling on_launch)
+        self._complete(ub, owners, logits, argmax, t0, hold_events)
+
+    def _complete(self, ub: UBatch, owners, logits, argmax: bool, t0: float, hold_events: bool) -> None:
+        """Count a step that ran (its ``logits`` or argmax pair in hand) and postprocess it,
+        holding the events it pushes with ``hold_events``."""
         if hold_events:
             self._events.hold()
         self.n_steps += 1
@@ -339,6 +394,71 @@ class Engine:
         if dt > 0:
             self.recent_tps = 0.8 * self.recent_tps + 0.2 * (ub.n_tokens / dt) if self.recent_tps else ub.n_tokens / dt
         self._postprocess(ub, owners, logits, argmax)
+
+    def _settle(self, hold_events: bool) -> None:
+        """Wait for the step in flight, if any, and postprocess it."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            pair = prev.result.result()
+            self._complete(prev.ub, prev.owners, pair, True, prev.t0, hold_events)
+
+    def _decode_only(self, ub: UBatch, owners) -> bool:
+        """Whether ``ub`` is one decode row per owner, every owner a generating slot, rows in
+        owner order, and every generating slot has its row (``_run_ahead``'s shape)."""
+        if len(owners) != ub.n_tokens or len(ub.out_rows) != ub.n_tokens:
+            return False
+        gen = [s for s in self.slots if s.state is SlotState.GENERATING]
+        return len(gen) == len(owners) and all(
+            isinstance(s, Slot) and s.state is SlotState.GENERATING and start == i and n == 1
+            for i, (s, start, n) in enumerate(owners))
+
+    def _can_run_ahead(self) -> bool:
+        """Whether the step after the one in flight may be queued before it is read: nothing
+        waits to be accepted, bound or built (no prompt, no pool build, no cancellation), every
+        row of the step in flight is still its slot's (none rolled back), and each slot has room
+        for two more tokens (its postprocess then never shifts the context under a queued
+        step)."""
+        prev = self._inflight
+        if not self._queue.empty() or (self._waiting and any(not s.busy for s in self.slots)):
+            return False
+        if self.polykv is not None and self.polykv.building():
+            return False
+        if len(prev.owners) != prev.ub.n_tokens or not self._decode_only(prev.ub, prev.owners):
+            return False
+        return all(s.handle is h and not h.cancelled and s.n_past + 2 < s.n_ctx
+                   for (s, _, _), h in zip(prev.owners, prev.handles))
+
+    def _run_ahead(self, hold_events: bool) -> bool:
+        """Queue the next token of every row of the step in flight (its tokens: that step's
+        argmax, chained on the device by ``runner.launch``), then wait for the step in flight and
+        postprocess it; rows whose slot did not go on with exactly that token (finished, failed)
+        are rolled back: their one cell is removed and the row is left out of the new step's
+        owners. Returns False, with nothing changed, when the cache has no room for the step
+        (the caller settles and takes the ordinary path, which trims or evicts)."""
+        prev = self._inflight
+        T = prev.ub.n_tokens
+        ub = UBatch.build(np.zeros(T, dtype=np.int64), prev.ub.pos + 1, prev.ub.seq_id, np.arange(T))
+        if self.polykv is not None:
+            ub.share_src.update(self.polykv.share_src(s for s, _, _ in prev.owners))
+        t0 = time.perf_counter()
+        try:
+            result = self.runner.launch(ub, on_launch=self._events.release, after=prev.result)
+        except KVCacheFullError:
+            return False
+        self._events.release()
+        self._inflight = None
+        pair = prev.result.result()
+        self._complete(prev.ub, prev.owners, pair, True, prev.t0, hold_events)
+        ub.tokens[:] = pair[0][:T]
+        owners = []
+        for (s, i, n), h in zip(prev.owners, prev.handles):
+            if s.state is SlotState.GENERATING and s.handle is h and s.pending == int(ub.tokens[i]):
+                owners.append((s, i, n))
+            else:  # stopped (or took another token): the queued row's cell goes
+                self.runner.kv.seq_rm(int(ub.seq_id[i]), int(ub.pos[i]), int(ub.pos[i]) + 1)
+        self._inflight = _Inflight(ub, owners, result, t0)
+        self.n_steps_ahead += 1
+        return True
 
     def _argmax_step(self, ub: UBatch, owners) -> bool:
         """Whether every logits row of ``ub`` goes to a sampler that only takes the row's argmax

@@ -13,7 +13,7 @@ import numpy as np
 
 from opencoti.engine.backend import get_backend
 from opencoti.engine.backend.offload import make_split
-from opencoti.engine.batch import UBatch
+from opencoti.engine.batch import StepResult, UBatch
 from opencoti.engine.kv_cache import KVCacheSet
 from opencoti.engine.sampling import rows_argmax
 
@@ -75,6 +75,10 @@ class ModelRunner:
         engine's delivery of the previous step's events."""
         ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
         self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
+        return self._run(ub, argmax, on_launch)
+
+    def _run(self, ub: UBatch, argmax: bool, on_launch):
+        """``decode``'s forward of a committed ``ub``."""
         if self.split is None and getattr(self.backend, "graphs", False):  # device backends replay graphs
             fwd = lambda: self.net.forward(ub, self.kv)  # noqa: E731
             if argmax and getattr(self.backend, "argmax_on_device", False):
@@ -85,6 +89,29 @@ class ModelRunner:
                 on_launch()
             logits = self.net.forward(ub, self.kv)
         return rows_argmax(logits) if argmax else logits
+
+    def launch(self, ub: UBatch, on_launch=None, after: Optional[StepResult] = None) -> StepResult:
+        """``decode(ub, argmax=True)`` without waiting for the device: plan and commit the cells,
+        queue the forward, and return its ``StepResult`` (``result()`` gives ``(ids int64
+        [n_out], max float32 [n_out])`` as ``rows_argmax``). ``after``: a step launched before
+        this one whose out rows, in order, give the token of every row of ``ub`` (``ub``'s rows
+        are the next token of each of ``after``'s rows): on a backend that chains steps
+        (``async_argmax``: the CUDA backend) the ids go from its argmax to this step's token
+        buffer on the device, so this step is queued before ``after`` is read; elsewhere
+        ``after.result()`` fills ``ub.tokens`` first. Either way the caller fills ``ub.tokens``
+        with the real ids once it has read ``after`` (``Engine._run_ahead``). Raises
+        ``KVCacheFullError`` (nothing changed) as ``decode``. vLLM's asynchronous scheduling
+        overlaps the host's next step with the device the same way."""
+        ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
+        self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
+        be = self.backend
+        if self.split is None and getattr(be, "graphs", False) and getattr(be, "async_argmax", False):
+            fwd = lambda: self.net.forward(ub, self.kv)  # noqa: E731
+            return be.run_graph(ub, self.kv.caches, fwd, self.graphs, argmax=True, on_launch=on_launch,
+                                wait=False, after=after)
+        if after is not None:
+            ub.tokens[:] = after.result()[0][:ub.n_tokens]
+        return StepResult.done(self._run(ub, True, on_launch))
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Shift a sequence's positions (llama.cpp ``llama_memory_seq_add``) and

@@ -63,6 +63,7 @@ from opencoti.engine.backend import cuda_kv
 from opencoti.engine.backend.cpu import rope_kv_write, yarn_corr_dims
 from opencoti.engine.backend.cuda_kernels import Kernel, load_module, load_source, pdl_supported
 from opencoti.engine.backend.experts import ExpertRows
+from opencoti.engine.batch import StepResult
 from opencoti.engine.sampling import rows_argmax
 from opencoti.model.gguf_file import GGUFFile
 
@@ -439,6 +440,9 @@ class CUDABackend:
     # run_graph(argmax=True): greedy steps' logits rows reduced on the device before the copy
     # (OPENCOTI_CUDA_DEVICE_ARGMAX=0: copied, then reduced on the host)
     argmax_on_device = os.environ.get("OPENCOTI_CUDA_DEVICE_ARGMAX", "1") != "0"
+    # run_graph(wait=False, after=...): a greedy step queued before the previous one is read, its
+    # tokens chained from that step's device argmax (ModelRunner.launch)
+    async_argmax = argmax_on_device
 
     def __init__(self, device: int = 0):
         import cupy as cp
@@ -523,10 +527,33 @@ class CUDABackend:
         ``Sampler.take_argmax`` in every case. A host array goes to the NumPy version."""
         if isinstance(x, np.ndarray):
             return rows_argmax(x)
+        both = self._argmax_pair(x).get()
+        return both[0].astype(np.int64), both[1].astype(np.float32)
+
+    def _argmax_pair(self, x):
+        """Device ``[2, n]`` float64: each row's argmax id and its logit (``_rows_argmax``)."""
         cp = self.cp
         ids = cp.argmax(x, axis=-1)
-        both = cp.stack([ids.astype(cp.float64), x[cp.arange(x.shape[0]), ids].astype(cp.float64)]).get()
-        return both[0].astype(np.int64), both[1].astype(np.float32)
+        return cp.stack([ids.astype(cp.float64), x[cp.arange(x.shape[0]), ids].astype(cp.float64)])
+
+    def _argmax_async(self, x, st):
+        """``_rows_argmax`` of device logits ``x`` without waiting: a ``runner.StepResult`` whose
+        pair is copied into pinned memory on stream ``st`` (read after an event on it), with the
+        ids kept on the device (``ids_dev``, float64 ids cast back to int64) for a chained step."""
+        import cupyx
+
+        cp = self.cp
+        both = self._argmax_pair(x)
+        host = cupyx.empty_pinned(both.shape, dtype=np.float64)
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, both.data.ptr, both.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, st.ptr)
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(st)
+
+        def fetch(both=both):  # ``both`` lives until the copy has ended
+            return host[0].astype(np.int64), host[1].astype(np.float32)
+
+        return StepResult(wait=ev.synchronize, fetch=fetch, ids_dev=both[0].astype(cp.int64))
 
     def _pinned_host(self, x) -> np.ndarray:
         """Device -> host copy into page-locked memory from CuPy's pinned pool (a DMA at
@@ -1501,7 +1528,8 @@ class CUDABackend:
         return m["grp"]
 
     # -- CUDA graphs ----------------------------------------------------------------------
-    def run_graph(self, ub, caches, forward, graphs: dict, argmax: bool = False, on_launch=None):
+    def run_graph(self, ub, caches, forward, graphs: dict, argmax: bool = False, on_launch=None,
+                  wait: bool = True, after=None):
         """Run ``forward()`` (the network on ``ub``) as a replayed CUDA graph.
 
         Decode steps launch ~200 small kernels; from Python each costs ~9 us, inside a
@@ -1523,6 +1551,15 @@ class CUDABackend:
         runs once the step is queued on the device: a replay calls it between the graph's
         launch and the wait for it; the other paths before the forward.
 
+        ``wait=False`` (with ``argmax``; ``ModelRunner.launch``): return a ``runner.StepResult``
+        at once for a replay (the argmax pair comes back by an asynchronous copy into pinned
+        memory, read after an event); ``after``: the ``StepResult`` of the step queued before
+        this one, whose device ids become this step's tokens (row i <- its out row i) by a
+        device copy into the staged buffer after the upload, so this step is queued without
+        waiting for ``after``. Where the step does not replay a graph (a new key, the eager
+        path) or ``after`` has no device ids, ``after.result()`` fills ``ub.tokens`` first. A
+        key's pinned stage is rewritten only once its previous upload has ended (an event).
+
         A new key runs the forward once eagerly on the capture stream (warm-up: compiles
         CuPy kernels, fills the graph's pool), captures it, and returns the warm-up's
         logits: the step is applied exactly once, which matters for the in-place
@@ -1534,9 +1571,13 @@ class CUDABackend:
         cp = self.cp
         T = ub.n_tokens
         if T > GEMV_MAX_TOKENS or (F16_GEMM_MIN_ROWS and T >= F16_GEMM_MIN_ROWS):
+            if after is not None:
+                ub.tokens[:] = after.result()[0][:T]
             if on_launch is not None:
                 on_launch()
             lg = forward()  # cuBLAS (f16 GEMM, prefill) cannot be captured through CuPy
+            if not wait:
+                return StepResult.done(rows_argmax(lg))
             return rows_argmax(lg) if argmax else lg
         n_kv = len(caches)
         kv_plans, rs_plans = ub.plans[:n_kv], ub.plans[n_kv:]
@@ -1567,6 +1608,9 @@ class CUDABackend:
                 host += parts
                 slots += [len(x) for x in parts]
         g = graphs.get(key)
+        if after is not None and (g is None or after.ids_dev is None):
+            ub.tokens[:] = after.result()[0][:T]  # staged from the host below
+            after = None
         if g is None:
             import cupyx
 
@@ -1574,18 +1618,27 @@ class CUDABackend:
             buf = cp.empty(stage.size, dtype=cp.int32)
         else:
             stage, buf = g["stage"], g["buf"]
+            if g.get("uploaded") is not None:  # a step queued without waiting may still read the stage
+                g["uploaded"].synchronize()
         o = stage_parts(host, slots, stage)
         st = cp.cuda.get_current_stream()
         # CuPy copies on the current stream and, from pinned memory, may return before the copy
-        # ends: every path below synchronizes that stream before the next step rewrites the stage
+        # ends: a replay records an event after it (waited for above before the stage is
+        # rewritten); the other paths synchronize the stream
         buf.set(stage, stream=st)
         if g is not None:  # replay: the graph reads buf through the addresses it was captured with
             if slots != g["slots"]:  # slots follow the key; a change would leave the captured views stale
                 raise RuntimeError(f"run_graph: graph {key} was captured for slots {g['slots']}, got {slots}")
             try:
+                if after is not None:  # this step's tokens: the previous step's argmax, device to device
+                    buf[int(o[0]):int(o[0]) + T] = after.ids_dev[:T]
+                g["uploaded"] = ev = cp.cuda.Event(disable_timing=True)
+                ev.record(st)
                 g["graph"].launch(stream=st)
                 if on_launch is not None:
                     on_launch()
+                if argmax and not wait:
+                    return self._argmax_async(g["out"], st)
                 if argmax:
                     return self._rows_argmax(g["out"])
                 if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here
@@ -1631,6 +1684,8 @@ class CUDABackend:
             self._capturing = False
             graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream,
                            "slots": slots}
+            if not wait:
+                return StepResult.done(self._rows_argmax(warm))
             return self._rows_argmax(warm) if argmax else self._pinned_host(warm)
         finally:
             self._staged = False
