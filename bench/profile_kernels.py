@@ -10,7 +10,8 @@ three eager decode steps (CUDA graphs off, so every kernel is its own launch) an
 inside an NVTX range named ``step``, which the ncu command above profiles kernel by kernel
 (``--cache-control none --clock-control none``: warm caches and real clocks, as in a graph
 replay; ncu's defaults flush the caches and lock the clocks, which inflates small kernels).
-``--prefill N`` profiles one N-token prefill ubatch instead. ``-ctk`` / ``-ctv`` pick the KV
+``--shared N``: every sequence first shares an N-token pool prefix (PolyKV's shared-prefix
+attention). ``--prefill N`` profiles one N-token prefill ubatch instead. ``-ctk`` / ``-ctv`` pick the KV
 cache tiers (default f16 / f16). ``--summarize`` aggregates such a
 CSV by kernel name and grid: calls, total and mean microseconds, largest first.
 """
@@ -26,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def step(model_path: str, n_seq: int, depth: int, type_k: str = "f16", type_v: str = "f16") -> None:
+def step(model_path: str, n_seq: int, depth: int, type_k: str = "f16", type_v: str = "f16", shared: int = 0) -> None:
     import cupy as cp
     from cupy.cuda import nvtx
 
@@ -37,16 +38,22 @@ def step(model_path: str, n_seq: int, depth: int, type_k: str = "f16", type_v: s
     from opencoti.model.loader import load_model
 
     model = load_model(model_path, with_tokenizer=False)
-    r = ModelRunner(model, "cuda", n_ctx=n_seq * (depth + 64) + 256, n_seq_max=n_seq, n_ubatch=512,
+    r = ModelRunner(model, "cuda", n_ctx=n_seq * (depth + 64) + shared + 256, n_seq_max=n_seq + 1, n_ubatch=512,
                     type_k=type_k, type_v=type_v)
     r.backend.graphs = False
+    if shared:  # a pool's prefix (seq n_seq) that every sequence shares (PolyKV, unified cache)
+        prefill(r, shared, seq=n_seq, seed=n_seq)
     for s in range(n_seq):
-        prefill(r, depth, seq=s, seed=s)
+        if shared:
+            r.kv.seq_cp(n_seq, s, 0, shared)
+        prefill(r, depth, seq=s, pos0=shared, seed=s)
     for i in range(4):
         if i == 3:
             nvtx.RangePush("step")
-        r.decode(UBatch.build([1000 + i + s for s in range(n_seq)], [depth + i] * n_seq, list(range(n_seq)),
-                              list(range(n_seq))))
+        ub = UBatch.build([1000 + i + s for s in range(n_seq)], [shared + depth + i] * n_seq, list(range(n_seq)),
+                          list(range(n_seq)))
+        ub.share_src.update({s: n_seq for s in range(n_seq)} if shared else {})
+        r.decode(ub)
         cp.cuda.Device().synchronize()
         if i == 3:
             nvtx.RangePop()
@@ -99,6 +106,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile one N-token prefill ubatch instead")
     ap.add_argument("-ctk", "--cache-type-k", default="f16")
     ap.add_argument("-ctv", "--cache-type-v", default="f16")
+    ap.add_argument("--shared", type=int, default=0, metavar="N",
+                    help="every sequence shares an N-token pool prefix before its --depth tokens (PolyKV)")
     ap.add_argument("--summarize", metavar="CSV", default=None, help="aggregate an ncu --csv dump instead")
     a = ap.parse_args()
     if a.summarize:
@@ -106,7 +115,7 @@ def main() -> None:
     elif a.model and a.prefill:
         prefill_step(a.model, a.prefill)
     elif a.model:
-        step(a.model, a.seqs, a.depth, a.cache_type_k, a.cache_type_v)
+        step(a.model, a.seqs, a.depth, a.cache_type_k, a.cache_type_v, a.shared)
     else:
         ap.error("-m MODEL (run a step) or --summarize CSV")
 
