@@ -130,3 +130,105 @@ def test_ahead_steps_cancel_and_context_limit(model):
     for (ts, fs), (ta, fa) in zip(f_s, f_a):
         assert ta == ts and (fa.stop_type, fa.truncated) == (fs.stop_type, fs.truncated)
     assert f_a[0][1].truncated and f_a[0][1].stop_type == "limit"
+
+
+def test_ahead_rollback_keeps_the_sliding_window(model):
+    """A row queued ahead and rolled back leaves its sequence's sliding-window cells as the step
+    before left them (the queued step prunes one position late): resending exactly a slot's
+    cache past gemma-3's 512-token window reuses it (full-prompt hit, last token re-evaluated)
+    as the synchronous engine does."""
+    base = model.tokenizer.tokenize("The quick brown fox jumps over the lazy dog. " * 60, add_special=True)[:516]
+    got = {}
+    for ahead in (False, True):
+        e = _engine(model, ahead, n_ctx=1024, n_parallel=1, n_ubatch=512)
+        try:
+            (t1, _), = _run_all(e, [dict(prompt_tokens=base, n_predict=3, sampling=GREEDY, id_slot=0)])
+            swa_min = e.runner.kv.swa.seq_pos_min(e.slots[0].seq_id)
+            (t2, f2), = _run_all(e, [dict(prompt_tokens=list(e.slots[0].cache_tokens), n_predict=2,
+                                          sampling=GREEDY, id_slot=0)])
+            _kv_matches_slots(e)
+            got[ahead] = (t1, swa_min, t2, f2.n_cached, e.n_steps_ahead)
+        finally:
+            e.stop()
+    assert got[True][:4] == got[False][:4]
+    assert got[False][3] == len(base) + 1 and got[True][4] >= 1
+
+
+def test_ahead_step_failures_fail_requests_not_the_engine(model, monkeypatch):
+    """A queued step whose result fails while a control call waits, and a postprocess that
+    raises after the next step was queued: the requests get a 500, the engine thread lives and
+    serves the next request with the same tokens, the control call is answered, and no queued
+    row's cell is left behind."""
+    from opencoti.engine.api import ErrorEvent
+    from opencoti.engine.batch import StepResult
+
+    toks = model.tokenizer.tokenize("The sky is", add_special=True)
+    e = _engine(model, True, n_parallel=2)
+    try:
+        (want, _), = _run_all(e, [dict(prompt_tokens=toks, n_predict=8, sampling=GREEDY, cache_prompt=False)])
+        launch, calls, ctl = e.runner.launch, [], []
+
+        def failing_launch(ub, on_launch=None, after=None):
+            res = launch(ub, on_launch=on_launch, after=after)
+            calls.append(1)
+            if len(calls) == 3:  # a control call arrives while this step is in flight, which then fails
+                ctl.append(e.call(lambda eng: "answered"))
+
+                def boom():
+                    raise RuntimeError("injected device error")
+                return StepResult(wait=boom, fetch=lambda: None)
+            return res
+
+        monkeypatch.setattr(e.runner, "launch", failing_launch)
+        evs = list(e.submit(CompletionRequest(toks, n_predict=8, sampling=GREEDY, cache_prompt=False)).events(timeout=300))
+        assert isinstance(evs[-1], ErrorEvent) and evs[-1].status == 500
+        assert ctl[0].result(timeout=60) == "answered" and e.is_alive()
+        monkeypatch.setattr(e.runner, "launch", launch)
+
+        post = e._postprocess
+
+        def failing_post(ub, owners, logits, argmax=False):  # fails once slot 0 has just finished
+            post(ub, owners, logits, argmax)
+            if any(s.id == 0 and not s.busy for s, _, _ in owners):
+                raise RuntimeError("injected postprocess failure")
+
+        monkeypatch.setattr(e, "_postprocess", failing_post)
+        ha = e.submit(CompletionRequest(toks, n_predict=3, sampling=GREEDY, id_slot=0, cache_prompt=False))
+        hb = e.submit(CompletionRequest(toks, n_predict=12, sampling=GREEDY, id_slot=1, cache_prompt=False))
+        list(ha.events(timeout=300)), list(hb.events(timeout=300))
+        e.call(lambda eng: None).result(timeout=60)
+        _kv_matches_slots(e)
+        monkeypatch.setattr(e, "_postprocess", post)
+        (again, _), = _run_all(e, [dict(prompt_tokens=toks, n_predict=8, sampling=GREEDY, cache_prompt=False)])
+        assert again == want and e.is_alive()
+    finally:
+        e.stop()
+
+
+def test_ahead_steps_end_and_hear_cancelled_waiters(model):
+    """A request cancelled while it waits for the only slot finishes within a few steps while the
+    busy slot decodes ahead; once every request is done no step stays in flight, and the step
+    count equals the synchronous engine's."""
+    tok = model.tokenizer.tokenize
+    a, b = tok("The sky is", add_special=True), tok("def fib(n):", add_special=True)
+    steps = {}
+    for ahead in (False, True):
+        e = _engine(model, ahead, n_parallel=1, n_ctx=256)
+        try:
+            ha = e.submit(CompletionRequest(a, n_predict=14, sampling=GREEDY))
+            while e.n_steps < 2:
+                threading.Event().wait(0.002)
+            hb = e.submit(CompletionRequest(b, n_predict=4, sampling=GREEDY))
+            while hb not in e._waiting:
+                threading.Event().wait(0.001)
+            s0 = e.n_steps
+            hb.cancel()
+            evb = list(hb.events(timeout=300))
+            assert isinstance(evb[-1], FinishEvent) and e.n_steps - s0 <= 2
+            list(ha.events(timeout=300))
+            threading.Event().wait(0.3)
+            assert e._inflight is None
+            steps[ahead] = (e.n_steps, e.n_tokens_processed)
+        finally:
+            e.stop()
+    assert steps[True] == steps[False]

@@ -307,25 +307,33 @@ class Engine:
                 self._events.release()  # nothing runs next: deliver before waiting for work
             try:
                 h = self._queue.get(block=not active, timeout=None if not active else 0)
-                if h is not None:
-                    self._settle(True)  # requests and control calls see no step in flight
-                while h is not None:
-                    if isinstance(h, _Control):
-                        h.run(self)
-                    else:
-                        self._accept_guarded(h)
-                    h = self._queue.get_nowait()
             except queue.Empty:
-                pass
+                h = None
+            if h is not None:
+                self._guarded(self._settle, True)  # requests and control calls see no step in flight
+            while h is not None:
+                if isinstance(h, _Control):
+                    h.run(self)
+                else:
+                    self._accept_guarded(h)
+                try:
+                    h = self._queue.get_nowait()
+                except queue.Empty:
+                    h = None
             if self._stop.is_set():
                 break
-            try:
-                self.step(hold_events=True, ahead=self.async_decode)
-            except Exception as e:  # never let one bad step kill the server
-                log.exception("engine step failed")
-                self._inflight = None  # its requests fail below
-                self._events.release()
-                self._fail_all(500, "server_error", f"internal error: {type(e).__name__}: {e}")
+            self._guarded(self.step, hold_events=True, ahead=self.async_decode)
+
+    def _guarded(self, fn, *args, **kw) -> None:
+        """Run a step (or the settling of one) so that its failure fails the running requests
+        (500), never the engine thread."""
+        try:
+            fn(*args, **kw)
+        except Exception as e:  # never let one bad step kill the server
+            log.exception("engine step failed")
+            self._inflight = None  # its requests fail below
+            self._events.release()
+            self._fail_all(500, "server_error", f"internal error: {type(e).__name__}: {e}")
 
     def _fail_all(self, status: int, typ: str, msg: str) -> None:
         for s in self.slots:
@@ -421,6 +429,8 @@ class Engine:
         prev = self._inflight
         if not self._queue.empty() or (self._waiting and any(not s.busy for s in self.slots)):
             return False
+        if any(h.cancelled for h in self._waiting):  # its reader hears at the next ordinary step
+            return False
         if self.polykv is not None and self.polykv.building():
             return False
         if len(prev.owners) != prev.ub.n_tokens or not self._decode_only(prev.ub, prev.owners):
@@ -447,18 +457,38 @@ class Engine:
             return False
         self._events.release()
         self._inflight = None
-        pair = prev.result.result()
-        self._complete(prev.ub, prev.owners, pair, True, prev.t0, hold_events)
+        try:
+            pair = prev.result.result()
+            self._complete(prev.ub, prev.owners, pair, True, prev.t0, hold_events)
+        except BaseException:  # the queued step goes with it (the loop fails the busy requests)
+            self._drop_rows(ub, result, range(T))
+            raise
         ub.tokens[:] = pair[0][:T]
-        owners = []
+        owners, gone = [], []
         for (s, i, n), h in zip(prev.owners, prev.handles):
             if s.state is SlotState.GENERATING and s.handle is h and s.pending == int(ub.tokens[i]):
                 owners.append((s, i, n))
             else:  # stopped (or took another token): the queued row's cell goes
-                self.runner.kv.seq_rm(int(ub.seq_id[i]), int(ub.pos[i]), int(ub.pos[i]) + 1)
-        self._inflight = _Inflight(ub, owners, result, t0)
+                gone.append(i)
         self.n_steps_ahead += 1
+        if not owners:  # nothing left to read: the step ends here, not at the next request
+            self._drop_rows(ub, result, gone)
+            return True
+        self._drop_rows(ub, None, gone)
+        self._inflight = _Inflight(ub, owners, result, t0)
         return True
+
+    def _drop_rows(self, ub: UBatch, result: Optional[StepResult], rows) -> None:
+        """Remove the cells of queued rows ``rows`` of ``ub`` (``_run_ahead``'s rollback); with
+        ``result``, the whole step is dropped: wait for it first, so nothing it copies lands in
+        memory that is handed out again."""
+        if result is not None:
+            try:
+                result.result()
+            except Exception:  # a failed step: its cells go all the same
+                log.exception("a dropped decode step failed")
+        for i in rows:
+            self.runner.kv.seq_rm(int(ub.seq_id[i]), int(ub.pos[i]), int(ub.pos[i]) + 1)
 
     def _argmax_step(self, ub: UBatch, owners) -> bool:
         """Whether every logits row of ``ub`` goes to a sampler that only takes the row's argmax

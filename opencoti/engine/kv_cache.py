@@ -1143,13 +1143,16 @@ class KVCacheSet:
         if self.recurrent is not None:
             self.recurrent.clear()
 
-    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray) -> list:
-        """Plan a ubatch in every cache (prunes SWA cells first): one ``CachePlan``
-        per KV cache, then (hybrid models) the ``RSPlan`` of the recurrent state.
-        Raises ``KVCacheFullError`` (or ``RecurrentStateError``) without committing anything."""
+    def prepare(self, seq_ids: np.ndarray, pos: np.ndarray, prune_pos: np.ndarray | None = None) -> list:
+        """Plan a ubatch in every cache (prunes SWA cells first, for queries at ``prune_pos``,
+        default ``pos``): one ``CachePlan`` per KV cache, then (hybrid models) the ``RSPlan``
+        of the recurrent state. Raises ``KVCacheFullError`` (or ``RecurrentStateError``)
+        without committing anything but that pruning. A step queued ahead prunes at its
+        rows' previous positions (``ModelRunner.launch``): a row rolled back then leaves its
+        sequence's window as the step before left it."""
         rs = [self.recurrent.prepare(seq_ids, pos)] if self.recurrent is not None else []
         for c in self.caches:
-            c.prune_swa(seq_ids, pos)
+            c.prune_swa(seq_ids, pos if prune_pos is None else prune_pos)
         return [c.prepare(seq_ids, pos) for c in self.caches] + rs
 
     def trim_swa(self, seq_ids) -> int:

@@ -101,8 +101,10 @@ class ModelRunner:
         ``after.result()`` fills ``ub.tokens`` first. Either way the caller fills ``ub.tokens``
         with the real ids once it has read ``after`` (``Engine._run_ahead``). Raises
         ``KVCacheFullError`` (nothing changed) as ``decode``. vLLM's asynchronous scheduling
-        overlaps the host's next step with the device the same way."""
-        ub.plans = self.kv.prepare(ub.seq_id, ub.pos)
+        overlaps the host's next step with the device the same way. A chained step prunes
+        sliding-window cells one position late (``KVCacheSet.prepare``'s ``prune_pos``), so a
+        rolled-back row leaves its window as ``after`` left it."""
+        ub.plans = self.kv.prepare(ub.seq_id, ub.pos, None if after is None else ub.pos - 1)
         self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
         be = self.backend
         if self.split is None and getattr(be, "graphs", False) and getattr(be, "async_argmax", False):

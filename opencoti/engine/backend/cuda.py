@@ -1635,10 +1635,13 @@ class CUDABackend:
                 g["uploaded"] = ev = cp.cuda.Event(disable_timing=True)
                 ev.record(st)
                 g["graph"].launch(stream=st)
+                # the argmax pair is queued before on_launch wakes the threads of the previous
+                # step's events, so its few launches do not wait for the interpreter behind them
+                pending = self._argmax_async(g["out"], st) if argmax and not wait else None
                 if on_launch is not None:
                     on_launch()
-                if argmax and not wait:
-                    return self._argmax_async(g["out"], st)
+                if pending is not None:
+                    return pending
                 if argmax:
                     return self._rows_argmax(g["out"])
                 if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here
