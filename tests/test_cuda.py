@@ -1723,6 +1723,31 @@ def _synth_file(tmp_path_factory, name, preset, **over):
     return str(synth_shapes.write_model(preset, path, seed=3, **over))
 
 
+def _greedy_sessions(e, prompts, n_predict, slots: bool = False, **kw) -> list:
+    """Greedy tokens of ``prompts`` submitted at once to engine ``e`` (one thread each; prompt i
+    generates ``n_predict(i)`` tokens, on slot i with ``slots``; ``kw``: more request fields).
+    A request that ends without a FinishEvent fails the test."""
+    import threading
+
+    from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent
+
+    out = [None] * len(prompts)
+
+    def go(i):
+        extra = dict(kw, id_slot=i) if slots else kw
+        evs = list(e.submit(CompletionRequest(prompts[i], n_predict=n_predict(i), sampling=SamplingParams(temperature=0),
+                                              **extra)).events(timeout=300))
+        out[i] = [ev.token for ev in evs if isinstance(ev, TokenEvent)] if isinstance(evs[-1], FinishEvent) else evs[-1]
+
+    ths = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert all(isinstance(o, list) for o in out), out
+    return out
+
+
 @pytest.mark.parametrize("shape", ["gemma3_swa", "qwen2_gqa"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypatch, shape, graphs):
@@ -1731,9 +1756,6 @@ def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypat
     ran. gemma3_swa: iSWA with a 48-token window inside the ~150-token prefix, head_dim 256,
     4 query heads per kv head; qwen2_gqa: head_dim 128, 4 query heads per kv head. Sessions
     generate different lengths, so the group shrinks while others decode (new graph keys)."""
-    import threading
-
-    from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent
     from opencoti.engine.engine import Engine
     from opencoti.model.loader import load_model
     from opencoti.params import Params
@@ -1748,27 +1770,13 @@ def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypat
     prefix = tok("Rules: answer briefly and exactly, cite the manual. " * 12, add_special=True)
     n = 6
     prompts = [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False) for i in range(n)]
-    greedy = SamplingParams(temperature=0)
     calls = []
     real = gpu._attention_groups
     monkeypatch.setattr(gpu, "_attention_groups", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(gpu, "graphs", graphs)
 
     def run_all(e, **kw):
-        out = [None] * n
-
-        def go(i):
-            evs = list(e.submit(CompletionRequest(prompts[i], n_predict=10 + 3 * i, sampling=greedy,
-                                                  cache_prompt=False, **kw)).events(timeout=300))
-            assert isinstance(evs[-1], FinishEvent), evs[-1]
-            out[i] = [ev.token for ev in evs if isinstance(ev, TokenEvent)]
-
-        ths = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        return out
+        return _greedy_sessions(e, prompts, lambda i: 10 + 3 * i, cache_prompt=False, **kw)
 
     e = Engine(model, Params(n_ctx=4096, n_parallel=n, kv_unified=True, n_ubatch=256, polykv_max_pools=1),
                backend="cuda").start()
@@ -1790,9 +1798,6 @@ def test_engine_ahead_steps_equal_synchronous(tmp_path_factory, gpu, pooled):
     synchronous engine's greedy tokens: six sessions ending at different steps (their queued
     rows rolled back), alone or attached to one pool; steps were queued ahead, and every slot's
     KV holds exactly its cached tokens."""
-    import threading
-
-    from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent
     from opencoti.engine.engine import Engine
     from opencoti.model.loader import load_model
     from opencoti.params import Params
@@ -1804,7 +1809,6 @@ def test_engine_ahead_steps_equal_synchronous(tmp_path_factory, gpu, pooled):
     prefix = tok("Rules: answer briefly and exactly, cite the manual. " * 12, add_special=True)
     n = 6
     prompts = [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False) for i in range(n)]
-    greedy = SamplingParams(temperature=0)
     results = {}
     for ahead in (False, True):
         e = Engine(model, Params(n_ctx=4096, n_parallel=n, kv_unified=True, n_ubatch=256, polykv_max_pools=1),
@@ -1814,19 +1818,7 @@ def test_engine_ahead_steps_equal_synchronous(tmp_path_factory, gpu, pooled):
         e.start()
         try:
             kw = {"pool_id": e.create_pool(prefix).result(timeout=300)["id"]} if pooled else {}
-            out = [None] * n
-
-            def go(i):
-                evs = list(e.submit(CompletionRequest(prompts[i], n_predict=7 + 5 * i, sampling=greedy,
-                                                      id_slot=i, **kw)).events(timeout=300))
-                assert isinstance(evs[-1], FinishEvent), evs[-1]
-                out[i] = [ev.token for ev in evs if isinstance(ev, TokenEvent)]
-
-            ths = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-            for t in ths:
-                t.start()
-            for t in ths:
-                t.join()
+            out = _greedy_sessions(e, prompts, lambda i: 7 + 5 * i, slots=True, **kw)
             for s in e.slots:
                 assert len(e.runner.kv.base.cells_of(s.seq_id)) == len(s.cache_tokens)
             results[ahead] = (out, e.n_steps_ahead)
