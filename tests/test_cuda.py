@@ -1723,6 +1723,25 @@ def _synth_file(tmp_path_factory, name, preset, **over):
     return str(synth_shapes.write_model(preset, path, seed=3, **over))
 
 
+def _pool_case(tmp_path_factory, shape: str):
+    """(model, prefix, prompts) of the PolyKV engine tests: a small synthetic ``shape`` model
+    (gemma3_swa: iSWA with a 48-token window inside the ~150-token prefix, head_dim 256;
+    qwen2_gqa: head_dim 128, 4 query heads per kv head), a shared prefix and six prompts that
+    extend it."""
+    from opencoti.model.loader import load_model
+
+    if shape == "gemma3_swa":
+        path = _synth_file(tmp_path_factory, shape, "gemma-3-270m-q4_k_m", n_layer=4, n_vocab=8192, n_swa=48)
+    else:
+        path = _synth_file(tmp_path_factory, shape, "qwen2.5-7b-q4_k_m", n_layer=2, n_embd=1024, n_ff=2048,
+                           n_head=8, n_head_kv=2, head_dim=128, n_vocab=8192)
+    model = load_model(path)
+    tok = model.tokenizer.tokenize
+    prefix = tok("Rules: answer briefly and exactly, cite the manual. " * 12, add_special=True)
+    return model, prefix, [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False)
+                           for i in range(6)]
+
+
 def _greedy_sessions(e, prompts, n_predict, slots: bool = False, **kw) -> list:
     """Greedy tokens of ``prompts`` submitted at once to engine ``e`` (one thread each; prompt i
     generates ``n_predict(i)`` tokens, on slot i with ``slots``; ``kw``: more request fields).
@@ -1757,19 +1776,10 @@ def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypat
     4 query heads per kv head; qwen2_gqa: head_dim 128, 4 query heads per kv head. Sessions
     generate different lengths, so the group shrinks while others decode (new graph keys)."""
     from opencoti.engine.engine import Engine
-    from opencoti.model.loader import load_model
     from opencoti.params import Params
 
-    if shape == "gemma3_swa":
-        path = _synth_file(tmp_path_factory, shape, "gemma-3-270m-q4_k_m", n_layer=4, n_vocab=8192, n_swa=48)
-    else:
-        path = _synth_file(tmp_path_factory, shape, "qwen2.5-7b-q4_k_m", n_layer=2, n_embd=1024, n_ff=2048,
-                           n_head=8, n_head_kv=2, head_dim=128, n_vocab=8192)
-    model = load_model(path)
-    tok = model.tokenizer.tokenize
-    prefix = tok("Rules: answer briefly and exactly, cite the manual. " * 12, add_special=True)
-    n = 6
-    prompts = [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False) for i in range(n)]
+    model, prefix, prompts = _pool_case(tmp_path_factory, shape)
+    n = len(prompts)
     calls = []
     real = gpu._attention_groups
     monkeypatch.setattr(gpu, "_attention_groups", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -1799,16 +1809,10 @@ def test_engine_ahead_steps_equal_synchronous(tmp_path_factory, gpu, pooled):
     rows rolled back), alone or attached to one pool; steps were queued ahead, and every slot's
     KV holds exactly its cached tokens."""
     from opencoti.engine.engine import Engine
-    from opencoti.model.loader import load_model
     from opencoti.params import Params
 
-    path = _synth_file(tmp_path_factory, "qwen2_gqa", "qwen2.5-7b-q4_k_m", n_layer=2, n_embd=1024, n_ff=2048,
-                       n_head=8, n_head_kv=2, head_dim=128, n_vocab=8192)
-    model = load_model(path)
-    tok = model.tokenizer.tokenize
-    prefix = tok("Rules: answer briefly and exactly, cite the manual. " * 12, add_special=True)
-    n = 6
-    prompts = [prefix + tok(f" Question {i}: what is {i} plus {i}? Answer:", add_special=False) for i in range(n)]
+    model, prefix, prompts = _pool_case(tmp_path_factory, "qwen2_gqa")
+    n = len(prompts)
     results = {}
     for ahead in (False, True):
         e = Engine(model, Params(n_ctx=4096, n_parallel=n, kv_unified=True, n_ubatch=256, polykv_max_pools=1),

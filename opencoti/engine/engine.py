@@ -185,11 +185,10 @@ class Engine:
         self.n_admissions_refused = 0
         self.recent_tps = 0.0  # EWMA of tokens processed per second of step time
         # greedy decode steps queued before the previous one is read (module docstring): where the
-        # backend chains them, not for recurrent state (a rolled-back row would have advanced it);
+        # runner chains them, not for recurrent state (a rolled-back row would have advanced it);
         # OPENCOTI_ASYNC_DECODE=0 turns it off
         self.async_decode = (os.environ.get("OPENCOTI_ASYNC_DECODE", "1") != "0" and not hp.is_recurrent
-                             and self.runner.split is None
-                             and bool(getattr(self.runner.backend, "async_argmax", False)))
+                             and self.runner.chains_steps)
         self._inflight: Optional[_Inflight] = None
         self.n_steps_ahead = 0  # steps queued by _run_ahead
 
@@ -433,7 +432,7 @@ class Engine:
             return False
         if self.polykv is not None and self.polykv.building():
             return False
-        if len(prev.owners) != prev.ub.n_tokens or not self._decode_only(prev.ub, prev.owners):
+        if not self._decode_only(prev.ub, prev.owners):  # also: no row was rolled back
             return False
         return all(s.handle is h and not h.cancelled and s.n_past + 2 < s.n_ctx
                    for (s, _, _), h in zip(prev.owners, prev.handles))

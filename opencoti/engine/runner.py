@@ -90,6 +90,13 @@ class ModelRunner:
             logits = self.net.forward(ub, self.kv)
         return rows_argmax(logits) if argmax else logits
 
+    @property
+    def chains_steps(self) -> bool:
+        """Whether ``launch`` queues a step without waiting and chains its tokens on the device
+        (the backend replays graphs with ``async_argmax``; not under an ``-ngl`` split)."""
+        be = self.backend
+        return self.split is None and bool(getattr(be, "graphs", False)) and bool(getattr(be, "async_argmax", False))
+
     def launch(self, ub: UBatch, on_launch=None, after: Optional[StepResult] = None) -> StepResult:
         """``decode(ub, argmax=True)`` without waiting for the device: plan and commit the cells,
         queue the forward, and return its ``StepResult`` (``result()`` gives ``(ids int64
@@ -106,11 +113,10 @@ class ModelRunner:
         rolled-back row leaves its window as ``after`` left it."""
         ub.plans = self.kv.prepare(ub.seq_id, ub.pos, None if after is None else ub.pos - 1)
         self.kv.apply(ub.plans, ub.seq_id, ub.pos, ub.share_src)
-        be = self.backend
-        if self.split is None and getattr(be, "graphs", False) and getattr(be, "async_argmax", False):
+        if self.chains_steps:
             fwd = lambda: self.net.forward(ub, self.kv)  # noqa: E731
-            return be.run_graph(ub, self.kv.caches, fwd, self.graphs, argmax=True, on_launch=on_launch,
-                                wait=False, after=after)
+            return self.backend.run_graph(ub, self.kv.caches, fwd, self.graphs, argmax=True, on_launch=on_launch,
+                                          wait=False, after=after)
         if after is not None:
             ub.tokens[:] = after.result()[0][:ub.n_tokens]
         return StepResult.done(self._run(ub, True, on_launch))

@@ -527,23 +527,24 @@ class CUDABackend:
         ``Sampler.take_argmax`` in every case. A host array goes to the NumPy version."""
         if isinstance(x, np.ndarray):
             return rows_argmax(x)
-        both = self._argmax_pair(x).get()
+        both = self._argmax_pair(x)[1].get()
         return both[0].astype(np.int64), both[1].astype(np.float32)
 
     def _argmax_pair(self, x):
-        """Device ``[2, n]`` float64: each row's argmax id and its logit (``_rows_argmax``)."""
+        """Each row's argmax id (device int64 ``[n]``) and the device ``[2, n]`` float64 of ids
+        and their logits (``_rows_argmax``)."""
         cp = self.cp
         ids = cp.argmax(x, axis=-1)
-        return cp.stack([ids.astype(cp.float64), x[cp.arange(x.shape[0]), ids].astype(cp.float64)])
+        return ids, cp.stack([ids.astype(cp.float64), x[cp.arange(x.shape[0]), ids].astype(cp.float64)])
 
     def _argmax_async(self, x, st):
         """``_rows_argmax`` of device logits ``x`` without waiting: a ``runner.StepResult`` whose
         pair is copied into pinned memory on stream ``st`` (read after an event on it), with the
-        ids kept on the device (``ids_dev``, float64 ids cast back to int64) for a chained step."""
+        ids kept on the device (``ids_dev``) for a chained step."""
         import cupyx
 
         cp = self.cp
-        both = self._argmax_pair(x)
+        ids, both = self._argmax_pair(x)
         host = cupyx.empty_pinned(both.shape, dtype=np.float64)
         cp.cuda.runtime.memcpyAsync(host.ctypes.data, both.data.ptr, both.nbytes,
                                     cp.cuda.runtime.memcpyDeviceToHost, st.ptr)
@@ -553,7 +554,7 @@ class CUDABackend:
         def fetch(both=both):  # ``both`` lives until the copy has ended
             return host[0].astype(np.int64), host[1].astype(np.float32)
 
-        return StepResult(wait=ev.synchronize, fetch=fetch, ids_dev=both[0].astype(cp.int64))
+        return StepResult(wait=ev.synchronize, fetch=fetch, ids_dev=ids)
 
     def _pinned_host(self, x) -> np.ndarray:
         """Device -> host copy into page-locked memory from CuPy's pinned pool (a DMA at
@@ -1618,8 +1619,7 @@ class CUDABackend:
             buf = cp.empty(stage.size, dtype=cp.int32)
         else:
             stage, buf = g["stage"], g["buf"]
-            if g.get("uploaded") is not None:  # a step queued without waiting may still read the stage
-                g["uploaded"].synchronize()
+            g["uploaded"].synchronize()  # a step queued without waiting may still read the stage
         o = stage_parts(host, slots, stage)
         st = cp.cuda.get_current_stream()
         # CuPy copies on the current stream and, from pinned memory, may return before the copy
@@ -1632,8 +1632,7 @@ class CUDABackend:
             try:
                 if after is not None:  # this step's tokens: the previous step's argmax, device to device
                     buf[int(o[0]):int(o[0]) + T] = after.ids_dev[:T]
-                g["uploaded"] = ev = cp.cuda.Event(disable_timing=True)
-                ev.record(st)
+                g["uploaded"].record(st)
                 g["graph"].launch(stream=st)
                 # the argmax pair is queued before on_launch wakes the threads of the previous
                 # step's events, so its few launches do not wait for the interpreter behind them
@@ -1686,7 +1685,7 @@ class CUDABackend:
                 graph = stream.end_capture()
             self._capturing = False
             graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream,
-                           "slots": slots}
+                           "slots": slots, "uploaded": cp.cuda.Event(disable_timing=True)}
             if not wait:
                 return StepResult.done(self._rows_argmax(warm))
             return self._rows_argmax(warm) if argmax else self._pinned_host(warm)
