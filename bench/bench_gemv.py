@@ -59,6 +59,8 @@ def main() -> None:
                     "(comma list of 1, 2; 0: the default)")
     ap.add_argument("--gemmi-ring", default="0", help="gemmi shared-memory stages to try (comma list; 0: the "
                     "default, -1: the register-prefetch kernel)")
+    ap.add_argument("--gemmi-tokens", default="0", help="gemmi tokens per block to try (comma list of 16, 32; "
+                    "0: the default)")
     ap.add_argument("--weights", default="", help="only the preset's weights whose name contains this")
     a = ap.parse_args()
     import cupy as cp
@@ -68,12 +70,14 @@ def main() -> None:
     be = cu.CUDABackend()
     paths = {"float": lambda x, w: _without_imma(cu, lambda: be.mul_mat(x, w))}
     ints = lambda arg: [int(v) for v in arg.split(",")]  # noqa: E731
-    for nw, ns, nb, nd, rt, rg in itertools.product(ints(a.warps), ints(a.stages), ints(a.gemmi_blocks),
-                                                    ints(a.digits), ints(a.row_tiles), ints(a.gemmi_ring)):
+    for nw, ns, nb, nd, rt, rg, gt in itertools.product(ints(a.warps), ints(a.stages), ints(a.gemmi_blocks),
+                                                        ints(a.digits), ints(a.row_tiles), ints(a.gemmi_ring),
+                                                        ints(a.gemmi_tokens)):
         if rt == 2 and ns not in (0, 2):
             continue  # the two-tile kernels are built with 2 slots only
-        paths[f"imma w{nw} s{ns} o{nb} d{nd}" + (f" r{rt}" if rt else "") + (f" g{rg}" if rg else "")] = (
-            lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd, rt=rt, rg=rg: _imma(cu, be, x, w, nw, ns, nb, nd, rt, rg))
+        paths[f"imma w{nw} s{ns} o{nb} d{nd}" + (f" r{rt}" if rt else "") + (f" g{rg}" if rg else "")
+              + (f" t{gt}" if gt else "")] = (
+            lambda x, w, nw=nw, ns=ns, nb=nb, nd=nd, rt=rt, rg=rg, gt=gt: _imma(cu, be, x, w, nw, ns, nb, nd, rt, rg, gt))
     print(f"\nbench_gemv: {be.device_name}, preset {a.preset}, >= {a.reps} calls in one CUDA graph, "
           "weights cycled through >= 150 MB of copies (no L2 reuse)\n")
     print("| weight | type | MB | rows | path | us | GB/s | max err / max y |")
@@ -113,8 +117,9 @@ def _without_imma(cu, f):
         cu.IMMA_MAX_ROWS = keep
 
 
-def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0, rg: int = 0):
-    keep = cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES, cu.GEMMI_RING
+def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0, rg: int = 0, gt: int = 0):
+    keep = (cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES, cu.GEMMI_RING,
+            cu.GEMMI_TOKENS)
     cu.GEMVI_WARPS = nw
     if ns:
         cu.GEMVI_STAGES = ns
@@ -126,11 +131,14 @@ def _imma(cu, be, x, w, nw: int, ns: int, nb: int, nd: int, rt: int = 0, rg: int
         cu.GEMVI_ROW_TILES = rt
     if rg:
         cu.GEMMI_RING = max(rg, 0)  # -1: the register kernel
+    if gt:
+        cu.GEMMI_TOKENS = gt
     try:
         be._digits_of = (None, None)  # time the activation quantization as well
         return be._gemvi(be._digits(x), w)
     finally:
-        cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES, cu.GEMMI_RING = keep
+        (cu.GEMVI_WARPS, cu.GEMVI_STAGES, cu.GEMMI_BLOCKS, cu.IMMA_DIGITS, cu.GEMVI_ROW_TILES, cu.GEMMI_RING,
+         cu.GEMMI_TOKENS) = keep
 
 
 def _graph_time(cp, f, reps: int) -> float:

@@ -110,7 +110,7 @@ def attn_micro(backend, n_head: int, n_kv: int, d: int, n_pre: int, n: int, reps
     ``n_pre``-cell prefix (each with 40 private cells), on random f16 K/V: microseconds per
     call (``reps`` calls replayed in one CUDA graph, timed by CUDA events) of the per-sequence
     path and of the group path."""
-    from dataclasses import replace
+    import copy
 
     import numpy as np
 
@@ -134,7 +134,9 @@ def attn_micro(backend, n_head: int, n_kv: int, d: int, n_pre: int, n: int, reps
     q = cp.asarray(rng.standard_normal((n, n_head, d)).astype(np.float32))
     qp = cp.asarray(ub_pos)
     out = []
-    for pl in (replace(plan, groups=[]), plan):
+    flat = copy.copy(plan)
+    flat.groups = []
+    for pl in (flat, plan):
         # as decode runs it: ``reps`` calls captured in one CUDA graph (no Python launch cost)
         backend._meta = {}
         stream = cp.cuda.Stream(non_blocking=True)

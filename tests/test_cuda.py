@@ -298,6 +298,35 @@ def test_gemmi_ring_equals_registers(gpu, monkeypatch, qname, rows, cols, n, dig
 
 
 @pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows,cols", [(300, 512), (200, 9472)])
+@pytest.mark.parametrize("n", [17, 32, 40, 64])
+def test_gemmi_wide_equals_narrow(gpu, monkeypatch, qname, rows, cols, n):
+    """gemmi_ring with 32-token blocks (8 column tiles, GEMMI_TOKENS=32, 2 or 3 stages) and the
+    default (32-token digit groups, Q6_K on 32-token blocks, Q4_K on 16-token ones reading each
+    group as two) give the 16-token blocks' results bit for bit with the same splits (the same
+    integer products and float sums per output, only the columns' grouping differs): one partial
+    token group (17, 40 rows), a block whose last warp's rows lie past the end (300 rows),
+    uneven splits."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_DIGITS", 2)
+    monkeypatch.setattr(cu, "gemmi_splits", lambda nb, nsb, n_sm, per_sm=0: min(nsb, 3))
+    x, raw, _ = _mmq_case(qname, rows, cols, n, 130 + n)
+    x[:, 3] *= 40
+    w = to_qtensor(raw, qname, cols)
+    monkeypatch.setattr(cu, "GEMMI_TOKENS", 16)
+    assert gpu._digits(cp.asarray(x))[4] == 4
+    want = cp.asnumpy(gpu._gemvi(gpu._digits(cp.asarray(x)), w))
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    for tokens, stages in ((32, 2), (32, 3), (None, None)):
+        monkeypatch.setattr(cu, "GEMMI_TOKENS", tokens)
+        monkeypatch.setattr(cu, "GEMMI_RING", stages)
+        d = gpu._digits(cp.asarray(x))
+        assert d[4] == 8 and d[1].shape[1] == 64 * -(-n // 32)
+        np.testing.assert_array_equal(cp.asnumpy(gpu._gemvi(d, w)), want, err_msg=f"{tokens} tokens, {stages} stages")
+
+
+@pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("warps,stages,row_tiles", [(1, 2, 1), (1, 4, 1), (2, 4, 1), (3, 2, 1), (1, 2, 2), (3, 2, 2)])
 @pytest.mark.parametrize("n", [1, 2])
 def test_gemvi_ring_slots(gpu, monkeypatch, qname, warps, stages, row_tiles, n):

@@ -167,11 +167,55 @@ def test_gemmi_ring_stages(monkeypatch):
     tiles), 2 for 3-digit ones (6); a forced count where that kernel is built, else (and for 0)
     the register-prefetch kernel."""
     monkeypatch.setattr(cu, "GEMMI_RING", None)
-    assert cu.gemmi_ring_stages(4) == 3 and cu.gemmi_ring_stages(6) == 2
+    assert cu.gemmi_ring_stages(4) == 3 and cu.gemmi_ring_stages(6) == 2 and cu.gemmi_ring_stages(8) == 3
     monkeypatch.setattr(cu, "GEMMI_RING", 4)
     assert cu.gemmi_ring_stages(4) == 4 and cu.gemmi_ring_stages(6) == 0
     monkeypatch.setattr(cu, "GEMMI_RING", 0)
     assert cu.gemmi_ring_stages(4) == 0 and cu.gemmi_ring_stages(6) == 0
+
+
+def test_gemmi_tiles(monkeypatch):
+    """gemmi's digit layout (``gemmi_tiles``) and each weight's kernel (``gemmi_kernel_tiles``):
+    by default 32-token groups (8 tiles) for 2-digit steps of more than 16 rows, where the
+    8-tile ring kernel fits the device's shared memory per block, with Q6_K on 32-token blocks
+    and Q4_K on 16-token ones (2 nd tiles); GEMMI_TOKENS forces one width for both; the register
+    kernel (GEMMI_RING 0) has no 8-tile form."""
+    monkeypatch.setattr(cu, "GEMMI_RING", None)
+    monkeypatch.setattr(cu, "GEMMI_TOKENS", None)
+    big = 232448
+    assert [cu.gemmi_tiles(n, nd, big) for n, nd in ((9, 2), (16, 2), (17, 2), (64, 2), (32, 3))] == [4, 4, 8, 8, 6]
+    assert [cu.gemmi_kernel_tiles(8, 2, t) for t in (12, 14)] == [4, 8]
+    assert [cu.gemmi_kernel_tiles(4, 2, t) for t in (12, 14)] == [4, 4] and cu.gemmi_kernel_tiles(6, 3, 14) == 6
+    monkeypatch.setattr(cu, "GEMMI_TOKENS", 16)
+    assert [cu.gemmi_tiles(n, nd, big) for n, nd in ((9, 2), (32, 2), (64, 2), (32, 3))] == [4, 4, 4, 6]
+    monkeypatch.setattr(cu, "GEMMI_TOKENS", 32)
+    assert cu.gemmi_tiles(32, 2, big) == 8 and [cu.gemmi_kernel_tiles(8, 2, t) for t in (12, 14)] == [8, 8]
+    # 3 stages of 64 digit columns and 64 Q6_K rows: 3 x (17,408 + 256 + 15,360) bytes
+    assert cu.gemmi_ring_smem(8, 3, 14) == 99072 and cu.gemmi_ring_smem(4, 3, 12) == 3 * (8704 + 128 + 9216)
+    assert cu.gemmi_tiles(32, 2, 99072) == 8 and cu.gemmi_tiles(32, 2, 99071) == 4
+    monkeypatch.setattr(cu, "GEMMI_RING", 0)
+    assert cu.gemmi_tiles(32, 2, big) == 4
+
+
+def test_group_caps_private_floor(monkeypatch):
+    """A grouped plan's graph-key capacities (``_group_caps``): the private lists' bucket is at
+    least GROUP_PRIVATE_CELLS per view, so 8 sharers whose private cells grow from ~20 to ~85
+    keep one key (a plain bucket moved 256 -> 512 on the way); exact lengths for the eager path;
+    shared lists a plain bucket; 0 restores the plain bucket."""
+    from types import SimpleNamespace as NS
+
+    def plan(n_priv, n_views=8, n_other=0):
+        views = [NS(private=range(n_priv), cells=range(5000 + n_priv)) for _ in range(n_views)]
+        views += [NS(private=range(0), cells=range(n_other))]  # a view outside the group
+        return NS(views=views, groups=[NS(views=list(range(n_views)), cells=range(5000))])
+
+    caps = cu.CUDABackend._group_caps
+    monkeypatch.setattr(cu, "GROUP_PRIVATE_CELLS", 256)
+    assert caps(plan(21, n_other=3), exact=True) == (8 * 21 + 3, (5000,))
+    assert {caps(plan(n), exact=False) for n in range(21, 86)} == {(4096, (8192,))}  # 9 views x 256 -> 4096
+    assert caps(plan(300), exact=False) == (4096, (8192,)) and caps(plan(600), exact=False) == (8192, (8192,))
+    monkeypatch.setattr(cu, "GROUP_PRIVATE_CELLS", 0)
+    assert caps(plan(21), exact=False)[0] == 256 and caps(plan(40), exact=False)[0] == 512
 
 
 def test_stream_rows(monkeypatch):

@@ -476,11 +476,12 @@ GEMVI_PAIR(n6, (gemvi_impl<6, false>), (gemvi_impl<6, true>))
 // ---------------------------------------------------------------------------------------------
 // gemmi: the same integer products for batches of 9..64 token rows (batched decode). A block takes
 // 64 weight rows (4 warps, a 16-row MMA tile each) x 16 tokens (CW = 16 D digit columns: NT = 2 D
-// column tiles, 6 with 3 digits, 4 with 2) and walks its split of the super-blocks; each
+// column tiles, 6 with 3 digits, 4 with 2; gemmi_ring also 32 tokens with 2 digits, NT = 8: each
+// weight fragment and scale decoded once for twice the tokens) and walks its split of the super-blocks; each
 // super-block's digit columns (and their sums and scales) are staged once in shared memory with
 // cp.async, double-buffered, and serve all four warps; each warp streams its rows' weight bytes
 // from global memory (next super-block prefetched in registers).
-// grid = (ceil(T / 16), ceil(nrows / 64), n_split), 128 threads; y[z][t][row] partial sums per
+// grid = (ceil(T / (CW / D)), ceil(nrows / 64), n_split), 128 threads; y[z][t][row] partial sums per
 // split z (mmq.cu's mmq_reduce adds them in split order).
 template <int CW>
 struct GmStage {
@@ -507,12 +508,14 @@ __device__ __forceinline__ void gm_stage(GmStage<CW>& st, const i8* __restrict__
     }
 }
 
-// Sums a token's D digit columns of the block's 64 x CW tile (acc per warp as in gemvi) and
-// writes y[t, row] for the block's 16 tokens and rows; red: 64 x (CW + 1) floats of shared memory.
-template <int NT>
+// Sums a token's D digit columns of the block's R x CW tile (R = 16 warps rows; acc per warp as
+// in gemvi) and writes y[t, row] for the block's CW / D tokens (16, or 32 with NT = 8) and R
+// rows; red: R x (CW + 1) floats of shared memory.
+template <int NT, int R = 64>
 __device__ __forceinline__ void gemmi_store(const float (&acc)[NT][4], float* red, float* __restrict__ y, int nrows,
                                             int T, int D) {
     constexpr int LD = 8 * NT + 1;
+    const int tpb = 8 * NT / D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int r0 = 16 * warp + g;
 #pragma unroll
@@ -523,9 +526,9 @@ __device__ __forceinline__ void gemmi_store(const float (&acc)[NT][4], float* re
         red[(r0 + 8) * LD + 8 * nt + 2 * c + 1] = acc[nt][3];
     }
     __syncthreads();
-    const int row0 = blockIdx.y * 64, t0 = blockIdx.x * 16;
-    for (int o = threadIdx.x; o < 64 * 16; o += blockDim.x) {
-        const int r = o & 63, tl = o >> 6, t = t0 + tl, row = row0 + r;
+    const int row0 = blockIdx.y * R, t0 = blockIdx.x * tpb;
+    for (int o = threadIdx.x; o < R * tpb; o += blockDim.x) {
+        const int r = o % R, tl = o / R, t = t0 + tl, row = row0 + r;
         if (t < T && row < nrows) {
             float sum = 0.f;
             for (int d = 0; d < D; d++) sum += red[r * LD + D * tl + d];
@@ -583,15 +586,15 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
 // barrier per super-block: after it every warp is done with the slot the next fill overwrites.
 // Each warp copies its own 16 rows (RingPlan), all threads the digit columns (gm_stage).
 // Dynamic shared memory S * (sizeof(GmStage<CW>) + 64 SEG) bytes.
-template <int NT, bool Q6, int S>
+template <int NT, bool Q6, int S, int NW = 4>
 __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
     extern __shared__ __align__(16) u8 ring[];
-    constexpr int CW = 8 * NT, SEG = RingPlan<Q6, 1>::SEG, GS = (int)sizeof(GmStage<CW>), SB = GS + 64 * SEG;
-    static_assert(S >= 2 && GS % 16 == 0 && S * SB >= 64 * (CW + 1) * (int)sizeof(float), "gemmi_ring's stages");
+    constexpr int CW = 8 * NT, SEG = RingPlan<Q6, 1>::SEG, GS = (int)sizeof(GmStage<CW>), R = 16 * NW, SB = GS + R * SEG;
+    static_assert(S >= 2 && GS % 16 == 0 && S * SB >= R * (CW + 1) * (int)sizeof(float), "gemmi_ring's stages");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int cb = blockIdx.x * CW, rw = min(blockIdx.y * 64 + 16 * warp, nrows - 1), last = nrows - 1 - rw;
+    const int cb = blockIdx.x * CW, rw = min(blockIdx.y * R + 16 * warp, nrows - 1), last = nrows - 1 - rw;
     const int nsb = K >> 8, ns = gridDim.z, sb0 = blockIdx.z * nsb / ns, sb1 = (blockIdx.z + 1) * nsb / ns;
     y += (long long)blockIdx.z * T * nrows;
     const u8* const Wt = W + (long long)rw * rb;  // the warp's first row (rows past the end: the last)
@@ -629,7 +632,7 @@ __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long r
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring becomes the reduction's tile
-    gemmi_store<NT>(acc, (float*)ring, y, nrows, T, D);
+    gemmi_store<NT, R>(acc, (float*)ring, y, nrows, T, D);
 }
 
 // _o<B>_n<NT>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B)), NT = 2 D
@@ -658,3 +661,5 @@ GEMMI_RING(4, 3, 4)
 GEMMI_RING(3, 4, 4)
 GEMMI_RING(3, 2, 6)
 GEMMI_RING(3, 3, 6)
+GEMMI_RING(3, 2, 8)
+GEMMI_RING(2, 3, 8)

@@ -7,7 +7,8 @@
 // (row, head) pairs of kv head kh form the query matrix of that kv head, ordered
 // row-major (pair i = row i / G, head kh * G + i % G). Grid (ceil(R*G / SP_QT), n_kv,
 // n_split), 4 warps: the block stages SP_QT queries (scaled) in shared memory and walks
-// its split of the cells in tiles of CT; each K/V tile is loaded into shared memory once
+// its split of the cells in tiles of CT (a split is a whole number of tiles; an empty one's
+// partial has m = -inf); each K/V tile is loaded into shared memory once
 // and applied to all SP_QT queries (16 per warp, one m16 tile) with tensor-core MMA
 // (mma.sync m16n8k16, f16 inputs, f32 accumulation). To keep float32 accuracy the f32
 // operands are split into two f16 terms (x = hi + lo, hi = f16(x), lo = f16(x - hi);
@@ -36,6 +37,68 @@
 #define SP_QT (16 * SP_NW)
 #define SP_NEG_INF (-__int_as_float(0x7f800000))
 
+// Stages one warp's 16 queries (group pairs qa .. qa + 15 of nq; pair i = row rows[i / G], head
+// kh * G + i % G) into shared memory as hi / lo f16 rows (ld D + 8 halves, times scale / the
+// query's factor), with their positions (-1 past nq: sees nothing) and factors (sp_stage_factor).
+// Lane l first fetches pair qa + (l & 15)'s row and position (one round trip for all 16), then
+// the values come in batches of QB queries whose loads are in flight together, D / 32 per lane
+// (a warp per query walking its values, query after query, took about half of a 4-tile block's
+// time). Pairs past nq stage zeros.
+template <int D>
+__device__ __forceinline__ void sp_stage_queries(const float* __restrict__ q, const int* __restrict__ q_pos,
+                                                 const int* __restrict__ rows, int nq, int G, int n_head, int kh,
+                                                 int qa, float scale, u16* qh, u16* ql, int* qpos, float* qup) {
+    constexpr int LD = D + 8, DV = D / 32, QB = DV >= 8 ? 4 : 8;
+    const int lane = threadIdx.x & 31, mine = qa + (lane & 15);
+    const int my_row = mine < nq ? rows[mine / G] : 0;
+    const long long my_off = mine < nq ? ((long long)my_row * n_head + kh * G + mine % G) * D : -1;
+    const int my_pos = mine < nq ? q_pos[my_row] : -1;
+    if (lane < 16) qpos[lane] = my_pos;
+    const bool vec = DV % 4 == 0 && ((unsigned long long)q & 15) == 0;
+#pragma unroll
+    for (int j0 = 0; j0 < 16; j0 += QB) {
+        float v[QB][DV];
+#pragma unroll
+        for (int j = 0; j < QB; j++) {
+            const long long off = __shfl_sync(0xffffffffu, my_off, j0 + j);
+            const float* src = q + off + lane * DV;
+#pragma unroll
+            for (int e = 0; e < DV; e += 4) {
+                if (off < 0) {
+                    v[j][e] = 0.f;
+                    if (DV > 1) v[j][e + 1] = 0.f;
+                    if (DV > 2) v[j][e + 2] = v[j][e + 3] = 0.f;
+                } else if (vec) {
+                    const float4 t = *(const float4*)(src + e);
+                    v[j][e] = t.x; v[j][e + 1] = t.y; v[j][e + 2] = t.z; v[j][e + 3] = t.w;
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 4 && e + k < DV; k++) v[j][e + k] = src[e + k];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < QB; j++) {
+            float mx = 0.f;
+#pragma unroll
+            for (int e = 0; e < DV; e++) mx = fmaxf(mx, fabsf(v[j][e] * scale));
+#pragma unroll
+            for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float f = sp_stage_factor(mx);
+            if (lane == 0) qup[j0 + j] = f;
+            u16* h = qh + (j0 + j) * LD + lane * DV;
+            u16* l = ql + (j0 + j) * LD + lane * DV;
+#pragma unroll
+            for (int e = 0; e < DV; e++) {
+                const float x = v[j][e] * scale / f;
+                const u16 hx = sp_f2h(x);
+                h[e] = hx;
+                l[e] = sp_f2h(x - h2f(hx));
+            }
+        }
+    }
+}
+
 template <int D, int CT>
 __device__ __forceinline__ void sp_attn_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ rows,
@@ -60,33 +123,11 @@ __device__ __forceinline__ void sp_attn_impl(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, tig = lane & 3;
     const int len = *n_cells_p;
-    const int chunk = (len + n_split - 1) / n_split;
+    const int chunk = ((len + n_split - 1) / n_split + CT - 1) / CT * CT;  // whole tiles (last splits may be empty)
     const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
 
-    for (int qi = warp; qi < SP_QT; qi += SP_NW) {  // each query's range: a warp per query
-        int qg = q0 + qi;
-        float mx = 0.f;
-        if (qg < nq) {
-            const float* src = q + ((long long)rows[qg / G] * n_head + kh * G + qg % G) * D;
-            for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(src[d] * scale));
-        }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        if (lane == 0) s_qup[qi] = sp_stage_factor(mx);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < SP_QT * D; i += blockDim.x) {
-        int qi = i / D, d = i % D, qg = q0 + qi;
-        float x = 0.f;
-        if (qg < nq) x = q[((long long)rows[qg / G] * n_head + kh * G + qg % G) * D + d] * scale / s_qup[qi];
-        u16 h = sp_f2h(x);
-        s_qh[qi * LD + d] = h;
-        s_ql[qi * LD + d] = sp_f2h(x - h2f(h));
-    }
-    for (int i = threadIdx.x; i < SP_QT; i += blockDim.x) {
-        int qg = q0 + i;
-        s_qpos[i] = qg < nq ? q_pos[rows[qg / G]] : -1;  // -1: sees nothing
-    }
+    sp_stage_queries<D>(q, q_pos, rows, R * G, G, n_head, kh, q0 + 16 * warp, scale, s_qh + 16 * warp * LD,
+                        s_ql + 16 * warp * LD, s_qpos + 16 * warp, s_qup + 16 * warp);
     __syncthreads();
 
     const int mr = warp * 16;  // this warp's first query of the block
@@ -101,7 +142,8 @@ __device__ __forceinline__ void sp_attn_impl(
     for (int t0 = c0; t0 < c1; t0 += CT) {
         const int n = min(CT, c1 - t0);
         __syncthreads();  // the previous tile is consumed
-        for (int i = threadIdx.x; i < CT * (D / 8); i += blockDim.x) {
+#pragma unroll 2
+        for (int i = threadIdx.x; i < CT * (D / 8); i += 32 * SP_NW) {  // 128 threads (the launch's)
             int c = i / (D / 8), u = i % (D / 8);
             uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
             if (c < n) {
@@ -112,7 +154,7 @@ __device__ __forceinline__ void sp_attn_impl(
             *(uint4*)(s_k + c * LD + 8 * u) = kw;
             *(uint4*)(s_v + c * LD + 8 * u) = vw;
         }
-        for (int i = threadIdx.x; i < CT; i += blockDim.x) s_cpos[i] = i < n ? cell_pos[t0 + i] : 0x7fffffff;
+        for (int i = threadIdx.x; i < CT; i += 32 * SP_NW) s_cpos[i] = i < n ? cell_pos[t0 + i] : 0x7fffffff;
         __syncthreads();
         if (!active) continue;
 

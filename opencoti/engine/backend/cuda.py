@@ -105,18 +105,62 @@ if GEMMI_BLOCKS not in (2, 3, 4):
 # 92.7, ffn_down 180.2 -> 153.6. OPENCOTI_CUDA_GEMMI_RING=N forces N stages, 0 the register kernel.
 _GR = os.environ.get("OPENCOTI_CUDA_GEMMI_RING", "")
 GEMMI_RING = int(_GR) if _GR else None
-GEMMI_RING_KERNELS = {4: (2, 3, 4), 6: (2, 3)}  # column tiles -> stage counts built
+GEMMI_RING_KERNELS = {4: (2, 3, 4), 6: (2, 3), 8: (2, 3)}  # column tiles -> stage counts built
 if GEMMI_RING not in (None, 0, 2, 3, 4):
     raise ValueError(f"OPENCOTI_CUDA_GEMMI_RING={GEMMI_RING}: expected 0, 2, 3 or 4")
+# gemmi's tokens per block with 2 digits, for steps of more than 16 rows: 16 (4 column tiles) or
+# 32 (8 tiles, gemmi_ring only: each weight fragment and scale is decoded once for twice the
+# tokens, and a 32-row step reads each weight row in one block instead of two), per weight type.
+# Measured on the H200 (bench_gemv, 7B shapes, 2 digits, us, 16 -> 32 tokens, 2 / 3 stages):
+# Q6_K ffn_down 32 rows 82.0 / 80.9 -> 77.9 / 68.8, 64 rows 149.9 / 155.0 -> 122.2 / 133.4; Q4_K
+# ffn_up 32 rows 55.3 / 55.0 -> 57.2 / 62.8, 64 rows 97.8 / 93.7 -> 95.1 / 108.2. The digit
+# columns are laid out the same either way (token t's digit i is column D t + i; only the
+# padding differs), so one activation's digits serve both kernels. OPENCOTI_CUDA_GEMMI_TOKENS=16
+# or 32 forces one width for every type.
+_GT = os.environ.get("OPENCOTI_CUDA_GEMMI_TOKENS", "")
+GEMMI_TOKENS = int(_GT) if _GT else None
+GEMMI_TYPE_TOKENS = {12: 16, 14: 32}  # Q4_K, Q6_K
+if GEMMI_TOKENS not in (None, 16, 32):
+    raise ValueError(f"OPENCOTI_CUDA_GEMMI_TOKENS={GEMMI_TOKENS}: expected 16 or 32")
 
 
 def gemmi_ring_stages(nt: int) -> int:
-    """Shared-memory stages of gemmi_ring for ``nt`` column tiles (4: 2 digits, 6: 3), 0 for the
-    register-prefetch gemmi_impl: GEMMI_RING where that kernel is built, else 3 for 4 tiles and
-    2 for 6."""
+    """Shared-memory stages of gemmi_ring for ``nt`` column tiles (4 or 8: 2 digits, 6: 3), 0
+    for the register-prefetch gemmi_impl: GEMMI_RING where that kernel is built, else 3 for 4
+    and 8 tiles and 2 for 6."""
     if GEMMI_RING is not None:
         return GEMMI_RING if GEMMI_RING in GEMMI_RING_KERNELS.get(nt, ()) else 0
-    return {4: 3, 6: 2}.get(nt, 0)
+    return {4: 3, 6: 2, 8: 3}.get(nt, 0)
+
+
+def gemmi_ring_smem(nt: int, stages: int, ggml_type: int) -> int:
+    """Dynamic shared memory bytes of gemv_int.cu's gemmi_ring: ``stages`` x (GmStage of 8 ``nt``
+    digit columns + the 64 rows' blocks, 240 bytes per Q6_K block's chunks, 144 per Q4_K)."""
+    cw = 8 * nt
+    return stages * (17 * cw * 16 + cw * 4 + 64 * (240 if ggml_type == 14 else 144))
+
+
+
+def gemmi_tiles(n: int, nd: int, smem_per_block: int) -> int:
+    """MMA column tiles of the digit layout of ``n`` activation rows of ``nd`` digits for gemmi:
+    8 (32-token groups) with 2 digits and more than 16 rows where a weight type takes 32-token
+    blocks (GEMMI_TOKENS, else GEMMI_TYPE_TOKENS) and the 8-tile ring kernel fits
+    (``gemmi_ring_stages``, within ``smem_per_block`` bytes for either weight type), else 2 ``nd``
+    (16 tokens). ``gemmi_kernel_tiles`` picks each weight's kernel for the layout."""
+    st = gemmi_ring_stages(8)
+    wide = GEMMI_TOKENS == 32 or (GEMMI_TOKENS is None and 32 in GEMMI_TYPE_TOKENS.values())
+    if nd == 2 and n > 16 and wide and st and gemmi_ring_smem(8, st, 14) <= smem_per_block:
+        return 8
+    return 2 * nd
+
+
+def gemmi_kernel_tiles(nt: int, nd: int, ggml_type: int) -> int:
+    """Column tiles of the gemmi kernel that multiplies a weight of ``ggml_type`` with digits laid
+    out in ``nt``-tile groups (``gemmi_tiles``): 8 where the type takes 32-token blocks, else
+    2 ``nd`` (a 16-token kernel reads the 32-token layout as two groups each)."""
+    if nt == 8 and (GEMMI_TOKENS or GEMMI_TYPE_TOKENS.get(ggml_type, 16)) == 32:
+        return 8
+    return 2 * nd
 
 
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
@@ -218,7 +262,17 @@ GDN_COLS = 32  # value columns per gated_delta_net block (GDN_NW * GDN_CW)
 # shared-prefix attention (shared_prefix.cu): head dim -> cells per K/V tile; queries per block
 SP_TILE = {32: 64, 64: 64, 128: 64, 256: 32}
 SP_QT = 64
+# sp_attn splits a group's shared cells into parts of at least this many, as many as one wave
+# of resident blocks holds (``_sp_splits``). H200, one 7B layer's attention_cells, 4,096 shared
+# cells, us, parts of >= 256 / 128 cells at up to 4 blocks per SM: 8 sharers 41.2 / 31.6, 32
+# sharers 47.5 / 57.9 (the second wave)
+SP_SPLIT_CELLS = int(os.environ.get("OPENCOTI_CUDA_SP_SPLIT_CELLS", "128"))
 SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
+# a grouped (PolyKV) graph key's private-cell bucket is at least this many cells per view: the
+# private lists grow by one cell per sequence per step, and a bucket that crossed a power of two
+# every few steps captured a new graph each time (a decode window of 8 sharers with ~20-85
+# private cells each crossed 256 -> 512 once). 0: the plain bucket of the lists' sum.
+GROUP_PRIVATE_CELLS = int(os.environ.get("OPENCOTI_CUDA_GROUP_PRIVATE_CELLS", "256"))
 # prefill (more than GEMV_MAX_TOKENS query rows, f16 KV, head dims of SP_TILE): each sequence's
 # rows through shared_prefix.cu's tensor-core tiles with the causal / window masks
 # (_attention_prefill); OPENCOTI_CUDA_PREFILL_TC_ATTN=0: attention.cu's per-row kernel
@@ -752,8 +806,8 @@ class CUDABackend:
         """float32 activations ``x [n, k]`` (k a multiple of 256, n <= 64) as gemv_int.cu's
         digit columns: ``(xq, xs, xm, n, nt, nd)`` (layout in gemv_int.cu's header; ``nd`` digits
         per value, ``imma_digits``: 2 for gemmi in a batched decode step, else 3; ``nt`` MMA
-        column tiles per block: 1 for up to 8 / nd rows, 3 up to 24 / nd, else 6, and 2 nd (16
-        tokens) for gemmi beyond ``IMMA_MAX_ROWS``). The last input's digits are kept (with a
+        column tiles per block: 1 for up to 8 / nd rows, 3 up to 24 / nd, else 6, and
+        ``gemmi_tiles`` for gemmi beyond ``IMMA_MAX_ROWS``). The last input's digits are kept (with a
         reference to the array, so its memory is not reused) and returned again for the same array
         object: attention's q / k / v projections quantize their input once. Relies on the op
         set's rule that ops never write their inputs in place."""
@@ -778,8 +832,8 @@ class CUDABackend:
         ``_digits`` returns them (``nd`` from ``imma_digits``; ``nt`` column tiles)."""
         cp = self.cp
         nd = imma_digits(n, self._decode_rows == n)
-        # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 tokens: 2 nd column tiles
-        nt = 2 * nd if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
+        # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 or 32 tokens (gemmi_tiles)
+        nt = gemmi_tiles(n, nd, self.smem_per_block) if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
         cw = 8 * nt
         ncp = -(-n // (cw // nd)) * cw
         return (cp.empty((ncp, k), dtype=cp.int8), cp.empty((k // 256, ncp), dtype=cp.float32),
@@ -814,7 +868,8 @@ class CUDABackend:
         weight rows per block (one column tile: 16 GEMVI_ROW_TILES), the super-blocks split over
         up to 8 warps (``_gemvi_warps``; one column tile streams them through shared memory,
         ``gemvi_ring``) and summed in warp order;
-        more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 tokens per block, weights and
+        more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 or 32 tokens per block,
+        ``gemmi_tiles``; weights and
         digits through shared-memory stages, ``gemmi_ring_stages``; the super-blocks split over
         blocks, ``gemmi_splits``, partial sums added in split order by ``mmq_reduce``).
         Deterministic either way.
@@ -825,22 +880,22 @@ class CUDABackend:
         xq, xs, xm, n, nt, nd = digits
         rows, k = w.shape
         if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
-            ntok = xs.shape[1] // (16 * nd)  # 16-token column groups
-            nb = ntok * -(-rows // 64)
+            nt = gemmi_kernel_tiles(nt, nd, w.ggml_type)
+            ntok = -(-n // (8 * nt // nd))  # token groups of 16 or 32 tokens
             y = cp.empty((n, rows), dtype=cp.float32)
             kw = {}
-            stages, cw = gemmi_ring_stages(nt), 8 * nt
-            # gemv_int.cu gemmi_ring's stages: GmStage<cw> (digits, sums, scales) + the 64 rows' blocks
-            smem = stages * (17 * cw * 16 + cw * 4 + 64 * (240 if w.ggml_type == 14 else 144))
+            stages = gemmi_ring_stages(nt)
+            smem = gemmi_ring_smem(nt, stages, w.ggml_type)
             if stages and smem <= self.smem_per_block:
                 kw["shared_mem"] = smem
                 fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{stages}_n{nt}", kw["shared_mem"])
                 per_sm = max(1, self._blocks_per_sm(128, fn.raw.num_regs, smem))
             else:
                 fn, per_sm = self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{nt}"), GEMMI_BLOCKS
-            n_split = gemmi_splits(nb, k // 256, self.n_sm, per_sm)
+            nr = -(-rows // 64)  # row blocks
+            n_split = gemmi_splits(ntok * nr, k // 256, self.n_sm, per_sm)
             out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
-            fn((ntok, -(-rows // 64), n_split), (128,),
+            fn((ntok, nr, n_split), (128,),
                (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
                 np.int32(xs.shape[1]), np.int32(nd)), **kw)
             if n_split > 1:
@@ -1467,11 +1522,14 @@ class CUDABackend:
     @staticmethod
     def _group_caps(plan, exact: bool) -> tuple:
         """``(pcap, scaps)``: capacity of the private cell lists (all views together) and of
-        each group's shared list; exact lengths (eager) or ``_bucket``s (graph keys)."""
+        each group's shared list; exact lengths (eager) or ``_bucket``s (graph keys; the private
+        one of at least GROUP_PRIVATE_CELLS per view)."""
         grouped = {i for g in plan.groups for i in g.views}
         n_priv = sum(len(v.private) if i in grouped else len(v.cells) for i, v in enumerate(plan.views))
-        f = (lambda n: n) if exact else _bucket
-        return f(n_priv), tuple(f(len(g.cells)) for g in plan.groups)
+        if exact:
+            return n_priv, tuple(len(g.cells) for g in plan.groups)
+        return (_bucket(max(n_priv, GROUP_PRIVATE_CELLS * len(plan.views))),
+                tuple(_bucket(len(g.cells)) for g in plan.groups))
 
     @classmethod
     def _group_host(cls, plan, n_cells: int, pcap: int, scaps: tuple) -> tuple[list, dict]:
@@ -1921,7 +1979,7 @@ class CUDABackend:
                                dev[len(order):len(order) + T], dev[len(order) + T:])
         R, off, lens, g_rows, slot_d, len_d = meta["prefill"]
         blocks = sum(-(-r * G // SP_QT) for r in R) * n_kv
-        n_ss = int(max(1, min(int(lens.max()) // 256, -(-4 * self.n_sm // blocks), 64)))
+        n_ss = self._sp_splits(int(lens.max()), blocks, D)
         s_acc = cp.empty((sum(R) * H * n_ss * D,), dtype=cp.float32)
         s_ml = cp.empty((sum(R) * H * n_ss * 2,), dtype=cp.float32)
         qp = self._idx(q_pos)
@@ -2026,7 +2084,7 @@ class CUDABackend:
         R = gm["R"]
         s_len = gm["scaps"] if self._staged else [int(n) for n in (len(gr.cells) for gr in plan.groups)]
         blocks = sum(-(-r * G // SP_QT) for r in R) * n_kv
-        n_ss = int(max(1, min(max(s_len) // 256, -(-4 * self.n_sm // blocks), 64)))
+        n_ss = self._sp_splits(max(s_len), blocks, D)
         r_tot = sum(R)
         s_acc = cp.empty((r_tot * H * n_ss * D,), dtype=f32)
         s_ml = cp.empty((r_tot * H * n_ss * 2,), dtype=f32)
@@ -2046,6 +2104,15 @@ class CUDABackend:
                                   (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss), gm["row_slot"], out,
                                    np.int32(H), np.int32(D)))
         return out
+
+    def _sp_splits(self, n_cells: int, blocks: int, d: int) -> int:
+        """Split count of ``sp_attn_d<d>`` over ``n_cells`` cells when ``blocks`` blocks (query
+        tiles x kv heads) are launched per split: as many as one wave of resident blocks (the
+        kernel's registers and shared memory) holds, splits of at least SP_SPLIT_CELLS cells, at
+        most 64, at least 1."""
+        fn = self._sp_fn(d)
+        slots = self.n_sm * max(1, self._blocks_per_sm(128, fn.raw.num_regs, _sp_smem(d)))
+        return int(max(1, min(n_cells // SP_SPLIT_CELLS, slots // max(1, blocks), 64)))
 
     def _sp_fn(self, d: int):
         """``sp_attn_d<d>`` with its dynamic shared memory limit raised (once) to what it uses."""
