@@ -448,13 +448,13 @@ def test_fuse_rows_mul_mat_split(tmp_path, gpu, cpu, monkeypatch, types, n):
 
 
 @pytest.mark.parametrize("qname", ["Q4_K", "Q5_0"])
-@pytest.mark.parametrize("n", [1, 5, 70])
+@pytest.mark.parametrize("n", [1, 5, 20, 70])
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
     """gated_ffn on gate / up fused by fuse_rows (one product [n, 2 n_ff], then gated_act_cat, or
-    for one K-quant row on gemv_int.cu gated_act_digits, which also writes the digits of its output
-    for the next integer GEMV: bit-equal to xq_digits on that output; one float-GEMV row keeps
-    gemv_gated over the views) against the CPU backend."""
+    for one row or gemmi's rows (20) on gemv_int.cu gated_act_digits, which also writes the
+    digits of its output for the next integer GEMV: bit-equal to xq_digits on that output; one
+    float-GEMV row keeps gemv_gated over the views) against the CPU backend."""
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # one row of this small K-quant pair on gemv_int.cu
@@ -468,7 +468,7 @@ def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
     want = cpu.gated_ffn(x, ref_dequant(qname, rg, cols), ref_dequant(qname, ru, cols), act)
     y = gpu.gated_ffn(cp.asarray(x), g, u, act)
     assert rel_err(cp.asnumpy(y), want) < 1e-5
-    if n == 1 and qname == "Q4_K":
+    if n in (1, 20) and qname == "Q4_K":
         assert gpu._digits_of[0] is y
         fused = _one_token_digits(gpu._digits_of[1])
         gpu._digits_of = (None, None)
@@ -477,23 +477,29 @@ def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
 
 
 def _one_token_digits(d) -> list:
-    """The token's own digit columns of one-row digits ``d`` (``_digits``' tuple) on the host:
-    xq [K/16, D, 16], xs [K/256, D], xm [K/256, D, 16] (the other columns are nobody's)."""
+    """The tokens' own digit columns of digits ``d`` (``_digits``' tuple) of one row or of a gemmi
+    layout (row t's digit i in column D t + i) on the host: xq [K/16, n D, 16], xs [K/256, n D],
+    xm [K/256, n D, 16] (the other columns are nobody's)."""
     xq, xs, xm, n, nt, nd = d
-    assert n == 1
+    assert n == 1 or 8 * nt == 16 * nd or 8 * nt == 32 * nd
     k, ncp = xq.shape[1], xs.shape[1]
-    return [cp.asnumpy(xq).reshape(k // 16, ncp, 16)[:, :nd], cp.asnumpy(xs)[:, :nd], cp.asnumpy(xm)[:, :nd]]
+    c = n * nd
+    return [cp.asnumpy(xq).reshape(k // 16, ncp, 16)[:, :c], cp.asnumpy(xs)[:, :c], cp.asnumpy(xm)[:, :c]]
 
 
 @pytest.mark.parametrize("n", [256, 3584])
-def test_norm_digits_equal_xq_digits(gpu, cpu, monkeypatch, n):
-    """One-row rms_norm / add_rms_norm whose row length is a K-quant weight's (``_digit_cols``)
-    write the output's gemv_int.cu digits themselves (digits.cuh): the token's columns bit-equal
-    to the xq_digits pass on the same output; a following mul_mat takes them instead (the same
-    product bits as after the pass, whose other columns are zeros: they reach no result)."""
-    rng = np.random.default_rng(60 + n)
+@pytest.mark.parametrize("rows,decode", [(1, False), (20, False), (40, True)])
+def test_norm_digits_equal_xq_digits(gpu, cpu, monkeypatch, n, rows, decode):
+    """rms_norm / add_rms_norm whose row length is a K-quant weight's (``_digit_cols``) write the
+    output's gemv_int.cu digits themselves (digits.cuh), for one row or gemmi's rows (a prompt
+    chunk's 3 digits, a batched decode step's 2 in 32-token groups): the tokens' columns
+    bit-equal to the xq_digits pass on the same output; a following mul_mat takes them instead
+    (the same product bits as after the pass, whose other columns are zeros: they reach no
+    result)."""
+    rng = np.random.default_rng(60 + n + rows)
     monkeypatch.setattr(gpu, "_digit_cols", gpu._digit_cols | {n})
-    x, h = (rng.standard_normal((1, n)) * 2).astype(np.float32), rng.standard_normal((1, n)).astype(np.float32)
+    monkeypatch.setattr(gpu, "_decode_rows", rows if decode else 0)
+    x, h = (rng.standard_normal((rows, n)) * 2).astype(np.float32), rng.standard_normal((rows, n)).astype(np.float32)
     w1, w2 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     raw = random_blocks("Q4_K", 96, n, rng)
     w = to_qtensor(raw, "Q4_K", n)
@@ -512,7 +518,8 @@ def test_norm_digits_equal_xq_digits(gpu, cpu, monkeypatch, n):
         for a, b in zip(fused, _one_token_digits(plain)):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(via, cp.asnumpy(gpu._gemvi(plain, w)))
-    y3 = gpu.rms_norm(cp.asarray(np.repeat(x, 3, 0)), W1, 1e-6)  # several rows: no digits written
+        assert plain[5] == (2 if decode else 3)
+    y3 = gpu.rms_norm(cp.asarray(x[:1].repeat(3, 0)), W1, 1e-6)  # 2..8 rows (the GEMV's layouts): no digits written
     assert gpu._digits_of[0] is not y3
 
 

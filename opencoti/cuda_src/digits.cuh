@@ -50,17 +50,18 @@ __device__ __forceinline__ void digits_store(const float (&v)[8], int sb, int la
     }
 }
 
-// A one-token row y [K] (K a multiple of 256; the block's own values, e.g. in shared memory after
-// a __syncthreads) as the digit columns 0 .. D - 1 of a single-token GEMV. The other columns of
-// the ncp are left as they are: a column's products never reach another's (gemvi_store sums a
-// token's own columns only), so a column of no token needs no zeros. Warp w takes super-blocks
-// w, w + warps, ...
-__device__ __forceinline__ void digits_row(const float* y, int K, int ncp, int D, i8* __restrict__ xq,
-                                           float* __restrict__ xs, i8* __restrict__ xm) {
+// One token's row y [K] (K a multiple of 256; the block's own values, e.g. in shared memory after
+// a __syncthreads) as its digit columns col0 .. col0 + D - 1: 0 for a single-token GEMV, D t for
+// token t of a gemmi layout (whose groups of CW = D x tokens-per-group columns put token t's digit
+// i at column D t + i). The other columns of the ncp are left as they are: a column's products
+// never reach another's (gemvi_store / gemmi_store sum a token's own columns only), so a column
+// of no token needs no zeros. Warp w takes super-blocks w, w + warps, ...
+__device__ __forceinline__ void digits_row(const float* y, int K, int ncp, int D, long long col0,
+                                           i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm) {
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     for (int sb = threadIdx.x >> 5; sb < K / 256; sb += nw) {
         const float* r = y + sb * 256 + 8 * lane;
         const float v[8] = {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
-        digits_store(v, sb, lane, 0, D, ncp, D, xq, xs, xm);
+        digits_store(v, sb, lane, col0, D, ncp, D, xq, xs, xm);
     }
 }

@@ -281,9 +281,10 @@ extern "C" __global__ void split_f16_rows(const float* __restrict__ x, u16* __re
 // rest), so that every load of the row is issued before the first sum needs it (a strided loop
 // waited for each load in turn: ~13 us for one 3,584-float row on the H200).
 #define NV 8
-// The one-row norms' digit epilogue: the row's values v[k] * r * w[k] (NV per thread, element
+// The norms' digit epilogue: the block's row's values v[k] * r * w[k] (NV per thread, element
 // threadIdx.x + k * blockDim.x; n <= NV * blockDim) through shared memory (4 n bytes of dynamic
-// shared memory) into digits.cuh's digits_row. Every thread of the block calls it.
+// shared memory) into digits.cuh's digits_row, as token blockIdx.x's columns (D blockIdx.x: one
+// row, or a gemmi layout's rows). Every thread of the block calls it.
 __device__ __forceinline__ void norm_row_digits(const float (&v)[NV], float r, const float (&w)[NV], int n, int ncp,
                                                 int D, i8* __restrict__ xq, float* __restrict__ xs,
                                                 i8* __restrict__ xm) {
@@ -293,12 +294,12 @@ __device__ __forceinline__ void norm_row_digits(const float (&v)[NV], float r, c
     for (int k = 0; k < NV; k++)
         if (t + k * bd < n) row_sh[t + k * bd] = v[k] * r * w[k];
     __syncthreads();
-    digits_row(row_sh, n, ncp, D, xq, xs, xm);
+    digits_row(row_sh, n, ncp, D, (long long)D * blockIdx.x, xq, xs, xm);
 }
-// y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n. With xq (one row,
-// n a multiple of 256, at most NV * blockDim; 4 n bytes of dynamic shared memory): y's digit
-// columns for gemv_int.cu too (digits.cuh digits_row; D digit columns of ncp), so the integer
-// GEMV that reads y needs no xq_digits launch.
+// y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n. With xq (one row or
+// a gemmi layout's rows, n a multiple of 256, at most NV * blockDim; 4 n bytes of dynamic shared
+// memory): y's digit columns for gemv_int.cu too (digits.cuh digits_row; D digit columns per row
+// of ncp), so the integer GEMV that reads y needs no xq_digits launch.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                     int n, float eps, i8* __restrict__ xq, float* __restrict__ xs,
                                     i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
@@ -433,13 +434,15 @@ extern "C" __global__ void gated_act_cat(const float* __restrict__ gu, float* __
     const long long r = i / nf, c = i - r * nf;
     y[i] = gated(gu[2 * r * nf + c], gu[(2 * r + 1) * nf + c], act);
 }
-// gated_act_cat for one row (nf a multiple of 256), also writing y's digit columns for
-// gemv_int.cu (digits.cuh; D digit columns of ncp): grid nf / 256 blocks of 32 threads, a lane 8
-// consecutive values.
+// gated_act_cat for one row or a gemmi layout's rows (nf a multiple of 256), also writing y's
+// digit columns for gemv_int.cu (digits.cuh; row t's D digit columns from D t of ncp): grid
+// (nf / 256, rows) blocks of 32 threads, a lane 8 consecutive values.
 extern "C" __global__ void gated_act_digits(const float* __restrict__ gu, float* __restrict__ y, int nf, int act,
                                             i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
                                             int ncp, int D) { GRID_DEP_WAIT();
-    const int sb = blockIdx.x, lane = threadIdx.x, e0 = sb * 256 + 8 * lane;
+    const int sb = blockIdx.x, lane = threadIdx.x, e0 = sb * 256 + 8 * lane, t = blockIdx.y;
+    gu += (long long)t * 2 * nf;
+    y += (long long)t * nf;
     const float4 g0 = *(const float4*)(gu + e0), g1 = *(const float4*)(gu + e0 + 4);
     const float4 u0 = *(const float4*)(gu + nf + e0), u1 = *(const float4*)(gu + nf + e0 + 4);
     const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w}, u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
@@ -448,7 +451,7 @@ extern "C" __global__ void gated_act_digits(const float* __restrict__ gu, float*
     for (int i = 0; i < 8; i++) v[i] = gated(g[i], u[i], act);
     *(float4*)(y + e0) = make_float4(v[0], v[1], v[2], v[3]);
     *(float4*)(y + e0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
-    digits_store(v, sb, lane, 0, D, ncp, D, xq, xs, xm);  // (digits_row: no other columns)
+    digits_store(v, sb, lane, (long long)D * t, D, ncp, D, xq, xs, xm);  // (digits_row: no other columns)
 }
 
 // K/V of T tokens into f16 cells: K[cell[t]] = k[t] (kw floats per token), same for V.

@@ -840,15 +840,18 @@ class CUDABackend:
                 cp.empty((k // 256, ncp, 16), dtype=cp.int8), n, nt, nd)
 
     def _row_digits(self, y):
-        """For a one-row ``y [1, k]`` that an integer GEMV will read (``k`` among the loaded
-        layers' K-quant weights' row lengths, ``_digit_cols``): digit arrays (``_digit_arrays``)
-        for the kernel writing ``y`` to fill (its token's digit columns; the others stay unset,
-        which gemv_int.cu never reads into a result), registered as ``y``'s (``_digits_of``); returns
-        the kernel's trailing arguments ``(xq, xs, xm, ncp, D)``, else ``_NO_DIGITS``."""
+        """For ``y [n, k]`` that an integer GEMV will read (``k`` among the loaded layers' K-quant
+        weights' row lengths, ``_digit_cols``; one row, or the rows of gemmi, whose layouts put row
+        t's digit i in column D t + i): digit arrays (``_digit_arrays``) for the kernel writing
+        ``y`` to fill (the rows' digit columns; the others stay unset, which gemv_int.cu never reads
+        into a result), registered as ``y``'s (``_digits_of``); returns the kernel's trailing
+        arguments ``(xq, xs, xm, ncp, D)``, else ``_NO_DIGITS``."""
         n, k = y.shape
-        if not (FUSE and IMMA_MAX_ROWS and n == 1 and k % 256 == 0 and k in self._digit_cols and y.data.ptr % 16 == 0):
+        gemmi = IMMA_BATCH and IMMA_MAX_ROWS < n <= GEMV_MAX_TOKENS
+        if not (FUSE and IMMA_MAX_ROWS and (n == 1 or gemmi) and k % 256 == 0 and k in self._digit_cols
+                and y.data.ptr % 16 == 0):
             return _NO_DIGITS
-        d = self._digit_arrays(1, k)
+        d = self._digit_arrays(n, k)
         self._digits_of = (y, d)
         return (d[0], d[1], d[2], np.int32(d[1].shape[1]), np.int32(d[5]))
 
@@ -1083,7 +1086,7 @@ class CUDABackend:
             y = cp.empty((n, nf), dtype=cp.float32)
             dg = self._row_digits(y)
             if dg[0] is not _NULL:
-                self._fn("k", "gated_act_digits")((nf // 256,), (32,), (gu, y, np.int32(nf), np.int32(a)) + dg)
+                self._fn("k", "gated_act_digits")((nf // 256, n), (32,), (gu, y, np.int32(nf), np.int32(a)) + dg)
             else:
                 self._fn("k", "gated_act_cat")(((y.size + 255) // 256,), (256,),
                                                (gu, y, np.int64(y.size), np.int32(nf), np.int32(a)))
