@@ -244,7 +244,8 @@ __device__ __forceinline__ void q6k_finish(const Q6KRegs& r, float2 sx, const in
 // tiles. B fragments are read from xqb: the super-block's 16 groups of 16 elements, group j's
 // columns at xqb + (j * stride + column) * 16 (the global digit array with stride ncp, or a shared
 // stage); xsb: the columns' scales. Columns from rc on hold zero digits (no token): not read.
-template <int NT, int RT, bool Q6>
+// SWZ: xqb is a gemmi stage (GmStage), whose odd digit groups hold column j at j ^ 4.
+template <int NT, int RT, bool Q6, bool SWZ = false>
 __device__ __forceinline__ void superblock_tiles(const Q4KRegs (&a4)[RT], const Q6KRegs (&a6)[RT],
                                                  const i8* __restrict__ xqb, long long stride,
                                                  const float* __restrict__ xsb, const i8* __restrict__ xmb, int g,
@@ -270,8 +271,9 @@ __device__ __forceinline__ void superblock_tiles(const Q4KRegs (&a4)[RT], const 
             for (int t = 0; t < RT; t++) o[t] = q4k_step(a4[t], k0[t], k1[t], s);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
+                const int col = 8 * nt + (g ^ (SWZ ? (c >> 1) << 2 : 0));  // in group 2s + (c >> 1)
                 const uint2 bq = 8 * nt + g < rc
-                                     ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + 8 * nt + g) * 16 + 8 * (c & 1))
+                                     ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + col) * 16 + 8 * (c & 1))
                                      : make_uint2(0u, 0u);
 #pragma unroll
                 for (int t = 0; t < RT; t++) q4k_mma(o[t], bq, cs[t][nt]);
@@ -298,7 +300,8 @@ __device__ __forceinline__ void superblock_tiles(const Q4KRegs (&a4)[RT], const 
                 const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const u32 bq = 8 * nt + g < rc ? *(const u32*)(xqb + (gi * stride + 8 * nt + g) * 16 + 4 * c) : 0u;
+                    const int col = 8 * nt + (g ^ (SWZ ? (gi & 1) << 2 : 0));
+                    const u32 bq = 8 * nt + g < rc ? *(const u32*)(xqb + (gi * stride + col) * 16 + 4 * c) : 0u;
 #pragma unroll
                     for (int t = 0; t < RT; t++) q6k_mma(o[t], bq, cs[t][nt]);
                 }
@@ -309,12 +312,12 @@ __device__ __forceinline__ void superblock_tiles(const Q4KRegs (&a4)[RT], const 
             for (int nt = 0; nt < NT; nt++) q6k_finish(a6[t], *(const float2*)(xsb + 8 * nt + 2 * c), cs[t][nt], acc[t][nt]);
     }
 }
-// one row tile (gemvi_impl, gemmi)
-template <int NT, bool Q6>
+// one row tile (gemvi_impl; gemmi with SWZ)
+template <int NT, bool Q6, bool SWZ = false>
 __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6, const i8* __restrict__ xqb,
                                            long long stride, const float* __restrict__ xsb,
                                            const i8* __restrict__ xmb, int g, int c, int rc, float (&acc)[NT][4]) {
-    superblock_tiles<NT, 1, Q6>(reinterpret_cast<const Q4KRegs (&)[1]>(a4), reinterpret_cast<const Q6KRegs (&)[1]>(a6),
+    superblock_tiles<NT, 1, Q6, SWZ>(reinterpret_cast<const Q4KRegs (&)[1]>(a4), reinterpret_cast<const Q6KRegs (&)[1]>(a6),
                                 xqb, stride, xsb, xmb, g, c, rc, reinterpret_cast<float (&)[1][NT][4]>(acc));
 }
 
@@ -483,6 +486,10 @@ GEMVI_PAIR(n6, (gemvi_impl<6, false>), (gemvi_impl<6, true>))
 // from global memory (next super-block prefetched in registers).
 // grid = (ceil(T / (CW / D)), ceil(nrows / 64), n_split), 128 threads; y[z][t][row] partial sums per
 // split z (mmq.cu's mmq_reduce adds them in split order).
+// The digits are swizzled: group gq's column j sits at j ^ 4 (gq & 1) (16-byte units; CW is a
+// multiple of 8). Q4_K's B fragment (superblock_tiles) reads groups 2s and 2s + 1 in one
+// half-warp, which the plain layout (a group every CW * 16 bytes, a multiple of 128) put on the
+// same 16 banks: a 2-way conflict on every fragment load.
 template <int CW>
 struct GmStage {
     __align__(16) i8 xq[16 * CW * 16];  // digit bytes of one super-block
@@ -497,7 +504,7 @@ __device__ __forceinline__ void gm_stage(GmStage<CW>& st, const i8* __restrict__
     for (int i = threadIdx.x; i < 17 * CW + CW / 4; i += blockDim.x) {
         if (i < 16 * CW) {  // digits: 16 groups x CW columns x 16 bytes = CW chunks per group
             const int gq = i / CW, ch = i % CW;
-            cp_async16(st.xq + gq * CW * 16 + ch * 16, xq + ((16LL * sb + gq) * ncp + cb) * 16 + ch * 16);
+            cp_async16(st.xq + (gq * CW + (ch ^ ((gq & 1) << 2))) * 16, xq + ((16LL * sb + gq) * ncp + cb) * 16 + ch * 16);
         } else if (i < 17 * CW) {  // sub-block sums: CW columns x 16 bytes
             const int ch = i - 16 * CW;
             cp_async16(st.xm + ch * 16, xm + ((long long)sb * ncp + cb) * 16 + ch * 16);
@@ -570,7 +577,7 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
         cp_async_commit();
         cp_async_wait<1>();  // this super-block's stage has landed (the next may be in flight)
         __syncthreads();
-        superblock<NT, Q6>(a4, a6, st[cur].xq, CW, st[cur].xs, st[cur].xm, g, c, CW, acc);
+        superblock<NT, Q6, true>(a4, a6, st[cur].xq, CW, st[cur].xs, st[cur].xm, g, c, CW, acc);
         if (Q6) a6 = n6; else a4 = n4;
         __syncthreads();  // every warp is done with st[cur] before the next iteration refills it
     }
@@ -628,7 +635,7 @@ __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long r
         const u8* st = ring + (i % S) * SB;
         const GmStage<CW>& gs = *(const GmStage<CW>*)st;
         slot_load<Q6, SEG>(a4, a6, st + GS + warp * 16 * SEG, r0, r1, sb, g, c);
-        superblock<NT, Q6>(a4, a6, gs.xq, CW, gs.xs, gs.xm, g, c, CW, acc);
+        superblock<NT, Q6, true>(a4, a6, gs.xq, CW, gs.xs, gs.xm, g, c, CW, acc);
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring becomes the reduction's tile
