@@ -453,8 +453,9 @@ def test_fuse_rows_mul_mat_split(tmp_path, gpu, cpu, monkeypatch, types, n):
 def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
     """gated_ffn on gate / up fused by fuse_rows (one product [n, 2 n_ff], then gated_act_cat, or
     for one row or gemmi's rows (20) on gemv_int.cu gated_act_digits, which also writes the
-    digits of its output for the next integer GEMV: bit-equal to xq_digits on that output; one
-    float-GEMV row keeps gemv_gated over the views) against the CPU backend."""
+    digits of its output for the next integer GEMV: bit-equal to xq_digits on that output, and
+    sums gemmi's split-K partials itself: bit-equal to the reduced product; one float-GEMV row
+    keeps gemv_gated over the views) against the CPU backend."""
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # one row of this small K-quant pair on gemv_int.cu
@@ -474,6 +475,10 @@ def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
         gpu._digits_of = (None, None)
         for a, b in zip(fused, _one_token_digits(gpu._digits(y))):
             np.testing.assert_array_equal(a, b)
+    if n == 20 and qname == "Q4_K":  # gemmi's split partials, summed by the activation: mmq_reduce's bits
+        assert gpu.mul_mat_parts(cp.asarray(x), g.parent)[1] > 1
+        monkeypatch.setattr(gpu, "mul_mat_parts", lambda x_, w_: (gpu.mul_mat(x_, w_), 1))
+        np.testing.assert_array_equal(cp.asnumpy(gpu.gated_ffn(cp.asarray(x), g, u, act)), cp.asnumpy(y))
 
 
 def _one_token_digits(d) -> list:

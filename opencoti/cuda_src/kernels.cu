@@ -427,24 +427,39 @@ extern "C" __global__ void gated_act(const float* __restrict__ g, const float* _
 
 // y = act(g) * u with g, u the two halves of each row of gu [n / nf, 2 nf] (a fused gate + up
 // product, CUDABackend.fuse_rows); n = rows * nf.
+// gu may be n_split split-K partial slabs of slab floats each (gemmi's, unsummed): they are added
+// in split order first, as mmq_reduce would (the same bits).
 extern "C" __global__ void gated_act_cat(const float* __restrict__ gu, float* __restrict__ y, long long n, int nf,
-                                         int act) { GRID_DEP_WAIT();
+                                         int act, int n_split, long long slab) { GRID_DEP_WAIT();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const long long r = i / nf, c = i - r * nf;
-    y[i] = gated(gu[2 * r * nf + c], gu[(2 * r + 1) * nf + c], act);
+    const long long r = i / nf, c = i - r * nf, gi = 2 * r * nf + c;
+    float g = gu[gi], u = gu[gi + nf];
+    for (int z = 1; z < n_split; z++) {
+        g += gu[z * slab + gi];
+        u += gu[z * slab + gi + nf];
+    }
+    y[i] = gated(g, u, act);
 }
-// gated_act_cat for one row or a gemmi layout's rows (nf a multiple of 256), also writing y's
-// digit columns for gemv_int.cu (digits.cuh; row t's D digit columns from D t of ncp): grid
-// (nf / 256, rows) blocks of 32 threads, a lane 8 consecutive values.
+__device__ __forceinline__ void add4(float4& a, const float* p) {
+    const float4 b = *(const float4*)p;
+    a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
+}
+// gated_act_cat for one row or a gemmi layout's rows (nf a multiple of 256; gu's n_split slabs
+// as there), also writing y's digit columns for gemv_int.cu (digits.cuh; row t's D digit columns
+// from D t of ncp): grid (nf / 256, rows) blocks of 32 threads, a lane 8 consecutive values.
 extern "C" __global__ void gated_act_digits(const float* __restrict__ gu, float* __restrict__ y, int nf, int act,
-                                            i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
-                                            int ncp, int D) { GRID_DEP_WAIT();
+                                            int n_split, long long slab, i8* __restrict__ xq,
+                                            float* __restrict__ xs, i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
     const int sb = blockIdx.x, lane = threadIdx.x, e0 = sb * 256 + 8 * lane, t = blockIdx.y;
     gu += (long long)t * 2 * nf;
     y += (long long)t * nf;
-    const float4 g0 = *(const float4*)(gu + e0), g1 = *(const float4*)(gu + e0 + 4);
-    const float4 u0 = *(const float4*)(gu + nf + e0), u1 = *(const float4*)(gu + nf + e0 + 4);
+    float4 g0 = *(const float4*)(gu + e0), g1 = *(const float4*)(gu + e0 + 4);
+    float4 u0 = *(const float4*)(gu + nf + e0), u1 = *(const float4*)(gu + nf + e0 + 4);
+    for (int z = 1; z < n_split; z++) {
+        const float* p = gu + z * slab;
+        add4(g0, p + e0); add4(g1, p + e0 + 4); add4(u0, p + nf + e0); add4(u1, p + nf + e0 + 4);
+    }
     const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w}, u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
     float v[8];
 #pragma unroll

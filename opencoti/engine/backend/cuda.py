@@ -739,6 +739,16 @@ class CUDABackend:
         F32 GEMV (units of 8 floats) for up to ``GEMV_MAX_TOKENS`` rows, so no cuBLAS call
         lands in a captured decode graph (e.g. Qwen's shared-expert gate ``[1, n_embd]``,
         a small per-layer projection); anything else goes to cuBLAS."""
+        return self._mul_mat(x, w, False)
+
+    def mul_mat_parts(self, x, w) -> tuple:
+        """``mul_mat`` leaving gemmi's split-K partial slabs unsummed for a consumer that adds
+        them itself (in split order, as ``mmq_reduce``: the same bits): ``(slabs [n_split, n,
+        out] float32, n_split)``, or ``(y [n, out], 1)`` where nothing is split."""
+        r = self._mul_mat(x, w, True)
+        return r if isinstance(r, tuple) else (r, 1)
+
+    def _mul_mat(self, x, w, parts: bool):
         cp = self.cp
         if not isinstance(w, QTensor):
             if (x.shape[0] > GEMV_MAX_TOKENS or w.ndim != 2 or w.dtype != np.float32 or w.shape[1] % 8
@@ -763,7 +773,7 @@ class CUDABackend:
                 return self._gemm_f16x3(x, w)
             return cp.matmul(x, self.dequantize(w).T)
         if self._imma(n, w, FUSE and x is self._digits_of[0]):
-            return self._gemvi(self._digits(x), w)
+            return self._gemvi(self._digits(x), w, parts)
         if MMQ_MIN_ROWS and n >= MMQ_MIN_ROWS and w.ggml_type != 0:
             return self._mmq(x, w)
         y = cp.empty((n, rows), dtype=cp.float32)
@@ -865,7 +875,7 @@ class CUDABackend:
                 and (n > 1 or digits or w.shape[0] * w.shape[1] >= IMMA_MIN_WEIGHT)
                 and (n <= IMMA_MAX_ROWS or (IMMA_MAX_ROWS > 0 and IMMA_BATCH and n <= GEMV_MAX_TOKENS)))
 
-    def _gemvi(self, digits, w: QTensor):
+    def _gemvi(self, digits, w: QTensor, parts: bool = False):
         """``x @ w.T`` -> ``[n, rows]`` float32 for a Q4_K / Q6_K ``w`` and ``x`` given as
         ``_digits(x)``, on the integer tensor cores (gemv_int.cu): up to ``IMMA_MAX_ROWS`` rows 16
         weight rows per block (one column tile: 16 GEMVI_ROW_TILES), the super-blocks split over
@@ -875,7 +885,8 @@ class CUDABackend:
         ``gemmi_tiles``; weights and
         digits through shared-memory stages, ``gemmi_ring_stages``; the super-blocks split over
         blocks, ``gemmi_splits``, partial sums added in split order by ``mmq_reduce``).
-        Deterministic either way.
+        Deterministic either way. ``parts``: gemmi returns ``(slabs, n_split)``, its partial
+        slabs unsummed (``mul_mat_parts``); the other paths return ``y`` as always.
         Relative error ~3e-7 of the largest |x w| term against float64 (float32 level) with 3
         digits; with 2 the activations carry 2^-16 of their block maximum (test_gemvi_matches_reference).
         Graph-safe."""
@@ -901,6 +912,8 @@ class CUDABackend:
             fn((ntok, nr, n_split), (128,),
                (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
                 np.int32(xs.shape[1]), np.int32(nd)), **kw)
+            if parts:
+                return out, n_split
             if n_split > 1:
                 self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
                                             (out, y, np.int64(y.size), np.int32(n_split)))
@@ -1081,15 +1094,16 @@ class CUDABackend:
         if P is not None and n <= GEMV_MAX_TOKENS and (n > 1 or self._imma(1, P, x is self._digits_of[0])):
             # gate and up fused (fuse_rows): one product [n, 2 n_ff] (one-token float GEMVs keep gemv_gated)
             x = cp.ascontiguousarray(x, dtype=cp.float32)
-            gu = self.mul_mat(x, P)
+            gu, ns = self.mul_mat_parts(x, P)  # gemmi's split partials are summed by the activation
             nf = gate.shape[0]
             y = cp.empty((n, nf), dtype=cp.float32)
             dg = self._row_digits(y)
+            sl = (np.int32(ns), np.int64(n * 2 * nf))
             if dg[0] is not _NULL:
-                self._fn("k", "gated_act_digits")((nf // 256, n), (32,), (gu, y, np.int32(nf), np.int32(a)) + dg)
+                self._fn("k", "gated_act_digits")((nf // 256, n), (32,), (gu, y, np.int32(nf), np.int32(a)) + sl + dg)
             else:
                 self._fn("k", "gated_act_cat")(((y.size + 255) // 256,), (256,),
-                                               (gu, y, np.int64(y.size), np.int32(nf), np.int32(a)))
+                                               (gu, y, np.int64(y.size), np.int32(nf), np.int32(a)) + sl)
             return y
         if self._imma(x.shape[0], gate) and self._imma(x.shape[0], up):
             d = self._digits(cp.ascontiguousarray(x, dtype=cp.float32))  # one quantization for both
