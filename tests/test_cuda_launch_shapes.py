@@ -199,9 +199,10 @@ def test_gemmi_tiles(monkeypatch):
 
 def test_group_caps_private_floor(monkeypatch):
     """A grouped plan's graph-key capacities (``_group_caps``): the private lists' bucket is at
-    least GROUP_PRIVATE_CELLS per view, so 8 sharers whose private cells grow from ~20 to ~85
-    keep one key (a plain bucket moved 256 -> 512 on the way); exact lengths for the eager path;
-    shared lists a plain bucket; 0 restores the plain bucket."""
+    least GROUP_PRIVATE_CELLS per grouped view (a view outside the groups counts its cells only),
+    so 8 sharers whose private cells grow from ~20 to ~85 keep one key (a plain bucket moved 256 ->
+    512 on the way); exact lengths for the eager path; shared lists a plain bucket; 0 restores the
+    plain bucket."""
     from types import SimpleNamespace as NS
 
     def plan(n_priv, n_views=8, n_other=0):
@@ -212,7 +213,8 @@ def test_group_caps_private_floor(monkeypatch):
     caps = cu.CUDABackend._group_caps
     monkeypatch.setattr(cu, "GROUP_PRIVATE_CELLS", 256)
     assert caps(plan(21, n_other=3), exact=True) == (8 * 21 + 3, (5000,))
-    assert {caps(plan(n), exact=False) for n in range(21, 86)} == {(4096, (8192,))}  # 9 views x 256 -> 4096
+    assert {caps(plan(n), exact=False) for n in range(21, 86)} == {(2048, (8192,))}  # 8 sharers x 256
+    assert {caps(plan(n, n_other=2000), exact=False)[0] for n in range(21, 86)} == {4096}  # + 2,000 cells
     assert caps(plan(300), exact=False) == (4096, (8192,)) and caps(plan(600), exact=False) == (8192, (8192,))
     monkeypatch.setattr(cu, "GROUP_PRIVATE_CELLS", 0)
     assert caps(plan(21), exact=False)[0] == 256 and caps(plan(40), exact=False)[0] == 512

@@ -1,7 +1,7 @@
 // gemv_int.cu's activation digits (layout in gemv_int.cu's header), written by one warp for one
 // 256-element super-block of one token: xq_digits, and the kernels whose output feeds an integer
-// GEMV directly (kernels.cu's norms and gated activation, for one-token decode steps), so that
-// the GEMV needs no digit pass of its own. The bits are xq_digits' in every case.
+// GEMV directly (kernels.cu's norms and gated activation, for one-token decode steps and for
+// gemmi's 9..64 rows), so that the GEMV needs no digit pass of its own. The bits are xq_digits' in every case.
 #include "quants.cuh"
 
 // v: the lane's 8 consecutive values, elements 8 * lane .. of super-block sb; col0: the token's

@@ -21,7 +21,8 @@
 // float GEMV spends ~6 instructions per weight, which bounds it below memory bandwidth on the H200).
 //
 // Columns: a block computes TPB tokens (CW = 8 * NT columns, TPB = CW / D: with D = 3, NT = 1 -> 2
-// tokens, 3 -> 8, 6 -> 16; with D = 2, 4, 12, 24); token t's digit i is column
+// tokens, 3 -> 8, 6 -> 16; with D = 2, 4, 12, 24; gemmi 16 tokens, with D = 2 also 32, NT = 8:
+// there column D t + i either way); token t's digit i is column
 // (t / TPB) * CW + D * (t % TPB) + i (ncp columns in all, a multiple of CW; columns of no token
 // hold zero digits). Every kernel takes D as its last argument.
 //   xq   [K/16, ncp, 16] int8 digits, 16 elements of each column in a row, so that the

@@ -88,7 +88,7 @@ MMQ_BM, MMQ_BK, MMQ_LD = 128, 128, 136  # mmq.cu's MQ_BM, MQ_BK, MQ_LD
 # float GEMV / mmq.cu. OPENCOTI_CUDA_IMMA_MAX_ROWS=0 turns it off.
 IMMA_MAX_ROWS = int(os.environ.get("OPENCOTI_CUDA_IMMA_MAX_ROWS", "8"))
 # ... and from IMMA_MAX_ROWS + 1 to GEMV_MAX_TOKENS rows the tiled variant (gemv_int.cu gemmi: 64
-# weight rows x 16 tokens per block, digits staged in shared memory) instead of mmq.cu.
+# weight rows x 16 or 32 tokens per block, digits staged in shared memory) instead of mmq.cu.
 # OPENCOTI_CUDA_IMMA_BATCH=0 turns that off.
 IMMA_BATCH = os.environ.get("OPENCOTI_CUDA_IMMA_BATCH", "1") != "0"
 # gemmi compiled for 2, 3 or 4 resident blocks per SM (register cap); 3 measured best on the H200
@@ -138,7 +138,6 @@ def gemmi_ring_smem(nt: int, stages: int, ggml_type: int) -> int:
     digit columns + the 64 rows' blocks, 240 bytes per Q6_K block's chunks, 144 per Q4_K)."""
     cw = 8 * nt
     return stages * (17 * cw * 16 + cw * 4 + 64 * (240 if ggml_type == 14 else 144))
-
 
 
 def gemmi_tiles(n: int, nd: int, smem_per_block: int) -> int:
@@ -267,8 +266,10 @@ SP_QT = 64
 # cells, us, parts of >= 256 / 128 cells at up to 4 blocks per SM: 8 sharers 41.2 / 31.6, 32
 # sharers 47.5 / 57.9 (the second wave)
 SP_SPLIT_CELLS = int(os.environ.get("OPENCOTI_CUDA_SP_SPLIT_CELLS", "128"))
+if SP_SPLIT_CELLS < 1:
+    raise ValueError(f"OPENCOTI_CUDA_SP_SPLIT_CELLS={SP_SPLIT_CELLS}: expected >= 1")
 SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
-# a grouped (PolyKV) graph key's private-cell bucket is at least this many cells per view: the
+# a grouped (PolyKV) graph key's private-cell bucket is at least this many cells per grouped view: the
 # private lists grow by one cell per sequence per step, and a bucket that crossed a power of two
 # every few steps captured a new graph each time (a decode window of 8 sharers with ~20-85
 # private cells each crossed 256 -> 512 once). 0: the plain bucket of the lists' sum.
@@ -843,7 +844,10 @@ class CUDABackend:
         cp = self.cp
         nd = imma_digits(n, self._decode_rows == n)
         # gemmi (more than IMMA_MAX_ROWS rows) takes tiles of 16 or 32 tokens (gemmi_tiles)
-        nt = gemmi_tiles(n, nd, self.smem_per_block) if n > IMMA_MAX_ROWS else 6 if n > 24 // nd else 3 if n > 8 // nd else 1
+        if n > IMMA_MAX_ROWS:
+            nt = gemmi_tiles(n, nd, self.smem_per_block)
+        else:
+            nt = 6 if n > 24 // nd else 3 if n > 8 // nd else 1
         cw = 8 * nt
         ncp = -(-n // (cw // nd)) * cw
         return (cp.empty((ncp, k), dtype=cp.int8), cp.empty((k // 256, ncp), dtype=cp.float32),
@@ -895,11 +899,14 @@ class CUDABackend:
         rows, k = w.shape
         if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
             nt = gemmi_kernel_tiles(nt, nd, w.ggml_type)
-            ntok = -(-n // (8 * nt // nd))  # token groups of 16 or 32 tokens
-            y = cp.empty((n, rows), dtype=cp.float32)
-            kw = {}
             stages = gemmi_ring_stages(nt)
             smem = gemmi_ring_smem(nt, stages, w.ggml_type)
+            if nt == 8 and not (stages and smem <= self.smem_per_block):  # no 8-tile kernel to take it:
+                nt = 2 * nd  # 16-token blocks read the 32-token layout as two groups each
+                stages = gemmi_ring_stages(nt)
+                smem = gemmi_ring_smem(nt, stages, w.ggml_type)
+            ntok = -(-n // (8 * nt // nd))  # token groups of 16 or 32 tokens
+            kw = {}
             if stages and smem <= self.smem_per_block:
                 kw["shared_mem"] = smem
                 fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{stages}_n{nt}", kw["shared_mem"])
@@ -908,12 +915,13 @@ class CUDABackend:
                 fn, per_sm = self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{nt}"), GEMMI_BLOCKS
             nr = -(-rows // 64)  # row blocks
             n_split = gemmi_splits(ntok * nr, k // 256, self.n_sm, per_sm)
+            y = cp.empty((n, rows), dtype=cp.float32) if n_split == 1 or not parts else None
             out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
             fn((ntok, nr, n_split), (128,),
                (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
                 np.int32(xs.shape[1]), np.int32(nd)), **kw)
             if parts:
-                return out, n_split
+                return out, n_split  # (y itself when unsplit)
             if n_split > 1:
                 self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
                                             (out, y, np.int64(y.size), np.int32(n_split)))
@@ -1540,12 +1548,12 @@ class CUDABackend:
     def _group_caps(plan, exact: bool) -> tuple:
         """``(pcap, scaps)``: capacity of the private cell lists (all views together) and of
         each group's shared list; exact lengths (eager) or ``_bucket``s (graph keys; the private
-        one of at least GROUP_PRIVATE_CELLS per view)."""
+        one of at least GROUP_PRIVATE_CELLS per grouped view)."""
         grouped = {i for g in plan.groups for i in g.views}
         n_priv = sum(len(v.private) if i in grouped else len(v.cells) for i, v in enumerate(plan.views))
         if exact:
             return n_priv, tuple(len(g.cells) for g in plan.groups)
-        return (_bucket(max(n_priv, GROUP_PRIVATE_CELLS * len(plan.views))),
+        return (_bucket(max(n_priv, GROUP_PRIVATE_CELLS * len(grouped))),
                 tuple(_bucket(len(g.cells)) for g in plan.groups))
 
     @classmethod
