@@ -184,12 +184,12 @@ def test_gemmi_tiles(monkeypatch):
     monkeypatch.setattr(cu, "GEMMI_TOKENS", None)
     big = 232448
     assert [cu.gemmi_tiles(n, nd, big) for n, nd in ((9, 2), (16, 2), (17, 2), (64, 2), (32, 3))] == [4, 4, 8, 8, 6]
-    assert [cu.gemmi_kernel_tiles(8, 2, t) for t in (12, 14)] == [4, 8]
-    assert [cu.gemmi_kernel_tiles(4, 2, t) for t in (12, 14)] == [4, 4] and cu.gemmi_kernel_tiles(6, 3, 14) == 6
+    assert [cu.gemmi_kernel_tiles(8, 2, t, big) for t in (12, 14)] == [4, 8]
+    assert [cu.gemmi_kernel_tiles(4, 2, t, big) for t in (12, 14)] == [4, 4] and cu.gemmi_kernel_tiles(6, 3, 14, big) == 6
     monkeypatch.setattr(cu, "GEMMI_TOKENS", 16)
     assert [cu.gemmi_tiles(n, nd, big) for n, nd in ((9, 2), (32, 2), (64, 2), (32, 3))] == [4, 4, 4, 6]
     monkeypatch.setattr(cu, "GEMMI_TOKENS", 32)
-    assert cu.gemmi_tiles(32, 2, big) == 8 and [cu.gemmi_kernel_tiles(8, 2, t) for t in (12, 14)] == [8, 8]
+    assert cu.gemmi_tiles(32, 2, big) == 8 and [cu.gemmi_kernel_tiles(8, 2, t, big) for t in (12, 14)] == [8, 8]
     # 3 stages of 64 digit columns and 64 Q6_K rows: 3 x (17,408 + 256 + 15,360) bytes
     assert cu.gemmi_ring_smem(8, 3, 14) == 99072 and cu.gemmi_ring_smem(4, 3, 12) == 3 * (8704 + 128 + 9216)
     assert cu.gemmi_tiles(32, 2, 99072) == 8 and cu.gemmi_tiles(32, 2, 99071) == 4

@@ -516,10 +516,10 @@ __device__ __forceinline__ void gm_stage(GmStage<CW>& st, const i8* __restrict__
     }
 }
 
-// Sums a token's D digit columns of the block's R x CW tile (R = 16 warps rows; acc per warp as
-// in gemvi) and writes y[t, row] for the block's CW / D tokens (16, or 32 with NT = 8) and R
-// rows; red: R x (CW + 1) floats of shared memory.
-template <int NT, int R = 64>
+// Sums a token's D digit columns of the block's 64 x CW tile (acc per warp as in gemvi) and
+// writes y[t, row] for the block's CW / D tokens (16, or 32 with NT = 8) and rows; red: 64 x
+// (CW + 1) floats of shared memory.
+template <int NT>
 __device__ __forceinline__ void gemmi_store(const float (&acc)[NT][4], float* red, float* __restrict__ y, int nrows,
                                             int T, int D) {
     constexpr int LD = 8 * NT + 1;
@@ -534,9 +534,9 @@ __device__ __forceinline__ void gemmi_store(const float (&acc)[NT][4], float* re
         red[(r0 + 8) * LD + 8 * nt + 2 * c + 1] = acc[nt][3];
     }
     __syncthreads();
-    const int row0 = blockIdx.y * R, t0 = blockIdx.x * tpb;
-    for (int o = threadIdx.x; o < R * tpb; o += blockDim.x) {
-        const int r = o % R, tl = o / R, t = t0 + tl, row = row0 + r;
+    const int row0 = blockIdx.y * 64, t0 = blockIdx.x * tpb;
+    for (int o = threadIdx.x; o < 64 * tpb; o += blockDim.x) {
+        const int r = o & 63, tl = o >> 6, t = t0 + tl, row = row0 + r;
         if (t < T && row < nrows) {
             float sum = 0.f;
             for (int d = 0; d < D; d++) sum += red[r * LD + D * tl + d];
@@ -594,15 +594,15 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
 // barrier per super-block: after it every warp is done with the slot the next fill overwrites.
 // Each warp copies its own 16 rows (RingPlan), all threads the digit columns (gm_stage).
 // Dynamic shared memory S * (sizeof(GmStage<CW>) + 64 SEG) bytes.
-template <int NT, bool Q6, int S, int NW = 4>
+template <int NT, bool Q6, int S>
 __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
     extern __shared__ __align__(16) u8 ring[];
-    constexpr int CW = 8 * NT, SEG = RingPlan<Q6, 1>::SEG, GS = (int)sizeof(GmStage<CW>), R = 16 * NW, SB = GS + R * SEG;
-    static_assert(S >= 2 && GS % 16 == 0 && S * SB >= R * (CW + 1) * (int)sizeof(float), "gemmi_ring's stages");
+    constexpr int CW = 8 * NT, SEG = RingPlan<Q6, 1>::SEG, GS = (int)sizeof(GmStage<CW>), SB = GS + 64 * SEG;
+    static_assert(S >= 2 && GS % 16 == 0 && S * SB >= 64 * (CW + 1) * (int)sizeof(float), "gemmi_ring's stages");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int cb = blockIdx.x * CW, rw = min(blockIdx.y * R + 16 * warp, nrows - 1), last = nrows - 1 - rw;
+    const int cb = blockIdx.x * CW, rw = min(blockIdx.y * 64 + 16 * warp, nrows - 1), last = nrows - 1 - rw;
     const int nsb = K >> 8, ns = gridDim.z, sb0 = blockIdx.z * nsb / ns, sb1 = (blockIdx.z + 1) * nsb / ns;
     y += (long long)blockIdx.z * T * nrows;
     const u8* const Wt = W + (long long)rw * rb;  // the warp's first row (rows past the end: the last)
@@ -640,7 +640,7 @@ __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long r
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring becomes the reduction's tile
-    gemmi_store<NT, R>(acc, (float*)ring, y, nrows, T, D);
+    gemmi_store<NT>(acc, (float*)ring, y, nrows, T, D);
 }
 
 // _o<B>_n<NT>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B)), NT = 2 D

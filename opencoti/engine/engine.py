@@ -402,12 +402,15 @@ class Engine:
             self.recent_tps = 0.8 * self.recent_tps + 0.2 * (ub.n_tokens / dt) if self.recent_tps else ub.n_tokens / dt
         self._postprocess(ub, owners, logits, argmax)
 
-    def _settle(self, hold_events: bool) -> None:
-        """Wait for the step in flight, if any, and postprocess it."""
+    def _settle(self, hold_events: bool):
+        """Wait for the step in flight, if any, and postprocess it; returns its argmax pair
+        (``StepResult.result``), None when nothing was in flight."""
         prev, self._inflight = self._inflight, None
-        if prev is not None:
-            pair = prev.result.result()
-            self._complete(prev.ub, prev.owners, pair, True, prev.t0, hold_events)
+        if prev is None:
+            return None
+        pair = prev.result.result()
+        self._complete(prev.ub, prev.owners, pair, True, prev.t0, hold_events)
+        return pair
 
     def _decode_only(self, ub: UBatch, owners) -> bool:
         """Whether ``ub`` is one decode row per owner, every owner a generating slot, rows in
@@ -455,10 +458,8 @@ class Engine:
         except KVCacheFullError:
             return False
         self._events.release()
-        self._inflight = None
         try:
-            pair = prev.result.result()
-            self._complete(prev.ub, prev.owners, pair, True, prev.t0, hold_events)
+            pair = self._settle(hold_events)
         except BaseException:  # the queued step goes with it (the loop fails the busy requests)
             self._drop_rows(ub, result, range(T))
             raise

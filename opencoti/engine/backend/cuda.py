@@ -140,26 +140,32 @@ def gemmi_ring_smem(nt: int, stages: int, ggml_type: int) -> int:
     return stages * (17 * cw * 16 + cw * 4 + 64 * (240 if ggml_type == 14 else 144))
 
 
+def _gemmi_ring8_fits(ggml_type: int, smem_per_block: int) -> bool:
+    """Whether an 8-tile (32-token) gemmi_ring kernel is built (``gemmi_ring_stages``) and its
+    stages for a weight of ``ggml_type`` fit ``smem_per_block`` bytes."""
+    st = gemmi_ring_stages(8)
+    return st > 0 and gemmi_ring_smem(8, st, ggml_type) <= smem_per_block
+
+
 def gemmi_tiles(n: int, nd: int, smem_per_block: int) -> int:
     """MMA column tiles of the digit layout of ``n`` activation rows of ``nd`` digits for gemmi:
     8 (32-token groups) with 2 digits and more than 16 rows where a weight type takes 32-token
-    blocks (GEMMI_TOKENS, else GEMMI_TYPE_TOKENS) and the 8-tile ring kernel fits
-    (``gemmi_ring_stages``, within ``smem_per_block`` bytes for either weight type), else 2 ``nd``
-    (16 tokens). ``gemmi_kernel_tiles`` picks each weight's kernel for the layout."""
-    st = gemmi_ring_stages(8)
+    blocks (GEMMI_TOKENS, else GEMMI_TYPE_TOKENS) and the 8-tile ring kernel fits for either
+    type (``_gemmi_ring8_fits`` of Q6_K, the larger), else 2 ``nd`` (16 tokens).
+    ``gemmi_kernel_tiles`` picks each weight's kernel for the layout."""
     wide = GEMMI_TOKENS == 32 or (GEMMI_TOKENS is None and 32 in GEMMI_TYPE_TOKENS.values())
-    if nd == 2 and n > 16 and wide and st and gemmi_ring_smem(8, st, 14) <= smem_per_block:
+    if nd == 2 and n > 16 and wide and _gemmi_ring8_fits(14, smem_per_block):
         return 8
     return 2 * nd
 
 
-def gemmi_kernel_tiles(nt: int, nd: int, ggml_type: int) -> int:
+def gemmi_kernel_tiles(nt: int, nd: int, ggml_type: int, smem_per_block: int) -> int:
     """Column tiles of the gemmi kernel that multiplies a weight of ``ggml_type`` with digits laid
-    out in ``nt``-tile groups (``gemmi_tiles``): 8 where the type takes 32-token blocks, else
-    2 ``nd`` (a 16-token kernel reads the 32-token layout as two groups each)."""
-    if nt == 8 and (GEMMI_TOKENS or GEMMI_TYPE_TOKENS.get(ggml_type, 16)) == 32:
-        return 8
-    return 2 * nd
+    out in ``nt``-tile groups (``gemmi_tiles``): 8 where that type takes 32-token blocks and the
+    8-tile kernel fits (``_gemmi_ring8_fits``), else 2 ``nd`` (a 16-token kernel reads the 32-token
+    layout as two groups each)."""
+    wide = (GEMMI_TOKENS or GEMMI_TYPE_TOKENS.get(ggml_type, 16)) == 32
+    return 8 if nt == 8 and wide and _gemmi_ring8_fits(ggml_type, smem_per_block) else 2 * nd
 
 
 IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
@@ -898,13 +904,9 @@ class CUDABackend:
         xq, xs, xm, n, nt, nd = digits
         rows, k = w.shape
         if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
-            nt = gemmi_kernel_tiles(nt, nd, w.ggml_type)
+            nt = gemmi_kernel_tiles(nt, nd, w.ggml_type, self.smem_per_block)
             stages = gemmi_ring_stages(nt)
             smem = gemmi_ring_smem(nt, stages, w.ggml_type)
-            if nt == 8 and not (stages and smem <= self.smem_per_block):  # no 8-tile kernel to take it:
-                nt = 2 * nd  # 16-token blocks read the 32-token layout as two groups each
-                stages = gemmi_ring_stages(nt)
-                smem = gemmi_ring_smem(nt, stages, w.ggml_type)
             ntok = -(-n // (8 * nt // nd))  # token groups of 16 or 32 tokens
             kw = {}
             if stages and smem <= self.smem_per_block:
@@ -915,16 +917,17 @@ class CUDABackend:
                 fn, per_sm = self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{nt}"), GEMMI_BLOCKS
             nr = -(-rows // 64)  # row blocks
             n_split = gemmi_splits(ntok * nr, k // 256, self.n_sm, per_sm)
-            y = cp.empty((n, rows), dtype=cp.float32) if n_split == 1 or not parts else None
-            out = y if n_split == 1 else cp.empty((n_split, n, rows), dtype=cp.float32)
+            out = cp.empty((n, rows) if n_split == 1 else (n_split, n, rows), dtype=cp.float32)
             fn((ntok, nr, n_split), (128,),
                (w.data, np.int64(w.row_bytes), xq, xs, xm, out, np.int32(rows), np.int32(k), np.int32(n),
                 np.int32(xs.shape[1]), np.int32(nd)), **kw)
             if parts:
-                return out, n_split  # (y itself when unsplit)
-            if n_split > 1:
-                self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
-                                            (out, y, np.int64(y.size), np.int32(n_split)))
+                return out, n_split
+            if n_split == 1:
+                return out
+            y = cp.empty((n, rows), dtype=cp.float32)
+            self._fn("m", "mmq_reduce")(((y.size + 255) // 256,), (256,),
+                                        (out, y, np.int64(y.size), np.int32(n_split)))
             return y
         nsb, ncb = k // 256, xs.shape[1] // (8 * nt)
         y = cp.empty((n, rows), dtype=cp.float32)
