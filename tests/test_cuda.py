@@ -1728,6 +1728,51 @@ def test_shared_prefix_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv,
     np.testing.assert_allclose(got, per_seq, rtol=2e-4, atol=atol)
 
 
+@pytest.mark.parametrize("d,n_head,n_kv", [(128, 28, 4), (256, 4, 1), (64, 12, 1)])
+@pytest.mark.parametrize("rows,groups", [(12, True), (12, False), (1, False)])
+def test_merge_digits_equal_xq_digits(gpu, monkeypatch, d, n_head, n_kv, rows, groups):
+    """The attention merges (sp_merge for a shared-prefix group, attn_merge for split partials)
+    write the output's gemv_int.cu digits themselves when the output projection is a K-quant
+    weight (``_row_digits``): the output bit-equal to the plain merge's, the digits bit-equal to
+    the xq_digits pass on it, for gemmi's rows of a batched decode step (12 rows, 2 digits) and
+    one row (3 digits); head sizes 64 (four heads per 256-element block), 128 and 256."""
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.engine.kv_cache import CachePlan, SeqView
+
+    rng = np.random.default_rng(3 + d + rows)
+    cc, plan, ub_pos = _shared_prefix_plan(n_kv, d, 300, 10, 1, rng)
+    if not groups:
+        plan = CachePlan(plan.stream, plan.cell, plan.views, groups=[])
+        monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 0)
+        monkeypatch.setattr(gpu, "_attn_splits", lambda *a: 3)
+    if rows == 1:  # one sharer's row alone, over all its cells
+        v = plan.views[0]
+        r = int(v.rows[0])
+        plan = CachePlan(plan.stream[r:r + 1], plan.cell[r:r + 1],
+                         [SeqView(np.array([0]), v.stream, v.cells, v.cell_pos, v.seq_id)], groups=[])
+        ub_pos = ub_pos[r:r + 1]
+    monkeypatch.setattr(gpu, "_decode_rows", rows)
+    k_all = cp.asarray(rng.standard_normal(cc.k[0].shape).astype(np.float16))
+    v_all = cp.asarray(rng.standard_normal(cc.v[0].shape).astype(np.float16))
+    q = cp.asarray(rng.standard_normal((rows, n_head, d)).astype(np.float32))
+    width = n_head * d
+    outs = []
+    for cols in (gpu._digit_cols - {width}, gpu._digit_cols | {width}):
+        monkeypatch.setattr(gpu, "_digit_cols", cols)
+        gpu._meta, gpu._digits_of = {}, (None, None)
+        outs.append(gpu.attention_cells(q, ub_pos, k_all, v_all, plan, 1 / np.sqrt(d)))
+    plain, fused = outs
+    assert gpu._digits_of[0] is fused, "the merge wrote no digits"
+    np.testing.assert_array_equal(cp.asnumpy(fused), cp.asnumpy(plain))
+    assert np.abs(cp.asnumpy(plain)).max() > 0
+    mine = _one_token_digits(gpu._digits_of[1])
+    gpu._digits_of = (None, None)
+    want = gpu._digits(fused)
+    assert want[5] == (2 if rows > cu.IMMA_MAX_ROWS else 3)
+    for a, b in zip(mine, _one_token_digits(want)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_shared_prefix_two_groups_and_large_query(gpu, cpu):
     """Two pools in one ubatch (two groups, one launch each), a prefix longer than a split,
     query values large enough that an f16 Q alone would be off by ~1e-3 (the hi/lo split

@@ -18,6 +18,7 @@
 // attn_merge combines by log-sum-exp (Dao et al., flash-decoding).
 #include "quants.cuh"
 #include "lse_merge.cuh"
+#include "digits.cuh"
 #include "attn_stream.cuh"
 
 #define NWARP 4
@@ -231,6 +232,23 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const 
         if (M != NEG_INF) lse_add(part_acc, part_ml, rh * n_split, n_split, D, d, M, L, A);
         out[rh * D + d] = L > 0.f ? A / L : 0.f;
     }
+}
+// attn_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
+// column nd t of ncp), for an integer GEMV that reads the output next (the attention output
+// projection): grid (T, n_head * D / 256), 256 threads, thread i element 256 blockIdx.y + i of
+// the row (attn_merge's value, bit for bit).
+extern "C" __global__ void attn_merge_digits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                             float* __restrict__ out, int n_head, int D, int n_split,
+                                             i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
+                                             int ncp, int nd) { GRID_DEP_WAIT();
+    const int e = blockIdx.y * 256 + threadIdx.x, h = e / D, d = e % D;
+    const long long rh = (long long)blockIdx.x * n_head + h;
+    const float M = lse_max(part_ml, rh * n_split, n_split, NEG_INF);
+    float L = 0.f, A = 0.f;
+    if (M != NEG_INF) lse_add(part_acc, part_ml, rh * n_split, n_split, D, d, M, L, A);
+    const float v = L > 0.f ? A / L : 0.f;
+    out[rh * D + d] = v;
+    digits_block256(v, blockIdx.y, (long long)nd * blockIdx.x, ncp, nd, xq, xs, xm);
 }
 // attn_stream_d<D>: attn_partial's partials for long rows, K / V streamed through shared memory
 // (attn_stream.cuh) from f16 rows

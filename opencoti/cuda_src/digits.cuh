@@ -65,3 +65,19 @@ __device__ __forceinline__ void digits_row(const float* y, int K, int ncp, int D
         digits_store(v, sb, lane, col0, D, ncp, D, xq, xs, xm);
     }
 }
+
+// A block of 256 threads, thread i holding element i of super-block sb of one token's row (a kernel
+// that makes the row 256 values per block, e.g. the attention merges): the values go through shared
+// memory to warp 0, which stores their digit columns col0 .. col0 + D - 1 (as digits_row). Every
+// thread of the block calls it.
+__device__ __forceinline__ void digits_block256(float v, int sb, long long col0, int ncp, int D,
+                                                i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm) {
+    __shared__ __align__(16) float s_v[256];
+    s_v[threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const float4 a = *(const float4*)(s_v + 8 * threadIdx.x), b = *(const float4*)(s_v + 8 * threadIdx.x + 4);
+        const float w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        digits_store(w, sb, threadIdx.x, col0, D, ncp, D, xq, xs, xm);
+    }
+}

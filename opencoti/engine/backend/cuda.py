@@ -108,6 +108,10 @@ GEMMI_RING = int(_GR) if _GR else None
 GEMMI_RING_KERNELS = {4: (2, 3, 4), 6: (2, 3), 8: (2, 3)}  # column tiles -> stage counts built
 if GEMMI_RING not in (None, 0, 2, 3, 4):
     raise ValueError(f"OPENCOTI_CUDA_GEMMI_RING={GEMMI_RING}: expected 0, 2, 3 or 4")
+# the attention merges (attn_merge / sp_merge) write the output projection's digits themselves
+# (attn_merge_digits / sp_merge_digits) instead of an xq_digits pass after them.
+# OPENCOTI_CUDA_MERGE_DIGITS=0: the pass.
+MERGE_DIGITS = os.environ.get("OPENCOTI_CUDA_MERGE_DIGITS", "1") != "0"
 # gemmi's tokens per block with 2 digits, for steps of more than 16 rows: 16 (4 column tiles) or
 # 32 (8 tiles, gemmi_ring only: each weight fragment and scale is decoded once for twice the
 # tokens, and a 32-row step reads each weight row in one block instead of two), per weight type.
@@ -1975,8 +1979,12 @@ class CUDABackend:
             fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
             fn((T, n_kv * n_hg, n_split), (128,), args)
         if n_split > 1:
-            self._fn("a", "attn_merge")((T, H), (min(256, D),),
-                                        (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split)))
+            args = (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split))
+            dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS  # the output projection's digits
+            if dg[0] is not _NULL:
+                self._fn("a", "attn_merge_digits")((T, H * D // 256), (256,), args + dg)
+            else:
+                self._fn("a", "attn_merge")((T, H), (min(256, D),), args)
         return out
 
     def _attention_prefill(self, q, q_pos, k_store, v_store, plan, meta: dict, scale: float, n_swa: int,
@@ -2088,7 +2096,8 @@ class CUDABackend:
         2. Shared part: per group, ``sp_attn_d<D>`` (shared_prefix.cu) reads the prefix's K/V
            tiles once into shared memory for all the group's rows x the query heads of a kv
            head (tensor-core MMA on f16 hi/lo splits, f32 accumulation), as split partials.
-        3. ``sp_merge`` combines both by log-sum-exp per (row, head).
+        3. ``sp_merge`` combines both by log-sum-exp per (row, head) (``sp_merge_digits``
+           also writes the rows' digits for the output projection, ``_row_digits``).
         Graph-safe: every launch shape follows the plan's group layout and cell buckets,
         which ``run_graph`` puts in its key. Returns ``[T, n_head * d]`` float32, equal to the
         per-sequence path up to float32 summation order."""
@@ -2128,9 +2137,12 @@ class CUDABackend:
             c0 += cap
         # 3. merge
         out = cp.empty((T, H * D), dtype=f32)
-        self._fn("s", "sp_merge")((T, H), (min(256, D),),
-                                  (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss), gm["row_slot"], out,
-                                   np.int32(H), np.int32(D)))
+        args = (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss), gm["row_slot"], out, np.int32(H), np.int32(D))
+        dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS  # the output projection's digits
+        if dg[0] is not _NULL:
+            self._fn("s", "sp_merge_digits")((T, H * D // 256), (256,), args + dg)
+        else:
+            self._fn("s", "sp_merge")((T, H), (min(256, D),), args)
         return out
 
     def _sp_splits(self, n_cells: int, blocks: int, d: int) -> int:
