@@ -481,6 +481,38 @@ def test_gated_ffn_fused(gpu, cpu, monkeypatch, qname, n, act):
         np.testing.assert_array_equal(cp.asnumpy(gpu.gated_ffn(cp.asarray(x), g, u, act)), cp.asnumpy(y))
 
 
+@pytest.mark.parametrize("rows", [20, 40])
+@pytest.mark.parametrize("post", [False, True])
+def test_add_rms_norm_sums_split_k(gpu, monkeypatch, rows, post):
+    """A product left as gemmi's split-K slabs (``mul_mat_partials`` -> ``SplitK``, what the
+    arch's ``project`` hands the residual step) gives ``add_rms_norm`` the bits of the summed
+    product (mmq_reduce's order): x_out, h_out and h_out's digits, with and without the
+    post-norm weight; one row (no split) comes back as the product itself."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "gemmi_splits", lambda nb, nsb, n_sm, per_sm=0: min(nsb, 3))
+    monkeypatch.setattr(gpu, "_decode_rows", rows)
+    monkeypatch.setattr(gpu, "_digit_cols", gpu._digit_cols | {768})
+    rng = np.random.default_rng(80 + rows)
+    w = to_qtensor(random_blocks("Q4_K", 768, 1024, rng), "Q4_K", 1024)
+    A = cp.asarray(rng.standard_normal((rows, 1024)).astype(np.float32))
+    X = cp.asarray((3 * rng.standard_normal((rows, 768))).astype(np.float32))
+    W1 = cp.asarray(rng.standard_normal(768).astype(np.float32)) if post else None
+    W2 = cp.asarray(rng.standard_normal(768).astype(np.float32))
+    p = gpu.mul_mat_partials(A, w)
+    assert isinstance(p, cu.SplitK) and p.n_split == 3 and p.shape == (rows, 768)
+    outs = []
+    for h in (gpu.mul_mat(A, w), p):
+        xo, ho = gpu.add_rms_norm(X, h, W1, W2, 1e-6)
+        assert gpu._digits_of[0] is ho
+        outs.append([cp.asnumpy(xo), cp.asnumpy(ho)] + _one_token_digits(gpu._digits_of[1]))
+    assert np.abs(outs[0][0] - cp.asnumpy(X)).max() > 0
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    one = gpu.mul_mat_partials(A[:1], w)
+    assert isinstance(one, cp.ndarray) and one.shape == (1, 768)
+
+
 def _one_token_digits(d) -> list:
     """The tokens' own digit columns of digits ``d`` (``_digits``' tuple) of one row or of a gemmi
     layout (row t's digit i in column D t + i) on the host: xq [K/16, n D, 16], xs [K/256, n D],

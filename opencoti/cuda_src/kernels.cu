@@ -327,13 +327,21 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     if (xq) norm_row_digits(v, r, wv, n, ncp, D, xq, xs, xm);
 }
 
+// h[i] as the sum of its n_split partial slabs (slab floats apart), in split order: mmq_reduce's bits
+__device__ __forceinline__ float slab_sum(const float* __restrict__ h, long long i, int n_split, long long slab) {
+    float v = h[i];
+    for (int z = 1; z < n_split; z++) v += h[i + z * slab];
+    return v;
+}
+
 // x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
-// xq ... D: h_out's digit columns too, as rms_norm's.
+// h: n_split partial slabs of the product (gemv_int.cu gemmi's split-K), slab floats apart, summed
+// here in split order (mmq_reduce's bits). xq ... D: h_out's digit columns too, as rms_norm's.
 extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const float* __restrict__ h,
                                               const float* __restrict__ w_post, const float* __restrict__ w_next,
                                               float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps,
-                                              i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
-                                              int ncp, int D) { GRID_DEP_WAIT();
+                                              int n_split, long long slab, i8* __restrict__ xq,
+                                              float* __restrict__ xs, i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const long long o = (long long)blockIdx.x * n;
     const int bd = blockDim.x, t = threadIdx.x;
@@ -345,9 +353,23 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
         xv[k] = i < n ? x[o + i] : 0.f;
         wp[k] = i < n && w_post ? w_post[i] : 1.f;
         wn[k] = i < n && w_next ? w_next[i] : 1.f;
-        s += hv[k] * hv[k];
     }
-    for (int i = t + NV * bd; i < n; i += bd) s += h[o + i] * h[o + i];
+    for (int z = 1; z < n_split; z++) {  // the other slabs, a round trip per slab for all NV values
+        float hz[NV];
+#pragma unroll
+        for (int k = 0; k < NV; k++) {
+            int i = t + k * bd;
+            hz[k] = i < n ? h[z * slab + o + i] : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < NV; k++) hv[k] += hz[k];
+    }
+#pragma unroll
+    for (int k = 0; k < NV; k++) s += hv[k] * hv[k];
+    for (int i = t + NV * bd; i < n; i += bd) {
+        const float v = slab_sum(h, o + i, n_split, slab);
+        s += v * v;
+    }
     s = block_sum(s, sh);
     const float r = w_post ? rsqrtf(s / n + eps) : 1.f;
     float s2 = 0.f;
@@ -361,7 +383,7 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
         }
     }
     for (int i = t + NV * bd; i < n; i += bd) {
-        float v = x[o + i] + h[o + i] * r * (w_post ? w_post[i] : 1.f);
+        float v = x[o + i] + slab_sum(h, o + i, n_split, slab) * r * (w_post ? w_post[i] : 1.f);
         x_out[o + i] = v;
         s2 += v * v;
     }

@@ -365,11 +365,20 @@ class DecoderModel:
         out = B.attention_cells(q, ub.pos, cache.k[il], cache.v[il], plan,
                                 hp.attention_scale, n_swa, hp.attn_logit_softcapping,
                                 type_k=cache.tier_k, type_v=cache.tier_v)
-        o = B.mul_mat(out, L.wo)
-        if L.bo is not None:
-            o = o + L.bo
-        return o
+        return self.project(out, L.wo, L.bo)
 
     def ffn(self, L: LayerWeights, h: np.ndarray) -> np.ndarray:
         B = self.backend
-        return B.mul_mat(B.gated_ffn(h, L.ffn_gate, L.ffn_up, self.ffn_act), L.ffn_down)
+        return self.project(B.gated_ffn(h, L.ffn_gate, L.ffn_up, self.ffn_act), L.ffn_down)
+
+    def project(self, a, w, b=None):
+        """``a @ w.T`` (``+ b``) for the residual step that takes it next (``forward``'s
+        ``add_rms_norm``): a backend with ``mul_mat_partials`` (CUDA) may return its split-K
+        partials unsummed, for its ``add_rms_norm`` to sum (no bias: a bias is added to the
+        product). Callers that use the result otherwise call ``mul_mat``."""
+        B = self.backend
+        partials = getattr(B, "mul_mat_partials", None)
+        if b is None and partials is not None:
+            return partials(a, w)
+        o = B.mul_mat(a, w)
+        return o if b is None else o + b

@@ -346,6 +346,21 @@ def gemmi_splits(nb: int, nsb: int, n_sm: int, per_sm: int = 0) -> int:
     return min(range(lo, min(nsb, 2 * lo) + 1), key=lambda s: (-(-nb * s // slots) / s, s))
 
 
+class SplitK:
+    """A product left as gemmi's split-K partial slabs (``CUDABackend.mul_mat_partials``):
+    ``slabs [n_split, n, out]`` float32, whose sum in split order is the product. Only
+    ``CUDABackend.add_rms_norm`` takes one."""
+
+    __slots__ = ("slabs", "n_split")
+
+    def __init__(self, slabs, n_split: int):
+        self.slabs, self.n_split = slabs, n_split
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.slabs.shape[1:])
+
+
 def _decode_rows(ub) -> int:
     """``ub``'s row count when every row is a different sequence's (a batched decode step), else 0."""
     T = len(ub.seq_id)
@@ -751,6 +766,13 @@ class CUDABackend:
         lands in a captured decode graph (e.g. Qwen's shared-expert gate ``[1, n_embd]``,
         a small per-layer projection); anything else goes to cuBLAS."""
         return self._mul_mat(x, w, False)
+
+    def mul_mat_partials(self, x, w):
+        """``mul_mat`` for a product that ``add_rms_norm`` takes next (the arch's ``project``):
+        gemmi's split-K partials come back unsummed as a ``SplitK``, which only ``add_rms_norm``
+        reads (it sums them in its own kernel: one launch fewer), else the product ``[n, out]``."""
+        y, n_split = self.mul_mat_parts(x, w)
+        return SplitK(y, n_split) if n_split > 1 else y
 
     def mul_mat_parts(self, x, w) -> tuple:
         """``mul_mat`` leaving gemmi's split-K partial slabs unsummed for a consumer that adds
@@ -1173,10 +1195,16 @@ class CUDABackend:
 
     def add_rms_norm(self, x, h, w_post, w_next, eps: float):
         """``x + rms_norm(h, w_post)`` and ``rms_norm(that, w_next)`` in one kernel (see
-        ``CPUBackend.add_rms_norm``). Returns ``(x_out, h_out or None)``."""
+        ``CPUBackend.add_rms_norm``); ``h`` may be a ``SplitK`` (``mul_mat_partials``), whose
+        slabs the kernel sums itself (``mmq_reduce``'s bits). Returns ``(x_out, h_out or None)``."""
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
-        h = cp.ascontiguousarray(h, dtype=cp.float32)
+        if isinstance(h, SplitK):
+            h, n_split = h.slabs, h.n_split
+            if h.shape[1:] != x.shape or h.dtype != cp.float32 or not h.flags.c_contiguous:
+                raise ValueError(f"add_rms_norm: partial slabs {h.shape} {h.dtype} for x {x.shape}")
+        else:
+            h, n_split = cp.ascontiguousarray(h, dtype=cp.float32), 1
         n = x.shape[-1]
         rows = x.size // n
         xo = cp.empty_like(x)
@@ -1186,7 +1214,8 @@ class CUDABackend:
         self._fn("k", "post_norm_add_norm")((rows,), (nt,),
                                             (x, h, w_post if w_post is not None else _NULL,
                                              w_next if w_next is not None else _NULL, xo,
-                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps)) + dg,
+                                             ho if ho is not None else _NULL, np.int32(n), np.float32(eps),
+                                             np.int32(n_split), np.int64(x.size)) + dg,
                                             shared_mem=smem)
         return xo, ho
 
