@@ -1,7 +1,8 @@
 // gemv_int.cu's activation digits (layout in gemv_int.cu's header), written by one warp for one
 // 256-element super-block of one token: xq_digits, and the kernels whose output feeds an integer
-// GEMV directly (kernels.cu's norms and gated activation, for one-token decode steps and for
-// gemmi's 9..64 rows), so that the GEMV needs no digit pass of its own. The bits are xq_digits' in every case.
+// GEMV directly (kernels.cu's norms and gated activation, the attention merges of attention.cu and
+// shared_prefix.cu, for one-token decode steps and for gemmi's 9..64 rows), so that the GEMV needs
+// no digit pass of its own. The bits are xq_digits' in every case.
 #include "quants.cuh"
 
 // v: the lane's 8 consecutive values, elements 8 * lane .. of super-block sb; col0: the token's
@@ -69,7 +70,7 @@ __device__ __forceinline__ void digits_row(const float* y, int K, int ncp, int D
 // A block of 256 threads, thread i holding element i of super-block sb of one token's row (a kernel
 // that makes the row 256 values per block, e.g. the attention merges): the values go through shared
 // memory to warp 0, which stores their digit columns col0 .. col0 + D - 1 (as digits_row). Every
-// thread of the block calls it.
+// thread of a 256-thread block calls it, once per kernel (no barrier guards s_v against a second call).
 __device__ __forceinline__ void digits_block256(float v, int sb, long long col0, int ncp, int D,
                                                 i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm) {
     __shared__ __align__(16) float s_v[256];

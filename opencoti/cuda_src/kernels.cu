@@ -347,7 +347,7 @@ extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const
     const int bd = blockDim.x, t = threadIdx.x;
     float hv[NV], xv[NV], wp[NV], wn[NV], s = 0.f;
 #pragma unroll
-    for (int k = 0; k < NV; k++) {  // every load of the kernel issued up front (weights included)
+    for (int k = 0; k < NV; k++) {  // the first slab's and the weights' loads issued up front
         int i = t + k * bd;
         hv[k] = i < n ? h[o + i] : 0.f;
         xv[k] = i < n ? x[o + i] : 0.f;

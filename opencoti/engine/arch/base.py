@@ -347,7 +347,9 @@ class DecoderModel:
         m = 1.0 + 0.1 * math.log(1.0 / self.hp.rope_freq_scale) if y.ext_factor != 0.0 else 1.0
         return {"yarn": dataclasses.replace(y, attn_factor=1.0 / m)}
 
-    def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet) -> np.ndarray:
+    def attention(self, il: int, L: LayerWeights, h: np.ndarray, ub: UBatch, kv: KVCacheSet):
+        """The layer's attention output projected (``project``: a backend array, or on CUDA
+        possibly unsummed split-K partials that only its ``add_rms_norm`` takes)."""
         B, hp = self.backend, self.hp
         T = h.shape[0]
         q, k, v = B.mul_mat_split(h, (L.wq, L.wk, L.wv))  # the biases are added by rope_kv_write
@@ -367,7 +369,8 @@ class DecoderModel:
                                 type_k=cache.tier_k, type_v=cache.tier_v)
         return self.project(out, L.wo, L.bo)
 
-    def ffn(self, L: LayerWeights, h: np.ndarray) -> np.ndarray:
+    def ffn(self, L: LayerWeights, h: np.ndarray):
+        """The gated FFN's output (``project``, as ``attention``'s)."""
         B = self.backend
         return self.project(B.gated_ffn(h, L.ffn_gate, L.ffn_up, self.ffn_act), L.ffn_down)
 

@@ -920,7 +920,8 @@ class CUDABackend:
         more rows (up to 64) the tiled ``gemmi`` (64 weight rows x 16 or 32 tokens per block,
         ``gemmi_tiles``; weights and
         digits through shared-memory stages, ``gemmi_ring_stages``; the super-blocks split over
-        blocks, ``gemmi_splits``, partial sums added in split order by ``mmq_reduce``).
+        blocks, ``gemmi_splits``, partial sums added in split order by ``mmq_reduce``, or by the
+        consumer: ``parts``).
         Deterministic either way. ``parts``: gemmi returns ``(slabs, n_split)``, its partial
         slabs unsummed (``mul_mat_parts``); the other paths return ``y`` as always.
         Relative error ~3e-7 of the largest |x w| term against float64 (float32 level) with 3
