@@ -222,16 +222,19 @@ DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
 DEF_ATTN(256, 1) DEF_ATTN(256, 2) DEF_ATTN(256, 4) DEF_ATTN(256, 8)
 DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
 
-// out[r, h, :] = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}; grid (T, n_head), min(D, 256) threads.
+// dim d of (row, head) rh merged: sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}
+__device__ __forceinline__ float attn_merge_one(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                                long long rh, int n_split, int D, int d) {
+    const float M = lse_max(part_ml, rh * n_split, n_split, NEG_INF);
+    float L = 0.f, A = 0.f;
+    if (M != NEG_INF) lse_add(part_acc, part_ml, rh * n_split, n_split, D, d, M, L, A);
+    return L > 0.f ? A / L : 0.f;
+}
+// out[r, h, :] merged (attn_merge_one); grid (T, n_head), min(D, 256) threads.
 extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                       float* __restrict__ out, int n_head, int D, int n_split) { GRID_DEP_WAIT();
-    long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
-    const float M = lse_max(part_ml, rh * n_split, n_split, NEG_INF);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float L = 0.f, A = 0.f;
-        if (M != NEG_INF) lse_add(part_acc, part_ml, rh * n_split, n_split, D, d, M, L, A);
-        out[rh * D + d] = L > 0.f ? A / L : 0.f;
-    }
+    const long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out[rh * D + d] = attn_merge_one(part_acc, part_ml, rh, n_split, D, d);
 }
 // attn_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
 // column nd t of ncp), for an integer GEMV that reads the output next (the attention output
@@ -243,10 +246,7 @@ extern "C" __global__ void attn_merge_digits(const float* __restrict__ part_acc,
                                              int ncp, int nd) { GRID_DEP_WAIT();
     const int e = blockIdx.y * 256 + threadIdx.x, h = e / D, d = e % D;
     const long long rh = (long long)blockIdx.x * n_head + h;
-    const float M = lse_max(part_ml, rh * n_split, n_split, NEG_INF);
-    float L = 0.f, A = 0.f;
-    if (M != NEG_INF) lse_add(part_acc, part_ml, rh * n_split, n_split, D, d, M, L, A);
-    const float v = L > 0.f ? A / L : 0.f;
+    const float v = attn_merge_one(part_acc, part_ml, rh, n_split, D, d);
     out[rh * D + d] = v;
     digits_block256(v, blockIdx.y, (long long)nd * blockIdx.x, ncp, nd, xq, xs, xm);
 }

@@ -456,12 +456,7 @@ extern "C" __global__ void gated_act_cat(const float* __restrict__ gu, float* __
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     const long long r = i / nf, c = i - r * nf, gi = 2 * r * nf + c;
-    float g = gu[gi], u = gu[gi + nf];
-    for (int z = 1; z < n_split; z++) {
-        g += gu[z * slab + gi];
-        u += gu[z * slab + gi + nf];
-    }
-    y[i] = gated(g, u, act);
+    y[i] = gated(slab_sum(gu, gi, n_split, slab), slab_sum(gu, gi + nf, n_split, slab), act);
 }
 __device__ __forceinline__ void add4(float4& a, const float* p) {
     const float4 b = *(const float4*)p;

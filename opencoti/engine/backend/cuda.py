@@ -2009,13 +2009,21 @@ class CUDABackend:
             fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
             fn((T, n_kv * n_hg, n_split), (128,), args)
         if n_split > 1:
-            args = (part_acc, part_ml, out, np.int32(H), np.int32(D), np.int32(n_split))
-            dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS  # the output projection's digits
-            if dg[0] is not _NULL:
-                self._fn("a", "attn_merge_digits")((T, H * D // 256), (256,), args + dg)
-            else:
-                self._fn("a", "attn_merge")((T, H), (min(256, D),), args)
+            self._merge("a", "attn_merge", out, H, D, (part_acc, part_ml, out, np.int32(H), np.int32(D),
+                                                       np.int32(n_split)))
         return out
+
+    def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple) -> None:
+        """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge: grid
+        (T, H), min(D, 256) threads) into ``out [T, H * D]``, or its ``_digits`` form (grid (T,
+        H * D / 256), 256 threads) that also writes the output projection's digits
+        (``_row_digits``; MERGE_DIGITS)."""
+        T = out.shape[0]
+        dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS
+        if dg[0] is not _NULL:
+            self._fn(mod, name + "_digits")((T, H * D // 256), (256,), args + dg)
+        else:
+            self._fn(mod, name)((T, H), (min(256, D),), args)
 
     def _attention_prefill(self, q, q_pos, k_store, v_store, plan, meta: dict, scale: float, n_swa: int,
                            softcap: float):
@@ -2167,12 +2175,8 @@ class CUDABackend:
             c0 += cap
         # 3. merge
         out = cp.empty((T, H * D), dtype=f32)
-        args = (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss), gm["row_slot"], out, np.int32(H), np.int32(D))
-        dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS  # the output projection's digits
-        if dg[0] is not _NULL:
-            self._fn("s", "sp_merge_digits")((T, H * D // 256), (256,), args + dg)
-        else:
-            self._fn("s", "sp_merge")((T, H), (min(256, D),), args)
+        self._merge("s", "sp_merge", out, H, D, (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss),
+                                                 gm["row_slot"], out, np.int32(H), np.int32(D)))
         return out
 
     def _sp_splits(self, n_cells: int, blocks: int, d: int) -> int:
