@@ -272,10 +272,13 @@ __device__ __forceinline__ void superblock_tiles(const Q4KRegs (&a4)[RT], const 
             for (int t = 0; t < RT; t++) o[t] = q4k_step(a4[t], k0[t], k1[t], s);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const int col = 8 * nt + (g ^ (SWZ ? (c >> 1) << 2 : 0));  // in group 2s + (c >> 1)
-                const uint2 bq = 8 * nt + g < rc
-                                     ? *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + col) * 16 + 8 * (c & 1))
-                                     : make_uint2(0u, 0u);
+                // in group 2s + (c >> 1); a lane of no token's column reads its tile's first
+                // column (a valid address, the same sector as lane g = 0) and keeps zeros: a
+                // load without a branch, so the sub-blocks' loads and MMAs schedule as one block
+                const bool tok = 8 * nt + g < rc;
+                const int col = 8 * nt + (tok ? g ^ (SWZ ? (c >> 1) << 2 : 0) : 0);
+                const uint2 v = *(const uint2*)(xqb + ((2 * s + (c >> 1)) * stride + col) * 16 + 8 * (c & 1));
+                const uint2 bq = tok ? v : make_uint2(0u, 0u);
 #pragma unroll
                 for (int t = 0; t < RT; t++) q4k_mma(o[t], bq, cs[t][nt]);
             }
@@ -301,8 +304,10 @@ __device__ __forceinline__ void superblock_tiles(const Q4KRegs (&a4)[RT], const 
                 const int gi = 8 * (i >> 1) + 2 * q + (i & 1);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const int col = 8 * nt + (g ^ (SWZ ? (gi & 1) << 2 : 0));
-                    const u32 bq = 8 * nt + g < rc ? *(const u32*)(xqb + (gi * stride + col) * 16 + 4 * c) : 0u;
+                    const bool tok = 8 * nt + g < rc;  // as Q4_K's: no branch
+                    const int col = 8 * nt + (tok ? g ^ (SWZ ? (gi & 1) << 2 : 0) : 0);
+                    const u32 v = *(const u32*)(xqb + (gi * stride + col) * 16 + 4 * c);
+                    const u32 bq = tok ? v : 0u;
 #pragma unroll
                     for (int t = 0; t < RT; t++) q6k_mma(o[t], bq, cs[t][nt]);
                 }
