@@ -401,7 +401,7 @@ def _gguf_of(path, tensors: dict):
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0")])
-@pytest.mark.parametrize("n", [1, 5, 70])
+@pytest.mark.parametrize("n", [1, 5, 20, 70])
 def test_fuse_rows_mul_mat_split(tmp_path, gpu, cpu, monkeypatch, types, n):
     """fuse_rows: a file's q / k / v matrices of one type load as views of one row-concatenated
     weight (bytes equal to each tensor's), nothing for mixed types or row lengths (q / k fuse when
@@ -445,6 +445,13 @@ def test_fuse_rows_mul_mat_split(tmp_path, gpu, cpu, monkeypatch, types, n):
     for g, p_ in zip(got, plain):
         np.testing.assert_allclose(cp.asnumpy(g), cp.asnumpy(p_), rtol=1e-5, atol=1e-5 * float(cp.abs(p_).max()))
     assert len(gpu.mul_mat_split(cp.asarray(x), views[:1])) == 1  # part of a fused weight: alone
+    # mul_mat_split_partials: gemmi's split products as SplitK slices whose sums are mul_mat_split's bits
+    nob = gpu.mul_mat_split(cp.asarray(x), views)
+    parts = gpu.mul_mat_split_partials(cp.asarray(x), views)
+    for a, b in zip(parts, nob):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(cp.asnumpy(a.sum() if isinstance(a, cu.SplitK) else a), cp.asnumpy(b))
+    assert [isinstance(a, cu.SplitK) for a in parts] == [n == 20 and t in ("Q4_K", "Q6_K") for t in types]
 
 
 @pytest.mark.parametrize("qname", ["Q4_K", "Q5_0"])
@@ -653,6 +660,46 @@ def _qkv_inputs(q, k, v, rng, sliced: bool):
     bias = [rng.standard_normal(f.shape[1]).astype(np.float32) for f in flat]
     bias[1 if T % 2 else 2] = None  # one projection without a bias
     return dq, [None if b is None else cp.asarray(b) for b in bias], bias
+
+
+@pytest.mark.parametrize("tk,tv", [("f16", "f16"), ("q8_0", "q8_0"), ("turbo3", "turbo3"), ("q4_0", "f16")])
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("v_split", [True, False])
+def test_rope_kv_write_sums_split_k(gpu, tk, tv, norms, v_split):
+    """q / k / v handed to rope_kv_write as split-K partials (``SplitK`` column slices of a fused
+    product's 3 unsummed slabs, as ``mul_mat_split_partials`` returns them) give the bits of the
+    summed product's slices: rotated q and the K / V stores, with the projections' biases, q / k
+    norms, f16, scalar and turbo tiers (kernels.cu rope_kv_write, kv_write.cu rope_kv_write_q); v
+    also as a plain array (a product of its own)."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(23 + norms)
+    T, n_head, n_kv, d = 20, 8, 2, 128
+    cols = [n_head * d, n_kv * d, n_kv * d]
+    slabs = cp.asarray(rng.standard_normal((3, T, sum(cols))).astype(np.float32))
+    full = cu.SplitK(slabs, 3).sum()
+    np.testing.assert_array_equal(cp.asnumpy(full), cp.asnumpy(slabs[0] + slabs[1] + slabs[2]))
+    cuts = np.cumsum([0] + cols)
+    shapes = [(T, n_head, d), (T, n_kv, d), (T, n_kv, d)]
+    parts = [cu.SplitK(slabs[:, :, cuts[i]:cuts[i + 1]], 3).reshape(shapes[i]) for i in range(3)]
+    plain = [full[:, cuts[i]:cuts[i + 1]].reshape(shapes[i]) for i in range(3)]
+    assert parts[0].shape == shapes[0] and parts[0].kernel_args()[2] == T * sum(cols)
+    if not v_split:
+        parts[2] = plain[2]
+    bias = [cp.asarray(rng.standard_normal(c).astype(np.float32)) for c in cols]
+    qn, kn = (cp.asarray(rng.uniform(0.5, 2, d).astype(np.float32)) for _ in range(2)) if norms else (None, None)
+    pos = (np.arange(T) * 7 + 3).astype(np.int32)
+    seqs = np.ones(T, np.int64)
+    outs = []
+    for qkv in (plain, parts):
+        c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=d, type_k=tk, type_v=tv, zeros=gpu.zeros)
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+        y = gpu.rope_kv_write(*qkv, pos, c, 0, plan, qn, kn, bias, n_rot=d, base=1e4, mode="neox", eps=1e-6)
+        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0]), cp.asnumpy(c.v[0])))
+    assert np.abs(outs[0][1].view(np.uint8)).sum() > 0
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["norm", "neox"])

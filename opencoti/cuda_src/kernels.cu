@@ -327,13 +327,6 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     if (xq) norm_row_digits(v, r, wv, n, ncp, D, xq, xs, xm);
 }
 
-// h[i] as the sum of its n_split partial slabs (slab floats apart), in split order: mmq_reduce's bits
-__device__ __forceinline__ float slab_sum(const float* __restrict__ h, long long i, int n_split, long long slab) {
-    float v = h[i];
-    for (int z = 1; z < n_split; z++) v += h[i + z * slab];
-    return v;
-}
-
 // x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
 // h: n_split partial slabs of the product (gemv_int.cu gemmi's split-K), slab floats apart, summed
 // here in split order (mmq_reduce's bits). xq ... D: h_out's digit columns too, as rms_norm's.
@@ -406,7 +399,7 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
                                 float ext_factor, float corr_lo, float corr_hi, float mscale) { GRID_DEP_WAIT();
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
-    rope_head_row(x, (long long)H * D, nullptr, y, blockIdx.x, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
+    rope_head_row(x, (long long)H * D, 1, 0, nullptr, y, blockIdx.x, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor, corr_lo,
                   corr_hi, mscale, buf, sh);
 }
 
@@ -427,7 +420,7 @@ extern "C" __global__ void rope_kv_write(ROPE_KV_WRITE_PARAMS(u16)) { GRID_DEP_W
     const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
     for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(in.v_at(t, h, dv, i));
     u16* kr = K + c * D;
-    rope_row(in.k_row(t, h, D), in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
+    rope_row(in.k_row(t, h, D), in.nsk, in.slk, in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
              corr_lo, corr_hi, mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); });
 }
 

@@ -346,7 +346,7 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8), int tk, int
         tier_store_row(tv, dv, V + c * tier_row_bytes(tv, dv), sc, [&](int i) { return in.v_at(t, h, dv, i); });
         return;
     }
-    rope_row(in.k_row(t, h, D), in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
+    rope_row(in.k_row(t, h, D), in.nsk, in.slk, in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
              corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
     __syncthreads();
     tier_store_row(tk, D, K + c * tier_row_bytes(tk, D), sc, [&](int i) { return kb[i]; });

@@ -26,26 +26,37 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // ramp(i) = 1 - clamp((i - corr_lo) / max(0.001, corr_hi - corr_lo), 0, 1); otherwise
 // theta = theta_e * freq_scale. cos and sin are multiplied by mscale (1 without YaRN; the
 // caller folds attn_factor and YaRN's 1 + 0.1 ln(1/freq_scale) into it).
-// One row of D values (a head) of rope: xr (plus its projection's bias row br, when not null)
-// normed (norm_w != null), rotated at position p, and handed to store(i, value) for every i < D.
+// h[i] given as n_split partial slabs slab floats apart (a split-K product's, unsummed), summed in
+// split order: mmq_reduce's bits (n_split = 1: h[i]). Also kernels.cu's norms and gated activation.
+__device__ __forceinline__ float slab_sum(const float* __restrict__ h, long long i, int n_split, long long slab) {
+    float v = h[i];
+    for (int z = 1; z < n_split; z++) v += h[i + z * slab];
+    return v;
+}
+
+// One row of D values (a head) of rope: xr (ns partial slabs, slab floats apart: slab_sum; plus its
+// projection's bias row br, when not null) normed (norm_w != null), rotated at position p, and
+// handed to store(i, value) for every i < D.
 // buf: D floats of shared memory; all threads of the block take part (block_sum, __syncthreads).
 template <class Store>
-__device__ __forceinline__ void rope_row(const float* __restrict__ xr, const float* __restrict__ br, int pos, int D,
+__device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, long long slab,
+                                         const float* __restrict__ br, int pos, int D,
                                          int n_rot, float base, float freq_scale, int mode,
                                          const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
                                          float ext_factor, float corr_lo, float corr_hi, float mscale, float* buf,
                                          float* sh, Store store) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {  // the row (+ bias), once
+        const float x = slab_sum(xr, i, ns, slab);
+        buf[i] = br ? x + br[i] : x;
+    }
     float r = 1.f;
     if (norm_w) {
         float s = 0.f;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) {
-            const float x = br ? xr[i] + br[i] : xr[i];
-            s += x * x;
-        }
-        s = block_sum(s, sh);
+        for (int i = threadIdx.x; i < D; i += blockDim.x) s += buf[i] * buf[i];
+        s = block_sum(s, sh);  // (its barriers order buf's writes before the reads below)
         r = rsqrtf(s / D + eps);
     }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = (br ? xr[i] + br[i] : xr[i]) * r * (norm_w ? norm_w[i] : 1.f);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = buf[i] * r * (norm_w ? norm_w[i] : 1.f);
     __syncthreads();
     int half = n_rot / 2;
     double p = (double)pos;
@@ -73,43 +84,48 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, const flo
 // Head row `row` of x (H head rows of D per token, a token's rows ldx floats after the last's;
 // bias: the projection's [H * D] bias or null) rotated into the same row of y [rows, D] (the rope
 // kernel; the q rows of the fused rope + KV store kernels).
-__device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long long ldx, const float* __restrict__ bias,
-                                              float* __restrict__ y, long long row, int H,
+__device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long long ldx, int ns, long long slab,
+                                              const float* __restrict__ bias, float* __restrict__ y, long long row, int H,
                                               const int* __restrict__ pos, int D, int n_rot, float base,
                                               float freq_scale, int mode, const float* __restrict__ ff,
                                               const float* __restrict__ norm_w, float eps, float ext_factor,
                                               float corr_lo, float corr_hi, float mscale, float* buf, float* sh) {
     float* yr = y + row * D;
     const long long t = row / H, h = row - t * H;
-    rope_row(x + t * ldx + h * D, bias ? bias + h * D : nullptr, pos[t], D, n_rot, base, freq_scale, mode, ff, norm_w,
+    rope_row(x + t * ldx + h * D, ns, slab, bias ? bias + h * D : nullptr, pos[t], D, n_rot, base, freq_scale, mode, ff, norm_w,
              eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
 }
 
 // The inputs of the fused rope + KV store kernels: q [T, Hq, D], k [T, Hk, D], v [T, Hk, dv] with
 // token strides ldq / ldk / ldv floats (column slices of one fused q / k / v product, or
-// contiguous), plus their projections' biases (null: none), added before the norms and rope.
+// contiguous), each the first of nsq / nsk / nsv partial slabs slq / slk / slv floats apart (a
+// split-K product left unsummed: slab_sum; 1: the values), plus their projections' biases (null:
+// none), added before the norms and rope.
 struct QKVIn {
     const float *q, *k, *v, *bq, *bk, *bv;
     long long ldq, ldk, ldv;
+    int nsq, nsk, nsv;
+    long long slq, slk, slv;
     // k and v rows of (token t, kv head h): their first value and bias row (null without a bias)
     __device__ __forceinline__ const float* k_row(int t, int h, int D) const { return k + t * ldk + (long long)h * D; }
     __device__ __forceinline__ const float* k_bias(int h, int D) const { return bk ? bk + (long long)h * D : nullptr; }
     __device__ __forceinline__ float v_at(int t, int h, int dv, int i) const {
-        const float x = v[t * ldv + (long long)h * dv + i];
+        const float x = slab_sum(v, t * ldv + (long long)h * dv + i, nsv, slv);
         return bv ? x + bv[(long long)h * dv + i] : x;
     }
 };
 
 // The fused rope + KV store kernels' parameters (kernels.cu rope_kv_write: KV_T u16, f16 rows;
 // kv_write.cu rope_kv_write_q: u8, tier rows, then its tier indices), one list for both, and the
-// QKVIn they build from the first nine.
+// QKVIn they build from the first nine and the last six.
 #define ROPE_KV_WRITE_PARAMS(KV_T)                                                                                   \
     const float *q, const float *k, const float *v, const float *bq, const float *bk, const float *bv, long long ldq, \
         long long ldk, long long ldv, const int *__restrict__ pos, float *__restrict__ q_out, KV_T *__restrict__ K,    \
         KV_T *__restrict__ V, const int *__restrict__ cell, int T, int Hq, int Hk, int D, int dv, int n_rot,         \
         float base, float freq_scale, int mode, const float *__restrict__ ff, const float *__restrict__ q_norm,      \
-        const float *__restrict__ k_norm, float eps, float ext_factor, float corr_lo, float corr_hi, float mscale
-#define ROPE_KV_WRITE_IN QKVIn{q, k, v, bq, bk, bv, ldq, ldk, ldv}
+        const float *__restrict__ k_norm, float eps, float ext_factor, float corr_lo, float corr_hi, float mscale,    \
+        int nsq, int nsk, int nsv, long long slq, long long slk, long long slv
+#define ROPE_KV_WRITE_IN QKVIn{q, k, v, bq, bk, bv, ldq, ldk, ldv, nsq, nsk, nsv, slq, slk, slv}
 
 // The fused rope + KV store kernels' q blocks: blocks [0, T * Hq) rotate one q head row into
 // q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the others return
@@ -124,7 +140,7 @@ __device__ __forceinline__ bool rope_q_block(const QKVIn& in, float* __restrict_
                                              long long& kv_row) {
     const long long row = blockIdx.x;
     if (row < (long long)T * Hq) {
-        rope_head_row(in.q, in.ldq, in.bq, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps,
+        rope_head_row(in.q, in.ldq, in.nsq, in.slq, in.bq, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps,
                       ext_factor, corr_lo, corr_hi, mscale, buf, sh);
         return true;
     }

@@ -352,7 +352,9 @@ class DecoderModel:
         possibly unsummed split-K partials that only its ``add_rms_norm`` takes)."""
         B, hp = self.backend, self.hp
         T = h.shape[0]
-        q, k, v = B.mul_mat_split(h, (L.wq, L.wk, L.wv))  # the biases are added by rope_kv_write
+        # the biases are added by rope_kv_write, which may also sum a split product's partials
+        split = getattr(B, "mul_mat_split_partials", B.mul_mat_split)
+        q, k, v = split(h, (L.wq, L.wk, L.wv))
         q = q.reshape(T, hp.n_head, hp.n_embd_head_k)
         k = k.reshape(T, hp.n_head_kv, hp.n_embd_head_k)
         v = v.reshape(T, hp.n_head_kv, hp.n_embd_head_v)

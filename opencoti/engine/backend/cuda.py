@@ -347,9 +347,10 @@ def gemmi_splits(nb: int, nsb: int, n_sm: int, per_sm: int = 0) -> int:
 
 
 class SplitK:
-    """A product left as gemmi's split-K partial slabs (``CUDABackend.mul_mat_partials``):
-    ``slabs [n_split, n, out]`` float32, whose sum in split order is the product. Only
-    ``CUDABackend.add_rms_norm`` takes one."""
+    """A product left as gemmi's split-K partial slabs (``CUDABackend.mul_mat_partials``,
+    ``mul_mat_split_partials``): ``slabs [n_split, n, ...]`` float32 (a column slice of a fused
+    product's slabs: strided), whose sum in split order is the product. Only
+    ``CUDABackend.add_rms_norm`` and ``rope_kv_write`` take one."""
 
     __slots__ = ("slabs", "n_split")
 
@@ -359,6 +360,23 @@ class SplitK:
     @property
     def shape(self) -> tuple:
         return tuple(self.slabs.shape[1:])
+
+    def reshape(self, *shape) -> "SplitK":
+        """The same partials with each slab reshaped (a view where CuPy can make one)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return SplitK(self.slabs.reshape((self.n_split,) + shape), self.n_split)
+
+    def sum(self):
+        """The product: the slabs added in split order (``mmq_reduce``'s bits), C-contiguous."""
+        y = self.slabs[0].copy()
+        for z in range(1, self.n_split):
+            y += self.slabs[z]
+        return y
+
+    def kernel_args(self) -> tuple:
+        """``(first slab, n_split, slab stride in floats)`` for a kernel that sums the slabs
+        itself (rope.cuh ``slab_sum``)."""
+        return self.slabs[0], self.n_split, self.slabs.strides[0] // self.slabs.itemsize
 
 
 def _decode_rows(ub) -> int:
@@ -826,21 +844,31 @@ class CUDABackend:
         run as one product and come back as column slices of its output (contiguous for one row;
         a bias makes its slice a new array); prompt
         chunks (more than ``GEMV_MAX_TOKENS`` rows) take the weights one by one."""
+        return self._mul_mat_split(x, ws, bs, False)
+
+    def mul_mat_split_partials(self, x, ws) -> list:
+        """``mul_mat_split(x, ws)`` (no biases) for products that ``rope_kv_write`` takes next (the
+        arch's attention): a product that gemmi splits comes back as ``SplitK`` column slices of
+        its unsummed slabs (the kernel sums them: one ``mmq_reduce`` launch fewer), the others as
+        ``mul_mat_split`` returns them."""
+        return self._mul_mat_split(x, ws, None, True)
+
+    def _mul_mat_split(self, x, ws, bs, partials: bool) -> list:
         bs = list(bs) if bs is not None else [None] * len(ws)
         out, i = [], 0
         while i < len(ws):
             # (prompt-size products one weight at a time: their dequantized scratch stays a weight's)
             j = self._fused_run(ws, i) if x.shape[0] <= GEMV_MAX_TOKENS else i + 1
-            if j == i + 1:
-                y = self.mul_mat(x, ws[i])
-                out.append(y if bs[i] is None else y + bs[i])
-                i = j
-                continue
-            y = self.mul_mat(x, ws[i].parent)
-            n = y.shape[0]
-            for w, bias in zip(ws[i:j], bs[i:j]):
-                a, b = w.row0, w.row0 + w.shape[0]
-                part = y.reshape(-1)[a:b].reshape(1, -1) if n == 1 else y[:, a:b]
+            w = ws[i] if j == i + 1 else ws[i].parent
+            y, n_split = self.mul_mat_parts(x, w) if partials else (self.mul_mat(x, w), 1)
+            for v, bias in zip(ws[i:j], bs[i:j]):
+                a, b = (v.row0, v.row0 + v.shape[0]) if j > i + 1 else (0, y.shape[-1])
+                if n_split > 1:
+                    part = SplitK(y[:, :, a:b], n_split)
+                elif y.shape[0] == 1:  # one row: a contiguous slice
+                    part = y.reshape(-1)[a:b].reshape(1, -1)
+                else:
+                    part = y[:, a:b]
                 out.append(part if bias is None else part + bias)
             i = j
         return out
@@ -1306,7 +1334,8 @@ class CUDABackend:
         (``OPENCOTI_CUDA_ROPE_KV_TIERS=0``: the composition); the trellis tiers and other shapes
         run the composition. ``q [T, n_head, D]``, ``k [T, n_kv, D]``,
         ``v [T, n_kv, dv]`` float32, each with unit strides inside a token (the token stride is
-        free: column slices of one fused q / k / v product are read in place); ``bias``: the
+        free: column slices of one fused q / k / v product are read in place), or a ``SplitK``
+        of such slices (``mul_mat_split_partials``: the kernels sum the slabs); ``bias``: the
         projections' biases ``(bq, bk, bv)`` (any None), added first, in the kernel. Returns the
         rotated q ``[T, n_head, D]``."""
         cp = self.cp
@@ -1323,8 +1352,12 @@ class CUDABackend:
                  and V.shape[3] == tv.row_len(dv)
                  and (not (rot_k or rot_v) or D in (64, 128, 256)) and (not rot_v or dv == D))
         if not (f16 or tiers) or not T or k.shape[2] != D or Hk != K.shape[2]:
+            q, k, v = (a.sum() if isinstance(a, SplitK) else a for a in (q, k, v))
             return rope_kv_write(self, q, k, v, pos, cache, il, plan, q_norm, k_norm, bias, n_rot=n_rot, base=base,
                                  freq_scale=freq_scale, mode=mode, freq_factors=freq_factors, eps=eps, yarn=yarn)
+        # split-K partials (mul_mat_split_partials) are summed by the kernel as it reads them
+        (q, nsq, slq), (k, nsk, slk), (v, nsv, slv) = (a.kernel_args() if isinstance(a, SplitK) else (a, 1, 0)
+                                                       for a in (q, k, v))
         (q, ldq), (k, ldk), (v, ldv) = (self._token_rows(a) for a in (q, k, v))
         bq, bk, bv = ((_NULL if b is None else cp.ascontiguousarray(b, dtype=cp.float32)) for b in (bias or (None,) * 3))
         meta = self._plan_meta(plan, K.shape[1])
@@ -1333,7 +1366,8 @@ class CUDABackend:
         args = (q, k, v, bq, bk, bv, ldq, ldk, ldv, self._idx(pos), y, K, V, meta["write"], np.int32(T), np.int32(Hq),
                 np.int32(Hk), np.int32(D),
                 np.int32(dv), np.int32(n_rot), np.float32(base), np.float32(freq_scale), mode_i, ff,
-                q_norm if q_norm is not None else _NULL, k_norm if k_norm is not None else _NULL) + tail
+                q_norm if q_norm is not None else _NULL, k_norm if k_norm is not None else _NULL) + tail + (
+                np.int32(nsq), np.int32(nsk), np.int32(nsv), np.int64(slq), np.int64(slk), np.int64(slv))
         block = (min(256, (D + 31) // 32 * 32),)  # rope's threads
         if f16:
             self._fn("k", "rope_kv_write")((T * (Hq + Hk),), block, args, shared_mem=4 * D)
