@@ -1933,13 +1933,16 @@ def _greedy_sessions(e, prompts, n_predict, slots: bool = False, **kw) -> list:
 
 
 @pytest.mark.parametrize("shape", ["gemma3_swa", "qwen2_gqa"])
-@pytest.mark.parametrize("graphs", [True, False])
-def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypatch, shape, graphs):
+@pytest.mark.parametrize("graphs,fork", [(True, True), (False, True), (True, False)])
+def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypatch, shape, graphs, fork):
     """N sessions attached to one pool on CUDA (decode steps as CUDA graphs, or eager) give
     the same greedy text as the same prompts served without the pool, and the group path
     ran. gemma3_swa: iSWA with a 48-token window inside the ~150-token prefix, head_dim 256,
     4 query heads per kv head; qwen2_gqa: head_dim 128, 4 query heads per kv head. Sessions
-    generate different lengths, so the group shrinks while others decode (new graph keys)."""
+    generate different lengths, so the group shrinks while others decode (new graph keys).
+    ``fork``: the private part on a second stream (a parallel graph branch, SP_FORK) or in
+    line."""
+    from opencoti.engine.backend import cuda as cuda_mod
     from opencoti.engine.engine import Engine
     from opencoti.params import Params
 
@@ -1949,6 +1952,7 @@ def test_shared_prefix_engine_pool_equals_plain(tmp_path_factory, gpu, monkeypat
     real = gpu._attention_groups
     monkeypatch.setattr(gpu, "_attention_groups", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(gpu, "graphs", graphs)
+    monkeypatch.setattr(cuda_mod, "SP_FORK", fork)
 
     def run_all(e, **kw):
         return _greedy_sessions(e, prompts, lambda i: 10 + 3 * i, cache_prompt=False, **kw)

@@ -284,6 +284,11 @@ SHARED_PREFIX = os.environ.get("OPENCOTI_CUDA_SHARED_PREFIX", "1") != "0"
 # every few steps captured a new graph each time (a decode window of 8 sharers with ~20-85
 # private cells each crossed 256 -> 512 once). 0: the plain bucket of the lists' sum.
 GROUP_PRIVATE_CELLS = int(os.environ.get("OPENCOTI_CUDA_GROUP_PRIVATE_CELLS", "256"))
+# a grouped plan's private-cell attn_partial runs on a second stream beside the groups' sp_attn
+# (a parallel branch of the decode graph; both read only q and the KV, sp_merge joins them):
+# the private part is latency-bound (~20-150 cells per row) and hides behind the shared part.
+# 0: one stream, private part first
+SP_FORK = os.environ.get("OPENCOTI_CUDA_SP_FORK", "1") != "0"
 # prefill (more than GEMV_MAX_TOKENS query rows, f16 KV, head dims of SP_TILE): each sequence's
 # rows through shared_prefix.cu's tensor-core tiles with the causal / window masks
 # (_attention_prefill); OPENCOTI_CUDA_PREFILL_TC_ATTN=0: attention.cu's per-row kernel
@@ -562,6 +567,7 @@ class CUDABackend:
         self._capturing = False
         # programmatic dependent launches inside graph captures (cuda_kernels.Kernel)
         self._pdl = pdl_supported(self.device.compute_capability, cp.cuda.runtime.driverGetVersion())
+        self._side = None  # second stream of forked launches (_fork), made on first use
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         self._w16 = None  # f16 scratch of _gemm_f16
         self._digits_of = (None, None)  # (array, its gemv_int.cu digits): _digits
@@ -2184,8 +2190,8 @@ class CUDABackend:
         n_sp = self._attn_splits(gm["pcap"] if self._staged else gm["p_max"], T * n_kv * n_hg, 2, T)
         p_acc = cp.empty((T * H * n_sp * D,), dtype=f32)
         p_ml = cp.empty((T * H * n_sp * 2,), dtype=f32)
-        self._fn("a", f"attn_partial_d{D}_g{g}")(
-            (T, n_kv * n_hg, n_sp), (128,),
+        joined = self._fork(
+            self._fn("a", f"attn_partial_d{D}_g{g}"), (T, n_kv * n_hg, n_sp), (128,),
             (q, qp, self._plan_meta(plan, k_store.shape[1])["row_view"], gm["p_off"], gm["p_cells"], gm["p_pos"],
              k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
              np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml))
@@ -2208,10 +2214,33 @@ class CUDABackend:
             r0 += r
             c0 += cap
         # 3. merge
+        joined()
         out = cp.empty((T, H * D), dtype=f32)
         self._merge("s", "sp_merge", out, H, D, (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss),
                                                  gm["row_slot"], out, np.int32(H), np.int32(D)))
         return out
+
+    def _fork(self, fn: Kernel, grid, block, args: tuple):
+        """Launch ``fn(grid, block, args)`` on a second stream that starts after the work queued
+        so far on the current one (SP_FORK; inside a graph capture it becomes a parallel
+        branch), and return a call that makes the current stream wait for it. The launch is a
+        plain one (no PDL: its only dependency is the fork's event); the caller keeps the
+        arguments alive until the join. With SP_FORK off it launches in order and the join is a
+        no-op. Errors are CuPy's (``CUDARuntimeError``)."""
+        if not SP_FORK:
+            fn(grid, block, args)
+            return lambda: None
+        cp = self.cp
+        main = cp.cuda.get_current_stream()
+        if self._side is None:
+            self._side = cp.cuda.Stream(non_blocking=True)
+        forked = cp.cuda.Event(disable_timing=True)
+        forked.record(main)
+        self._side.wait_event(forked)
+        fn.raw(grid, block, args, stream=self._side)
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(self._side)
+        return lambda: main.wait_event(done)
 
     def _sp_splits(self, n_cells: int, blocks: int, d: int) -> int:
         """Split count of ``sp_attn_d<d>`` over ``n_cells`` cells when ``blocks`` blocks (query
