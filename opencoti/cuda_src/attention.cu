@@ -499,7 +499,9 @@ struct AsTier {
 // defined for every module, launched only where its rows allow (cuda.py stream_ok: head size <=
 // 256, both rows' bytes a multiple of 4)
 constexpr bool AS_KV_OK = KV_D <= 256 && AsTier<KV_TK, KV_D>::RB % 4 == 0 && AsTier<KV_TV, KV_D>::RB % 4 == 0;
-extern "C" __global__ void __launch_bounds__(256) attn_kv_stream(
+// one block per SM is enough: without the 1 ptxas fit some pairs at head size 128 into 128
+// registers with spills (turbo3 / turbo3, turbo2 / q8_0), which decoded slower at 32k cells
+extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
     const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,
     const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();

@@ -237,12 +237,9 @@ __device__ __forceinline__ void attn_stream_impl(
                     ld_a_frag(s_ql + gid * LDQ + kk * 16 + 2 * tig, LDQ, lo);
 #pragma unroll
                     for (int nt = 0; nt < 2; nt++) {
-                        u32 bh0, bh1, bl0 = 0u, bl1 = 0u;
-                        C::kpair(w[nt], s, 0, s_tk, bh0, bl0);
-                        C::kpair(w[nt], s, 1, s_tk, bh1, bl1);
+                        const u32 bh0 = C::kpair(w[nt], s, 0, s_tk), bh1 = C::kpair(w[nt], s, 1, s_tk);
                         mma_m16n8k16(t[s & 1][nt], h[0], h[1], h[2], h[3], bh0, bh1);
                         mma_m16n8k16(t[s & 1][nt], lo[0], lo[1], lo[2], lo[3], bh0, bh1);
-                        if constexpr (C::LO) mma_m16n8k16(t[s & 1][nt], h[0], h[1], h[2], h[3], bl0, bl1);
                     }
                 }
 #pragma unroll

@@ -4,12 +4,12 @@
 // and splitting it (dec(), ~8 instructions a value).
 //
 //   S = Q K^T: the codes of a block are the B operand as they are (the integer tiers: q8_0's int8,
-//     q4_0's nibble - 8, exact in f16), or as a level's f16 hi + lo pair (turbo2/3/4: one shared
-//     memory load of a pair table gives two values' hi and lo terms); each block's partial
-//     scores are multiplied by that cell's block scale in float32 and summed.
+//     q4_0's nibble - 8, exact in f16), or as their levels (turbo2/3/4: f16 numbers; one shared
+//     memory load of a pair table gives two values' levels); each block's partial scores are
+//     multiplied by that cell's block scale in float32 and summed.
 //   O += P V: the two cells of a B register each carry their block scale d: hi = f16(code * d),
-//     lo = code * d - hi by an f16 fma (exact for the integer tiers: code * d has at most 19
-//     significant bits), plus tl * d for a level's lo term tl.
+//     lo = code * d - hi by an f16 fma (exact where lo stays a normal f16: code * d has at most
+//     19 significant bits for the integer tiers, 22 for an f16 level).
 //
 // The MMA's k index (dims in S) and n index (dims in O) may run over a block's dims in any
 // order: each tier picks the order in which a thread's codes sit together in its bytes. kdim(L)
@@ -17,9 +17,9 @@
 // block dim of column c of the block's n8 tile k (the output is stored back in dim order).
 //
 // Members of KvCodes<T> (ON = false: the tier keeps dec()):
-//   BS, BB: block values / bytes; LO: the K operand has a lo term (table levels);
+//   BS, BB: block values / bytes;
 //   TBK, TBV: table bytes in shared memory (K pair table, V level table), built by tab_init();
-//   kraw(blk, tig, a4, w) / kpair(w, s, r, tk, hi, lo): thread tig's code bytes of a block (blk: the
+//   kraw(blk, tig, a4, w) / kpair(w, s, r, tk): thread tig's code bytes of a block (blk: the
 //     block's first byte in shared memory), and its B registers for k step s, register r;
 //   vraw(blk, gid, a4) / vpair(ra, rb, k, d2, tv, hi, lo): column gid's codes of a cell's block, and
 //     the (hi, lo) B registers of n8 tile k for two cells (ra, rb) with block scales d2 (f16x2);
@@ -48,7 +48,7 @@ __device__ __forceinline__ void scale_pair(u32 c, u32 d2, u32& hi, u32& lo) {
 
 template <class T>
 struct KvCodes {
-    static constexpr bool ON = false, LO = false;
+    static constexpr bool ON = false;
     static constexpr int BS = 32, BB = 0, TBK = 0, TBV = 0, NW = 1;
     static __host__ __device__ constexpr int kdim(int L) { return L; }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 8 * k + c; }
@@ -58,7 +58,7 @@ struct KvCodes {
 // - 1152; V: column c's bytes 4c .. 4c + 3 (n8 tile k: byte k)
 template <>
 struct KvCodes<KQ8_0> {
-    static constexpr bool ON = true, LO = false;
+    static constexpr bool ON = true;
     static constexpr int BS = 32, BB = 34, TBK = 0, TBV = 0, NW = 2;
     static __host__ __device__ constexpr int kdim(int L) { return 8 * ((L & 7) >> 1) + 4 * (L >> 4) + 2 * ((L >> 3) & 1) + (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 4 * c + k; }
@@ -67,8 +67,8 @@ struct KvCodes<KQ8_0> {
         w[0] = ld4b(blk + 2 + 8 * tig, a4) ^ 0x80808080u;
         w[1] = ld4b(blk + 6 + 8 * tig, a4) ^ 0x80808080u;
     }
-    static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8*, u32& hi, u32&) {
-        hi = hsub2(__byte_perm(w[s], 0x64646464u, r ? 0x4342 : 0x4140), 0x64806480u);
+    static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8*) {
+        return hsub2(__byte_perm(w[s], 0x64646464u, r ? 0x4342 : 0x4140), 0x64806480u);
     }
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) { return ld4b(blk + 2 + 4 * gid, a4) ^ 0x80808080u; }
     static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
@@ -83,14 +83,14 @@ struct KvCodes<KQ8_0> {
 // 17 + 2c)
 template <>
 struct KvCodes<KQ4_0> {
-    static constexpr bool ON = true, LO = false;
+    static constexpr bool ON = true;
     static constexpr int BS = 32, BB = 18, TBK = 0, TBV = 0, NW = 1;
     static __host__ __device__ constexpr int kdim(int L) { return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 16 * (k >> 1) + 2 * c + (k & 1); }
     static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
     static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) { w[0] = ld4b(blk + 2 + 4 * tig, a4); }
-    static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8*, u32& hi, u32&) {
-        hi = hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
+    static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8*) {
+        return hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
     }
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) { return *(const u16*)(blk + 2 + 2 * gid); }
     static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
@@ -101,14 +101,15 @@ struct KvCodes<KQ4_0> {
 };
 
 // turbo2/3/4 (turbo.py): d (f16) + 64 Lloyd-Max indices of BITS bits (turbo3: the low 2 bits four
-// to a byte, then the high bits eight to a byte), value d * level. Levels as f16 hi + lo. K: thread
-// tig's indices 16 tig .. 16 tig + 15, as 8 pairs of adjacent indices; the pair table (TBK bytes)
-// maps a pair's bits to its (hi, hi) and (lo, lo) f16x2 registers. V: column c's indices 8c .. 8c +
-// 7 (n8 tile k: index 8c + k), each through the level table (th | tl << 16, TBV bytes).
+// to a byte, then the high bits eight to a byte), value d * level. The levels are f16 numbers
+// (codebooks.lloyd_max), so a level is an exact f16 operand and the K operand has no lo term.
+// K: thread tig's indices 16 tig .. 16 tig + 15, as 8 pairs of adjacent indices; the pair table
+// (TBK bytes) maps a pair's bits to its f16x2 register. V: column c's indices 8c .. 8c + 7 (n8
+// tile k: index 8c + k), each through the level table (f16, TBV bytes), then scaled as q4_0's.
 template <int BITS>
 struct KvCodes<KTurbo<BITS>> {
-    static constexpr bool ON = BITS <= 4, LO = true;
-    static constexpr int BS = 64, BB = 2 + 8 * BITS, TBK = 8 << (2 * BITS), TBV = 4 << BITS;
+    static constexpr bool ON = BITS <= 4;
+    static constexpr int BS = 64, BB = 2 + 8 * BITS, TBK = 4 << (2 * BITS), TBV = 2 << BITS;
     static constexpr int NW = BITS == 2 ? 1 : 2;
     static __host__ __device__ constexpr int kdim(int L) { return 16 * ((L & 7) >> 1) + 2 * (2 * (L >> 4) + ((L >> 3) & 1)) + (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 8 * c + k; }
@@ -123,30 +124,18 @@ struct KvCodes<KTurbo<BITS>> {
             b = e >> BITS;
         }
     }
-    // a level's f16 hi and lo terms
-    static __device__ __forceinline__ void hl(int i, u32& h, u32& l) {
-        const float x = KTurbo<BITS>::tab()[i];
-        const u16 hh = sp_f2h(x);
-        h = hh;
-        l = sp_f2h(x - h2f(hh));
-    }
+    // a level's f16 bits (exact: the levels are f16 numbers)
+    static __device__ __forceinline__ u32 lev(int i) { return sp_f2h(KTurbo<BITS>::tab()[i]); }
     // the tables from the float32 levels (every thread of the block; the caller syncs)
     static __device__ __forceinline__ void tab_k(u8* tk) {
         for (int e = threadIdx.x; e < (1 << (2 * BITS)); e += blockDim.x) {
             int a, b;
             pair_of(e, a, b);
-            u32 ha, la, hb, lb;
-            hl(a, ha, la);
-            hl(b, hb, lb);
-            ((uint2*)tk)[e] = make_uint2(ha | hb << 16, la | lb << 16);
+            ((u32*)tk)[e] = lev(a) | lev(b) << 16;
         }
     }
     static __device__ __forceinline__ void tab_v(u8* tv) {
-        for (int i = threadIdx.x; i < (1 << BITS); i += blockDim.x) {
-            u32 h, l;
-            hl(i, h, l);
-            ((u32*)tv)[i] = h | l << 16;
-        }
+        for (int i = threadIdx.x; i < (1 << BITS); i += blockDim.x) ((u16*)tv)[i] = (u16)lev(i);
     }
     static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) {
         if constexpr (BITS == 4) {
@@ -157,14 +146,13 @@ struct KvCodes<KTurbo<BITS>> {
             if constexpr (BITS == 3) w[1] = *(const u16*)(blk + 18 + 2 * tig);
         }
     }
-    static __device__ __forceinline__ void kpair(const u32 (&w)[NW], int s, int r, const u8* tk, u32& hi, u32& lo) {
+    static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8* tk) {
         const int p = 2 * s + r;  // indices 16 tig + 2p, + 1
         u32 e;
         if constexpr (BITS == 4) e = (w[p >> 2] >> (8 * (p & 3))) & 0xFFu;
         else if constexpr (BITS == 3) e = ((w[0] >> (4 * p)) & 15u) | ((w[1] >> (2 * p)) & 3u) << 4;
         else e = (w[0] >> (4 * p)) & 15u;
-        const uint2 t = ((const uint2*)tk)[e];
-        hi = t.x; lo = t.y;
+        return ((const u32*)tk)[e];
     }
     // column c's indices 8c .. 8c + 7 (turbo3: the high bits in bits 16-23)
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) {
@@ -178,8 +166,7 @@ struct KvCodes<KTurbo<BITS>> {
         else return (x >> (2 * k)) & 3u;
     }
     static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8* tv, u32& hi, u32& lo) {
-        const u32 la = ((const u32*)tv)[vidx(ra, k)], lb = ((const u32*)tv)[vidx(rb, k)];
-        scale_pair(__byte_perm(la, lb, 0x5410), d2, hi, lo);
-        lo = hfma2(__byte_perm(la, lb, 0x7632), d2, lo);
+        const u32 la = ((const u16*)tv)[vidx(ra, k)], lb = ((const u16*)tv)[vidx(rb, k)];
+        scale_pair(la | lb << 16, d2, hi, lo);
     }
 };
