@@ -9,7 +9,7 @@
 //     multiplied by that cell's block scale in float32 and summed.
 //   O += P V: the two cells of a B register each carry their block scale d: hi = f16(code * d),
 //     lo = code * d - hi by an f16 fma (exact where lo stays a normal f16: code * d has at most
-//     19 significant bits for the integer tiers, 22 for an f16 level).
+//     19 significant bits for the integer tiers, 22 for an f16 level; scale_pair).
 //
 // The MMA's k index (dims in S) and n index (dims in O) may run over a block's dims in any
 // order: each tier picks the order in which a thread's codes sit together in its bytes. kdim(L)
@@ -39,8 +39,9 @@ __device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0
 __device__ __forceinline__ u32 ld4b(const u8* p, bool a4) {
     return a4 ? *(const u32*)p : (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);
 }
-// (hi, lo) of code pair c (f16x2) times block scales d2: hi = f16(c d), lo = c d - hi (fma, exact
-// for integer codes)
+// (hi, lo) of code pair c (f16x2) times block scales d2: hi = f16(c d), lo = c d - hi (fma; exact
+// while lo is a normal f16: for the integer codes at any normal scale, for turbo levels only at
+// scales above ~0.5, below that lo's error is at most 2^-25)
 __device__ __forceinline__ void scale_pair(u32 c, u32 d2, u32& hi, u32& lo) {
     hi = hmul2(c, d2);
     lo = hfma2(c, d2, hi ^ 0x80008000u);

@@ -2190,12 +2190,9 @@ class CUDABackend:
         n_sp = self._attn_splits(gm["pcap"] if self._staged else gm["p_max"], T * n_kv * n_hg, 2, T)
         p_acc = cp.empty((T * H * n_sp * D,), dtype=f32)
         p_ml = cp.empty((T * H * n_sp * 2,), dtype=f32)
-        joined = self._fork(
-            self._fn("a", f"attn_partial_d{D}_g{g}"), (T, n_kv * n_hg, n_sp), (128,),
-            (q, qp, self._plan_meta(plan, k_store.shape[1])["row_view"], gm["p_off"], gm["p_cells"], gm["p_pos"],
-             k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
-             np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml))
-        # 2. shared prefix of each group
+        # 2. shared prefix of each group: its sizes and scratch first, so that between the fork of
+        # part 1 (on the side stream, _fork) and its join only launches run; a finally joins even
+        # when one raises
         R = gm["R"]
         s_len = gm["scaps"] if self._staged else [int(n) for n in (len(gr.cells) for gr in plan.groups)]
         blocks = sum(-(-r * G // SP_QT) for r in R) * n_kv
@@ -2204,17 +2201,24 @@ class CUDABackend:
         s_acc = cp.empty((r_tot * H * n_ss * D,), dtype=f32)
         s_ml = cp.empty((r_tot * H * n_ss * 2,), dtype=f32)
         fn = self._sp_fn(D)
-        r0 = c0 = 0
-        for i, (r, cap) in enumerate(zip(R, gm["scaps"])):
-            fn((-(-r * G // SP_QT), n_kv, n_ss), (128,),
-               (q, qp, gm["g_rows"][r0:r0 + r], gm["g_cells"][c0:c0 + cap], gm["g_pos"][c0:c0 + cap],
-                gm["g_len"][i:i + 1], k_store, v_store, np.int32(r), np.int32(H), np.int32(n_kv),
-                np.float32(scale), np.int32(n_swa), np.float32(softcap), np.int32(n_ss),
-                s_acc[r0 * H * n_ss * D:], s_ml[r0 * H * n_ss * 2:]), shared_mem=_sp_smem(D))
-            r0 += r
-            c0 += cap
+        joined = self._fork(
+            self._fn("a", f"attn_partial_d{D}_g{g}"), (T, n_kv * n_hg, n_sp), (128,),
+            (q, qp, self._plan_meta(plan, k_store.shape[1])["row_view"], gm["p_off"], gm["p_cells"], gm["p_pos"],
+             k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
+             np.float32(softcap), np.int32(n_sp), p_acc, p_acc, p_ml))
+        try:
+            r0 = c0 = 0
+            for i, (r, cap) in enumerate(zip(R, gm["scaps"])):
+                fn((-(-r * G // SP_QT), n_kv, n_ss), (128,),
+                   (q, qp, gm["g_rows"][r0:r0 + r], gm["g_cells"][c0:c0 + cap], gm["g_pos"][c0:c0 + cap],
+                    gm["g_len"][i:i + 1], k_store, v_store, np.int32(r), np.int32(H), np.int32(n_kv),
+                    np.float32(scale), np.int32(n_swa), np.float32(softcap), np.int32(n_ss),
+                    s_acc[r0 * H * n_ss * D:], s_ml[r0 * H * n_ss * 2:]), shared_mem=_sp_smem(D))
+                r0 += r
+                c0 += cap
+        finally:
+            joined()
         # 3. merge
-        joined()
         out = cp.empty((T, H * D), dtype=f32)
         self._merge("s", "sp_merge", out, H, D, (p_acc, p_ml, np.int32(n_sp), s_acc, s_ml, np.int32(n_ss),
                                                  gm["row_slot"], out, np.int32(H), np.int32(D)))

@@ -5,7 +5,8 @@ They run once, offline: ``python -m opencoti.engine.kv_tiers.codebooks`` writes
 ``_tables.py`` (a Python literal module, so the .pyz needs no data files), which
 the tiers import. ``tests/test_kv_tiers.py`` checks that the shipped tables equal
 what ``generate()`` returns. Everything here is deterministic (fixed seeds,
-fixed iteration counts, float64 numerics rounded to float32 at the end).
+fixed iteration counts, float64 numerics rounded to float32 at the end; the Lloyd–Max
+levels to float16 numbers, see ``lloyd_max``).
 
 The distribution being quantized: a head vector rotated by a random orthogonal
 map (here a sign-flipped Walsh–Hadamard transform, see ``turbo.py``) is close to
