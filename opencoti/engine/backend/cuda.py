@@ -1235,11 +1235,12 @@ class CUDABackend:
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         if isinstance(h, SplitK):
-            h, n_split = h.slabs, h.n_split
-            if h.shape[1:] != x.shape or h.dtype != cp.float32 or not h.flags.c_contiguous:
-                raise ValueError(f"add_rms_norm: partial slabs {h.shape} {h.dtype} for x {x.shape}")
+            sl = h.slabs
+            if sl.shape[1:] != x.shape or sl.dtype != cp.float32 or not sl.flags.c_contiguous:
+                raise ValueError(f"add_rms_norm: partial slabs {sl.shape} {sl.dtype} for x {x.shape}")
+            h, n_split, slab = h.kernel_args()
         else:
-            h, n_split = cp.ascontiguousarray(h, dtype=cp.float32), 1
+            h, n_split, slab = cp.ascontiguousarray(h, dtype=cp.float32), 1, 0
         n = x.shape[-1]
         rows = x.size // n
         xo = cp.empty_like(x)
@@ -1250,7 +1251,7 @@ class CUDABackend:
                                             (x, h, w_post if w_post is not None else _NULL,
                                              w_next if w_next is not None else _NULL, xo,
                                              ho if ho is not None else _NULL, np.int32(n), np.float32(eps),
-                                             np.int32(n_split), np.int64(x.size)) + dg,
+                                             np.int32(n_split), np.int64(slab)) + dg,
                                             shared_mem=smem)
         return xo, ho
 
