@@ -19,19 +19,6 @@ __device__ __forceinline__ void sp_split2(float a, float b, u32& hi, u32& lo) {
     lo = (u32)al | ((u32)bl << 16);
 }
 
-// f16x2 arithmetic (round to nearest)
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
-}
-__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-// (hi, lo) of integer code pair c (f16x2) times block scales d2: hi = f16(c d), lo = c d - hi
-// (fma; exact while lo is a normal f16, at any normal scale)
-__device__ __forceinline__ void scale_pair(u32 c, u32 d2, u32& hi, u32& lo) {
-    hi = hmul2(c, d2);
-    lo = hfma2(c, d2, hi ^ 0x80008000u);
-}
-
 // A query's staging factor: 2^e with e = exponent(mx) - 13 when the largest |q * scale| of the
 // query, mx, reaches 2^14 (inf included), else 1; q * scale / factor < 2^15 keeps the f16 hi term
 // finite, and the query's scores are multiplied back by the factor (exact: a power of two).
