@@ -1661,28 +1661,28 @@ def _synced_steps(g, c, prompt, forced):
     logits ``(cpu, cuda)`` ``[len(forced), vocab]`` (float64; from the prompt's last token on) and,
     per decode, the fraction of the written bytes of the quantized cache halves (not f32 / f16 /
     bf16, whose bytes are the floats themselves) in which CUDA's write differed from the CPU's."""
-    for r in (g, c):
-        r.kv.clear()
-    for cc, cg in zip(_caches(c), _caches(g)):  # unused cells too: only this run's writes differ below
-        for il in cc.k:
-            cc.k[il][...] = cp.asnumpy(cg.k[il])
-            cc.v[il][...] = cp.asnumpy(cg.v[il])
-    toks = [int(t) for t in prompt] + [int(t) for t in forced[:-1]]
-    ubs = [UBatch.build([t], [i], [0], [0]) for i, t in enumerate(toks)]
-    want, got, diff = [], [], []
-    for ub in ubs:
-        want.append(np.asarray(c.decode(ub)[0], np.float64))
-        got.append(np.asarray(g.decode(ub)[0], np.float64))
+    def sync(n_tokens):  # CUDA's bytes into the CPU cache; the quantized halves' differing share
         nd = nb = 0
         for cc, cg in zip(_caches(c), _caches(g)):
-            for il in cc.k:
-                for half, mine, theirs in (("k", cc.k, cg.k), ("v", cc.v, cg.v)):
+            for tier, mine, theirs in ((cc.tier_k, cc.k, cg.k), (cc.tier_v, cc.v, cg.v)):
+                for il in mine:
                     host = cp.asnumpy(theirs[il])
-                    if getattr(cc, f"tier_{half}").name not in ("f32", "f16", "bf16"):
+                    if tier.family != "float":
                         nd += int((mine[il].view(np.uint8) != host.view(np.uint8)).sum())
-                        nb += ub.n_tokens * mine[il][0, 0].nbytes
+                        nb += n_tokens * mine[il][0, 0].nbytes
                     mine[il][...] = host
-        diff.append(nd / nb if nb else 0.0)
+        return nd / nb if nb else 0.0
+
+    for r in (g, c):
+        r.kv.clear()
+    sync(0)  # unused cells too: only this run's writes differ below
+    toks = [int(t) for t in prompt] + [int(t) for t in forced[:-1]]
+    want, got, diff = [], [], []
+    for i, t in enumerate(toks):
+        ub = UBatch.build([t], [i], [0], [0])
+        want.append(np.asarray(c.decode(ub)[0], np.float64))
+        got.append(np.asarray(g.decode(ub)[0], np.float64))
+        diff.append(sync(ub.n_tokens))
     n = len(prompt) - 1
     return np.array(want[n:]), np.array(got[n:]), np.array(diff)
 

@@ -18,7 +18,7 @@
 //
 // Members of KvCodes<T> (ON = false: the tier keeps dec()):
 //   BS, BB: block values / bytes;
-//   TBK, TBV: table bytes in shared memory (K pair table, V level table), built by tab_init();
+//   TBK, TBV: table bytes in shared memory (K pair table, V level table), built by tab_k / tab_v;
 //   kraw(blk, tig, a4, w) / kpair(w, s, r, tk): thread tig's code bytes of a block (blk: the
 //     block's first byte in shared memory), and its B registers for k step s, register r;
 //   vraw(blk, gid, a4) / vpair(ra, rb, k, d2, tv, hi, lo): column gid's codes of a cell's block, and

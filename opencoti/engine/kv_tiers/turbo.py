@@ -25,9 +25,9 @@ per-cell inverse transform is needed. ``dequantize_rotated`` returns that domain
 Block ``b`` (values ``y[64b : 64b+64]``): with ``n`` its L2 norm, ``u = y * 8 / n`` has unit
 RMS and each ``u_j`` is coded as the index of the nearest level of ``LLOYD_MAX[bits]``
 (``c``, ascending, float16 numbers: ``codebooks.lloyd_max``; a value exactly halfway takes
-the lower level). The stored scale is
-the least-squares gain ``scale = sum_j y_j c_j / sum_j c_j^2`` (rounded to f16), which
-minimizes the block's error for those indices; decoding is ``y_j = scale * c[idx_j]``.
+the lower level). The stored scale is the least-squares gain ``scale = sum_j y_j c_j /
+sum_j c_j^2`` (rounded to f16), which minimizes the block's error for those indices;
+decoding is ``y_j = scale * c[idx_j]``.
 A zero block stores scale 0.
 
 Arithmetic (fixed, so any device reproduces the bytes; ``kv_rot.comp`` does): everything is
