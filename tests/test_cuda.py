@@ -1700,40 +1700,38 @@ def _synced_steps(g, c, prompt, forced):
 # against itself: the prompt sits on a chaotic path, whoever computes it. The test therefore
 # runs over one cache's bytes (_synced_steps, the prompt one token per step too): each step
 # starts from the same K/V on both backends and only its own writes can differ.
-# Calibrated on the CPU against itself with that noise (one cache, 'capital' and 'code', a
-# review's 12-15 seeds): at 1e-5, mean KL <= 1.0e-2 (turbo2), one greedy token differed at a
-# margin of 1.292 (turbo2_tcq), 2-3 % of the quantized halves' written bytes differ on average
-# (at most 28 % in one decode: a flip upstream moves the deeper layers' K/V of the same step);
-# at 1e-4, mean KL up to 1.9e-2 (turbo3 1.0e-2, over its bound below: the bounds assume the
-# backends differ by ~1e-5, as the two-cache H200 runs implied), bytes 4-11 % on average.
-# Two-cache measurements on the H200 before 94e7061 (KL(CPU || CUDA) per step, nats), from
-# which the KL bounds come (3x those; to be re-measured in this form on the H200):
-#   tier pair        mean KL   max KL   argmax differed at CPU top-2 margins   KL(CPU f16 || CPU tier)
-#   f32              1.4e-10   1.1e-9   -                                     2.0e-7
-#   f16              2.1e-7    7.6e-6   -                                     0
-#   bf16             1.0e-5    3.2e-4   -                                     2.0e-5
-#   q8_0             2.2e-4    4.5e-3   -                                     3.9e-3
-#   turbo8           6.5e-4    1.9e-2   -                                     4.9e-4
-#   q6_0             3.0e-2    1.4      0.012, 0.912                          7.4e-3
-#   q5_1             7.1e-3    6.0e-2   0.106, 0.111, 0.155                   2.4e-2
-#   q5_0             3.1e-3    5.4e-2   0.003                                 5.5e-2
-#   q4_0             2.1e-2    0.70     -                                     4.9e-2
-#   turbo4           1.9e-2    0.22     0.177                                 6.0e-2
-#   turbo3           2.4e-3    1.3e-2   0.0, 0.019, 0.161                     0.24
-#   turbo2           3.8e-2    0.55     -                                     1.33
-#   turbo3_tcq       1.6e-2    0.23     -                                     0.17
-#   turbo2_tcq       5.1e-2    0.37     0.06                                  0.89
-#   q8_0 / turbo3    1.5e-3    1.9e-2   -                                     1.9e-2
-#   f16 / q4_0       3.9e-4    5.5e-3   0.061                                 8.8e-3
-#   turbo4 / t2_tcq  9.6e-2    1.2      0.008 .. 0.855 (7 steps)              0.13
-# The bounds: the mean KL as above; the greedy token where the CPU's top-2 margin is at least the
-# tier's (0.05 nats for the float tiers and q8_0 / turbo8, 2.0 for the rest: 1.5x the largest
-# margin the CPU flipped against itself at 1e-5); on average at most a quarter of the quantized
-# halves' written bytes differ (a wrong encoder differs in most of them; the exact bytes are
-# test_kv_tier_write_bytes_equal_cpu's).
-_TIER_KL = {"f32": 1e-9, "f16": 1e-6, "bf16": 3e-5, "q8_0": 1e-3, "turbo8": 2e-3, "q6_0": 0.1, "q5_1": 0.025,
-            "q5_0": 0.01, "q4_0": 0.065, "turbo4": 0.06, "turbo3": 0.008, "turbo2": 0.12, "turbo3_tcq": 0.05,
-            "turbo2_tcq": 0.15, "q8_0/turbo3": 0.005, "f16/q4_0": 0.0012, "turbo4/turbo2_tcq": 0.3}
+# Measured in this form on the H200 (session 21, main at 81927bf, with this test's own _steps,
+# _synced_steps and _kl over both prompts, 24 forced tokens each; both backends are deterministic):
+#   tier pair        mean KL   max KL   argmax differed at CPU top-2 margins   written bytes differing
+#                                                                              mean / worst decode
+#   f32              6.9e-11   3.0e-10  -                                     0 / 0
+#   f16              1.2e-9    1.2e-8   -                                     0 / 0
+#   bf16             2.4e-8    3.8e-7   -                                     0 / 0
+#   q8_0             4.8e-7    1.7e-5   -                                     0.010 / 0.061
+#   q6_0             3.5e-6    7.5e-5   -                                     0.008 / 0.067
+#   q5_1             5.3e-5    1.2e-3   -                                     0.024 / 0.140
+#   q5_0             1.1e-5    5.1e-4   -                                     0.005 / 0.062
+#   q4_0             1.1e-5    2.7e-4   0.000 (a tie)                         0.005 / 0.075
+#   turbo8           2.3e-6    4.3e-5   -                                     0.020 / 0.115
+#   turbo4           7.5e-4    3.6e-2   -                                     0.004 / 0.102
+#   turbo3           5.4e-5    2.4e-3   -                                     0.005 / 0.292
+#   turbo2           2.4e-9    9.6e-8   -                                     0.000 / 0.017
+#   turbo3_tcq       2.5e-4    1.2e-2   -                                     0.004 / 0.213
+#   turbo2_tcq       1.4e-3    6.8e-2   0.322                                 0.003 / 0.174
+#   q8_0 / turbo3    1.2e-5    3.6e-4   -                                     0.009 / 0.168
+#   f16 / q4_0       2.9e-6    7.8e-5   -                                     0.006 / 0.083
+#   turbo4 / t2_tcq  1.0e-3    4.2e-2   -                                     0.018 / 0.317
+# The two-cache form measured up to 10^7 times these (turbo2: 3.8e-2): the prompt's chaos.
+# The bounds: mean KL 10x the measured, rounded up, and for the quantized tiers at least 1e-4 (a
+# code flipped at a rounding boundary cost one step up to 6.8e-2 here; turbo2 happened to see none);
+# the greedy token wherever the CPU's top-2 margin is at least 0.05 nats (float tiers, q8_0,
+# turbo8) or 1.0 (the rest: 3x the largest margin that flipped, below the 1.29 the CPU flipped at
+# against itself with 1e-5 noise); per prompt at most a tenth of the quantized halves' written
+# bytes differ on average (4x the largest mean; a wrong encoder differs in most of them; the exact
+# bytes are test_kv_tier_write_bytes_equal_cpu's).
+_TIER_KL = {"f32": 1e-9, "f16": 2e-8, "bf16": 3e-7, "q8_0": 5e-6, "turbo8": 3e-5, "q6_0": 1e-4, "q5_1": 6e-4,
+            "q5_0": 2e-4, "q4_0": 2e-4, "turbo4": 8e-3, "turbo3": 6e-4, "turbo2": 1e-4, "turbo3_tcq": 3e-3,
+            "turbo2_tcq": 2e-2, "q8_0/turbo3": 2e-4, "f16/q4_0": 1e-4, "turbo4/turbo2_tcq": 2e-2}
 _TIER_FINE = ("f32", "f16", "bf16", "q8_0", "turbo8")
 
 
@@ -1747,7 +1745,7 @@ def test_kv_tier_real_model_cuda_matches_cpu(real_model, refs, tk, tv):
     per-step KL(CPU || CUDA) within the tier's bound, and CUDA's writes equal to the CPU's but
     for codes at rounding boundaries and what they move downstream (table above)."""
     key = tk if tk == tv else f"{tk}/{tv}"
-    margin = 0.05 if tk in _TIER_FINE and tv in _TIER_FINE else 2.0
+    margin = 0.05 if tk in _TIER_FINE and tv in _TIER_FINE else 1.0
     g = ModelRunner(real_model, "cuda", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
     c = ModelRunner(real_model, "cpu", n_ctx=1024, n_ubatch=512, type_k=tk, type_v=tv)
     kls, compared = [], 0
@@ -1759,7 +1757,7 @@ def test_kv_tier_real_model_cuda_matches_cpu(real_model, refs, tk, tv):
         clear = top2[:, 1] - top2[:, 0] >= margin
         bad = np.nonzero((got.argmax(1) != want.argmax(1)) & clear)[0]
         assert bad.size == 0, (key, name, bad.tolist(), (top2[bad, 1] - top2[bad, 0]).round(3).tolist())
-        assert diff.mean() < 0.25, (key, name, diff.round(3).tolist())
+        assert diff.mean() < 0.1, (key, name, diff.round(3).tolist())
         compared += int(clear.sum())
         kls.extend(_kl(want, got))
     assert compared >= 8, compared

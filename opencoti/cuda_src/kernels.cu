@@ -299,10 +299,12 @@ __device__ __forceinline__ void norm_row_digits(const float (&v)[NV], float r, c
 // y = x / sqrt(mean(x^2) + eps) * w (w may be null); one block per row of n. With xq (one row or
 // a gemmi layout's rows, n a multiple of 256, at most NV * blockDim; 4 n bytes of dynamic shared
 // memory): y's digit columns for gemv_int.cu too (digits.cuh digits_row; D digit columns per row
-// of ncp), so the integer GEMV that reads y needs no xq_digits launch.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                                    int n, float eps, i8* __restrict__ xq, float* __restrict__ xs,
-                                    i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
+// of ncp), so the integer GEMV that reads y needs no xq_digits launch. Launched with up to 1,024
+// threads (cuda.py _row_threads), hence the bound: at most 64 registers a thread.
+extern "C" __global__ void __launch_bounds__(1024)
+rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+         int n, float eps, i8* __restrict__ xq, float* __restrict__ xs,
+         i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
@@ -330,11 +332,14 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 // x_out = x + rms_norm(h) * w_post; h_out = rms_norm(x_out) * w_next (post-norm, residual, next norm).
 // h: n_split partial slabs of the product (gemv_int.cu gemmi's split-K), slab floats apart, summed
 // here in split order (mmq_reduce's bits). xq ... D: h_out's digit columns too, as rms_norm's.
-extern "C" __global__ void post_norm_add_norm(const float* __restrict__ x, const float* __restrict__ h,
-                                              const float* __restrict__ w_post, const float* __restrict__ w_next,
-                                              float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps,
-                                              int n_split, long long slab, i8* __restrict__ xq,
-                                              float* __restrict__ xs, i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
+// Bounded as rms_norm: unbounded, nvcc gave it 72 registers, and the 1,024-thread launch for a
+// row over 8,192 floats failed for want of registers (test_row_norms_match_cpu[9000], H200).
+extern "C" __global__ void __launch_bounds__(1024)
+post_norm_add_norm(const float* __restrict__ x, const float* __restrict__ h,
+                   const float* __restrict__ w_post, const float* __restrict__ w_next,
+                   float* __restrict__ x_out, float* __restrict__ h_out, int n, float eps,
+                   int n_split, long long slab, i8* __restrict__ xq,
+                   float* __restrict__ xs, i8* __restrict__ xm, int ncp, int D) { GRID_DEP_WAIT();
     __shared__ float sh[32];
     const long long o = (long long)blockIdx.x * n;
     const int bd = blockDim.x, t = threadIdx.x;
