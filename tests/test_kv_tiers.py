@@ -303,3 +303,13 @@ def test_shipped_tables_equal_the_generator():
         lv = gen["lloyd_max"][bits]
         idx = np.searchsorted((lv[1:] + lv[:-1]) / 2, u)
         assert np.mean((u - lv[idx]) ** 2) < {2: 0.12, 3: 0.035}[bits]
+
+
+def test_turbo_levels_scaled_are_f16():
+    """The CUDA stream kernel multiplies P's lo term (scaled by 2^11) by the turbo2/3/4 levels
+    times 2^-11 in f16 (kv_codes.cuh, KvCodes<KTurbo> PD): exact only while every such level
+    stays on f16's grid, subnormals included."""
+    for bits in (2, 3, 4):
+        lv = get_tier(f"turbo{bits}").levels.astype(np.float64)
+        scaled = lv * 2.0 ** -11
+        np.testing.assert_array_equal(scaled.astype(np.float16).astype(np.float64), scaled)

@@ -14,7 +14,8 @@
 // Q and P are split into f16 hi + lo terms (float32 accuracy, f16_split.cuh), S stays in registers
 // as P's fragments (FlashAttention-2's layout). f16 rows are exact f16 operands (the V fragments by
 // ldmatrix .trans); q8_0, q4_0 and turbo2/3/4 codes are f16 operands too, their block scales
-// applied outside the products (kv_codes.cuh); any other tier's values are decoded (policy dec():
+// applied outside the products (K: on each block's partial scores; V: on the integer codes as
+// hi + lo, on P for the turbo levels; kv_codes.cuh); any other tier's values are decoded (policy dec():
 // scale * code [+ min]) and split into hi + lo. Each warp keeps its own online softmax (Milakov &
 // Gimelshein 2018) over its cells; the warps are merged at the end as attn_partial's are. Masks,
 // softcap and the output format (n_split == 1: normalized rows, else (acc, m, l) partials for
@@ -324,7 +325,7 @@ __device__ __forceinline__ void attn_stream_impl(
         split_p(s[0], s[1], ph, pl);
         if constexpr (VP::F16) {
             pv_f16<ND>(o, ph, pl, (const u16*)(sv + (cw + (lane & 15)) * L::SRBV) + (lane >> 4) * 8);
-        } else if constexpr (VP::CODES) {  // B = the codes of cells (2tig, 2tig + 1 | + 8, + 9) times their block scales
+        } else if constexpr (VP::CODES) {  // B = the codes of cells (2tig, 2tig + 1 | + 8, + 9) ...
             using C = typename VP::C;
             constexpr int NK = C::BS / 8;
             const u8* v0 = sv + (cw + 2 * tig) * L::SRBV;
@@ -334,20 +335,36 @@ __device__ __forceinline__ void attn_stream_impl(
 #pragma unroll
             for (int b = 0; b < D / C::BS; b++) {
                 const int ob = b * C::BB;
-                const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;
-                const u32 d23 = (u32)C::dh(v2 + ob) | (u32)C::dh(v3 + ob) << 16;
                 const bool a4 = (C::BB * b + 2) % 4 == 0;
                 const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v1 + ob, gid, a4);
                 const u32 r2 = C::vraw(v2 + ob, gid, a4), r3 = C::vraw(v3 + ob, gid, a4);
+                if constexpr (C::PD) {  // ... as they are, their block scales on P: P' = p d (hi + lo 2^11)
+                    const float d0 = h2f(C::dh(v0 + ob)), d1 = h2f(C::dh(v1 + ob));
+                    const float d2 = h2f(C::dh(v2 + ob)), d3 = h2f(C::dh(v3 + ob));
+                    const float s0[4] = {s[0][0] * d0, s[0][1] * d1, s[0][2] * d0, s[0][3] * d1};
+                    const float s1[4] = {s[1][0] * d2, s[1][1] * d3, s[1][2] * d2, s[1][3] * d3};
+                    u32 qh[4], ql[4];
+                    split_p_s11(s0, s1, qh, ql);
 #pragma unroll
-                for (int k = 0; k < NK; k++) {
-                    u32 h0, l0, h1, l1;
-                    C::vpair(r0, r1, k, d01, s_tv, h0, l0);
-                    C::vpair(r2, r3, k, d23, s_tv, h1, l1);
-                    float* acc = o[b * NK + k];
-                    mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], h0, h1);
-                    mma_m16n8k16(acc, pl[0], pl[1], pl[2], pl[3], h0, h1);
-                    mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], l0, l1);
+                    for (int k = 0; k < NK; k++) {  // lo x (levels 2^-11): exact, the levels' test
+                        const u32 b0 = C::vcodes(r0, r1, k, s_tv), b1 = C::vcodes(r2, r3, k, s_tv);
+                        float* acc = o[b * NK + k];
+                        mma_m16n8k16(acc, qh[0], qh[1], qh[2], qh[3], b0, b1);
+                        mma_m16n8k16(acc, ql[0], ql[1], ql[2], ql[3], hmul2(b0, 0x10001000u), hmul2(b1, 0x10001000u));
+                    }
+                } else {  // ... times their block scales (hi + lo)
+                    const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;
+                    const u32 d23 = (u32)C::dh(v2 + ob) | (u32)C::dh(v3 + ob) << 16;
+#pragma unroll
+                    for (int k = 0; k < NK; k++) {
+                        u32 h0, l0, h1, l1;
+                        scale_pair(C::vcodes(r0, r1, k, s_tv), d01, h0, l0);
+                        scale_pair(C::vcodes(r2, r3, k, s_tv), d23, h1, l1);
+                        float* acc = o[b * NK + k];
+                        mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], h0, h1);
+                        mma_m16n8k16(acc, pl[0], pl[1], pl[2], pl[3], h0, h1);
+                        mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], l0, l1);
+                    }
                 }
             }
         } else {  // B = V[cells 2tig, 2tig + 1 | + 8, + 9][dim nd * 8 + gid], decoded

@@ -19,6 +19,19 @@ __device__ __forceinline__ void sp_split2(float a, float b, u32& hi, u32& lo) {
     lo = (u32)al | ((u32)bl << 16);
 }
 
+// f16x2 arithmetic (round to nearest)
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+// (hi, lo) of integer code pair c (f16x2) times block scales d2: hi = f16(c d), lo = c d - hi
+// (fma; exact while lo is a normal f16, at any normal scale)
+__device__ __forceinline__ void scale_pair(u32 c, u32 d2, u32& hi, u32& lo) {
+    hi = hmul2(c, d2);
+    lo = hfma2(c, d2, hi ^ 0x80008000u);
+}
+
 // A query's staging factor: 2^e with e = exponent(mx) - 13 when the largest |q * scale| of the
 // query, mx, reaches 2^14 (inf included), else 1; q * scale / factor < 2^15 keeps the f16 hi term
 // finite, and the query's scores are multiplied back by the factor (exact: a power of two).
@@ -33,12 +46,31 @@ __device__ __forceinline__ void ld_a_frag(const u16* p, int ld, u32 (&a)[4]) {
     a[0] = *(const u32*)p; a[1] = *(const u32*)(p + 8 * ld); a[2] = *(const u32*)(p + 8); a[3] = *(const u32*)(p + 8 * ld + 8);
 }
 
+// sp_split2 with lo scaled by 2^11: lo = f16((x - hi) * 2^11), a normal f16 down to |x| ~ 2^-13
+// (sp_split2's lo leaves the normal range below |x| ~ 2^-3); a product with this lo takes its
+// other operand times 2^-11 (exact where that operand stays on f16's grid). No overflow:
+// |x - hi| <= |x| 2^-11.
+__device__ __forceinline__ void sp_split2_s11(float a, float b, u32& hi, u32& lo) {
+    u16 ah = sp_f2h(a), bh = sp_f2h(b);
+    u16 al = sp_f2h((a - h2f(ah)) * 2048.f), bl = sp_f2h((b - h2f(bh)) * 2048.f);
+    hi = (u32)ah | ((u32)bh << 16);
+    lo = (u32)al | ((u32)bl << 16);
+}
+
 // P's A fragments as hi + lo from the score fragments of two n8 tiles (16 cells: s0 the first 8)
 __device__ __forceinline__ void split_p(const float (&s0)[4], const float (&s1)[4], u32 (&ph)[4], u32 (&pl)[4]) {
     sp_split2(s0[0], s0[1], ph[0], pl[0]);
     sp_split2(s0[2], s0[3], ph[1], pl[1]);
     sp_split2(s1[0], s1[1], ph[2], pl[2]);
     sp_split2(s1[2], s1[3], ph[3], pl[3]);
+}
+
+// split_p with lo scaled by 2^11 (sp_split2_s11)
+__device__ __forceinline__ void split_p_s11(const float (&s0)[4], const float (&s1)[4], u32 (&ph)[4], u32 (&pl)[4]) {
+    sp_split2_s11(s0[0], s0[1], ph[0], pl[0]);
+    sp_split2_s11(s0[2], s0[3], ph[1], pl[1]);
+    sp_split2_s11(s1[0], s1[1], ph[2], pl[2]);
+    sp_split2_s11(s1[2], s1[3], ph[3], pl[3]);
 }
 
 // o += (ph + pl) V for 16 cells of f16 V rows in shared memory: vrow = row (lane & 15) of the 16,

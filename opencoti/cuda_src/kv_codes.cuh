@@ -7,9 +7,16 @@
 //     q4_0's nibble - 8, exact in f16), or as their levels (turbo2/3/4: f16 numbers; one shared
 //     memory load of a pair table gives two values' levels); each block's partial scores are
 //     multiplied by that cell's block scale in float32 and summed.
-//   O += P V: the two cells of a B register each carry their block scale d: hi = f16(code * d),
-//     lo = code * d - hi by an f16 fma (exact where lo stays a normal f16: code * d has at most
-//     19 significant bits for the integer tiers, 22 for an f16 level; scale_pair).
+//   O += P V: the integer tiers' B registers are their codes, each of a register's two cells
+//     times its block scale d: hi = f16(code * d), lo = code * d - hi by an f16 fma (exact
+//     where lo stays a normal f16: code * d has at most 19 significant bits; scale_pair), three
+//     MMAs (P hi x hi, P lo x hi, P hi x lo). The turbo levels (PD) are the B registers as they
+//     are and the block scales ride on P instead: per block, P' = p d in float32, split into
+//     hi = f16(P') and lo = f16((P' - hi) 2^11) (f16_split.cuh split_p_s11), two MMAs: hi x
+//     levels, lo x levels 2^-11 (an f16 mul; exact: every turbo2/3/4 level times 2^-11 is an f16
+//     number, test_turbo_levels_scaled_are_f16). The scaled lo stays a normal f16 down to P' ~
+//     2^-13, where an unscaled one would leave the normal range below 2^-3 and, with P' = p d,
+//     lose accuracy as 1 / d for small block scales d.
 //
 // The MMA's k index (dims in S) and n index (dims in O) may run over a block's dims in any
 // order: each tier picks the order in which a thread's codes sit together in its bytes. kdim(L)
@@ -21,8 +28,9 @@
 //   TBK, TBV: table bytes in shared memory (K pair table, V level table), built by tab_k / tab_v;
 //   kraw(blk, tig, a4, w) / kpair(w, s, r, tk): thread tig's code bytes of a block (blk: the
 //     block's first byte in shared memory), and its B registers for k step s, register r;
-//   vraw(blk, gid, a4) / vpair(ra, rb, k, d2, tv, hi, lo): column gid's codes of a cell's block, and
-//     the (hi, lo) B registers of n8 tile k for two cells (ra, rb) with block scales d2 (f16x2);
+//   vraw(blk, gid, a4) / vcodes(ra, rb, k, tv): column gid's codes of a cell's block, and the
+//     f16x2 codes (or levels) of n8 tile k for two cells (ra, rb), unscaled;
+//   PD: the block scales are folded into P (the turbo levels) instead of into the codes;
 //   dh(blk): the block scale's f16 bits.
 // a4: the reads of that block are 4-aligned (rows start 16-aligned in shared memory; a block at
 // byte o of its row reads from o + 2: aligned when o % 4 == 2).
@@ -30,26 +38,13 @@
 #include "quants.cuh"
 #include "f16_split.cuh"
 
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
-}
-__device__ __forceinline__ u32 hsub2(u32 a, u32 b) { u32 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
 // 4 bytes at p (2-aligned; a4: 4-aligned, a constant where the caller's loop is unrolled)
 __device__ __forceinline__ u32 ld4b(const u8* p, bool a4) {
     return a4 ? *(const u32*)p : (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);
 }
-// (hi, lo) of code pair c (f16x2) times block scales d2: hi = f16(c d), lo = c d - hi (fma; exact
-// while lo is a normal f16: for the integer codes at any normal scale, for turbo levels only at
-// scales above ~0.5, below that lo's error is at most 2^-25)
-__device__ __forceinline__ void scale_pair(u32 c, u32 d2, u32& hi, u32& lo) {
-    hi = hmul2(c, d2);
-    lo = hfma2(c, d2, hi ^ 0x80008000u);
-}
-
 template <class T>
 struct KvCodes {
-    static constexpr bool ON = false;
+    static constexpr bool ON = false, PD = false;
     static constexpr int BS = 32, BB = 0, TBK = 0, TBV = 0, NW = 1;
     static __host__ __device__ constexpr int kdim(int L) { return L; }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 8 * k + c; }
@@ -59,7 +54,7 @@ struct KvCodes {
 // - 1152; V: column c's bytes 4c .. 4c + 3 (n8 tile k: byte k)
 template <>
 struct KvCodes<KQ8_0> {
-    static constexpr bool ON = true;
+    static constexpr bool ON = true, PD = false;
     static constexpr int BS = 32, BB = 34, TBK = 0, TBV = 0, NW = 2;
     static __host__ __device__ constexpr int kdim(int L) { return 8 * ((L & 7) >> 1) + 4 * (L >> 4) + 2 * ((L >> 3) & 1) + (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 4 * c + k; }
@@ -72,9 +67,8 @@ struct KvCodes<KQ8_0> {
         return hsub2(__byte_perm(w[s], 0x64646464u, r ? 0x4342 : 0x4140), 0x64806480u);
     }
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) { return ld4b(blk + 2 + 4 * gid, a4) ^ 0x80808080u; }
-    static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
-        const u32 c = hsub2((__byte_perm(ra, rb, k | ((4 + k) << 8)) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
-        scale_pair(c, d2, hi, lo);
+    static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {
+        return hsub2((__byte_perm(ra, rb, k | ((4 + k) << 8)) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
     }
 };
 
@@ -84,7 +78,7 @@ struct KvCodes<KQ8_0> {
 // 17 + 2c)
 template <>
 struct KvCodes<KQ4_0> {
-    static constexpr bool ON = true;
+    static constexpr bool ON = true, PD = false;
     static constexpr int BS = 32, BB = 18, TBK = 0, TBV = 0, NW = 1;
     static __host__ __device__ constexpr int kdim(int L) { return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 16 * (k >> 1) + 2 * c + (k & 1); }
@@ -94,10 +88,9 @@ struct KvCodes<KQ4_0> {
         return hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
     }
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) { return *(const u16*)(blk + 2 + 2 * gid); }
-    static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8*, u32& hi, u32& lo) {
+    static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {
         const u32 m = __byte_perm(ra, rb, 0x5410);
-        const u32 c = hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
-        scale_pair(c, d2, hi, lo);
+        return hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
     }
 };
 
@@ -106,10 +99,11 @@ struct KvCodes<KQ4_0> {
 // (codebooks.lloyd_max), so a level is an exact f16 operand and the K operand has no lo term.
 // K: thread tig's indices 16 tig .. 16 tig + 15, as 8 pairs of adjacent indices; the pair table
 // (TBK bytes) maps a pair's bits to its f16x2 register. V: column c's indices 8c .. 8c + 7 (n8
-// tile k: index 8c + k), each through the level table (f16, TBV bytes), then scaled as q4_0's.
+// tile k: index 8c + k), each through the level table (f16, TBV bytes); their block scales ride
+// on P (PD).
 template <int BITS>
 struct KvCodes<KTurbo<BITS>> {
-    static constexpr bool ON = BITS <= 4;
+    static constexpr bool ON = BITS <= 4, PD = true;
     static constexpr int BS = 64, BB = 2 + 8 * BITS, TBK = 4 << (2 * BITS), TBV = 2 << BITS;
     static constexpr int NW = BITS == 2 ? 1 : 2;
     static __host__ __device__ constexpr int kdim(int L) { return 16 * ((L & 7) >> 1) + 2 * (2 * (L >> 4) + ((L >> 3) & 1)) + (L & 1); }
@@ -166,8 +160,7 @@ struct KvCodes<KTurbo<BITS>> {
         else if constexpr (BITS == 3) return ((x >> (2 * k)) & 3u) | ((x >> (16 + k)) & 1u) << 2;
         else return (x >> (2 * k)) & 3u;
     }
-    static __device__ __forceinline__ void vpair(u32 ra, u32 rb, int k, u32 d2, const u8* tv, u32& hi, u32& lo) {
-        const u32 la = ((const u16*)tv)[vidx(ra, k)], lb = ((const u16*)tv)[vidx(rb, k)];
-        scale_pair(la | lb << 16, d2, hi, lo);
+    static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8* tv) {
+        return (u32)((const u16*)tv)[vidx(ra, k)] | (u32)((const u16*)tv)[vidx(rb, k)] << 16;
     }
 };
