@@ -25,7 +25,7 @@
 //
 // Members of KvCodes<T> (ON = false: the tier keeps dec()):
 //   BS, BB: block values / bytes;
-//   TBK, TBV: table bytes in shared memory (K pair table, V level table), built by tab_k / tab_v;
+//   TBK, TBV: table bytes in shared memory (K pair table, V pair table), built by tab_k / tab_v;
 //   kraw(blk, tig, a4, w) / kpair(w, s, r, tk): thread tig's code bytes of a block (blk: the
 //     block's first byte in shared memory), and its B registers for k step s, register r;
 //   vraw(blk, gid, a4) / vcodes(ra, rb, k, tv): column gid's codes of a cell's block, and the
@@ -99,12 +99,12 @@ struct KvCodes<KQ4_0> {
 // (codebooks.lloyd_max), so a level is an exact f16 operand and the K operand has no lo term.
 // K: thread tig's indices 16 tig .. 16 tig + 15, as 8 pairs of adjacent indices; the pair table
 // (TBK bytes) maps a pair's bits to its f16x2 register. V: column c's indices 8c .. 8c + 7 (n8
-// tile k: index 8c + k), each through the level table (f16, TBV bytes); their block scales ride
-// on P (PD).
+// tile k: index 8c + k); two cells' indices k make one entry of the V pair table (TBV bytes: the
+// two levels as f16x2); their block scales ride on P (PD).
 template <int BITS>
 struct KvCodes<KTurbo<BITS>> {
     static constexpr bool ON = BITS <= 4, PD = true;
-    static constexpr int BS = 64, BB = 2 + 8 * BITS, TBK = 4 << (2 * BITS), TBV = 2 << BITS;
+    static constexpr int BS = 64, BB = 2 + 8 * BITS, TBK = 4 << (2 * BITS), TBV = 4 << (2 * BITS);
     static constexpr int NW = BITS == 2 ? 1 : 2;
     static __host__ __device__ constexpr int kdim(int L) { return 16 * ((L & 7) >> 1) + 2 * (2 * (L >> 4) + ((L >> 3) & 1)) + (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 8 * c + k; }
@@ -129,8 +129,9 @@ struct KvCodes<KTurbo<BITS>> {
             ((u32*)tk)[e] = lev(a) | lev(b) << 16;
         }
     }
-    static __device__ __forceinline__ void tab_v(u8* tv) {
-        for (int i = threadIdx.x; i < (1 << BITS); i += blockDim.x) ((u16*)tv)[i] = (u16)lev(i);
+    static __device__ __forceinline__ void tab_v(u8* tv) {  // entry a | b << BITS: levels a, b
+        for (int e = threadIdx.x; e < (1 << (2 * BITS)); e += blockDim.x)
+            ((u32*)tv)[e] = lev(e & ((1 << BITS) - 1)) | lev(e >> BITS) << 16;
     }
     static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) {
         if constexpr (BITS == 4) {
@@ -161,6 +162,6 @@ struct KvCodes<KTurbo<BITS>> {
         else return (x >> (2 * k)) & 3u;
     }
     static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8* tv) {
-        return (u32)((const u16*)tv)[vidx(ra, k)] | (u32)((const u16*)tv)[vidx(rb, k)] << 16;
+        return ((const u32*)tv)[vidx(ra, k) | vidx(rb, k) << BITS];
     }
 };

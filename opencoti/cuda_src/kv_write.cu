@@ -89,10 +89,19 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
     const float n = xsqrt(tree64_pair(xmul(y, y), 0.f, sc + 2 * D).x);
     const float u = xlt(0.f, n) ? xmul(y, xdiv(8.f, n)) : 0.f;
     const float* th = T::thr();
-    int lo = 0, hi = T::NT - 1;  // searchsorted(thresholds, u, side="left"): the thresholds below u
-    while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;  // th < u (a NaN u counts all, as NumPy sorts it last)
+    // searchsorted(thresholds, u, side="left"): the thresholds below u (th < u; a NaN u counts
+    // all, as NumPy sorts it last). Up to 15 thresholds by counting (every thread reads the same
+    // th[i]: one constant-cache broadcast each, no dependent chain), else a binary search.
+    int lo = 0;
+    if constexpr (T::NT <= 16) {
+#pragma unroll
+        for (int i = 0; i < T::NT - 1; i++) lo += !xle(u, th[i]);
+    } else {
+        int hi = T::NT - 1;
+        while (lo < hi) {
+            int mid = (lo + hi) >> 1;
+            if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;
+        }
     }
     const float c = T::tab()[lo];
     idx[tid] = lo;

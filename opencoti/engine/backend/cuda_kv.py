@@ -57,12 +57,11 @@ def has_table(name: str) -> bool:
 def stream_table_bytes(name: str, as_k: bool) -> int:
     """Shared-memory bytes of tier ``name``'s table in the streaming attention kernel, as the K
     tier (``as_k``) or the V tier (attention.cu ``AsTier::TBK`` / ``TBV``): the turbo2/3/4 pair
-    table (an f16 pair, 4 bytes, per pair of indices) for K and level table (2 bytes per level)
-    for V (kv_codes.cuh), the other table tiers' float32 levels (256 of them at most: 1 KiB),
-    else 0."""
+    table (an f16 pair, 4 bytes, per pair of indices) for K and V alike (kv_codes.cuh), the other
+    table tiers' float32 levels (256 of them at most: 1 KiB), else 0 (no tier's K and V tables
+    differ in size now; ``as_k`` names which one the caller sizes)."""
     if name in STREAM_CODE_TIERS and has_table(name):
-        bits = int(name[-1])
-        return (4 << (2 * bits)) if as_k else (2 << bits)
+        return 4 << (2 * int(name[-1]))
     return 1024 if has_table(name) else 0
 
 
