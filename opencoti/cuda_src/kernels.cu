@@ -368,8 +368,9 @@ post_norm_add_norm(const float* __restrict__ x, const float* __restrict__ h,
         const float v = slab_sum(h, o + i, n_split, slab);
         s += v * v;
     }
-    s = block_sum(s, sh);
-    const float r = w_post ? rsqrtf(s / n + eps) : 1.f;
+    // without a post-norm (Qwen, Llama: the residual add and the next norm only) the first sum
+    // is not needed; w_post is uniform in the block, so the skipped barriers are everyone's
+    const float r = w_post ? rsqrtf(block_sum(s, sh) / n + eps) : 1.f;
     float s2 = 0.f;
 #pragma unroll
     for (int k = 0; k < NV; k++) {
