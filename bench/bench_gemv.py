@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # name -> (ggml type, rows, cols)
 PRESETS = {
     "qwen2.5-7b": [("attn_q / attn_output", 12, 3584, 3584), ("attn_k", 12, 512, 3584),
-                   ("ffn_up / ffn_gate", 12, 18944, 3584), ("ffn_down", 14, 3584, 18944),
-                   ("output", 14, 152064, 3584)],
+                   ("attn_q+k fused", 12, 4096, 3584), ("attn_v q6", 14, 512, 3584),
+                   ("ffn_up / ffn_gate", 12, 18944, 3584), ("ffn_gate+up fused", 12, 37888, 3584),
+                   ("ffn_down", 14, 3584, 18944), ("output", 14, 152064, 3584)],
     "gemma-3-270m": [("ffn_down", 12, 640, 2048), ("ffn_down q6", 14, 640, 2048)],
 }
 F16_FIELDS = {12: [0, 2], 14: [208]}  # byte offsets of the f16 scales in a block (ggml-common.h)

@@ -4,10 +4,11 @@
         [--tiers f16,q8_0,q4_0,turbo3,turbo2] [--depths 0,8192,32768] [-n 64] [-r 3]
 
 For each tier (``name`` = the same tier for K and V, ``k/v`` = a pair) one runner with
-``n_ctx`` = the largest depth + 512 cells is built; per depth the sequence is prefilled once
-(random tokens, ubatches of 512), then ``-r`` timed runs each decode ``-n`` tokens one per step
-(graph-replayed decode, logits to the host every step) after a warm-up run; between runs the
-decoded cells are removed again (``seq_rm``), so every run decodes at the same depth. Prints
+``n_ctx`` = the largest depth + 512 cells is built, all of them up front; per depth each
+runner's sequence is prefilled once (random tokens, ubatches of 512) and decoded once as a
+warm-up, then ``-r`` rounds in which the tiers take turns, each run decoding ``-n`` tokens one per
+step (graph-replayed decode, logits to the host every step); after each run the decoded cells
+are removed again (``seq_rm``), so every run decodes at the same depth. Prints
 tok/s (mean ± stddev) and the ratio to f16 at the same depth. ``--synth PRESET`` writes
 ``opencoti.tools.synth_shapes``'s random-weight model with that preset's exact shapes (e.g. the
 7B-shaped ``qwen2.5-7b-q4_k_m``) to the cache dir first. Targets (issue 6): a quantized tier
@@ -70,18 +71,25 @@ def main() -> None:
 
     model = load_model(_model_path(a), with_tokenizer=False)
     depths = [int(x) for x in a.depths.split(",") if x]
-    res: dict = {}
-    for spec in [t for t in a.tiers.split(",") if t]:
+    specs = [t for t in a.tiers.split(",") if t]
+    runners = {}
+    for spec in specs:
         tk, tv = spec.split("/") if "/" in spec else (spec, spec)
-        runner = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
-        for d in depths:
+        runners[spec] = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
+    res: dict = {(spec, d): [] for spec in specs for d in depths}
+    for d in depths:
+        for runner in runners.values():
             runner.kv.clear()
             if d:
                 prefill(runner, d)
             _decode(runner, d, a.steps)  # warm-up: graph capture, module compile
-            res[(spec, d)] = [_decode(runner, d, a.steps) for _ in range(a.repetitions)]
+        # the tiers take turns, run by run: a drift of the device's clocks over the call (the
+        # first tier's rows measured low in earlier one-tier-after-another runs) hits them alike
+        for _ in range(a.repetitions):
+            for spec, runner in runners.items():
+                res[(spec, d)].append(_decode(runner, d, a.steps))
+        for spec in specs:
             print(f"{spec} @ {d}: {statistics.mean(res[(spec, d)]):,.1f} tok/s", file=sys.stderr, flush=True)
-        runner = None
 
     from opencoti.engine.backend import get_backend
 
