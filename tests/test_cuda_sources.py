@@ -1,0 +1,66 @@
+"""The CUDA sources' launch contract, checked on their text (no GPU needed).
+
+Inside a captured decode step every kernel is launched with programmatic dependent launch
+(``cuda_kernels.Kernel``, ``cuda_src/pdl.cuh``): its blocks may start while the kernel before it
+still runs, so a kernel must wait on ``GRID_DEP_WAIT()`` before it reads or writes anything an
+earlier kernel touches. A kernel that forgot the wait would race its predecessor only now and
+then; this test finds it on the source.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import pytest
+
+from opencoti.engine.backend import cuda_kernels, cuda_kv
+from opencoti.engine.kv_tiers import TIER_NAMES
+
+_KERNEL = re.compile(r'__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)\s*\(')
+MODULES = sorted(p.name for p in resources.files("opencoti.cuda_src").iterdir() if p.name.endswith(".cu"))
+
+
+def kernel_first_statements(src: str) -> dict[str, str]:
+    """``{kernel name: its body's first statement}`` for every ``__global__`` function of the
+    CUDA text ``src`` (macro-defined kernels by their ``##`` pattern, line continuations
+    removed; a name defined twice keeps the last)."""
+    out = {}
+    for m in _KERNEL.finditer(src):
+        depth, i = 0, m.end() - 1
+        while True:  # the parameter list's closing parenthesis
+            depth += {"(": 1, ")": -1}.get(src[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        body = src[src.index("{", i) + 1:]
+        out[m.group(1)] = re.sub(r"[\s\\]+", "", body[:body.index(";") + 1])
+    return out
+
+
+def _sources() -> dict[str, str]:
+    srcs = {name: cuda_kernels.read_source(name) for name in MODULES}
+    srcs["kv_write (generated)"] = cuda_kv.write_source()
+    for t in TIER_NAMES:
+        srcs[f"attention {t} (generated)"] = cuda_kv.attention_source(t, t, 128)
+    return srcs
+
+
+@pytest.mark.parametrize("module", list(_sources()))
+def test_every_kernel_waits_first(module):
+    """Every kernel of every module (the generated tier modules included) starts with
+    GRID_DEP_WAIT(): nothing is read or written before it."""
+    first = kernel_first_statements(_sources()[module])
+    assert first, module
+    late = {name: stmt for name, stmt in first.items() if stmt != "GRID_DEP_WAIT();"}
+    assert not late, (module, late)
+
+
+def test_kernel_scan_finds_the_kernels():
+    """The scan sees plain, bounded and macro-defined kernels, and a kernel that does not wait."""
+    src = ('extern "C" __global__ void a(int* x) { GRID_DEP_WAIT(); x[0] = 1; }\n'
+           'extern "C" __global__ void __launch_bounds__(128, 2) b(const float* __restrict__ y,\n'
+           '                                                       int (*z)[4]) {\n    GRID_DEP_WAIT();\n}\n'
+           '#define K(T) extern "C" __global__ void k_##T(T* p) {  \\\n        p[0] = 0; GRID_DEP_WAIT(); }\n')
+    assert kernel_first_statements(src) == {"a": "GRID_DEP_WAIT();", "b": "GRID_DEP_WAIT();", "k_##T": "p[0]=0;"}
+    assert len(kernel_first_statements(cuda_kernels.read_source("kernels.cu"))) >= 20
