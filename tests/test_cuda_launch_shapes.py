@@ -113,7 +113,7 @@ def test_stream_tile_and_shared_memory():
     assert cu._as_smem(128, 256, 256) == 8704 + 2 * 128 * 544 + 2 * 128 * 4 + 64
     # q8_0 / q8_0 at 128: rows of 136 bytes, stride 144; three stages fit 110,592
     assert cu._as_smem(128, 136, 136) == 8704 + 3 * 128 * 288 + 3 * 128 * 4 + 64
-    # turbo: an f16 pair per K pair table entry, an f16 per V level (kv_codes.cuh TBK / TBV)
+    # turbo: an f16 pair per pair table entry, K's and V's alike (kv_codes.cuh TBK / TBV)
     assert cuda_kv.stream_table_bytes("turbo3", True) == 256 and cuda_kv.stream_table_bytes("turbo3", False) == 256
     assert cuda_kv.stream_table_bytes("turbo4", True) == 1024 and cuda_kv.stream_table_bytes("q8_0", True) == 0
     assert cuda_kv.stream_table_bytes("turbo2_tcq", False) == 1024

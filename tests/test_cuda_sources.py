@@ -9,6 +9,7 @@ then; this test finds it on the source.
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 
@@ -38,6 +39,7 @@ def kernel_first_statements(src: str) -> dict[str, str]:
     return out
 
 
+@functools.cache
 def _sources() -> dict[str, str]:
     srcs = {name: cuda_kernels.read_source(name) for name in MODULES}
     srcs["kv_write (generated)"] = cuda_kv.write_source()

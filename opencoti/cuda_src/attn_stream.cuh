@@ -344,13 +344,13 @@ __device__ __forceinline__ void attn_stream_impl(
                     const float s0[4] = {s[0][0] * d0, s[0][1] * d1, s[0][2] * d0, s[0][3] * d1};
                     const float s1[4] = {s[1][0] * d2, s[1][1] * d3, s[1][2] * d2, s[1][3] * d3};
                     u32 qh[4], ql[4];
-                    split_p_s11(s0, s1, qh, ql);
+                    split_p<2048>(s0, s1, qh, ql);
 #pragma unroll
                     for (int k = 0; k < NK; k++) {  // lo x (levels 2^-11): exact, the levels' test
                         const u32 b0 = C::vcodes(r0, r1, k, s_tv), b1 = C::vcodes(r2, r3, k, s_tv);
                         float* acc = o[b * NK + k];
                         mma_m16n8k16(acc, qh[0], qh[1], qh[2], qh[3], b0, b1);
-                        mma_m16n8k16(acc, ql[0], ql[1], ql[2], ql[3], hmul2(b0, 0x10001000u), hmul2(b1, 0x10001000u));
+                        mma_m16n8k16(acc, ql[0], ql[1], ql[2], ql[3], hmul2(b0, H2_2M11), hmul2(b1, H2_2M11));
                     }
                 } else {  // ... times their block scales (hi + lo)
                     const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;

@@ -11,13 +11,18 @@ __device__ __forceinline__ u16 sp_f2h(float f) {
     return h;
 }
 
-// (hi, lo) f16x2 pairs of two floats (a in the low half: the lower column index)
+// (hi, lo) f16x2 pairs of two floats (a in the low half: the lower column index). LO = 2048: lo
+// scaled by 2^11, lo = f16((x - hi) 2^11), a normal f16 down to |x| ~ 2^-13 (unscaled, lo leaves
+// the normal range below |x| ~ 2^-3); a product with that lo takes its other operand times 2^-11
+// (H2_2M11; exact where that operand stays on f16's grid). No overflow: |x - hi| <= |x| 2^-11.
+template <int LO = 1>
 __device__ __forceinline__ void sp_split2(float a, float b, u32& hi, u32& lo) {
     u16 ah = sp_f2h(a), bh = sp_f2h(b);
-    u16 al = sp_f2h(a - h2f(ah)), bl = sp_f2h(b - h2f(bh));
+    u16 al = sp_f2h((a - h2f(ah)) * (float)LO), bl = sp_f2h((b - h2f(bh)) * (float)LO);
     hi = (u32)ah | ((u32)bh << 16);
     lo = (u32)al | ((u32)bl << 16);
 }
+#define H2_2M11 0x10001000u  // f16x2 (2^-11, 2^-11): the other operand of a 2^11-scaled lo
 
 // f16x2 arithmetic (round to nearest)
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
@@ -46,31 +51,14 @@ __device__ __forceinline__ void ld_a_frag(const u16* p, int ld, u32 (&a)[4]) {
     a[0] = *(const u32*)p; a[1] = *(const u32*)(p + 8 * ld); a[2] = *(const u32*)(p + 8); a[3] = *(const u32*)(p + 8 * ld + 8);
 }
 
-// sp_split2 with lo scaled by 2^11: lo = f16((x - hi) * 2^11), a normal f16 down to |x| ~ 2^-13
-// (sp_split2's lo leaves the normal range below |x| ~ 2^-3); a product with this lo takes its
-// other operand times 2^-11 (exact where that operand stays on f16's grid). No overflow:
-// |x - hi| <= |x| 2^-11.
-__device__ __forceinline__ void sp_split2_s11(float a, float b, u32& hi, u32& lo) {
-    u16 ah = sp_f2h(a), bh = sp_f2h(b);
-    u16 al = sp_f2h((a - h2f(ah)) * 2048.f), bl = sp_f2h((b - h2f(bh)) * 2048.f);
-    hi = (u32)ah | ((u32)bh << 16);
-    lo = (u32)al | ((u32)bl << 16);
-}
-
-// P's A fragments as hi + lo from the score fragments of two n8 tiles (16 cells: s0 the first 8)
+// P's A fragments as hi + lo from the score fragments of two n8 tiles (16 cells: s0 the first 8);
+// LO as sp_split2's
+template <int LO = 1>
 __device__ __forceinline__ void split_p(const float (&s0)[4], const float (&s1)[4], u32 (&ph)[4], u32 (&pl)[4]) {
-    sp_split2(s0[0], s0[1], ph[0], pl[0]);
-    sp_split2(s0[2], s0[3], ph[1], pl[1]);
-    sp_split2(s1[0], s1[1], ph[2], pl[2]);
-    sp_split2(s1[2], s1[3], ph[3], pl[3]);
-}
-
-// split_p with lo scaled by 2^11 (sp_split2_s11)
-__device__ __forceinline__ void split_p_s11(const float (&s0)[4], const float (&s1)[4], u32 (&ph)[4], u32 (&pl)[4]) {
-    sp_split2_s11(s0[0], s0[1], ph[0], pl[0]);
-    sp_split2_s11(s0[2], s0[3], ph[1], pl[1]);
-    sp_split2_s11(s1[0], s1[1], ph[2], pl[2]);
-    sp_split2_s11(s1[2], s1[3], ph[3], pl[3]);
+    sp_split2<LO>(s0[0], s0[1], ph[0], pl[0]);
+    sp_split2<LO>(s0[2], s0[3], ph[1], pl[1]);
+    sp_split2<LO>(s1[0], s1[1], ph[2], pl[2]);
+    sp_split2<LO>(s1[2], s1[3], ph[3], pl[3]);
 }
 
 // o += (ph + pl) V for 16 cells of f16 V rows in shared memory: vrow = row (lane & 15) of the 16,
