@@ -335,6 +335,7 @@ template <int NT, bool Q6>
 __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
+    GRID_DEP_WAIT();
     constexpr int CW = 8 * NT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
     const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16;
@@ -415,6 +416,28 @@ __device__ __forceinline__ void slot_load(Q4KRegs& a4, Q6KRegs& a6, const u8* st
     }
 }
 
+// A one-token GEMV's share of GEMVI_L2_PREFETCH bytes: super-blocks [s0, s1) of rows 0 .. R - 1
+// (clamped to last_row) from Wt, rb bytes apart, into L2 (prefetch.global.L2, one 128-byte line per
+// lane and step), at most GEMVI_L2_PREFETCH / n_warps bytes for this warp (n_warps: the grid's
+// warps, each prefetching its own super-blocks), whole super-blocks in order. The budget keeps a
+// large weight's prefetched lines from evicting each other before they are read (H200 L2:
+// 50 MB); a 7B's q / k / v or attn_output (7-9 MB) is prefetched whole.
+#define GEMVI_L2_PREFETCH (16 << 20)
+template <bool Q6>
+__device__ __forceinline__ void l2_prefetch_rows(const u8* __restrict__ Wt, long long rb, int last_row, int R, int s0,
+                                                 int s1, int n_warps, int lane) {
+    constexpr int BPS = Q6 ? 210 : 144;  // bytes of a super-block of a row
+    const int n = min(s1 - s0, (int)(GEMVI_L2_PREFETCH / ((long long)n_warps * R * BPS)));
+    if (n <= 0) return;
+    const int lines = (n * BPS + 127) / 128 + 1;  // per row, the first line's offset included
+    for (int i = lane; i < R * lines; i += 32) {
+        const int r = min(i / lines, last_row), l = i % lines;
+        const unsigned long long b = (unsigned long long)(Wt + r * rb + (long long)BPS * s0);
+        const unsigned long long a = (b & ~127ull) + 128ull * l;
+        if (a < b + (unsigned long long)(n * BPS)) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));  // the rows' own lines
+    }
+}
+
 template <bool Q6, int S, int RT>
 __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
@@ -440,6 +463,13 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
         if (sb0 + i < sb1) plan.fill(mine + i * SB, Wt, sb0 + i, lane);
         cp_async_commit();
     }
+#if OPENCOTI_PDL_EARLY
+    // the weights are constants: the ring's first slots above and the next super-blocks into L2
+    // are fetched before the wait, while the kernel before (the norm or merge that writes this
+    // GEMV's digits) still runs (pdl.cuh)
+    if (blockIdx.x == 0) l2_prefetch_rows<Q6>(Wt, rb, nrows - 1 - row0, R, sb0 + S - 1, sb1, gridDim.y * ks, lane);
+#endif
+    GRID_DEP_WAIT();
     float acc[RT][NT][4];
 #pragma unroll
     for (int t = 0; t < RT; t++)
@@ -470,12 +500,10 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
         int ncp, int D
 // gemvi_12_<SUFFIX> / gemvi_14_<SUFFIX> (Q4_K / Q6_K) calling F12 / F14: n1_s<S> one column tile
 // with S ring slots per warp (gemvi_ring), _r2 with two row tiles per warp, n<NT> 3 or 6 column
-// tiles (gemvi_impl)
+// tiles (gemvi_impl). F12 / F14 call GRID_DEP_WAIT themselves (gemvi_ring after its weight fetch).
 #define GEMVI_PAIR(SUFFIX, F12, F14)                                                                       \
-    extern "C" __global__ void gemvi_12_##SUFFIX(GEMVI_ARGS) {                                            \
-        GRID_DEP_WAIT(); F12(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                \
-    extern "C" __global__ void gemvi_14_##SUFFIX(GEMVI_ARGS) {                                            \
-        GRID_DEP_WAIT(); F14(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+    extern "C" __global__ void gemvi_12_##SUFFIX(GEMVI_ARGS) { F12(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); } \
+    extern "C" __global__ void gemvi_14_##SUFFIX(GEMVI_ARGS) { F14(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 GEMVI_PAIR(n1_s2, (gemvi_ring<false, 2, 1>), (gemvi_ring<true, 2, 1>))
 GEMVI_PAIR(n1_s4, (gemvi_ring<false, 4, 1>), (gemvi_ring<true, 4, 1>))
 GEMVI_PAIR(n1_s2_r2, (gemvi_ring<false, 2, 2>), (gemvi_ring<true, 2, 2>))

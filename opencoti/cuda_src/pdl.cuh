@@ -3,12 +3,27 @@
 // inside a captured decode graph the backend launches its kernels with the programmatic stream
 // serialization attribute (cuda_kernels.Kernel), so a kernel's blocks may be scheduled while the
 // kernel before it in the stream still runs; griddepcontrol.wait then blocks until every kernel
-// it depends on has completed and its memory writes are visible. Nothing is read or written
-// before it, so a kernel sees exactly what a serialized launch would show it; only the launch
-// latency between kernels overlaps (H200: 0.2-0.25 us of ~1 us per graph node). A kernel launched
-// without the attribute returns from the wait at once; before sm_90 it compiles to nothing.
+// it depends on has completed and its memory writes are visible. Nothing that an earlier kernel
+// writes is read or written before it, so a kernel sees exactly what a serialized launch would
+// show it. A kernel launched without the attribute returns from the wait at once; before sm_90
+// both instructions compile to nothing.
+// OPENCOTI_PDL_EARLY (default 1; cuda_kernels.PDL_EARLY, OPENCOTI_CUDA_PDL_EARLY=0 builds it 0):
+// once past its wait a kernel lets the next one launch (griddepcontrol.launch_dependents), so
+// the next kernel's blocks are resident while this one works instead of only its launch latency
+// overlapping (H200: 0.2-0.25 us of ~1 us per graph node); a kernel whose inputs include
+// constants (the one-token GEMV's weights, gemv_int.cu gemvi_ring) fetches them before its own
+// wait. The dependent launches only once every block of this kernel has passed the trigger, i.e.
+// is resident, so it never takes a slot this kernel still needs; its wait still waits for this
+// kernel's completion.
+#ifndef OPENCOTI_PDL_EARLY
+#define OPENCOTI_PDL_EARLY 1
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if OPENCOTI_PDL_EARLY
+#define GRID_DEP_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
 #define GRID_DEP_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#endif
 #else
 #define GRID_DEP_WAIT() do { } while (0)
 #endif

@@ -23,7 +23,10 @@ import sys
 import time
 from importlib import resources
 
-OPTIONS = ("-std=c++17", "--use_fast_math")
+# OPENCOTI_CUDA_PDL_EARLY=0 builds the kernels with OPENCOTI_PDL_EARLY 0 (pdl.cuh): a kernel's
+# dependents launch only as it completes, and the one-token GEMV fetches its weights after its wait
+PDL_EARLY = os.environ.get("OPENCOTI_CUDA_PDL_EARLY", "1") != "0"
+OPTIONS = ("-std=c++17", "--use_fast_math") + (() if PDL_EARLY else ("-DOPENCOTI_PDL_EARLY=0",))
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 
 
