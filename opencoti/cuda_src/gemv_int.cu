@@ -416,12 +416,13 @@ __device__ __forceinline__ void slot_load(Q4KRegs& a4, Q6KRegs& a6, const u8* st
     }
 }
 
-// A one-token GEMV's share of GEMVI_L2_PREFETCH bytes: super-blocks [s0, s1) of rows 0 .. R - 1
-// (clamped to last_row) from Wt, rb bytes apart, into L2 (prefetch.global.L2, one 128-byte line per
-// lane and step), at most GEMVI_L2_PREFETCH / n_warps bytes for this warp (n_warps: the grid's
-// warps, each prefetching its own super-blocks), whole super-blocks in order. The budget keeps a
-// large weight's prefetched lines from evicting each other before they are read (H200 L2:
-// 50 MB); a 7B's q / k / v or attn_output (7-9 MB) is prefetched whole.
+// A one-column-tile GEMV's share of GEMVI_L2_PREFETCH bytes: super-blocks [s0, s1) of rows
+// 0 .. R - 1 (clamped to last_row) from Wt, rb bytes apart, into L2 (prefetch.global.L2, one
+// 128-byte line per lane and step), about GEMVI_L2_PREFETCH / n_warps bytes for this warp (n_warps:
+// the grid's warps, each prefetching its own super-blocks; whole lines, so up to a line more per
+// row), whole super-blocks in order. The budget keeps a large weight's prefetched lines from
+// evicting each other before they are read (H200 L2: 50 MB); a 7B's q + k or attn_output
+// (7-9 MB) is prefetched whole.
 #define GEMVI_L2_PREFETCH (16 << 20)
 template <bool Q6>
 __device__ __forceinline__ void l2_prefetch_rows(const u8* __restrict__ Wt, long long rb, int last_row, int R, int s0,
@@ -434,7 +435,7 @@ __device__ __forceinline__ void l2_prefetch_rows(const u8* __restrict__ Wt, long
         const int r = min(i / lines, last_row), l = i % lines;
         const unsigned long long b = (unsigned long long)(Wt + r * rb + (long long)BPS * s0);
         const unsigned long long a = (b & ~127ull) + 128ull * l;
-        if (a < b + (unsigned long long)(n * BPS)) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));  // the rows' own lines
+        if (a < b + (unsigned long long)(n * BPS)) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));  // row r's lines
     }
 }
 
@@ -458,18 +459,23 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
         r0[t] = (unsigned long long)Wt + (unsigned long long)min(16 * t + g, nrows - 1 - row0) * rb;
         r1[t] = (unsigned long long)Wt + (unsigned long long)min(16 * t + g + 8, nrows - 1 - row0) * rb;
     }
+    // the weights are constants: with OPENCOTI_PDL_EARLY the ring's first slots and (sm_90, where
+    // the kernel before can still run) the next super-blocks into L2 are fetched before the wait,
+    // while the kernel before (the norm or merge that writes this GEMV's digits) works (pdl.cuh)
+#if !OPENCOTI_PDL_EARLY
+    GRID_DEP_WAIT();
+#endif
 #pragma unroll
     for (int i = 0; i < S - 1; i++) {
         if (sb0 + i < sb1) plan.fill(mine + i * SB, Wt, sb0 + i, lane);
         cp_async_commit();
     }
 #if OPENCOTI_PDL_EARLY
-    // the weights are constants: the ring's first slots above and the next super-blocks into L2
-    // are fetched before the wait, while the kernel before (the norm or merge that writes this
-    // GEMV's digits) still runs (pdl.cuh)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (blockIdx.x == 0) l2_prefetch_rows<Q6>(Wt, rb, nrows - 1 - row0, R, sb0 + S - 1, sb1, gridDim.y * ks, lane);
 #endif
     GRID_DEP_WAIT();
+#endif
     float acc[RT][NT][4];
 #pragma unroll
     for (int t = 0; t < RT; t++)
@@ -500,7 +506,8 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
         int ncp, int D
 // gemvi_12_<SUFFIX> / gemvi_14_<SUFFIX> (Q4_K / Q6_K) calling F12 / F14: n1_s<S> one column tile
 // with S ring slots per warp (gemvi_ring), _r2 with two row tiles per warp, n<NT> 3 or 6 column
-// tiles (gemvi_impl). F12 / F14 call GRID_DEP_WAIT themselves (gemvi_ring after its weight fetch).
+// tiles (gemvi_impl). F12 / F14 call GRID_DEP_WAIT themselves (gemvi_ring after its weight fetch;
+// test_cuda_sources).
 #define GEMVI_PAIR(SUFFIX, F12, F14)                                                                       \
     extern "C" __global__ void gemvi_12_##SUFFIX(GEMVI_ARGS) { F12(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); } \
     extern "C" __global__ void gemvi_14_##SUFFIX(GEMVI_ARGS) { F14(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }

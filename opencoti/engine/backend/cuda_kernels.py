@@ -24,7 +24,8 @@ import time
 from importlib import resources
 
 # OPENCOTI_CUDA_PDL_EARLY=0 builds the kernels with OPENCOTI_PDL_EARLY 0 (pdl.cuh): a kernel's
-# dependents launch only as it completes, and the one-token GEMV fetches its weights after its wait
+# dependents launch only as it completes, and gemv_int.cu's gemvi_ring fetches its weights after
+# its wait, as before the early trigger
 PDL_EARLY = os.environ.get("OPENCOTI_CUDA_PDL_EARLY", "1") != "0"
 OPTIONS = ("-std=c++17", "--use_fast_math") + (() if PDL_EARLY else ("-DOPENCOTI_PDL_EARLY=0",))
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
@@ -160,7 +161,8 @@ class Kernel:
     through ``cuLaunchKernelEx`` with programmatic stream serialization (PDL): the kernel's
     blocks may start while the previous kernel in the stream finishes, and its leading
     ``GRID_DEP_WAIT()`` (cuda_src/pdl.cuh) holds them until that kernel's writes are visible.
-    Every kernel of opencoti/cuda_src starts with that wait. Other launches, and any argument
+    Every kernel of opencoti/cuda_src starts with that wait (but gemvi_ring, which fetches its
+    constant weights first; test_cuda_sources). Other launches, and any argument
     of another type, take CuPy's launch."""
 
     __slots__ = ("raw", "_pdl")
