@@ -364,6 +364,19 @@ def test_mul_mat_dense_weight(gpu, n):
         assert got.shape == (n, rows) and rel_err(got, want) < 1e-5, (rows, cols)
 
 
+def test_kernel_launch_checks_argument_count(gpu):
+    """A launch with fewer arguments than the kernel has parameters is refused before the driver
+    reads past the list (a branch's gemmi launch one argument short was a segfault); the right
+    count launches. mmq_reduce(part, y, n, n_split) sums n_split slabs of n floats."""
+    fn = gpu._fn("m", "mmq_reduce")
+    part, y = cp.arange(6, dtype=cp.float32), cp.zeros(3, dtype=cp.float32)
+    with pytest.raises(TypeError, match="mmq_reduce takes 4 arguments, 3 given"):
+        fn((1,), (256,), (part, y, np.int64(3)))
+    assert y.get().tolist() == [0, 0, 0]
+    fn((1,), (256,), (part, y, np.int64(3), np.int32(2)))
+    assert y.get().tolist() == [3, 5, 7]
+
+
 @pytest.mark.parametrize("qname", ["Q8_0", "Q4_K", "F16"])
 def test_get_rows(gpu, qname):
     rng = np.random.default_rng(3)

@@ -165,11 +165,12 @@ class Kernel:
     constant weights first; test_cuda_sources). Other launches, and any argument
     of another type, take CuPy's launch."""
 
-    __slots__ = ("raw", "_pdl")
+    __slots__ = ("raw", "_pdl", "_n_params")
 
     def __init__(self, raw, pdl):
         self.raw = raw
         self._pdl = pdl  # () -> bool
+        self._n_params = -1  # the kernel's parameter count once read (None: the driver cannot say)
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
@@ -185,6 +186,12 @@ class Kernel:
             cupy.cuda.driver.funcSetAttribute(self.raw.kernel.ptr, 8, n)
 
     def __call__(self, grid, block, args, shared_mem: int = 0):
+        if self._n_params == -1:
+            self._n_params = kernel_param_count(self.raw.kernel.ptr)
+        if self._n_params is not None and len(args) != self._n_params:
+            # the driver reads as many argument pointers as the kernel has parameters: a short
+            # list would launch on whatever lies past it (a crash, or worse, silent garbage)
+            raise TypeError(f"{self.raw.name} takes {self._n_params} arguments, {len(args)} given")
         if not (self._pdl() and self._launch_pdl(grid, block, args, shared_mem)):
             self.raw(grid, block, args, shared_mem=shared_mem)
 
@@ -214,6 +221,24 @@ class Kernel:
         if rc:
             raise RuntimeError(f"cuLaunchKernelEx failed for {self.raw.name}: CUresult {rc}")
         return True
+
+
+def kernel_param_count(func_ptr: int) -> int | None:
+    """The number of parameters of the kernel ``func_ptr`` (a ``CUfunction``), read through the
+    driver's ``cuFuncGetParamInfo`` (CUDA 12.4+; it fails past the last parameter); None when
+    the driver lacks it."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuFuncGetParamInfo
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+    n = 0
+    while n < 4096 and fn(func_ptr, n, ctypes.byref(offset), ctypes.byref(size)) == 0:
+        n += 1
+    return n if n else None
 
 
 def pdl_supported(compute_capability: str, driver_version: int) -> bool:
