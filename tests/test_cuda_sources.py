@@ -57,14 +57,18 @@ _WAIT_INSIDE = {"gemvi_12_##SUFFIX": "F12(", "gemvi_14_##SUFFIX": "F14("}
 @pytest.mark.parametrize("module", list(_sources()))
 def test_every_kernel_waits_first(module):
     """Every kernel of every module (the generated tier modules included) starts with
-    GRID_DEP_WAIT(): nothing is read or written before it; the GEMV pair delegates to
-    gemvi_ring / gemvi_impl, which each wait once, before their first read of the activations."""
+    GRID_DEP_WAIT() (GRID_DEP_WAIT_LATE() for gemv_int.cu's gemmi, the only ones): nothing is read
+    or written before it; the GEMV pair delegates to gemvi_ring / gemvi_impl, which each wait once,
+    before their first read of the activations."""
     src = _sources()[module]
     first = kernel_first_statements(src)
     assert first, module
+    waits = ("GRID_DEP_WAIT();", "GRID_DEP_WAIT_LATE();")
     late = {name: stmt for name, stmt in first.items()
-            if stmt != "GRID_DEP_WAIT();" and not stmt.startswith(_WAIT_INSIDE.get(name, "GRID_DEP_WAIT();"))}
+            if stmt not in waits and not stmt.startswith(_WAIT_INSIDE.get(name, "GRID_DEP_WAIT();"))}
     assert not late, (module, late)
+    assert {name for name, stmt in first.items() if stmt == waits[1]} == (
+        {f"gemmi_{t}_{v}_n##NT" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
     if "gemvi_12_##SUFFIX" in first:
         for fn, waits in (("gemvi_ring(", 2), ("gemvi_impl(", 1)):  # the ring's: one per #if branch
             body = src[src.index(f"void {fn}"):]

@@ -15,11 +15,13 @@
 // constants (the one-token GEMV's weights, gemv_int.cu gemvi_ring) fetches them before its own
 // wait. The dependent launches only once every block of this kernel has passed the trigger, i.e.
 // is resident, so it never takes a slot this kernel still needs; its wait still waits for this
-// kernel's completion.
+// kernel's completion. GRID_DEP_WAIT_LATE() waits without the trigger (the dependents launch as
+// this kernel completes): gemv_int.cu's batched products, whose early trigger measured slower.
 #ifndef OPENCOTI_PDL_EARLY
 #define OPENCOTI_PDL_EARLY 1
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GRID_DEP_WAIT_LATE() asm volatile("griddepcontrol.wait;" ::: "memory")
 #if OPENCOTI_PDL_EARLY
 #define GRID_DEP_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
@@ -27,4 +29,5 @@
 #endif
 #else
 #define GRID_DEP_WAIT() do { } while (0)
+#define GRID_DEP_WAIT_LATE() do { } while (0)
 #endif
