@@ -24,8 +24,8 @@ import time
 from importlib import resources
 
 # OPENCOTI_CUDA_PDL_EARLY=0 builds the kernels with OPENCOTI_PDL_EARLY 0 (pdl.cuh): a kernel's
-# dependents launch only as it completes, and gemv_int.cu's gemvi_ring fetches its weights after
-# its wait, as before the early trigger
+# dependents launch only as it completes (as gemv_int.cu's gemmi's always do), and gemvi_ring
+# fetches its weights after its wait, as before the early trigger
 PDL_EARLY = os.environ.get("OPENCOTI_CUDA_PDL_EARLY", "1") != "0"
 OPTIONS = ("-std=c++17", "--use_fast_math") + (() if PDL_EARLY else ("-DOPENCOTI_PDL_EARLY=0",))
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
