@@ -367,8 +367,12 @@ def test_mul_mat_dense_weight(gpu, n):
 def test_kernel_launch_checks_argument_count(gpu):
     """A launch with fewer arguments than the kernel has parameters is refused before the driver
     reads past the list (a branch's gemmi launch one argument short was a segfault); the right
-    count launches. mmq_reduce(part, y, n, n_split) sums n_split slabs of n floats."""
+    count launches. mmq_reduce(part, y, n, n_split) sums n_split slabs of n floats. The driver
+    must say the count (cuFuncGetParamInfo, CUDA 12.4+): without it the short launch would run."""
+    from opencoti.engine.backend.cuda_kernels import kernel_param_count
+
     fn = gpu._fn("m", "mmq_reduce")
+    assert kernel_param_count(fn.raw.kernel.ptr) == 4
     part, y = cp.arange(6, dtype=cp.float32), cp.zeros(3, dtype=cp.float32)
     with pytest.raises(TypeError, match="mmq_reduce takes 4 arguments, 3 given"):
         fn((1,), (256,), (part, y, np.int64(3)))

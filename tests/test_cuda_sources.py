@@ -69,7 +69,10 @@ def test_every_kernel_waits_first(module):
     assert not late, (module, late)
     assert {name for name, stmt in first.items() if stmt == waits[1]} == (
         {f"gemmi_{t}_{v}_n##NT" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
-    if "gemvi_12_##SUFFIX" in first:
+    if "gemvi_12_##SUFFIX" in first:  # every pair's functions are the two that wait inside
+        pairs = re.findall(r"^GEMVI_PAIR\(\w+, \((\w+)<[^)]*\), \((\w+)<[^)]*\)\)$", src, re.M)
+        assert len(pairs) == src.count("\nGEMVI_PAIR(") >= 5
+        assert {f for p in pairs for f in p} == {"gemvi_ring", "gemvi_impl"}, pairs
         for fn, waits in (("gemvi_ring(", 2), ("gemvi_impl(", 1)):  # the ring's: one per #if branch
             body = src[src.index(f"void {fn}"):]
             body = body[:body.index("\n}\n")]
