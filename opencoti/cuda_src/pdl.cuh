@@ -25,7 +25,7 @@
 #if OPENCOTI_PDL_EARLY
 #define GRID_DEP_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
-#define GRID_DEP_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define GRID_DEP_WAIT() GRID_DEP_WAIT_LATE()
 #endif
 #else
 #define GRID_DEP_WAIT() do { } while (0)

@@ -16,6 +16,7 @@ compiles instead, with CuPy's own kernel cache pointed at
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -170,7 +171,7 @@ class Kernel:
     def __init__(self, raw, pdl):
         self.raw = raw
         self._pdl = pdl  # () -> bool
-        self._n_params = -1  # the kernel's parameter count once read (None: the driver cannot say)
+        self._n_params = kernel_param_count(raw.kernel.ptr)  # None: the driver cannot say
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
@@ -186,8 +187,6 @@ class Kernel:
             cupy.cuda.driver.funcSetAttribute(self.raw.kernel.ptr, 8, n)
 
     def __call__(self, grid, block, args, shared_mem: int = 0):
-        if self._n_params == -1:
-            self._n_params = kernel_param_count(self.raw.kernel.ptr)
         if self._n_params is not None and len(args) != self._n_params:
             # the driver reads as many argument pointers as the kernel has parameters: a short
             # list would launch on whatever lies past it (a crash, or worse, silent garbage)
@@ -223,10 +222,9 @@ class Kernel:
         return True
 
 
-def kernel_param_count(func_ptr: int) -> int | None:
-    """The number of parameters of the kernel ``func_ptr`` (a ``CUfunction``), read through the
-    driver's ``cuFuncGetParamInfo`` (CUDA 12.4+; it fails past the last parameter); None when
-    the driver lacks it."""
+@functools.cache
+def _driver_param_info():
+    """The CUDA driver's ``cuFuncGetParamInfo`` (12.4+) with its ctypes signature, or None."""
     import ctypes
 
     try:
@@ -234,6 +232,18 @@ def kernel_param_count(func_ptr: int) -> int | None:
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    return fn
+
+
+def kernel_param_count(func_ptr: int) -> int | None:
+    """The number of parameters of the kernel ``func_ptr`` (a ``CUfunction``), read through the
+    driver's ``cuFuncGetParamInfo`` (CUDA 12.4+; it fails past the last parameter); None when
+    the driver lacks it."""
+    import ctypes
+
+    fn = _driver_param_info()
+    if fn is None:
+        return None
     offset, size = ctypes.c_size_t(), ctypes.c_size_t()
     n = 0
     while n < 4096 and fn(func_ptr, n, ctypes.byref(offset), ctypes.byref(size)) == 0:
