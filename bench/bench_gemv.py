@@ -8,7 +8,9 @@ graph (so Python launch cost does not count): ``float`` (the float32 GEMV units 
 rows, mmq.cu's tensor-core tiles from 9), ``imma`` (gemv_int.cu: integer tensor cores on
 int8 digit columns, incl. the activation quantization), and prints microseconds per call,
 GB/s of weight bytes, and each path's error against float64 on the dequantized weight
-(max |err| / max |y|).
+(max |err| / max |y|). ``--duo``: instead, a layer's fused q + k (Q4_K) and its Q6_K v times one
+row on digits made once (as a norm leaves them): the two ring products launched one by one
+against one gemvi_duo grid.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main() -> None:
                     "default, -1: the register-prefetch kernel)")
     ap.add_argument("--gemmi-tokens", default="0", help="gemmi tokens per block to try (comma list of 16, 32; "
                     "0: the default)")
+    ap.add_argument("--duo", action="store_true", help="time the q + k / v pair as two launches and as one gemvi_duo grid")
     ap.add_argument("--weights", default="", help="only the preset's weights whose name contains this")
     a = ap.parse_args()
     import cupy as cp
@@ -69,6 +72,8 @@ def main() -> None:
     from opencoti.engine.backend import cuda as cu
 
     be = cu.CUDABackend()
+    if a.duo:
+        return _duo(cp, cu, be, a.reps)
     paths = {"float": lambda x, w: _without_imma(cu, lambda: be.mul_mat(x, w))}
     ints = lambda arg: [int(v) for v in arg.split(",")]  # noqa: E731
     for nw, ns, nb, nd, rt, rg, gt in itertools.product(ints(a.warps), ints(a.stages), ints(a.gemmi_blocks),
@@ -107,6 +112,29 @@ def main() -> None:
                 us = _graph_time(cp, lambda: fn(x, ws[next(it) % len(ws)]), reps)
                 print(f"| {name} | {cu.QTYPES[t]} | {mb:,.1f} | {n} | {pname} | {us:,.1f} | {mb * 1e3 / us:,.0f} | "
                       f"{err:.1e} |", flush=True)
+
+
+def _duo(cp, cu, be, reps: int) -> None:
+    """The 7B's q + k (Q4_K 4,096 x 3,584) and v (Q6_K 512 x 3,584) for one token row: two launches
+    against one gemvi_duo grid, weight copies cycled as in main()."""
+    (t1, r1, c), (t2, r2, _) = (12, 4096, 3584), (14, 512, 3584)
+    raws = [(random_weight(cp, t1, r1, c), random_weight(cp, t2, r2, c)) for _ in range(16)]  # 16 x 9.8 MB
+    pairs = [tuple(cu.QTensor(r.reshape(-1), t, (rows, c), r.shape[1]) for r, t, rows in zip(p, (t1, t2), (r1, r2)))
+             for p in raws]
+    x = cp.random.standard_normal((1, c), dtype=cp.float32)
+    d = be._digits(x)
+    ways = {"two launches": lambda w: (be._gemvi(d, w[0]), be._gemvi(d, w[1])),
+            "gemvi_duo": lambda w: be._gemvi_duo(d, w[0], w[1])}
+    ref = [cp.asnumpy(y) for y in ways["two launches"](pairs[0])]
+    mb = sum(r.nbytes for r in raws[0]) / 1e6
+    print(f"\nbench_gemv --duo: {be.device_name}, q + k Q4_K and v Q6_K, one row, {mb:.1f} MB\n")
+    print("| path | us | GB/s | equal to two launches |")
+    print("| --- | ---: | ---: | --- |")
+    for name, f in ways.items():
+        same = all((cp.asnumpy(y) == r).all() for y, r in zip(f(pairs[0]), ref))
+        it = iter(range(1 << 30))
+        us = _graph_time(cp, lambda: f(pairs[next(it) % len(pairs)]), max(reps, len(pairs)))
+        print(f"| {name} | {us:,.1f} | {mb * 1e3 / us:,.0f} | {same} |", flush=True)
 
 
 def _without_imma(cu, f):

@@ -351,6 +351,48 @@ def test_gemvi_ring_slots(gpu, monkeypatch, qname, warps, stages, row_tiles, n):
     assert rel_err(got, want) < 5e-6, rel_err(got, want)
 
 
+@pytest.mark.parametrize("rows", [(200, 72), (1040, 40)])
+@pytest.mark.parametrize("warps", [0, 3])
+def test_gemvi_duo(gpu, monkeypatch, rows, warps):
+    """gemvi_duo: a Q4_K weight (the two-row-tile ring) and a Q6_K weight (one tile) times one
+    token row in one grid, partial last tiles in both: float32 accuracy against float64, and
+    the same bits as the two ring products launched one by one when both take the same warps
+    (forced: 3, uneven super-block shares of 10); mul_mat_split over the pair on the digits a
+    norm left (``_digits_of``) launches it once and returns its products; with
+    OPENCOTI_CUDA_GEMVI_DUO=0 it launches the two products, the same values."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)
+    monkeypatch.setattr(cu, "GEMVI_WARPS", warps)
+    cols = 2560
+    x, raw1, want1 = _mmq_case("Q4_K", rows[0], cols, 1, 11 + warps)
+    _, raw2, _ = _mmq_case("Q6_K", rows[1], cols, 1, 12 + warps)
+    want2 = x.astype(np.float64) @ ref_dequant("Q6_K", raw2, cols).astype(np.float64).T
+    w1, w2 = to_qtensor(raw1, "Q4_K", cols), to_qtensor(raw2, "Q6_K", cols)
+    xg = cp.asarray(x)
+    d = gpu._digits(xg)
+    y1, y2 = (cp.asnumpy(y) for y in gpu._gemvi_duo(d, w1, w2))
+    assert y1.shape == (1, rows[0]) and y2.shape == (1, rows[1])
+    assert rel_err(y1, want1) < 5e-6 and rel_err(y2, want2) < 5e-6, (rel_err(y1, want1), rel_err(y2, want2))
+    s1, s2 = cp.asnumpy(gpu._gemvi(d, w1)), cp.asnumpy(gpu._gemvi(d, w2))
+    if warps:
+        np.testing.assert_array_equal(y1, s1)
+        np.testing.assert_array_equal(y2, s2)
+    assert rel_err(y1, s1) < 1e-6 and rel_err(y2, s2) < 1e-6
+    calls = []
+    duo = gpu._gemvi_duo
+    monkeypatch.setattr(gpu, "_gemvi_duo", lambda *a: calls.append(1) or duo(*a))
+    got = [cp.asnumpy(y) for y in gpu.mul_mat_split(xg, [w1, w2])]
+    assert len(calls) == 1
+    np.testing.assert_array_equal(got[0], y1)
+    np.testing.assert_array_equal(got[1], y2)
+    monkeypatch.setattr(cu, "GEMVI_DUO", False)
+    got = [cp.asnumpy(y) for y in gpu.mul_mat_split(xg, [w1, w2])]
+    assert len(calls) == 1
+    np.testing.assert_array_equal(got[0], s1)
+    np.testing.assert_array_equal(got[1], s2)
+
+
 @pytest.mark.parametrize("n", [1, 6, 70])
 def test_mul_mat_dense_weight(gpu, n):
     """Dense float32 weights (matrices the loader keeps dense): rows of a multiple of 8 take the

@@ -49,17 +49,19 @@ def _sources() -> dict[str, str]:
 
 
 # kernels that call a device function which waits itself, after reading only constants: the
-# one-column-tile GEMV (gemv_int.cu gemvi_ring: its weights' first ring slots and an L2 prefetch
-# before the wait, pdl.cuh OPENCOTI_PDL_EARLY; gemvi_impl waits first)
-_WAIT_INSIDE = {"gemvi_12_##SUFFIX": "F12(", "gemvi_14_##SUFFIX": "F14("}
+# one-column-tile GEMV (gemv_int.cu gemvi_ring_at: its weights' first ring slots and an L2
+# prefetch before the wait, pdl.cuh OPENCOTI_PDL_EARLY; gemvi_impl waits first), alone or two
+# weights' in one grid (gemvi_duo: either branch is gemvi_ring_at)
+_WAIT_INSIDE = {"gemvi_12_##SUFFIX": "F12(", "gemvi_14_##SUFFIX": "F14(",
+                "gemvi_duo_##A##r##RA##_##B##r##RB": "if(blockIdx.y<ny1)gemvi_ring_at<"}
 
 
 @pytest.mark.parametrize("module", list(_sources()))
 def test_every_kernel_waits_first(module):
     """Every kernel of every module (the generated tier modules included) starts with
     GRID_DEP_WAIT() (GRID_DEP_WAIT_LATE() for gemv_int.cu's gemmi, the only ones): nothing is read
-    or written before it; the GEMV pair delegates to gemvi_ring / gemvi_impl, which each wait once,
-    before their first read of the activations."""
+    or written before it; the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, which each
+    wait once, before their first read of the activations."""
     src = _sources()[module]
     first = kernel_first_statements(src)
     assert first, module
@@ -73,7 +75,7 @@ def test_every_kernel_waits_first(module):
         pairs = re.findall(r"^GEMVI_PAIR\(\w+, \((\w+)<[^)]*\), \((\w+)<[^)]*\)\)$", src, re.M)
         assert len(pairs) == src.count("\nGEMVI_PAIR(") >= 5
         assert {f for p in pairs for f in p} == {"gemvi_ring", "gemvi_impl"}, pairs
-        for fn, waits in (("gemvi_ring(", 2), ("gemvi_impl(", 1)):  # the ring's: one per #if branch
+        for fn, waits in (("gemvi_ring_at(", 2), ("gemvi_impl(", 1)):  # the ring's: one per #if branch
             body = src[src.index(f"void {fn}"):]
             body = body[:body.index("\n}\n")]
             at = [m.start() for m in re.finditer(r"GRID_DEP_WAIT\(\);", body)]

@@ -70,10 +70,10 @@ extern "C" __global__ void xq_digits(const float* __restrict__ x, i8* __restrict
 
 // Sums the warps' partial tiles (acc[t][nt][i]: rows 16 t + gid / + 8, columns 8 nt + 2 tig +
 // {0, 1}) in warp order and a token's D digit columns; writes y[t, row] for the block's tokens and
-// its R = 16 RT rows. red: shared memory for ks x R x (CW + 1) floats.
+// its R = 16 RT rows, row tile by (rows R by ...). red: shared memory for ks x R x (CW + 1) floats.
 template <int NT, int RT>
 __device__ __forceinline__ void gemvi_store_rt(const float (&acc)[RT][NT][4], float* red, float* __restrict__ y,
-                                               int nrows, int T, int D) {
+                                               int nrows, int T, int D, int by) {
     constexpr int CW = 8 * NT, LD = CW + 1, R = 16 * RT, LR = RT == 1 ? 4 : RT == 2 ? 5 : 6;  // log2 R
     static_assert(RT == 1 || RT == 2 || RT == 4, "gemvi_store_rt: 1, 2 or 4 row tiles");
     const int TPB = CW / D;
@@ -89,7 +89,7 @@ __device__ __forceinline__ void gemvi_store_rt(const float (&acc)[RT][NT][4], fl
             mine[(16 * t + g + 8) * LD + 8 * nt + 2 * c + 1] = acc[t][nt][3];
         }
     __syncthreads();
-    const int row0 = blockIdx.y * R, t0 = blockIdx.x * TPB;
+    const int row0 = by * R, t0 = blockIdx.x * TPB;
     for (int o = threadIdx.x; o < R * TPB; o += blockDim.x) {
         const int r = o & (R - 1), tl = o >> LR, t = t0 + tl, row = row0 + r;
         if (t >= T || row >= nrows) continue;
@@ -102,7 +102,7 @@ __device__ __forceinline__ void gemvi_store_rt(const float (&acc)[RT][NT][4], fl
 template <int NT>
 __device__ __forceinline__ void gemvi_store(const float (&acc)[NT][4], float* red, float* __restrict__ y, int nrows,
                                             int T, int D) {
-    gemvi_store_rt<NT, 1>(reinterpret_cast<const float (&)[1][NT][4]>(acc), red, y, nrows, T, D);
+    gemvi_store_rt<NT, 1>(reinterpret_cast<const float (&)[1][NT][4]>(acc), red, y, nrows, T, D, blockIdx.y);
 }
 
 // Q4_K's eight 6-bit scales and minima from the 12 scale bytes w[0..2] (ggml get_scale_min_k4),
@@ -439,14 +439,16 @@ __device__ __forceinline__ void l2_prefetch_rows(const u8* __restrict__ Wt, long
     }
 }
 
+// gemvi_ring_at: row tile by of a grid of nby row tiles (gemvi_duo's grids hold two weights' tiles)
 template <bool Q6, int S, int RT>
-__device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
-                                           const float* __restrict__ xs, const i8* __restrict__ xm,
-                                           float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
+__device__ __forceinline__ void gemvi_ring_at(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
+                                              const float* __restrict__ xs, const i8* __restrict__ xm,
+                                              float* __restrict__ y, int nrows, int K, int T, int ncp, int D, int by,
+                                              int nby) {
     extern __shared__ __align__(16) u8 ring[];
     constexpr int NT = 1, CW = 8, SEG = RingPlan<Q6, RT>::SEG, R = 16 * RT, SB = R * SEG;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
-    const int cb = blockIdx.x * CW, row0 = blockIdx.y * R, tpb = CW / D;
+    const int cb = blockIdx.x * CW, row0 = by * R, tpb = CW / D;
     const int rc = min(T - blockIdx.x * tpb, tpb) * D;  // columns holding a token's digits
     const int nsb = K >> 8, sb0 = warp * nsb / ks, sb1 = (warp + 1) * nsb / ks;
     u8* const mine = ring + warp * S * SB;
@@ -472,7 +474,7 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
     }
 #if OPENCOTI_PDL_EARLY
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (blockIdx.x == 0) l2_prefetch_rows<Q6>(Wt, rb, nrows - 1 - row0, R, sb0 + S - 1, sb1, gridDim.y * ks, lane);
+    if (blockIdx.x == 0) l2_prefetch_rows<Q6>(Wt, rb, nrows - 1 - row0, R, sb0 + S - 1, sb1, nby * ks, lane);
 #endif
     GRID_DEP_WAIT();
 #endif
@@ -498,7 +500,13 @@ __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long r
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring becomes the reduction's tile
-    gemvi_store_rt<NT, RT>(acc, (float*)ring, y, nrows, T, D);
+    gemvi_store_rt<NT, RT>(acc, (float*)ring, y, nrows, T, D, by);
+}
+template <bool Q6, int S, int RT>
+__device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
+                                           const float* __restrict__ xs, const i8* __restrict__ xm,
+                                           float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
+    gemvi_ring_at<Q6, S, RT>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D, blockIdx.y, gridDim.y);
 }
 
 #define GEMVI_ARGS                                                                                      \
@@ -516,6 +524,20 @@ GEMVI_PAIR(n1_s4, (gemvi_ring<false, 4, 1>), (gemvi_ring<true, 4, 1>))
 GEMVI_PAIR(n1_s2_r2, (gemvi_ring<false, 2, 2>), (gemvi_ring<true, 2, 2>))
 GEMVI_PAIR(n3, (gemvi_impl<3, false>), (gemvi_impl<3, true>))
 GEMVI_PAIR(n6, (gemvi_impl<6, false>), (gemvi_impl<6, true>))
+
+// gemvi_duo_<A>r<RA>_<B>r<RB>: two one-token products of the same activation digits in one grid
+// (a layer's fused q + k in Q4_K and its v in Q6_K: the second's few row tiles run on the SMs the
+// first leaves idle instead of in a launch of their own after it): row tiles [0, ny1) are W's (type
+// A: 12 Q4_K, 14 Q6_K; RA tiles per warp) into y, the rest W2's (type B, RB) into y2, both with
+// 2 ring slots per warp (gemvi_ring; cuda.py _gemvi_duo). Dynamic shared memory: the larger of the
+// two weights' ring.
+#define GEMVI_DUO(A, RA, B, RB)                                                                              \
+    extern "C" __global__ void gemvi_duo_##A##r##RA##_##B##r##RB(GEMVI_ARGS, const u8* W2, long long rb2,     \
+                                                               float* y2, int nrows2, int ny1) {             \
+        if (blockIdx.y < ny1) gemvi_ring_at<A == 14, 2, RA>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D, blockIdx.y, gridDim.y); \
+        else gemvi_ring_at<B == 14, 2, RB>(W2, rb2, xq, xs, xm, y2, nrows2, K, T, ncp, D, blockIdx.y - ny1, gridDim.y); }
+GEMVI_DUO(12, 2, 14, 1)
+GEMVI_DUO(12, 1, 14, 1)
 
 // ---------------------------------------------------------------------------------------------
 // gemmi: the same integer products for batches of 9..64 token rows (batched decode). A block takes

@@ -217,6 +217,14 @@ GEMVI_WARPS_PER_SM = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS_PER_SM", "16"
 GEMVI_MAX_WARPS = 8
 GEMVI_WARPS = int(os.environ.get("OPENCOTI_CUDA_GEMVI_WARPS", "0"))
 IMMA_WARPS = {3: 4, 6: 4}  # <= 4: gemv_int.cu gemvi_impl's reduction tile
+# two one-token ring products of one activation (a layer's fused q + k and its v of another type:
+# Qwen2.5-7B Q4_K_M's Q6_K attn_v layers) run as one grid (gemv_int.cu gemvi_duo; cuda.py
+# _gemvi_duo): the small one's row tiles fill the SMs the large one leaves idle (the H200 ran the
+# 7B's q + k as 128 blocks and its attn_v as 32, one launch after the other; session 21's ncu:
+# 9.4 + 8.7 us at 1.35 GHz). OPENCOTI_CUDA_GEMVI_DUO=0 launches them one by one. The built pairs:
+# (type, row tiles) of the first and of the second weight.
+GEMVI_DUO = os.environ.get("OPENCOTI_CUDA_GEMVI_DUO", "1") != "0"
+GEMVI_DUO_KERNELS = frozenset({(12, 2, 14, 1), (12, 1, 14, 1)})
 # OPENCOTI_CUDA_F16_GEMM_MIN_ROWS=N (default 0: off): batches of N..GEMV_MAX_TOKENS rows take
 # the f16 cuBLAS GEMM instead (weight dequantized to f16 in a scratch buffer, activations
 # rounded to f16; eager, as cuBLAS is not captured through CuPy). Measured on the H200 before
@@ -862,11 +870,15 @@ class CUDABackend:
     def _mul_mat_split(self, x, ws, bs, partials: bool) -> list:
         bs = list(bs) if bs is not None else [None] * len(ws)
         out, i = [], 0
+        duo = self._duo(x, ws)
         while i < len(ws):
             # (prompt-size products one weight at a time: their dequantized scratch stays a weight's)
             j = self._fused_run(ws, i) if x.shape[0] <= GEMV_MAX_TOKENS else i + 1
             w = ws[i] if j == i + 1 else ws[i].parent
-            y, n_split = self.mul_mat_parts(x, w) if partials else (self.mul_mat(x, w), 1)
+            if i in duo:
+                y, n_split = duo[i], 1
+            else:
+                y, n_split = self.mul_mat_parts(x, w) if partials else (self.mul_mat(x, w), 1)
             for v, bias in zip(ws[i:j], bs[i:j]):
                 a, b = (v.row0, v.row0 + v.shape[0]) if j > i + 1 else (0, y.shape[-1])
                 if n_split > 1:
@@ -1008,6 +1020,59 @@ class CUDABackend:
         ks = self._gemvi_warps(ntiles * ncb, nsb, warp_bytes, fn.raw.num_regs)
         fn((ncb, ntiles), (32 * ks,), args, shared_mem=ks * warp_bytes)
         return y
+
+    def _duo(self, x, ws) -> dict:
+        """``{index in ws: product}`` for the first two products of ``mul_mat_split(x, ws)`` (a
+        fused weight's run of views counts as one) when one token row times both runs as one
+        gemvi_duo grid (``_gemvi_duo``): each the one-row ring GEMV ``mul_mat`` would take, of a
+        type pair built (GEMVI_DUO_KERNELS); else ``{}`` and ``mul_mat_split`` takes them one by
+        one."""
+        if not (GEMVI_DUO and GEMVI_STAGES == 2 and x.shape[0] == 1 and len(ws) >= 2 and FUSE
+                and not 0 < F16_GEMM_MIN_ROWS <= 1):
+            return {}
+        j1 = self._fused_run(ws, 0)
+        if j1 >= len(ws):
+            return {}
+        j2 = self._fused_run(ws, j1)
+        w1 = ws[0] if j1 == 1 else ws[0].parent
+        w2 = ws[j1] if j2 == j1 + 1 else ws[j1].parent
+        # the activation's digits written by the norm before (FUSE): mul_mat would take the
+        # integer GEMV for both; anything else keeps mul_mat's own choice
+        if x is not self._digits_of[0] or not all(
+                isinstance(w, QTensor) and w.shape[1] == x.shape[1] and self._imma(1, w, True) for w in (w1, w2)):
+            return {}
+        d = self._digits_of[1]
+        if d[4] != 1:  # one column tile: the ring GEMV
+            return {}
+        ys = self._gemvi_duo(d, w1, w2)
+        return {} if ys is None else {0: ys[0], j1: ys[1]}
+
+    def _gemvi_duo(self, digits, w1: QTensor, w2: QTensor):
+        """``(x @ w1.T, x @ w2.T)``, ``[1, rows_i]`` float32 each, for one token row ``x`` given
+        as ``_digits(x)``, in one gemv_int.cu gemvi_duo grid: w1's row tiles then w2's, each
+        tile as gemvi_ring computes it alone (the same kernel code and super-block split per
+        warp for the same warp count: the same bits when ``_gemvi_warps`` gives the pair's grid
+        the warps it gives each weight's); None when the (type, row tiles) pair is not built
+        (GEMVI_DUO_KERNELS)."""
+        cp = self.cp
+        xq, xs, xm, n, nt, nd = digits
+        k = w1.shape[1]
+        rts = [gemvi_row_tiles(w.ggml_type, w.shape[0], self.n_sm) for w in (w1, w2)]
+        key = (w1.ggml_type, rts[0], w2.ggml_type, rts[1])
+        if key not in GEMVI_DUO_KERNELS or w2.shape[1] != k:
+            return None
+        nsb, ncb = k // 256, xs.shape[1] // 8
+        ny = [-(-w.shape[0] // (16 * rt)) for w, rt in zip((w1, w2), rts)]
+        fn = self._big_smem_fn("i", "gemvi_duo_{}r{}_{}r{}".format(*key), self.smem_per_block)
+        warp_bytes = max(2 * 16 * rt * (240 if w.ggml_type == 14 else 144) for w, rt in zip((w1, w2), rts))
+        ks = self._gemvi_warps((ny[0] + ny[1]) * ncb, nsb, warp_bytes, fn.raw.num_regs)
+        y1 = cp.empty((n, w1.shape[0]), dtype=cp.float32)
+        y2 = cp.empty((n, w2.shape[0]), dtype=cp.float32)
+        fn((ncb, ny[0] + ny[1]), (32 * ks,),
+           (w1.data, np.int64(w1.row_bytes), xq, xs, xm, y1, np.int32(w1.shape[0]), np.int32(k), np.int32(n),
+            np.int32(xs.shape[1]), np.int32(nd), w2.data, np.int64(w2.row_bytes), y2, np.int32(w2.shape[0]),
+            np.int32(ny[0])), shared_mem=ks * warp_bytes)
+        return y1, y2
 
     def _gemvi_warps(self, blocks: int, nsb: int, warp_bytes: int, regs: int) -> int:
         """Warps per row tile (16 GEMVI_ROW_TILES rows) of gemv_int.cu's gemvi for a grid of
