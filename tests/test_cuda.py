@@ -663,6 +663,47 @@ def test_fused_weights_model_matches_unfused(tmp_path, gpu, cpu, monkeypatch):
     assert (fused.argmax(1) == want.argmax(1)).all()
 
 
+def test_duo_model_matches_separate(tmp_path, gpu, cpu, monkeypatch):
+    """A Qwen2-shaped Q4_K model whose attn_v is Q6_K (as Q4_K_M files have it in some layers):
+    q / k load fused, v alone, and one-token steps on the norms' digits run q + k and v as one
+    gemvi_duo grid; their logits match OPENCOTI_CUDA_GEMVI_DUO=0 (two launches) to float32
+    rounding of the warps' sums and the CPU backend as the fused test does."""
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    path = tmp_path / "qwen2-q4k-v6.gguf"
+    sg.write_random_model("qwen2", path, "Q4_K", seed=10, tensor_types={"*attn_v*": "Q6_K"}, hidden_size=256,
+                          intermediate_size=512)
+    toks = [(i * 31 + 5) % 300 for i in range(20)]
+    calls = []
+    duo = gpu._gemvi_duo
+    monkeypatch.setattr(gpu, "_gemvi_duo", lambda *a: calls.append(1) or duo(*a))
+
+    def run(backend):
+        model = load_model(str(path), with_tokenizer=False)
+        r = ModelRunner(model, backend, n_ctx=128, n_seq_max=1, n_ubatch=512)
+        out = [r.decode(UBatch.build(toks, np.arange(20), [0] * 20, [19]))]
+        for i in range(4):
+            out.append(r.decode(UBatch.build([9 + i], [20 + i], [0], [0])))
+        return model, np.concatenate(out)
+
+    model, got = run(gpu)
+    L = model.network(gpu).layers[0]
+    assert L.wq.parent is L.wk.parent is not None and L.wv.parent is None and L.wv.ggml_type == 14
+    n_layers = len(model.network(gpu).layers)
+    assert len(calls) >= n_layers  # every layer of the one-token steps (eager, or captured once)
+    monkeypatch.setattr(cu, "GEMVI_DUO", False)
+    k = len(calls)
+    _, plain = run(gpu)
+    assert len(calls) == k
+    _, want = run(cpu)
+    scale = max(1.0, float(np.abs(want).max()))
+    assert np.abs(got - plain).max() < 1e-5 * scale
+    assert np.abs(got - want).max() < 2e-3 * scale
+    assert (got.argmax(1) == want.argmax(1)).all()
+
+
 # ---------------------------------------------------------------------------------------
 # elementwise, norms, rope
 # ---------------------------------------------------------------------------------------
