@@ -353,9 +353,11 @@ def test_gemvi_ring_slots(gpu, monkeypatch, qname, warps, stages, row_tiles, n):
 
 @pytest.mark.parametrize("rows", [(200, 72), (1040, 40)])
 @pytest.mark.parametrize("warps", [0, 3])
-def test_gemvi_duo(gpu, monkeypatch, rows, warps):
-    """gemvi_duo: a Q4_K weight (the two-row-tile ring) and a Q6_K weight (one tile) times one
-    token row in one grid, partial last tiles in both: float32 accuracy against float64, and
+@pytest.mark.parametrize("row_tiles", [0, 1])
+def test_gemvi_duo(gpu, monkeypatch, rows, warps, row_tiles):
+    """gemvi_duo: a Q4_K weight (the two-row-tile ring, or one tile with GEMVI_ROW_TILES=1) and a
+    Q6_K weight (one tile) times one token row in one grid, partial last tiles in both: float32
+    accuracy against float64, and
     the same bits as the two ring products launched one by one when both take the same warps
     (forced: 3, uneven super-block shares of 10); mul_mat_split over the pair on the digits a
     norm left (``_digits_of``) launches it once and returns its products; with
@@ -364,6 +366,7 @@ def test_gemvi_duo(gpu, monkeypatch, rows, warps):
 
     monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)
     monkeypatch.setattr(cu, "GEMVI_WARPS", warps)
+    monkeypatch.setattr(cu, "GEMVI_ROW_TILES", row_tiles)
     cols = 2560
     x, raw1, want1 = _mmq_case("Q4_K", rows[0], cols, 1, 11 + warps)
     _, raw2, _ = _mmq_case("Q6_K", rows[1], cols, 1, 12 + warps)

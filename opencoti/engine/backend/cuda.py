@@ -1028,7 +1028,7 @@ class CUDABackend:
         type pair built (GEMVI_DUO_KERNELS); else ``{}`` and ``mul_mat_split`` takes them one by
         one."""
         if not (GEMVI_DUO and GEMVI_STAGES == 2 and x.shape[0] == 1 and len(ws) >= 2 and FUSE
-                and not 0 < F16_GEMM_MIN_ROWS <= 1):
+                and not (F16_GEMM_MIN_ROWS and 1 >= F16_GEMM_MIN_ROWS)):  # as _mul_mat's f16 choice
             return {}
         j1 = self._fused_run(ws, 0)
         if j1 >= len(ws):
