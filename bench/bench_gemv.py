@@ -8,7 +8,8 @@ graph (so Python launch cost does not count): ``float`` (the float32 GEMV units 
 rows, mmq.cu's tensor-core tiles from 9), ``imma`` (gemv_int.cu: integer tensor cores on
 int8 digit columns, incl. the activation quantization), and prints microseconds per call,
 GB/s of weight bytes, and each path's error against float64 on the dequantized weight
-(max |err| / max |y|). ``--duo``: instead, a layer's fused q + k (Q4_K) and its Q6_K v times one
+(max |err| / max |y|). The integer paths read the weights in the 16-row tiles a model's weights
+upload in (cuda.py ``tiles_weight``; ``--rows-layout``: GGUF rows). ``--duo``: instead, a layer's fused q + k (Q4_K) and its Q6_K v times one
 row on digits made once (as a norm leaves them): the two ring products launched one by one
 against one gemvi_duo grid.
 """
@@ -66,6 +67,8 @@ def main() -> None:
                     "0: the default)")
     ap.add_argument("--duo", action="store_true", help="time the q + k / v pair as two launches and as one gemvi_duo grid")
     ap.add_argument("--weights", default="", help="only the preset's weights whose name contains this")
+    ap.add_argument("--rows-layout", action="store_true", help="the integer paths on GGUF rows, not in the 16-row "
+                    "tiles a model's weights upload in (cuda.py tiles_weight)")
     a = ap.parse_args()
     import cupy as cp
 
@@ -97,8 +100,11 @@ def main() -> None:
         # 60 MB), so every call streams its weight from memory as in a model's decode step
         ws = [cu.QTensor((raw if i == 0 else raw.copy()).reshape(-1), t, (rows, cols), raw.shape[1])
               for i in range(min(150, math.ceil(150 / mb)))]
+        # the integer paths read the weight as a model uploads it (16-row tiles where it tiles)
+        wt = ws if a.rows_layout or not cu.tiles_weight(t, rows, cols) else [
+            cu.QTensor(cu.tile_rows16(v.data.reshape(rows, -1), cu.TILED_BLOCK_BYTES[t]).reshape(-1), t, (rows, cols),
+                       raw.shape[1], tiled=True) for v in ws]
         reps = max(a.reps, len(ws))
-        w = ws[0]
         nref = min(rows, 2048)
         wref = be.dequantize(cu.QTensor(raw[:nref].reshape(-1), t, (nref, cols), raw.shape[1])).astype(cp.float64)
         for n in (int(v) for v in a.rows.split(",")):
@@ -106,10 +112,11 @@ def main() -> None:
             x[:, 7] *= 40.0  # an outlier channel, as real activations have
             want = x.astype(cp.float64) @ wref.T
             for pname, fn in paths.items():
-                y = fn(x, w)
+                wp = ws if pname == "float" else wt
+                y = fn(x, wp[0])
                 err = float(cp.abs(y[:, :nref] - want).max() / cp.abs(want).max())
                 it = iter(range(1 << 30))
-                us = _graph_time(cp, lambda: fn(x, ws[next(it) % len(ws)]), reps)
+                us = _graph_time(cp, lambda: fn(x, wp[next(it) % len(wp)]), reps)
                 print(f"| {name} | {cu.QTYPES[t]} | {mb:,.1f} | {n} | {pname} | {us:,.1f} | {mb * 1e3 / us:,.0f} | "
                       f"{err:.1e} |", flush=True)
 
@@ -121,19 +128,23 @@ def _duo(cp, cu, be, reps: int) -> None:
     raws = [(random_weight(cp, t1, r1, c), random_weight(cp, t2, r2, c)) for _ in range(16)]  # 16 x 9.8 MB
     pairs = [tuple(cu.QTensor(r.reshape(-1), t, (rows, c), r.shape[1]) for r, t, rows in zip(p, (t1, t2), (r1, r2)))
              for p in raws]
+    tiled = [tuple(cu.QTensor(cu.tile_rows16(r, cu.TILED_BLOCK_BYTES[t]).reshape(-1), t, (rows, c), r.shape[1],
+                              tiled=True) for r, t, rows in zip(p, (t1, t2), (r1, r2))) for p in raws]
     x = cp.random.standard_normal((1, c), dtype=cp.float32)
     d = be._digits(x)
     ways = {"two launches": lambda w: (be._gemvi(d, w[0]), be._gemvi(d, w[1])),
             "gemvi_duo": lambda w: be._gemvi_duo(d, w[0], w[1])}
     ref = [cp.asnumpy(y) for y in ways["two launches"](pairs[0])]
+    ways.update({f"{k}, 16-row tiles": v for k, v in ways.items()})
     mb = sum(r.nbytes for r in raws[0]) / 1e6
     print(f"\nbench_gemv --duo: {be.device_name}, q + k Q4_K and v Q6_K, one row, {mb:.1f} MB\n")
     print("| path | us | GB/s | equal to two launches |")
     print("| --- | ---: | ---: | --- |")
     for name, f in ways.items():
-        same = all((cp.asnumpy(y) == r).all() for y, r in zip(f(pairs[0]), ref))
+        ps = tiled if name.endswith("tiles") else pairs
+        same = all((cp.asnumpy(y) == r).all() for y, r in zip(f(ps[0]), ref))
         it = iter(range(1 << 30))
-        us = _graph_time(cp, lambda: f(pairs[next(it) % len(pairs)]), max(reps, len(pairs)))
+        us = _graph_time(cp, lambda: f(ps[next(it) % len(ps)]), max(reps, len(ps)))
         print(f"| {name} | {us:,.1f} | {mb * 1e3 / us:,.0f} | {same} |", flush=True)
 
 

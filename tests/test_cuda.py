@@ -707,6 +707,100 @@ def test_duo_model_matches_separate(tmp_path, gpu, cpu, monkeypatch):
     assert (got.argmax(1) == want.argmax(1)).all()
 
 
+@pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
+def test_tiled_weight_matches_rows(gpu, monkeypatch, qname):
+    """A weight in 16-row tiles (cuda.py tile_rows16, QTensor.tiled: the _t16 kernels) gives the
+    same bits as its GGUF rows on every path that reads it: dequantize (f32, f16), get_rows, the
+    one-token ring GEMV (1-2 rows, two row tiles per warp over 17 tiles: the last pair's second
+    tile past the end), gemvi_impl (3-8 rows), gemmi (9-64 rows, the ring and the register-
+    prefetch kernel), a prefill (dequantized); the float GEMV units, which have no tiled twin,
+    refuse it."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # small weights take the integer path too
+    rng = np.random.default_rng(21)
+    rows, cols = 272, 1024
+    raw = random_blocks(qname, rows, cols, rng)
+    plain = to_qtensor(raw, qname, cols)
+    bs = cu.TILED_BLOCK_BYTES[plain.ggml_type]
+    tiled = QTensor(cp.asarray(cu.tile_rows16(raw, bs).reshape(-1)), plain.ggml_type, plain.shape, plain.row_bytes,
+                    tiled=True)
+    assert (cp.asnumpy(gpu.dequantize(tiled)) == cp.asnumpy(gpu.dequantize(plain))).all()
+    assert (cp.asnumpy(gpu.dequantize(tiled, np.float16)) == cp.asnumpy(gpu.dequantize(plain, np.float16))).all()
+    ids = np.array([0, 17, 271, 5, 16], np.int32)
+    assert (cp.asnumpy(gpu.get_rows(tiled, ids)) == cp.asnumpy(gpu.get_rows(plain, ids))).all()
+    ref = ref_dequant(qname, raw, cols).astype(np.float64)
+    for n, ring in [(1, None), (2, None), (3, None), (8, None), (12, None), (33, None), (33, 0), (64, None),
+                    (100, None)]:
+        monkeypatch.setattr(cu, "GEMMI_RING", ring)
+        x = cp.asarray(rng.standard_normal((n, cols)).astype(np.float32))
+        want = cp.asnumpy(gpu.mul_mat(x, plain))
+        got = cp.asnumpy(gpu.mul_mat(x, tiled))
+        assert got.shape == (n, rows)
+        assert np.array_equal(got, want), (n, ring)
+        exact = cp.asnumpy(x).astype(np.float64) @ ref.T
+        assert np.abs(got - exact).max() < 1e-4 * np.abs(exact).max(), n  # the product itself, not zeros
+    monkeypatch.setattr(cu, "IMMA_MAX_ROWS", 0)  # the float GEMV units: no tiled kernels
+    with pytest.raises(NotImplementedError):
+        gpu.mul_mat(cp.asarray(rng.standard_normal((1, cols)).astype(np.float32)), tiled)
+
+
+def test_tiled_duo_matches_rows(gpu):
+    """gemvi_duo on two weights in 16-row tiles (q + k Q4_K, v Q6_K) gives the bits of the pair
+    in GGUF rows; a tiled and a GGUF-row weight are not paired (None: two launches)."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(22)
+    cols = 1024
+    ws = []
+    for qname, rows in (("Q4_K", 96), ("Q6_K", 48)):
+        raw = random_blocks(qname, rows, cols, rng)
+        p = to_qtensor(raw, qname, cols)
+        t = QTensor(cp.asarray(cu.tile_rows16(raw, cu.TILED_BLOCK_BYTES[p.ggml_type]).reshape(-1)), p.ggml_type,
+                    p.shape, p.row_bytes, tiled=True)
+        ws.append((p, t))
+    d = gpu._digits(cp.asarray(rng.standard_normal((1, cols)).astype(np.float32)))
+    want = gpu._gemvi_duo(d, ws[0][0], ws[1][0])
+    got = gpu._gemvi_duo(d, ws[0][1], ws[1][1])
+    assert want is not None and got is not None
+    for a, b, (_, t) in zip(got, want, ws):
+        assert np.array_equal(cp.asnumpy(a), cp.asnumpy(b))
+        assert np.array_equal(cp.asnumpy(a), cp.asnumpy(gpu._gemvi(d, t)))
+    assert gpu._gemvi_duo(d, ws[0][1], ws[1][0]) is None
+
+
+def test_tiled_model_matches_rows(tmp_path, gpu, monkeypatch):
+    """A Qwen2-shaped Q4_K model (Q6_K attn_v) loaded with its K-quant matrices in 16-row tiles
+    (fused q / k and gate / up included) decodes the logits of the same model in GGUF rows, bit
+    for bit: an 80-token prompt (dequantized prefill), a 20-token one (gemmi), one-token steps
+    (the ring GEMV, gemvi_duo)."""
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.model.loader import load_model
+    from opencoti.tools import synth_gguf as sg
+
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # the test model's small weights tile too
+    path = tmp_path / "qwen2-q4k-v6.gguf"
+    sg.write_random_model("qwen2", path, "Q4_K", seed=12, tensor_types={"*attn_v*": "Q6_K"}, hidden_size=256,
+                          intermediate_size=512)
+
+    def run():
+        model = load_model(str(path), with_tokenizer=False)
+        r = ModelRunner(model, gpu, n_ctx=256, n_seq_max=2, n_ubatch=512)
+        out = [r.decode(UBatch.build([(i * 31 + 5) % 300 for i in range(80)], np.arange(80), [0] * 80, [79])),
+               r.decode(UBatch.build([(i * 17 + 3) % 300 for i in range(20)], np.arange(20), [1] * 20, [19]))]
+        for i in range(4):
+            out.append(r.decode(UBatch.build([9 + i], [80 + i], [0], [0])))
+        return model, np.concatenate(out)
+
+    model, got = run()
+    L = model.network(gpu).layers[0]
+    assert L.wq.tiled and L.wq.parent.tiled and L.wv.tiled
+    monkeypatch.setattr(cu, "TILED", False)
+    model, want = run()
+    assert not model.network(gpu).layers[0].wq.tiled
+    assert np.isfinite(got).all() and np.array_equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------
 # elementwise, norms, rope
 # ---------------------------------------------------------------------------------------

@@ -234,3 +234,46 @@ def test_stream_rows(monkeypatch):
     assert rows(32 * 512, 32, 1)
     monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 0)
     assert not rows(1 << 20, 1, 4) and not rows(1 << 20, 32, 4)
+
+
+def test_tile_rows16_places_blocks():
+    """``tile_rows16``: block j of row r lands at ``(r // 16) * 16 * row_bytes + (16 j + r % 16) *
+    block_bytes`` (the address quants.cuh ``qrow`` computes), each tile keeping its 16 rows' bytes,
+    for Q4_K- and Q6_K-sized blocks; shapes that do not tile raise ValueError."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for bs in (144, 210):
+        rows, nb = 48, 5
+        raw = rng.integers(0, 256, (rows, nb * bs), dtype=np.uint8)
+        t = cu.tile_rows16(raw, bs)
+        assert t.shape == raw.shape and t.dtype == np.uint8
+        flat = t.reshape(-1)
+        for r in range(rows):
+            for j in range(nb):
+                a = (r // 16) * 16 * raw.shape[1] + (16 * j + r % 16) * bs
+                assert (flat[a:a + bs] == raw[r, j * bs:(j + 1) * bs]).all(), (bs, r, j)
+        for i in range(rows // 16):  # a tile's bytes are its own rows' bytes, permuted
+            assert sorted(t[16 * i:16 * i + 16].reshape(-1)) == sorted(raw[16 * i:16 * i + 16].reshape(-1))
+    with pytest.raises(ValueError):
+        cu.tile_rows16(np.zeros((40, 144), np.uint8), 144)  # 40 rows: not whole tiles
+    with pytest.raises(ValueError):
+        cu.tile_rows16(np.zeros((16, 200), np.uint8), 144)  # not whole blocks
+
+
+def test_tiles_weight(monkeypatch):
+    """Which weights upload in 16-row tiles: Q4_K / Q6_K, rows a multiple of 16, at least
+    IMMA_MIN_WEIGHT elements, while the integer kernels take every GEMV row count; never with
+    OPENCOTI_CUDA_TILED=0."""
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 1 << 21)
+    assert cu.tiles_weight(12, 18944, 3584) and cu.tiles_weight(14, 3584, 18944)
+    assert not cu.tiles_weight(8, 18944, 3584)  # Q8_0: no tiled kernels
+    assert not cu.tiles_weight(12, 18936, 3584)  # rows not a multiple of 16
+    assert not cu.tiles_weight(12, 1024, 768)  # small: the float GEMV serves its one-row products
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)
+    assert cu.tiles_weight(12, 1024, 768)
+    monkeypatch.setattr(cu, "IMMA_BATCH", False)
+    assert not cu.tiles_weight(12, 1024, 768)
+    monkeypatch.setattr(cu, "IMMA_BATCH", True)
+    monkeypatch.setattr(cu, "TILED", False)
+    assert not cu.tiles_weight(12, 18944, 3584)

@@ -53,7 +53,7 @@ def _sources() -> dict[str, str]:
 # prefetch before the wait, pdl.cuh OPENCOTI_PDL_EARLY; gemvi_impl waits first), alone or two
 # weights' in one grid (gemvi_duo: either branch is gemvi_ring_at)
 _WAIT_INSIDE = {"gemvi_12_##SUFFIX": "F12(", "gemvi_14_##SUFFIX": "F14(",
-                "gemvi_duo_##A##r##RA##_##B##r##RB": "if(blockIdx.y<ny1)gemvi_ring_at<"}
+                "gemvi_duo_##A##r##RA##_##B##r##RB##SFX": "if(blockIdx.y<ny1)gemvi_ring_at<"}
 
 
 @pytest.mark.parametrize("module", list(_sources()))
@@ -70,7 +70,7 @@ def test_every_kernel_waits_first(module):
             if stmt not in waits and not stmt.startswith(_WAIT_INSIDE.get(name, "GRID_DEP_WAIT();"))}
     assert not late, (module, late)
     assert {name for name, stmt in first.items() if stmt == waits[1]} == (
-        {f"gemmi_{t}_{v}_n##NT" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
+        {f"gemmi_{t}_{v}_n##NT##SFX" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
     if "gemvi_12_##SUFFIX" in first:  # every pair's functions are the two that wait inside
         pairs = re.findall(r"^GEMVI_PAIR\(\w+, \((\w+)<[^)]*\), \((\w+)<[^)]*\)\)$", src, re.M)
         assert len(pairs) == src.count("\nGEMVI_PAIR(") >= 5

@@ -124,9 +124,11 @@ __device__ __forceinline__ Q4KScales q4k_scales(u32 w0, u32 w1, u32 w2) {
 // k; the B digits are read in the same order, so the dot products are unchanged). Rows w0 / w1
 // (gid, gid + 8 of the lane's tile): the header (d, dmin, 12 scale bytes) and those code bytes.
 struct Q4KRegs { uint4 h0, h1; uint2 q0[4], q1[4]; };
+// SBS: bytes from one super-block of a row to the next (144; 16 x 144 in 16-row tiles, quants.cuh qrow)
+template <int SBS = 144>
 __device__ __forceinline__ void q4k_load(Q4KRegs& r, const u8* w0, const u8* w1, int sb, int c) {
-    const u8* b0 = w0 + 144LL * sb;
-    const u8* b1 = w1 + 144LL * sb;
+    const u8* b0 = w0 + (long long)SBS * sb;
+    const u8* b1 = w1 + (long long)SBS * sb;
     r.h0 = *(const uint4*)b0;
     r.h1 = *(const uint4*)b1;
 #pragma unroll
@@ -203,10 +205,12 @@ __device__ __forceinline__ void q6k_words(Q6KRegs& r, const u8* b0, const u8* b1
     }
     r.d = (u32)*(const u16*)(b0 + 208) | ((u32)*(const u16*)(b1 + 208) << 16);
 }
+// SBS as q4k_load's (210, or 16 x 210); al4: w0 and w1 are 4-byte aligned
+template <int SBS = 210>
 __device__ __forceinline__ void q6k_load(Q6KRegs& r, const u8* w0, const u8* w1, int sb, int c, bool al4) {
-    const u8* b0 = w0 + 210LL * sb;
-    const u8* b1 = w1 + 210LL * sb;
-    if (al4 && (sb & 1) == 0) q6k_words<true>(r, b0, b1, c);
+    const u8* b0 = w0 + (long long)SBS * sb;
+    const u8* b1 = w1 + (long long)SBS * sb;
+    if (al4 && (SBS % 4 == 0 || (sb & 1) == 0)) q6k_words<true>(r, b0, b1, c);
     else q6k_words<false>(r, b0, b1, c);
 }
 // q - 32 of four 6-bit codes (bytes 0..63) as signed bytes: flipping bit 5 gives q - 32 in 6-bit
@@ -331,7 +335,8 @@ __device__ __forceinline__ void superblock(const Q4KRegs& a4, const Q6KRegs& a6,
 // super-blocks of the block's 16 rows, each prefetching its next super-block into registers
 // (measured faster than the ring for these column counts: bench_gemv, 7B ffn_down 8 rows 51 vs
 // 70 us), B fragments from the digit array (L1 / L2).
-template <int NT, bool Q6>
+// TL: W in 16-row tiles (quants.cuh qrow).
+template <int NT, bool Q6, bool TL = false>
 __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
@@ -340,20 +345,21 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
     const int cb = blockIdx.x * CW, row0 = blockIdx.y * 16;
     const int nsb = K >> 8, sb0 = warp * nsb / ks, sb1 = (warp + 1) * nsb / ks;
-    const u8* w0 = W + (long long)min(row0 + g, nrows - 1) * rb;
-    const u8* w1 = W + (long long)min(row0 + g + 8, nrows - 1) * rb;
-    const bool al4 = (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;
+    constexpr int BS = Q6 ? 210 : 144, TBS = TL ? BS : 0, SBS = TL ? 16 * BS : BS;
+    const u8* w0 = qrow<TBS>(W, rb, min(row0 + g, nrows - 1));
+    const u8* w1 = qrow<TBS>(W, rb, min(row0 + g + 8, nrows - 1));
+    const bool al4 = !TL && (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     Q4KRegs a4, n4;
     Q6KRegs a6, n6;
     if (sb0 < sb1) {
-        if (Q6) q6k_load(a6, w0, w1, sb0, c, al4); else q4k_load(a4, w0, w1, sb0, c);
+        if (Q6) q6k_load<SBS>(a6, w0, w1, sb0, c, al4); else q4k_load<SBS>(a4, w0, w1, sb0, c);
     }
     for (int sb = sb0; sb < sb1; sb++) {
         if (sb + 1 < sb1) {
-            if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
+            if (Q6) q6k_load<SBS>(n6, w0, w1, sb + 1, c, al4); else q4k_load<SBS>(n4, w0, w1, sb + 1, c);
         }
         superblock<NT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
                            xm + ((long long)sb * ncp + cb) * 16, g, c, 8 * NT, acc);
@@ -373,15 +379,25 @@ __device__ __forceinline__ void gemvi_impl(const u8* __restrict__ W, long long r
 // A lane's share of filling one slot: the slot's R * NCH chunks are i = lane + 32 j; chunk i
 // is 16-byte piece i % NCH of row i / NCH's block. The lane's source offsets within the tile's
 // rows (super-block 0) are computed once (RingPlan), so a fill is an add and a cp.async per chunk.
-template <bool Q6, int RT>
+// TL (16-row tiles, quants.cuh qrow): a tile's super-block is one run of 16 BS bytes, copied whole
+// (BS chunks; SEG = BS: a slot holds the run as it lies, row r of the tile at r BS); a tile past
+// the last row (the second of RT = 2 at the end of a weight of 16 (2 i + 1) rows) copies the last
+// tile again.
+template <bool Q6, int RT, bool TL = false>
 struct RingPlan {
-    static constexpr int SEG = Q6 ? 240 : 144, NCH = SEG / 16, R = 16 * RT, NJ = (R * NCH + 31) / 32;
-    u32 off[NJ];  // Q4_K: the chunk's offset; Q6_K: its row's (the chunk's place depends on sb)
+    static constexpr int BS = Q6 ? 210 : 144, SEG = TL ? BS : Q6 ? 240 : 144, NCH = SEG / 16, R = 16 * RT;
+    static constexpr int NJ = TL ? (RT * BS + 31) / 32 : (R * NCH + 31) / 32;
+    u32 off[NJ];  // Q4_K: the chunk's offset; Q6_K: its row's (the chunk's place depends on sb); TL: the chunk's
     __device__ __forceinline__ RingPlan(long long rb, int last_row, int lane) {
 #pragma unroll
         for (int j = 0; j < NJ; j++) {
-            const int i = lane + 32 * j, r = min(i / NCH, last_row), k = i % NCH;
-            off[j] = (u32)(r * rb) + (Q6 ? 0u : 16u * k);
+            const int i = lane + 32 * j;
+            if (TL) {
+                off[j] = (u32)(min(16 * (i / BS), last_row & ~15) * rb) + 16u * (i % BS);
+            } else {
+                const int r = min(i / NCH, last_row), k = i % NCH;
+                off[j] = (u32)(r * rb) + (Q6 ? 0u : 16u * k);
+            }
         }
     }
     // copy super-block sb of the tile's R rows (from Wt, the tile's first row) into slot
@@ -389,6 +405,11 @@ struct RingPlan {
 #pragma unroll
         for (int j = 0; j < NJ; j++) {
             const int i = lane + 32 * j;
+            if (TL) {
+                if (i >= RT * BS) break;
+                cp_async16(slot + 16 * i, Wt + off[j] + 16LL * BS * sb);
+                continue;
+            }
             if (i >= R * NCH) break;
             if (!Q6) {
                 cp_async16(slot + 16 * i, Wt + off[j] + 144LL * sb);
@@ -404,11 +425,13 @@ struct RingPlan {
 
 // Rows 16 t + gid and + 8 of a slot's row tile (st: the tile's first row, SEG bytes per row) into
 // a4 / a6, as the ring fill laid super-block sb out: a Q6_K block at offset (its address & 15) of
-// its first chunk, the rows' addresses being r0 / r1 (gemvi_ring, gemmi_ring).
-template <bool Q6, int SEG>
+// its first chunk, the rows' addresses being r0 / r1 (gemvi_ring, gemmi_ring); TL: row r at r SEG.
+template <bool Q6, int SEG, bool TL = false>
 __device__ __forceinline__ void slot_load(Q4KRegs& a4, Q6KRegs& a6, const u8* st, unsigned long long r0,
                                           unsigned long long r1, int sb, int g, int c) {
-    if (Q6) {
+    if (Q6 && TL) {
+        q6k_load(a6, st + g * SEG, st + (g + 8) * SEG, 0, c, false);
+    } else if (Q6) {
         const int o0 = (int)((r0 + 210ull * sb) & 15), o1 = (int)((r1 + 210ull * sb) & 15);
         q6k_load(a6, st + g * SEG + o0, st + (g + 8) * SEG + o1, 0, c, false);
     } else {
@@ -424,12 +447,23 @@ __device__ __forceinline__ void slot_load(Q4KRegs& a4, Q6KRegs& a6, const u8* st
 // evicting each other before they are read (H200 L2: 50 MB); a 7B's q + k or attn_output
 // (7-9 MB) is prefetched whole.
 #define GEMVI_L2_PREFETCH (16 << 20)
-template <bool Q6>
+// TL (16-row tiles): tile t's super-blocks [s0, s0 + n) are one run of 16 n BPS bytes.
+template <bool Q6, bool TL = false>
 __device__ __forceinline__ void l2_prefetch_rows(const u8* __restrict__ Wt, long long rb, int last_row, int R, int s0,
                                                  int s1, int n_warps, int lane) {
     constexpr int BPS = Q6 ? 210 : 144;  // bytes of a super-block of a row
     const int n = min(s1 - s0, (int)(GEMVI_L2_PREFETCH / ((long long)n_warps * R * BPS)));
     if (n <= 0) return;
+    if (TL) {
+        const int lines = (16 * n * BPS + 127) / 128 + 1;  // per tile
+        for (int i = lane; i < (R / 16) * lines; i += 32) {
+            const int t = min(16 * (i / lines), last_row & ~15), l = i % lines;
+            const unsigned long long b = (unsigned long long)(Wt + t * rb + 16LL * BPS * s0);
+            const unsigned long long a = (b & ~127ull) + 128ull * l;
+            if (a < b + 16ull * n * BPS) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+        }
+        return;
+    }
     const int lines = (n * BPS + 127) / 128 + 1;  // per row, the first line's offset included
     for (int i = lane; i < R * lines; i += 32) {
         const int r = min(i / lines, last_row), l = i % lines;
@@ -439,21 +473,22 @@ __device__ __forceinline__ void l2_prefetch_rows(const u8* __restrict__ Wt, long
     }
 }
 
-// gemvi_ring_at: row tile by of a grid of nby row tiles (gemvi_duo's grids hold two weights' tiles)
-template <bool Q6, int S, int RT>
+// gemvi_ring_at: row tile by of a grid of nby row tiles (gemvi_duo's grids hold two weights' tiles);
+// TL: W in 16-row tiles (quants.cuh qrow; nrows a multiple of 16)
+template <bool Q6, int S, int RT, bool TL = false>
 __device__ __forceinline__ void gemvi_ring_at(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                               const float* __restrict__ xs, const i8* __restrict__ xm,
                                               float* __restrict__ y, int nrows, int K, int T, int ncp, int D, int by,
                                               int nby) {
     extern __shared__ __align__(16) u8 ring[];
-    constexpr int NT = 1, CW = 8, SEG = RingPlan<Q6, RT>::SEG, R = 16 * RT, SB = R * SEG;
+    constexpr int NT = 1, CW = 8, SEG = RingPlan<Q6, RT, TL>::SEG, R = 16 * RT, SB = R * SEG;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, ks = blockDim.x >> 5;
     const int cb = blockIdx.x * CW, row0 = by * R, tpb = CW / D;
     const int rc = min(T - blockIdx.x * tpb, tpb) * D;  // columns holding a token's digits
     const int nsb = K >> 8, sb0 = warp * nsb / ks, sb1 = (warp + 1) * nsb / ks;
     u8* const mine = ring + warp * S * SB;
     const u8* const Wt = W + (long long)row0 * rb;
-    const RingPlan<Q6, RT> plan(rb, nrows - 1 - row0, lane);
+    const RingPlan<Q6, RT, TL> plan(rb, nrows - 1 - row0, lane);
     // the lane's rows of each tile (Q6_K: a block's place in its first chunk is its address & 15)
     unsigned long long r0[RT], r1[RT];
 #pragma unroll
@@ -474,7 +509,7 @@ __device__ __forceinline__ void gemvi_ring_at(const u8* __restrict__ W, long lon
     }
 #if OPENCOTI_PDL_EARLY
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (blockIdx.x == 0) l2_prefetch_rows<Q6>(Wt, rb, nrows - 1 - row0, R, sb0 + S - 1, sb1, nby * ks, lane);
+    if (blockIdx.x == 0) l2_prefetch_rows<Q6, TL>(Wt, rb, nrows - 1 - row0, R, sb0 + S - 1, sb1, nby * ks, lane);
 #endif
     GRID_DEP_WAIT();
 #endif
@@ -493,7 +528,7 @@ __device__ __forceinline__ void gemvi_ring_at(const u8* __restrict__ W, long lon
         __syncwarp();            // ... and every lane's
         const u8* slot = mine + (i % S) * SB;
 #pragma unroll
-        for (int t = 0; t < RT; t++) slot_load<Q6, SEG>(a4[t], a6[t], slot + 16 * t * SEG, r0[t], r1[t], sb, g, c);
+        for (int t = 0; t < RT; t++) slot_load<Q6, SEG, TL>(a4[t], a6[t], slot + 16 * t * SEG, r0[t], r1[t], sb, g, c);
         superblock_tiles<NT, RT, Q6>(a4, a6, xq + (16LL * sb * ncp + cb) * 16, ncp, xs + (long long)sb * ncp + cb,
                                      xm + ((long long)sb * ncp + cb) * 16, g, c, rc, acc);
         __syncwarp();  // the slot is refilled next iteration
@@ -502,11 +537,11 @@ __device__ __forceinline__ void gemvi_ring_at(const u8* __restrict__ W, long lon
     __syncthreads();  // the ring becomes the reduction's tile
     gemvi_store_rt<NT, RT>(acc, (float*)ring, y, nrows, T, D, by);
 }
-template <bool Q6, int S, int RT>
+template <bool Q6, int S, int RT, bool TL = false>
 __device__ __forceinline__ void gemvi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
-    gemvi_ring_at<Q6, S, RT>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D, blockIdx.y, gridDim.y);
+    gemvi_ring_at<Q6, S, RT, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D, blockIdx.y, gridDim.y);
 }
 
 #define GEMVI_ARGS                                                                                      \
@@ -524,6 +559,12 @@ GEMVI_PAIR(n1_s4, (gemvi_ring<false, 4, 1>), (gemvi_ring<true, 4, 1>))
 GEMVI_PAIR(n1_s2_r2, (gemvi_ring<false, 2, 2>), (gemvi_ring<true, 2, 2>))
 GEMVI_PAIR(n3, (gemvi_impl<3, false>), (gemvi_impl<3, true>))
 GEMVI_PAIR(n6, (gemvi_impl<6, false>), (gemvi_impl<6, true>))
+// _t16: the same on weights in 16-row tiles (quants.cuh qrow; cuda.py QTensor.tiled)
+GEMVI_PAIR(n1_s2_t16, (gemvi_ring<false, 2, 1, true>), (gemvi_ring<true, 2, 1, true>))
+GEMVI_PAIR(n1_s4_t16, (gemvi_ring<false, 4, 1, true>), (gemvi_ring<true, 4, 1, true>))
+GEMVI_PAIR(n1_s2_r2_t16, (gemvi_ring<false, 2, 2, true>), (gemvi_ring<true, 2, 2, true>))
+GEMVI_PAIR(n3_t16, (gemvi_impl<3, false, true>), (gemvi_impl<3, true, true>))
+GEMVI_PAIR(n6_t16, (gemvi_impl<6, false, true>), (gemvi_impl<6, true, true>))
 
 // gemvi_duo_<A>r<RA>_<B>r<RB>: two one-token products of the same activation digits in one grid
 // (a layer's fused q + k in Q4_K and its v in Q6_K: the second's few row tiles run on the SMs the
@@ -531,13 +572,20 @@ GEMVI_PAIR(n6, (gemvi_impl<6, false>), (gemvi_impl<6, true>))
 // A: 12 Q4_K, 14 Q6_K; RA tiles per warp) into y, the rest W2's (type B, RB) into y2, both with
 // 2 ring slots per warp (gemvi_ring; cuda.py _gemvi_duo). Dynamic shared memory: the larger of the
 // two weights' ring.
-#define GEMVI_DUO(A, RA, B, RB)                                                                              \
-    extern "C" __global__ void gemvi_duo_##A##r##RA##_##B##r##RB(GEMVI_ARGS, const u8* W2, long long rb2,     \
-                                                               float* y2, int nrows2, int ny1) {             \
-        if (blockIdx.y < ny1) gemvi_ring_at<A == 14, 2, RA>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D, blockIdx.y, gridDim.y); \
-        else gemvi_ring_at<B == 14, 2, RB>(W2, rb2, xq, xs, xm, y2, nrows2, K, T, ncp, D, blockIdx.y - ny1, gridDim.y); }
-GEMVI_DUO(12, 2, 14, 1)
-GEMVI_DUO(12, 1, 14, 1)
+// _t16: both weights in 16-row tiles.
+#define GEMVI_DUO(A, RA, B, RB, TL, SFX)                                                                     \
+    extern "C" __global__ void gemvi_duo_##A##r##RA##_##B##r##RB##SFX(GEMVI_ARGS, const u8* W2, long long rb2, \
+                                                                    float* y2, int nrows2, int ny1) {        \
+        if (blockIdx.y < ny1)                                                                               \
+            gemvi_ring_at<A == 14, 2, RA, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D, blockIdx.y, gridDim.y); \
+        else                                                                                                \
+            gemvi_ring_at<B == 14, 2, RB, TL>(W2, rb2, xq, xs, xm, y2, nrows2, K, T, ncp, D, blockIdx.y - ny1, \
+                                              gridDim.y);                                                   \
+    }
+GEMVI_DUO(12, 2, 14, 1, false, )
+GEMVI_DUO(12, 1, 14, 1, false, )
+GEMVI_DUO(12, 2, 14, 1, true, _t16)
+GEMVI_DUO(12, 1, 14, 1, true, _t16)
 
 // ---------------------------------------------------------------------------------------------
 // gemmi: the same integer products for batches of 9..64 token rows (batched decode). A block takes
@@ -607,7 +655,7 @@ __device__ __forceinline__ void gemmi_store(const float (&acc)[NT][4], float* re
     }
 }
 
-template <int NT, bool Q6>
+template <int NT, bool Q6, bool TL = false>  // TL: W in 16-row tiles (quants.cuh qrow)
 __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
@@ -618,9 +666,10 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
     const int cb = blockIdx.x * CW, row0 = blockIdx.y * 64 + 16 * warp;
     const int nsb = K >> 8, ns = gridDim.z, sb0 = blockIdx.z * nsb / ns, sb1 = (blockIdx.z + 1) * nsb / ns;
     y += (long long)blockIdx.z * T * nrows;
-    const u8* w0 = W + (long long)min(row0 + g, nrows - 1) * rb;
-    const u8* w1 = W + (long long)min(row0 + g + 8, nrows - 1) * rb;
-    const bool al4 = (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;
+    constexpr int BS = Q6 ? 210 : 144, TBS = TL ? BS : 0, SBS = TL ? 16 * BS : BS;
+    const u8* w0 = qrow<TBS>(W, rb, min(row0 + g, nrows - 1));
+    const u8* w1 = qrow<TBS>(W, rb, min(row0 + g + 8, nrows - 1));
+    const bool al4 = !TL && (rb & 3) == 0 && ((unsigned long long)W & 3) == 0;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -628,14 +677,14 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
     Q6KRegs a6, n6;
     if (sb0 < sb1) {
         gm_stage<CW>(st[0], xq, xs, xm, sb0, cb, ncp);
-        if (Q6) q6k_load(a6, w0, w1, sb0, c, al4); else q4k_load(a4, w0, w1, sb0, c);
+        if (Q6) q6k_load<SBS>(a6, w0, w1, sb0, c, al4); else q4k_load<SBS>(a4, w0, w1, sb0, c);
     }
     cp_async_commit();
     for (int sb = sb0; sb < sb1; sb++) {
         const int cur = (sb - sb0) & 1;
         if (sb + 1 < sb1) {
             gm_stage<CW>(st[cur ^ 1], xq, xs, xm, sb + 1, cb, ncp);
-            if (Q6) q6k_load(n6, w0, w1, sb + 1, c, al4); else q4k_load(n4, w0, w1, sb + 1, c);
+            if (Q6) q6k_load<SBS>(n6, w0, w1, sb + 1, c, al4); else q4k_load<SBS>(n4, w0, w1, sb + 1, c);
         }
         cp_async_commit();
         cp_async_wait<1>();  // this super-block's stage has landed (the next may be in flight)
@@ -656,19 +705,21 @@ __device__ __forceinline__ void gemmi_impl(const u8* __restrict__ W, long long r
 // barrier per super-block: after it every warp is done with the slot the next fill overwrites.
 // Each warp copies its own 16 rows (RingPlan), all threads the digit columns (gm_stage).
 // Dynamic shared memory S * (sizeof(GmStage<CW>) + 64 SEG) bytes.
-template <int NT, bool Q6, int S>
+template <int NT, bool Q6, int S, bool TL = false>  // TL: W in 16-row tiles (quants.cuh qrow)
 __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long rb, const i8* __restrict__ xq,
                                            const float* __restrict__ xs, const i8* __restrict__ xm,
                                            float* __restrict__ y, int nrows, int K, int T, int ncp, int D) {
     extern __shared__ __align__(16) u8 ring[];
-    constexpr int CW = 8 * NT, SEG = RingPlan<Q6, 1>::SEG, GS = (int)sizeof(GmStage<CW>), SB = GS + 64 * SEG;
+    constexpr int CW = 8 * NT, SEG = RingPlan<Q6, 1, TL>::SEG, GS = (int)sizeof(GmStage<CW>), SB = GS + 64 * SEG;
     static_assert(S >= 2 && GS % 16 == 0 && S * SB >= 64 * (CW + 1) * (int)sizeof(float), "gemmi_ring's stages");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int cb = blockIdx.x * CW, rw = min(blockIdx.y * 64 + 16 * warp, nrows - 1), last = nrows - 1 - rw;
+    // the warp's first row (a warp past the end takes the last row; TL: the last tile's first)
+    const int cb = blockIdx.x * CW, rw = min(blockIdx.y * 64 + 16 * warp, TL ? nrows - 16 : nrows - 1);
+    const int last = nrows - 1 - rw;
     const int nsb = K >> 8, ns = gridDim.z, sb0 = blockIdx.z * nsb / ns, sb1 = (blockIdx.z + 1) * nsb / ns;
     y += (long long)blockIdx.z * T * nrows;
-    const u8* const Wt = W + (long long)rw * rb;  // the warp's first row (rows past the end: the last)
-    const RingPlan<Q6, 1> plan(rb, last, lane);
+    const u8* const Wt = W + (long long)rw * rb;
+    const RingPlan<Q6, 1, TL> plan(rb, last, lane);
     const unsigned long long r0 = (unsigned long long)Wt + (unsigned long long)min(g, last) * rb;
     const unsigned long long r1 = (unsigned long long)Wt + (unsigned long long)min(g + 8, last) * rb;
 #pragma unroll
@@ -697,7 +748,7 @@ __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long r
         cp_async_commit();
         const u8* st = ring + (i % S) * SB;
         const GmStage<CW>& gs = *(const GmStage<CW>*)st;
-        slot_load<Q6, SEG>(a4, a6, st + GS + warp * 16 * SEG, r0, r1, sb, g, c);
+        slot_load<Q6, SEG, TL>(a4, a6, st + GS + warp * 16 * SEG, r0, r1, sb, g, c);
         superblock<NT, Q6, true>(a4, a6, gs.xq, CW, gs.xs, gs.xm, g, c, CW, acc);
     }
     cp_async_wait<0>();
@@ -709,11 +760,13 @@ __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long r
 // pdl.cuh): with the early trigger a 7B's 32-sequence decode ran 4.6 % slower than with none,
 // 2.2 % slower with it everywhere but here (H200, session 22).
 // _o<B>_n<NT>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B)), NT = 2 D
-#define GEMMI(B, NT)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();                 \
-        gemmi_impl<NT, false>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                  \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();                 \
-        gemmi_impl<NT, true>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+#define GEMMI_(B, NT, TL, SFX)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();                 \
+        gemmi_impl<NT, false, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                  \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();                 \
+        gemmi_impl<NT, true, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+// each also as _t16, on weights in 16-row tiles (quants.cuh qrow)
+#define GEMMI(B, NT) GEMMI_(B, NT, false, ) GEMMI_(B, NT, true, _t16)
 GEMMI(2, 6)
 GEMMI(3, 6)
 GEMMI(4, 6)
@@ -724,11 +777,12 @@ GEMMI(4, 4)
 // _s<S>_n<NT>: the ring variant with S stages, compiled for B resident blocks per SM (with 2 digits
 // the Q4_K kernel needs 114 registers, Q6_K 129 without the cap; with 3 stages 4 Q4_K blocks fit
 // an H200 SM's shared memory, 3 Q6_K blocks)
-#define GEMMI_RING(B, S, NT)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_s##S##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();        \
-        gemmi_ring<NT, false, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                               \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_s##S##_n##NT(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();        \
-        gemmi_ring<NT, true, S>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+#define GEMMI_RING_(B, S, NT, TL, SFX)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_s##S##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();        \
+        gemmi_ring<NT, false, S, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                               \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_s##S##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();        \
+        gemmi_ring<NT, true, S, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
+#define GEMMI_RING(B, S, NT) GEMMI_RING_(B, S, NT, false, ) GEMMI_RING_(B, S, NT, true, _t16)
 GEMMI_RING(4, 2, 4)
 GEMMI_RING(4, 3, 4)
 GEMMI_RING(3, 4, 4)

@@ -139,7 +139,8 @@ __device__ __forceinline__ void gemv_gated_impl(const u8* __restrict__ Wg, const
 // hi = f16(w) and lo = f16((w - hi) * 2^12) (scaled out of the f16 subnormals: |w - hi| <=
 // 2^-11 |w|), as rows [hi(0..ncols), lo(0..ncols)] of 2 ncols (the split-f16 GEMM, cuda.py
 // _gemm_f16x3).
-template <class Q, int MODE>
+// TBS: the weight's row layout (quants.cuh qrow: 0 GGUF rows, else 16-row tiles of TBS-byte blocks).
+template <class Q, int MODE, int TBS = 0>
 __device__ __forceinline__ void dequant_impl(const u8* __restrict__ W, long long row_bytes, void* out, int nrows, int ncols) {
     __shared__ float sv[8][32][33];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -149,7 +150,7 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ W, long long
     if (i0 >= total) return;  // uniform in the warp
     if (i < total) {
         float v[32];
-        Q::chunk(W + (i / nch) * row_bytes, (int)(i % nch), v);
+        Q::chunk(qchunk_row<TBS>(qrow<TBS>(W, row_bytes, i / nch), (int)(i % nch)), (int)(i % nch), v);
 #pragma unroll
         for (int k = 0; k < 32; k++) sv[warp][lane][k] = v[k];
     }
@@ -172,15 +173,15 @@ __device__ __forceinline__ void dequant_impl(const u8* __restrict__ W, long long
 }
 
 // out[i, :] = W[ids[i], :] (embedding lookup); grid = n ids, threads over chunks.
-template <class Q>
+template <class Q, int TBS = 0>
 __device__ __forceinline__ void get_rows_impl(const u8* __restrict__ W, long long row_bytes, const int* __restrict__ ids,
                                               float* __restrict__ out, int ncols) {
     int r = blockIdx.x;
-    const u8* wr = W + (long long)ids[r] * row_bytes;
+    const u8* wr = qrow<TBS>(W, row_bytes, ids[r]);
     int nch = ncols >> 5;
     for (int c = threadIdx.x; c < nch; c += blockDim.x) {
         float v[32];
-        Q::chunk(wr, c, v);
+        Q::chunk(qchunk_row<TBS>(wr, c), c, v);
         float* p = out + (long long)r * ncols + 32 * c;
 #pragma unroll
         for (int k = 0; k < 32; k++) p[k] = v[k];
@@ -242,8 +243,21 @@ __device__ __forceinline__ void gemv_id_gated_impl(const u8* __restrict__ Wg, co
     extern "C" __global__ void get_rows_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { GRID_DEP_WAIT(); \
         get_rows_impl<Q>(W, rb, ids, out, nc); }
 
+// The same on 16-row tiled K-quant weights (cuda.py QTensor.tiled, TILED_TYPES): <name>_t16_<type>.
+#define DEF_TKERNELS(ID, Q, BS)                                                                               \
+    extern "C" __global__ void dequant_f32_t16_##ID(const u8* W, long long rb, float* out, int nr, int nc) { GRID_DEP_WAIT(); \
+        dequant_impl<Q, 0, BS>(W, rb, out, nr, nc); }                                                         \
+    extern "C" __global__ void dequant_f16_t16_##ID(const u8* W, long long rb, u16* out, int nr, int nc) { GRID_DEP_WAIT(); \
+        dequant_impl<Q, 1, BS>(W, rb, out, nr, nc); }                                                         \
+    extern "C" __global__ void dequant_f16x2_t16_##ID(const u8* W, long long rb, u16* out, int nr, int nc) { GRID_DEP_WAIT(); \
+        dequant_impl<Q, 2, BS>(W, rb, out, nr, nc); }                                                         \
+    extern "C" __global__ void get_rows_t16_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { GRID_DEP_WAIT(); \
+        get_rows_impl<Q, BS>(W, rb, ids, out, nc); }
+
 FOR_EACH_UTYPE(DEF_UKERNELS)
 FOR_EACH_QTYPE(DEF_QKERNELS)
+DEF_TKERNELS(12, QQ4_K, 144)
+DEF_TKERNELS(14, QQ6_K, 210)
 
 // ---------------------------------------------------------------------------------------
 // The split-f16 GEMM's activations (cuda.py _gemm_f16x3): row t of x [n, k] f32, scaled by a power

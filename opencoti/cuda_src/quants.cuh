@@ -27,6 +27,23 @@ __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) <
 __device__ __forceinline__ u16 ld16(const u8* p) { return (u16)(p[0] | (p[1] << 8)); }
 __device__ __forceinline__ u32 ld32(const u8* p) { return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24); }
 
+// A weight's rows on the device (cuda.py QTensor.tiled). TBS = 0: GGUF rows, block j of row r at
+// W + r rb + j BS. TBS = BS, the bytes of a K-quant super-block (Q4_K 144, Q6_K 210), "16-row
+// tiles": rows 16 i .. 16 i + 15 keep their 16 rb bytes at W + 16 i rb but lie interleaved block by
+// block there, block j of row r at W + (r / 16) 16 rb + (16 j + r % 16) BS, so that one super-block
+// of a tile's 16 rows (what a one-token GEMV warp multiplies at a time, gemv_int.cu) is one run of
+// 16 BS bytes, and a warp's run of super-blocks one stretch of memory. qrow gives row r's block 0;
+// its block j is j * (TBS ? 16 TBS : BS) bytes further; qchunk_row the pointer that Q::chunk (which
+// adds (c / 8) BS itself) takes for chunk c of the row.
+template <int TBS>
+__device__ __forceinline__ const u8* qrow(const u8* W, long long rb, long long r) {
+    return TBS ? W + (r >> 4) * 16 * rb + (r & 15) * TBS : W + r * rb;
+}
+template <int TBS>
+__device__ __forceinline__ const u8* qchunk_row(const u8* row, int c) {
+    return TBS ? row + (long long)(c >> 3) * 15 * TBS : row;
+}
+
 // K-quant 6-bit scale/min pairs packed in 12 bytes (ggml get_scale_min_k4)
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float& d, float& m) {
     if (j < 4) { d = q[j] & 63; m = q[j + 4] & 63; }

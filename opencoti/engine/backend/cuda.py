@@ -178,6 +178,40 @@ IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # 1,024 and ffn_down 640 x 2,048: tg128 875 -> 1,006; also a 7B's attn_k / attn_v, 512 x 3,584,
 # which measured the same either way). OPENCOTI_CUDA_IMMA_MIN_WEIGHT=0: the integer path for every size.
 IMMA_MIN_WEIGHT = int(os.environ.get("OPENCOTI_CUDA_IMMA_MIN_WEIGHT", str(1 << 21)))
+# 16-row tiles (quants.cuh qrow; QTensor.tiled): a Q4_K / Q6_K matrix the integer kernels always take
+# (rows a multiple of 16, at least IMMA_MIN_WEIGHT elements) is uploaded with each 16 rows' blocks
+# interleaved super-block by super-block, so that a one-token GEMV warp's super-block of its 16 rows
+# is one 16 x 144 (210) byte run and its run of super-blocks one stretch of memory instead of 16
+# rows' pieces 15.5 KB apart (a Q6_K ffn_down). Every kernel that reads such a weight has a _t16
+# twin (gemv_int.cu's, the dequantize and get_rows kernels); the float GEMV units have none, so a
+# weight is tiled only while the integer path serves all its one- to GEMV_MAX_TOKENS-row products
+# (IMMA_MAX_ROWS, IMMA_BATCH). Measured on the H200 (bench_gemv-style, 7B shapes, one row, us, rows
+# -> tiles): gate + up 29.6 -> 24.0, Q6_K ffn_down 32.1 -> 26.7, q + k 7.1 -> 6.1, output 156 -> 142;
+# tg128 (7B) 340 / 356 -> 412 / 413. OPENCOTI_CUDA_TILED=0 keeps GGUF rows.
+TILED = os.environ.get("OPENCOTI_CUDA_TILED", "1") != "0"
+TILED_BLOCK_BYTES = {12: 144, 14: 210}  # ggml type -> super-block bytes (Q4_K, Q6_K)
+# the kernels.cu kernels with a _t16 twin (CUDABackend._qfn)
+TILED_KERNELS = frozenset({"dequant_f32", "dequant_f16", "dequant_f16x2", "get_rows"})
+
+
+def tile_rows16(raw, block_bytes: int):
+    """GGUF rows ``raw`` (uint8 ``[rows, row_bytes]``, NumPy or CuPy; rows a multiple of 16,
+    ``row_bytes`` a multiple of ``block_bytes``) in 16-row tiles: ``[rows, row_bytes]`` where the
+    bytes of rows ``16 i .. 16 i + 15`` hold, in order, block 0 of each of the 16 rows, then block
+    1 of each, ... (block j of row r at byte ``(r // 16) * 16 * row_bytes + (16 j + r % 16) *
+    block_bytes``; gemv_int.cu / quants.cuh ``qrow``). A new array. Raises ValueError on a shape
+    that does not tile."""
+    rows, rb = raw.shape
+    if rows % 16 or rb % block_bytes:
+        raise ValueError(f"tile_rows16: {rows} rows of {rb} bytes do not tile by 16 rows of {block_bytes}-byte blocks")
+    nb = rb // block_bytes
+    return raw.reshape(rows // 16, 16, nb, block_bytes).transpose(0, 2, 1, 3).copy().reshape(rows, rb)
+
+
+def tiles_weight(ggml_type: int, rows: int, cols: int) -> bool:
+    """Whether a ``[rows, cols]`` weight of ``ggml_type`` is uploaded in 16-row tiles (TILED)."""
+    return (TILED and int(ggml_type) in TILED_BLOCK_BYTES and rows % 16 == 0 and cols % 256 == 0
+            and rows * cols >= IMMA_MIN_WEIGHT and IMMA_MAX_ROWS > 0 and IMMA_BATCH)
 # base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
 # block's largest |x|) or 2 (2^-16, finer than f16's 2^-11: a third less integer work per token).
 # Default (imma_digits): 2 for gemmi's rows of a batched decode step (ALU-bound; H200, 270m x64
@@ -333,6 +367,14 @@ def imma_digits(n: int, decode: bool) -> int:
     return IMMA_DIGITS or (2 if decode and n > IMMA_MAX_ROWS else 3)
 
 
+def gemvi_warp_bytes(w: "QTensor", rt: int) -> int:
+    """Shared memory per warp of gemv_int.cu's one-token ring GEMV (gemvi_ring) on ``w`` with
+    ``rt`` 16-row tiles per warp: GEMVI_STAGES slots of 16 rt rows' super-blocks (a Q6_K row's
+    210 bytes take 240 in GGUF rows, as the 16-byte chunks that hold them; 210 in 16-row tiles)."""
+    seg = 144 if w.ggml_type != 14 else 210 if w.tiled else 240
+    return GEMVI_STAGES * 16 * rt * seg
+
+
 def gemvi_row_tiles(ggml_type: int, rows: int, n_sm: int) -> int:
     """16-row MMA tiles per warp of gemv_int.cu's one-token ring GEMV (``GEMVI_ROW_TILES``; the
     two-tile kernels are built with 2 ring slots only): 2 for Q4_K (type 12), 2 for Q6_K (14)
@@ -486,15 +528,19 @@ class QTensor:
     ``ggml_type``: ggml type id; ``shape``: NumPy shape ``(rows, cols)`` =
     ``reversed(ne)`` (``[out, in]`` for a matrix). ``parent``: the row-concatenated weight
     (``CUDABackend.fuse_rows``) whose rows ``row0 ..`` this one is a view of, else None.
+    ``tiled``: the rows lie in 16-row tiles (``tile_rows16``: rows ``16 i ..`` still at
+    ``16 i * row_bytes``, their blocks interleaved), read only by kernels with a ``_t16`` twin.
     """
 
-    def __init__(self, data, ggml_type: int, shape: tuple[int, int], row_bytes: int, parent=None, row0: int = 0):
+    def __init__(self, data, ggml_type: int, shape: tuple[int, int], row_bytes: int, parent=None, row0: int = 0,
+                 tiled: bool = False):
         self.data = data
         self.ggml_type = int(ggml_type)
         self.shape = shape
         self.row_bytes = int(row_bytes)
         self.parent = parent
         self.row0 = int(row0)
+        self.tiled = bool(tiled)
 
     @property
     def nbytes(self) -> int:
@@ -609,6 +655,10 @@ class CUDABackend:
     def _qfn(self, prefix: str, w: QTensor):
         if w.ggml_type not in QTYPES:
             raise NotImplementedError(f"CUDA backend: no kernels for ggml type {w.ggml_type}")
+        if w.tiled:
+            if prefix not in TILED_KERNELS:
+                raise NotImplementedError(f"CUDA backend: {prefix} cannot read a weight in 16-row tiles")
+            return self._fn("k", f"{prefix}_t16_{w.ggml_type}")
         return self._fn("k", f"{prefix}_{w.ggml_type}")
 
     def zeros(self, shape, dtype):
@@ -728,7 +778,15 @@ class CUDABackend:
             return QExperts(data, int(info.ggml_type), (n_exp, rows, cols), row_bytes, rows * row_bytes)
         if int(info.ggml_type) in IMMA_TYPES and name.startswith("blk."):
             self._digit_cols.add(cols)  # a layer's input length: one-row norms feeding it write digits
-        return QTensor(data, int(info.ggml_type), (info.ne[1], cols), row_bytes)
+        return self._matrix(data, int(info.ggml_type), info.ne[1], cols, row_bytes)
+
+    def _matrix(self, data, ggml_type: int, rows: int, cols: int, row_bytes: int) -> QTensor:
+        """A ``QTensor`` of GGUF rows ``data`` (uint8 device array), in 16-row tiles when
+        ``tiles_weight`` says so (the GGUF-row upload freed)."""
+        if not tiles_weight(ggml_type, rows, cols):
+            return QTensor(data, ggml_type, (rows, cols), row_bytes)
+        t = tile_rows16(data.reshape(rows, row_bytes), TILED_BLOCK_BYTES[ggml_type]).reshape(-1)
+        return QTensor(t, ggml_type, (rows, cols), row_bytes, tiled=True)
 
     def fuse_rows(self, gguf: GGUFFile, names: list):
         """Load matrices ``names`` of ``gguf`` (one ggml type and row length, e.g. a layer's q / k /
@@ -757,10 +815,17 @@ class CUDABackend:
         rb = raws[0].shape[1]
         rows = [r.shape[0] for r in raws]
         data = cp.asarray(np.concatenate([np.ascontiguousarray(r).reshape(-1) for r in raws]))
-        parent = QTensor(data, ggml_type, (sum(rows), cols), rb)
+        # in 16-row tiles only when every view is whole tiles (its rows a multiple of 16), so that
+        # each view's bytes are a tiled weight of its own
+        if all(n % 16 == 0 for n in rows):
+            parent = self._matrix(data, ggml_type, sum(rows), cols, rb)
+        else:
+            parent = QTensor(data, ggml_type, (sum(rows), cols), rb)
+        data = parent.data
         views, r = [], 0
         for n in rows:
-            views.append(QTensor(data[r * rb:(r + n) * rb], ggml_type, (n, cols), rb, parent=parent, row0=r))
+            views.append(QTensor(data[r * rb:(r + n) * rb], ggml_type, (n, cols), rb, parent=parent, row0=r,
+                                 tiled=parent.tiled))
             r += n
         if register and ggml_type in IMMA_TYPES:
             self._digit_cols.add(cols)
@@ -976,6 +1041,7 @@ class CUDABackend:
         cp = self.cp
         xq, xs, xm, n, nt, nd = digits
         rows, k = w.shape
+        tl = "_t16" if w.tiled else ""  # the kernels' twins for a weight in 16-row tiles
         if n > IMMA_MAX_ROWS:  # batched decode: the tiled kernel
             nt = gemmi_kernel_tiles(nt, nd, w.ggml_type, self.smem_per_block)
             stages = gemmi_ring_stages(nt)
@@ -984,10 +1050,10 @@ class CUDABackend:
             kw = {}
             if stages and smem <= self.smem_per_block:
                 kw["shared_mem"] = smem
-                fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{stages}_n{nt}", kw["shared_mem"])
+                fn = self._big_smem_fn("i", f"gemmi_{w.ggml_type}_s{stages}_n{nt}{tl}", kw["shared_mem"])
                 per_sm = max(1, self._blocks_per_sm(128, fn.raw.num_regs, smem))
             else:
-                fn, per_sm = self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{nt}"), GEMMI_BLOCKS
+                fn, per_sm = self._fn("i", f"gemmi_{w.ggml_type}_o{GEMMI_BLOCKS}_n{nt}{tl}"), GEMMI_BLOCKS
             nr = -(-rows // 64)  # row blocks
             n_split = gemmi_splits(ntok * nr, k // 256, self.n_sm, per_sm)
             out = cp.empty((n, rows) if n_split == 1 else (n_split, n, rows), dtype=cp.float32)
@@ -1008,15 +1074,14 @@ class CUDABackend:
                 np.int32(xs.shape[1]), np.int32(nd))
         if nt > 1:
             ks = max(1, min(IMMA_WARPS[nt], nsb))
-            self._fn("i", f"gemvi_{w.ggml_type}_n{nt}")((ncb, -(-rows // 16)), (32 * ks,), args)
+            self._fn("i", f"gemvi_{w.ggml_type}_n{nt}{tl}")((ncb, -(-rows // 16)), (32 * ks,), args)
             return y
         rt = gemvi_row_tiles(w.ggml_type, rows, self.n_sm)
         ntiles = -(-rows // (16 * rt))
         # limit raised once to the device's: _gemvi_warps keeps every block within it
-        fn = self._big_smem_fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}" + ("_r2" if rt == 2 else ""),
+        fn = self._big_smem_fn("i", f"gemvi_{w.ggml_type}_n1_s{GEMVI_STAGES}" + ("_r2" if rt == 2 else "") + tl,
                                self.smem_per_block)
-        # gemv_int.cu's ring slots (16 rt rows' blocks each), then gemvi_store's tile (576 rt bytes per warp)
-        warp_bytes = GEMVI_STAGES * 16 * rt * (240 if w.ggml_type == 14 else 144)
+        warp_bytes = gemvi_warp_bytes(w, rt)
         ks = self._gemvi_warps(ntiles * ncb, nsb, warp_bytes, fn.raw.num_regs)
         fn((ncb, ntiles), (32 * ks,), args, shared_mem=ks * warp_bytes)
         return y
@@ -1059,12 +1124,13 @@ class CUDABackend:
         k = w1.shape[1]
         rts = [gemvi_row_tiles(w.ggml_type, w.shape[0], self.n_sm) for w in (w1, w2)]
         key = (w1.ggml_type, rts[0], w2.ggml_type, rts[1])
-        if key not in GEMVI_DUO_KERNELS or w2.shape[1] != k:
+        if key not in GEMVI_DUO_KERNELS or w2.shape[1] != k or w1.tiled != w2.tiled:
             return None
         nsb, ncb = k // 256, xs.shape[1] // 8
         ny = [-(-w.shape[0] // (16 * rt)) for w, rt in zip((w1, w2), rts)]
-        fn = self._big_smem_fn("i", "gemvi_duo_{}r{}_{}r{}".format(*key), self.smem_per_block)
-        warp_bytes = max(2 * 16 * rt * (240 if w.ggml_type == 14 else 144) for w, rt in zip((w1, w2), rts))
+        fn = self._big_smem_fn("i", "gemvi_duo_{}r{}_{}r{}".format(*key) + ("_t16" if w1.tiled else ""),
+                               self.smem_per_block)
+        warp_bytes = max(gemvi_warp_bytes(w, rt) for w, rt in zip((w1, w2), rts))
         ks = self._gemvi_warps((ny[0] + ny[1]) * ncb, nsb, warp_bytes, fn.raw.num_regs)
         y1 = cp.empty((n, w1.shape[0]), dtype=cp.float32)
         y2 = cp.empty((n, w2.shape[0]), dtype=cp.float32)
@@ -1116,6 +1182,8 @@ class CUDABackend:
         has at least two blocks per SM, partial slabs summed in split order (deterministic).
         Graph-safe (no host sync, no cuBLAS). Precondition: |x| < 65504 (the f16 range of the
         operands' high terms)."""
+        if w.tiled:
+            raise NotImplementedError("CUDA backend: mmq cannot read a weight in 16-row tiles")
         cp = self.cp
         n, cols = x.shape
         rows = w.shape[0]
