@@ -717,7 +717,7 @@ def test_tiled_weight_matches_rows(gpu, monkeypatch, qname):
     refuse it."""
     from opencoti.engine.backend import cuda as cu
 
-    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # small weights take the integer path too
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # the GGUF-row weight takes the integer path too (same bits)
     rng = np.random.default_rng(21)
     rows, cols = 272, 1024
     raw = random_blocks(qname, rows, cols, rng)

@@ -262,16 +262,15 @@ def test_tile_rows16_places_blocks():
 
 
 def test_tiles_weight(monkeypatch):
-    """Which weights upload in 16-row tiles: Q4_K / Q6_K, rows a multiple of 16, at least
-    IMMA_MIN_WEIGHT elements, while the integer kernels take every GEMV row count; never with
-    OPENCOTI_CUDA_TILED=0."""
-    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 1 << 21)
-    assert cu.tiles_weight(12, 18944, 3584) and cu.tiles_weight(14, 3584, 18944)
+    """Which weights upload in 16-row tiles: Q4_K / Q6_K with rows a multiple of 16, while the
+    integer kernels take every GEMV row count; never with OPENCOTI_CUDA_TILED=0."""
+    assert cu.tiles_weight(12, 18944, 3584) and cu.tiles_weight(14, 3584, 18944) and cu.tiles_weight(14, 512, 3584)
+    assert cu.tiles_weight(12, 1024, 768)  # small ones too: a tiled weight always takes the integer path
     assert not cu.tiles_weight(8, 18944, 3584)  # Q8_0: no tiled kernels
     assert not cu.tiles_weight(12, 18936, 3584)  # rows not a multiple of 16
-    assert not cu.tiles_weight(12, 1024, 768)  # small: the float GEMV serves its one-row products
-    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)
-    assert cu.tiles_weight(12, 1024, 768)
+    monkeypatch.setattr(cu, "IMMA_MAX_ROWS", 0)
+    assert not cu.tiles_weight(12, 1024, 768)
+    monkeypatch.setattr(cu, "IMMA_MAX_ROWS", 8)
     monkeypatch.setattr(cu, "IMMA_BATCH", False)
     assert not cu.tiles_weight(12, 1024, 768)
     monkeypatch.setattr(cu, "IMMA_BATCH", True)

@@ -178,14 +178,15 @@ IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # 1,024 and ffn_down 640 x 2,048: tg128 875 -> 1,006; also a 7B's attn_k / attn_v, 512 x 3,584,
 # which measured the same either way). OPENCOTI_CUDA_IMMA_MIN_WEIGHT=0: the integer path for every size.
 IMMA_MIN_WEIGHT = int(os.environ.get("OPENCOTI_CUDA_IMMA_MIN_WEIGHT", str(1 << 21)))
-# 16-row tiles (quants.cuh qrow; QTensor.tiled): a Q4_K / Q6_K matrix the integer kernels always take
-# (rows a multiple of 16, at least IMMA_MIN_WEIGHT elements) is uploaded with each 16 rows' blocks
+# 16-row tiles (quants.cuh qrow; QTensor.tiled): a Q4_K / Q6_K matrix of rows a multiple of 16 is
+# uploaded with each 16 rows' blocks
 # interleaved super-block by super-block, so that a one-token GEMV warp's super-block of its 16 rows
 # is one 16 x 144 (210) byte run and its run of super-blocks one stretch of memory instead of 16
 # rows' pieces 15.5 KB apart (a Q6_K ffn_down). Every kernel that reads such a weight has a _t16
 # twin (gemv_int.cu's, the dequantize and get_rows kernels); the float GEMV units have none, so a
 # weight is tiled only while the integer path serves all its one- to GEMV_MAX_TOKENS-row products
-# (IMMA_MAX_ROWS, IMMA_BATCH). Measured on the H200 (bench_gemv-style, 7B shapes, one row, us, rows
+# (IMMA_MAX_ROWS, IMMA_BATCH), and a tiled weight takes it also for one row without digits (_imma:
+# where IMMA_MIN_WEIGHT would pick the float GEMV; a decode step's weights have digits anyway). Measured on the H200 (bench_gemv-style, 7B shapes, one row, us, rows
 # -> tiles): gate + up 29.6 -> 24.0, Q6_K ffn_down 32.1 -> 26.7, q + k 7.1 -> 6.1, output 156 -> 142;
 # tg128 (7B) 340 / 356 -> 412 / 413. OPENCOTI_CUDA_TILED=0 keeps GGUF rows.
 TILED = os.environ.get("OPENCOTI_CUDA_TILED", "1") != "0"
@@ -211,7 +212,7 @@ def tile_rows16(raw, block_bytes: int):
 def tiles_weight(ggml_type: int, rows: int, cols: int) -> bool:
     """Whether a ``[rows, cols]`` weight of ``ggml_type`` is uploaded in 16-row tiles (TILED)."""
     return (TILED and int(ggml_type) in TILED_BLOCK_BYTES and rows % 16 == 0 and cols % 256 == 0
-            and rows * cols >= IMMA_MIN_WEIGHT and IMMA_MAX_ROWS > 0 and IMMA_BATCH)
+            and IMMA_MAX_ROWS > 0 and IMMA_BATCH)
 # base-256 digits per activation value in gemv_int.cu: 3 (float32 accuracy, 2^-24 of a 256-element
 # block's largest |x|) or 2 (2^-16, finer than f16's 2^-11: a third less integer work per token).
 # Default (imma_digits): 2 for gemmi's rows of a batched decode step (ALU-bound; H200, 270m x64
@@ -1017,9 +1018,10 @@ class CUDABackend:
         """Whether ``n`` activation rows times ``w`` run on the integer tensor cores (gemv_int.cu;
         its Q4_K loads are 16-byte vectors, so the weight's bytes must start 16-byte aligned, as
         every tensor upload and expert / row slice of one does). ``digits``: the activations'
-        digits exist already (no digit pass to pay), so small one-row weights take it too."""
+        digits exist already (no digit pass to pay), so small one-row weights take it too; a weight
+        in 16-row tiles always does (the float GEMV cannot read it)."""
         return (isinstance(w, QTensor) and w.ggml_type in IMMA_TYPES and 0 < n and w.data.data.ptr % 16 == 0
-                and (n > 1 or digits or w.shape[0] * w.shape[1] >= IMMA_MIN_WEIGHT)
+                and (n > 1 or digits or w.tiled or w.shape[0] * w.shape[1] >= IMMA_MIN_WEIGHT)
                 and (n <= IMMA_MAX_ROWS or (IMMA_MAX_ROWS > 0 and IMMA_BATCH and n <= GEMV_MAX_TOKENS)))
 
     def _gemvi(self, digits, w: QTensor, parts: bool = False):
