@@ -558,6 +558,8 @@ class QExperts(ExpertRows):
     GEMV / dequantize kernels work per expert; ``x[:, a:b]`` narrows the rows.
     """
 
+    tiled = False  # experts keep GGUF rows (QTensor.tiled); their per-expert views too
+
     def __init__(self, data, ggml_type: int, shape: tuple[int, int, int], row_bytes: int, expert_bytes: int,
                  row0: int = 0):
         super().__init__(ggml_type, shape, row_bytes, expert_bytes, row0)
