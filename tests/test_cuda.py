@@ -713,13 +713,13 @@ def test_tiled_weight_matches_rows(gpu, monkeypatch, qname):
     same bits as its GGUF rows on every path that reads it: dequantize (f32, f16), get_rows, the
     one-token ring GEMV (1-2 rows, two row tiles per warp over 17 tiles: the last pair's second
     tile past the end), gemvi_impl (3-8 rows), gemmi (9-64 rows, the ring and the register-
-    prefetch kernel), a prefill (dequantized); the float GEMV units, which have no tiled twin,
-    refuse it."""
+    prefetch kernel), a prefill (dequantized to f32, or to f16 pairs for the split-f16 GEMM); the
+    float GEMV units, which have no tiled twin, refuse it."""
     from opencoti.engine.backend import cuda as cu
 
     monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)  # the GGUF-row weight takes the integer path too (same bits)
     rng = np.random.default_rng(21)
-    rows, cols = 272, 1024
+    rows, cols = 272, 4096  # 16 super-blocks a row: warps and splits walk several
     raw = random_blocks(qname, rows, cols, rng)
     plain = to_qtensor(raw, qname, cols)
     bs = cu.TILED_BLOCK_BYTES[plain.ggml_type]
@@ -730,9 +730,11 @@ def test_tiled_weight_matches_rows(gpu, monkeypatch, qname):
     ids = np.array([0, 17, 271, 5, 16], np.int32)
     assert (cp.asnumpy(gpu.get_rows(tiled, ids)) == cp.asnumpy(gpu.get_rows(plain, ids))).all()
     ref = ref_dequant(qname, raw, cols).astype(np.float64)
-    for n, ring in [(1, None), (2, None), (3, None), (8, None), (12, None), (33, None), (33, 0), (64, None),
-                    (100, None)]:
+    for n, ring, f16x3 in [(1, None, 0), (2, None, 0), (3, None, 0), (8, None, 0), (12, None, 0), (33, None, 0),
+                           (33, 0, 0), (64, None, 0), (100, None, 0), (70, None, 1)]:
         monkeypatch.setattr(cu, "GEMMI_RING", ring)
+        # a prefill's split-f16 GEMM (dequant_f16x2) for a weight this small too, or the float32 one
+        monkeypatch.setattr(cu, "F16X3_MIN_WEIGHT", 0 if f16x3 else 1 << 22)
         x = cp.asarray(rng.standard_normal((n, cols)).astype(np.float32))
         want = cp.asnumpy(gpu.mul_mat(x, plain))
         got = cp.asnumpy(gpu.mul_mat(x, tiled))
@@ -743,6 +745,32 @@ def test_tiled_weight_matches_rows(gpu, monkeypatch, qname):
     monkeypatch.setattr(cu, "IMMA_MAX_ROWS", 0)  # the float GEMV units: no tiled kernels
     with pytest.raises(NotImplementedError):
         gpu.mul_mat(cp.asarray(rng.standard_normal((1, cols)).astype(np.float32)), tiled)
+
+
+@pytest.mark.parametrize("qname", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("warps,stages,row_tiles", [(1, 2, 1), (3, 2, 2), (2, 4, 1), (3, 4, 1), (0, 2, 0)])
+@pytest.mark.parametrize("n", [1, 2])
+def test_tiled_ring_matches_rows(gpu, monkeypatch, qname, warps, stages, row_tiles, n):
+    """The one-token ring GEMV (gemvi_ring) on a weight in 16-row tiles against its GGUF rows, bit
+    for bit, with the ring wrapping many times (37 super-blocks a row over 1-3 warps), 2 / 4
+    slots, one or two 16-row tiles per warp (48 rows: with two, the last block's second tile lies
+    past the last row), and the defaults."""
+    from opencoti.engine.backend import cuda as cu
+
+    monkeypatch.setattr(cu, "GEMVI_WARPS", warps)
+    monkeypatch.setattr(cu, "GEMVI_STAGES", stages)
+    monkeypatch.setattr(cu, "GEMVI_ROW_TILES", row_tiles)
+    monkeypatch.setattr(cu, "IMMA_MIN_WEIGHT", 0)
+    rng = np.random.default_rng(40 + n)
+    rows, cols = 48, 9472
+    raw = random_blocks(qname, rows, cols, rng)
+    plain = to_qtensor(raw, qname, cols)
+    tiled = QTensor(cp.asarray(cu.tile_rows16(raw, cu.TILED_BLOCK_BYTES[plain.ggml_type]).reshape(-1)),
+                    plain.ggml_type, plain.shape, plain.row_bytes, tiled=True)
+    d = gpu._digits(cp.asarray(rng.standard_normal((n, cols)).astype(np.float32)))
+    want, got = cp.asnumpy(gpu._gemvi(d, plain)), cp.asnumpy(gpu._gemvi(d, tiled))
+    assert got.shape == (n, rows) and np.isfinite(got).all() and np.abs(got).max() > 0
+    assert np.array_equal(got, want)
 
 
 def test_tiled_duo_matches_rows(gpu):

@@ -243,7 +243,7 @@ __device__ __forceinline__ void gemv_id_gated_impl(const u8* __restrict__ Wg, co
     extern "C" __global__ void get_rows_##ID(const u8* W, long long rb, const int* ids, float* out, int nc) { GRID_DEP_WAIT(); \
         get_rows_impl<Q>(W, rb, ids, out, nc); }
 
-// The same on 16-row tiled K-quant weights (cuda.py QTensor.tiled, TILED_TYPES): <name>_t16_<type>.
+// The same on K-quant weights in 16-row tiles (cuda.py QTensor.tiled, TILED_BLOCK_BYTES): <name>_t16_<type>.
 #define DEF_TKERNELS(ID, Q, BS)                                                                               \
     extern "C" __global__ void dequant_f32_t16_##ID(const u8* W, long long rb, float* out, int nr, int nc) { GRID_DEP_WAIT(); \
         dequant_impl<Q, 0, BS>(W, rb, out, nr, nc); }                                                         \
