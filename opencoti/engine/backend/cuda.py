@@ -179,16 +179,17 @@ IMMA_TYPES = (12, 14)  # Q4_K, Q6_K
 # which measured the same either way). OPENCOTI_CUDA_IMMA_MIN_WEIGHT=0: the integer path for every size.
 IMMA_MIN_WEIGHT = int(os.environ.get("OPENCOTI_CUDA_IMMA_MIN_WEIGHT", str(1 << 21)))
 # 16-row tiles (quants.cuh qrow; QTensor.tiled): a Q4_K / Q6_K matrix of rows a multiple of 16 is
-# uploaded with each 16 rows' blocks
-# interleaved super-block by super-block, so that a one-token GEMV warp's super-block of its 16 rows
-# is one 16 x 144 (210) byte run and its run of super-blocks one stretch of memory instead of 16
-# rows' pieces 15.5 KB apart (a Q6_K ffn_down). Every kernel that reads such a weight has a _t16
-# twin (gemv_int.cu's, the dequantize and get_rows kernels); the float GEMV units have none, so a
-# weight is tiled only while the integer path serves all its one- to GEMV_MAX_TOKENS-row products
-# (IMMA_MAX_ROWS, IMMA_BATCH), and a tiled weight takes it also for one row without digits (_imma:
-# where IMMA_MIN_WEIGHT would pick the float GEMV; a decode step's weights have digits anyway). Measured on the H200 (bench_gemv-style, 7B shapes, one row, us, rows
-# -> tiles): gate + up 29.6 -> 24.0, Q6_K ffn_down 32.1 -> 26.7, q + k 7.1 -> 6.1, output 156 -> 142;
-# tg128 (7B) 340 / 356 -> 412 / 413. OPENCOTI_CUDA_TILED=0 keeps GGUF rows.
+# uploaded with each 16 rows' blocks interleaved super-block by super-block, so that a one-token
+# GEMV warp's super-block of its 16 rows is one 16 x 144 (210) byte run and its run of super-blocks
+# one stretch of memory instead of 16 rows' pieces 15.5 KB apart (a Q6_K ffn_down). Every kernel
+# that reads such a weight has a _t16 twin (gemv_int.cu's, the dequantize and get_rows kernels);
+# the float GEMV units have none, so a weight is tiled only while the integer path serves all its
+# one- to GEMV_MAX_TOKENS-row products (IMMA_MAX_ROWS, IMMA_BATCH), and a tiled weight takes it
+# also for one row without digits (_imma: where IMMA_MIN_WEIGHT would pick the float GEMV; a
+# decode step's weights have digits anyway). Measured on the H200 (7B shapes, one row, graph-
+# replayed, us, rows -> tiles): gate + up 29.6 -> 24.0, Q6_K ffn_down 32.1 -> 26.7, q + k 7.1 ->
+# 6.1, output 156 -> 142; bench_cuda tg128 (7B) 339.7 / 355.1 -> 403.7 / 401.5 (bench/CUDA_NOTES.md,
+# session 23). OPENCOTI_CUDA_TILED=0 keeps GGUF rows.
 TILED = os.environ.get("OPENCOTI_CUDA_TILED", "1") != "0"
 TILED_BLOCK_BYTES = {12: 144, 14: 210}  # ggml type -> super-block bytes (Q4_K, Q6_K)
 # the kernels.cu kernels with a _t16 twin (CUDABackend._qfn)
@@ -1122,7 +1123,7 @@ class CUDABackend:
         tile as gemvi_ring computes it alone (the same kernel code and super-block split per
         warp for the same warp count: the same bits when ``_gemvi_warps`` gives the pair's grid
         the warps it gives each weight's); None when the (type, row tiles) pair is not built
-        (GEMVI_DUO_KERNELS)."""
+        (GEMVI_DUO_KERNELS) or one weight is in 16-row tiles and the other not."""
         cp = self.cp
         xq, xs, xm, n, nt, nd = digits
         k = w1.shape[1]
