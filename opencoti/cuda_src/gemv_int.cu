@@ -760,10 +760,10 @@ __device__ __forceinline__ void gemmi_ring(const u8* __restrict__ W, long long r
 // pdl.cuh): with the early trigger a 7B's 32-sequence decode ran 4.6 % slower than with none,
 // 2.2 % slower with it everywhere but here (H200, session 22).
 // _o<B>_n<NT>: compiled for B resident blocks per SM (registers capped at 65536 / (128 B)), NT = 2 D
-#define GEMMI_(B, NT, TL, SFX)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();                 \
-        gemmi_impl<NT, false, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                  \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();                 \
+#define GEMMI_(B, NT, TL, SFX)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_o##B##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE(); \
+        gemmi_impl<NT, false, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                         \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_o##B##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE(); \
         gemmi_impl<NT, true, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 // each also as _t16, on weights in 16-row tiles (quants.cuh qrow)
 #define GEMMI(B, NT) GEMMI_(B, NT, false, ) GEMMI_(B, NT, true, _t16)
@@ -777,10 +777,10 @@ GEMMI(4, 4)
 // _s<S>_n<NT>: the ring variant with S stages, compiled for B resident blocks per SM (with 2 digits
 // the Q4_K kernel needs 114 registers, Q6_K 129 without the cap; with 3 stages 4 Q4_K blocks fit
 // an H200 SM's shared memory, 3 Q6_K blocks)
-#define GEMMI_RING_(B, S, NT, TL, SFX)                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_s##S##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();        \
-        gemmi_ring<NT, false, S, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                               \
-    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_s##S##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE();        \
+#define GEMMI_RING_(B, S, NT, TL, SFX)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_12_s##S##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE(); \
+        gemmi_ring<NT, false, S, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }                                      \
+    extern "C" __global__ void __launch_bounds__(128, B) gemmi_14_s##S##_n##NT##SFX(GEMVI_ARGS) { GRID_DEP_WAIT_LATE(); \
         gemmi_ring<NT, true, S, TL>(W, rb, xq, xs, xm, y, nrows, K, T, ncp, D); }
 #define GEMMI_RING(B, S, NT) GEMMI_RING_(B, S, NT, false, ) GEMMI_RING_(B, S, NT, true, _t16)
 GEMMI_RING(4, 2, 4)
