@@ -101,9 +101,7 @@ def main() -> None:
         ws = [cu.QTensor((raw if i == 0 else raw.copy()).reshape(-1), t, (rows, cols), raw.shape[1])
               for i in range(min(150, math.ceil(150 / mb)))]
         # the integer paths read the weight as a model uploads it (16-row tiles where it tiles)
-        wt = ws if a.rows_layout or not cu.tiles_weight(t, rows, cols) else [
-            cu.QTensor(cu.tile_rows16(v.data.reshape(rows, -1), cu.TILED_BLOCK_BYTES[t]).reshape(-1), t, (rows, cols),
-                       raw.shape[1], tiled=True) for v in ws]
+        wt = ws if a.rows_layout or not cu.tiles_weight(t, rows, cols) else [v.to_tiles() for v in ws]
         reps = max(a.reps, len(ws))
         nref = min(rows, 2048)
         wref = be.dequantize(cu.QTensor(raw[:nref].reshape(-1), t, (nref, cols), raw.shape[1])).astype(cp.float64)
@@ -128,8 +126,7 @@ def _duo(cp, cu, be, reps: int) -> None:
     raws = [(random_weight(cp, t1, r1, c), random_weight(cp, t2, r2, c)) for _ in range(16)]  # 16 x 9.8 MB
     pairs = [tuple(cu.QTensor(r.reshape(-1), t, (rows, c), r.shape[1]) for r, t, rows in zip(p, (t1, t2), (r1, r2)))
              for p in raws]
-    tiled = [tuple(cu.QTensor(cu.tile_rows16(r, cu.TILED_BLOCK_BYTES[t]).reshape(-1), t, (rows, c), r.shape[1],
-                              tiled=True) for r, t, rows in zip(p, (t1, t2), (r1, r2))) for p in raws]
+    tiled = [tuple(w.to_tiles() for w in p) for p in pairs]
     x = cp.random.standard_normal((1, c), dtype=cp.float32)
     d = be._digits(x)
     ways = {"two launches": lambda w: (be._gemvi(d, w[0]), be._gemvi(d, w[1])),

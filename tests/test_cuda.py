@@ -722,9 +722,7 @@ def test_tiled_weight_matches_rows(gpu, monkeypatch, qname):
     rows, cols = 272, 4096  # 16 super-blocks a row: warps and splits walk several
     raw = random_blocks(qname, rows, cols, rng)
     plain = to_qtensor(raw, qname, cols)
-    bs = cu.TILED_BLOCK_BYTES[plain.ggml_type]
-    tiled = QTensor(cp.asarray(cu.tile_rows16(raw, bs).reshape(-1)), plain.ggml_type, plain.shape, plain.row_bytes,
-                    tiled=True)
+    tiled = plain.to_tiles()
     assert (cp.asnumpy(gpu.dequantize(tiled)) == cp.asnumpy(gpu.dequantize(plain))).all()
     assert (cp.asnumpy(gpu.dequantize(tiled, np.float16)) == cp.asnumpy(gpu.dequantize(plain, np.float16))).all()
     ids = np.array([0, 17, 271, 5, 16], np.int32)
@@ -765,8 +763,7 @@ def test_tiled_ring_matches_rows(gpu, monkeypatch, qname, warps, stages, row_til
     rows, cols = 48, 9472
     raw = random_blocks(qname, rows, cols, rng)
     plain = to_qtensor(raw, qname, cols)
-    tiled = QTensor(cp.asarray(cu.tile_rows16(raw, cu.TILED_BLOCK_BYTES[plain.ggml_type]).reshape(-1)),
-                    plain.ggml_type, plain.shape, plain.row_bytes, tiled=True)
+    tiled = plain.to_tiles()
     d = gpu._digits(cp.asarray(rng.standard_normal((n, cols)).astype(np.float32)))
     want, got = cp.asnumpy(gpu._gemvi(d, plain)), cp.asnumpy(gpu._gemvi(d, tiled))
     assert got.shape == (n, rows) and np.isfinite(got).all() and np.abs(got).max() > 0
@@ -776,17 +773,13 @@ def test_tiled_ring_matches_rows(gpu, monkeypatch, qname, warps, stages, row_til
 def test_tiled_duo_matches_rows(gpu):
     """gemvi_duo on two weights in 16-row tiles (q + k Q4_K, v Q6_K) gives the bits of the pair
     in GGUF rows; a tiled and a GGUF-row weight are not paired (None: two launches)."""
-    from opencoti.engine.backend import cuda as cu
-
     rng = np.random.default_rng(22)
     cols = 1024
     ws = []
     for qname, rows in (("Q4_K", 96), ("Q6_K", 48)):
         raw = random_blocks(qname, rows, cols, rng)
         p = to_qtensor(raw, qname, cols)
-        t = QTensor(cp.asarray(cu.tile_rows16(raw, cu.TILED_BLOCK_BYTES[p.ggml_type]).reshape(-1)), p.ggml_type,
-                    p.shape, p.row_bytes, tiled=True)
-        ws.append((p, t))
+        ws.append((p, p.to_tiles()))
     d = gpu._digits(cp.asarray(rng.standard_normal((1, cols)).astype(np.float32)))
     want = gpu._gemvi_duo(d, ws[0][0], ws[1][0])
     got = gpu._gemvi_duo(d, ws[0][1], ws[1][1])

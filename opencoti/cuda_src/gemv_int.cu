@@ -447,29 +447,21 @@ __device__ __forceinline__ void slot_load(Q4KRegs& a4, Q6KRegs& a6, const u8* st
 // evicting each other before they are read (H200 L2: 50 MB); a 7B's q + k or attn_output
 // (7-9 MB) is prefetched whole.
 #define GEMVI_L2_PREFETCH (16 << 20)
-// TL (16-row tiles): tile t's super-blocks [s0, s0 + n) are one run of 16 n BPS bytes.
+// TL (16-row tiles): the unit is a tile, whose super-blocks [s0, s0 + n) are one run of 16 n BPS
+// bytes, instead of a row.
 template <bool Q6, bool TL = false>
 __device__ __forceinline__ void l2_prefetch_rows(const u8* __restrict__ Wt, long long rb, int last_row, int R, int s0,
                                                  int s1, int n_warps, int lane) {
-    constexpr int BPS = Q6 ? 210 : 144;  // bytes of a super-block of a row
+    constexpr int BPS = Q6 ? 210 : 144, U = TL ? 16 : 1;  // bytes of a super-block of a row; rows per unit
     const int n = min(s1 - s0, (int)(GEMVI_L2_PREFETCH / ((long long)n_warps * R * BPS)));
     if (n <= 0) return;
-    if (TL) {
-        const int lines = (16 * n * BPS + 127) / 128 + 1;  // per tile
-        for (int i = lane; i < (R / 16) * lines; i += 32) {
-            const int t = min(16 * (i / lines), last_row & ~15), l = i % lines;
-            const unsigned long long b = (unsigned long long)(Wt + t * rb + 16LL * BPS * s0);
-            const unsigned long long a = (b & ~127ull) + 128ull * l;
-            if (a < b + 16ull * n * BPS) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-        }
-        return;
-    }
-    const int lines = (n * BPS + 127) / 128 + 1;  // per row, the first line's offset included
-    for (int i = lane; i < R * lines; i += 32) {
-        const int r = min(i / lines, last_row), l = i % lines;
-        const unsigned long long b = (unsigned long long)(Wt + r * rb + (long long)BPS * s0);
+    const int lines = (U * n * BPS + 127) / 128 + 1;  // per unit, the first line's offset included
+    const int last = TL ? last_row & ~15 : last_row;  // the last unit's first row
+    for (int i = lane; i < (R / U) * lines; i += 32) {
+        const int r = min(U * (i / lines), last), l = i % lines;
+        const unsigned long long b = (unsigned long long)(Wt + r * rb + (long long)U * BPS * s0);
         const unsigned long long a = (b & ~127ull) + 128ull * l;
-        if (a < b + (unsigned long long)(n * BPS)) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));  // row r's lines
+        if (a < b + (unsigned long long)U * n * BPS) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));  // unit r's lines
     }
 }
 

@@ -548,6 +548,16 @@ class QTensor:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
+    def to_tiles(self) -> "QTensor":
+        """This weight in GGUF rows as a new one in 16-row tiles (``tile_rows16`` on the device):
+        the same type, shape and row bytes, no parent. Raises ValueError for a weight already
+        tiled, a type without tiled kernels (TILED_BLOCK_BYTES) or rows that are not whole tiles."""
+        if self.tiled or self.ggml_type not in TILED_BLOCK_BYTES:
+            raise ValueError(f"to_tiles: a {'tiled ' if self.tiled else ''}weight of ggml type {self.ggml_type}")
+        rows = self.shape[0]
+        t = tile_rows16(self.data.reshape(rows, self.row_bytes), TILED_BLOCK_BYTES[self.ggml_type])
+        return QTensor(t.reshape(-1), self.ggml_type, self.shape, self.row_bytes, tiled=True)
+
 
 class QExperts(ExpertRows):
     """A 3-D GGUF expert tensor ``[n_expert, rows, cols]`` on the GPU in its block format.
@@ -787,10 +797,8 @@ class CUDABackend:
     def _matrix(self, data, ggml_type: int, rows: int, cols: int, row_bytes: int) -> QTensor:
         """A ``QTensor`` of GGUF rows ``data`` (uint8 device array), in 16-row tiles when
         ``tiles_weight`` says so (the GGUF-row upload freed)."""
-        if not tiles_weight(ggml_type, rows, cols):
-            return QTensor(data, ggml_type, (rows, cols), row_bytes)
-        t = tile_rows16(data.reshape(rows, row_bytes), TILED_BLOCK_BYTES[ggml_type]).reshape(-1)
-        return QTensor(t, ggml_type, (rows, cols), row_bytes, tiled=True)
+        w = QTensor(data, ggml_type, (rows, cols), row_bytes)
+        return w.to_tiles() if tiles_weight(ggml_type, rows, cols) else w
 
     def fuse_rows(self, gguf: GGUFFile, names: list):
         """Load matrices ``names`` of ``gguf`` (one ggml type and row length, e.g. a layer's q / k /
