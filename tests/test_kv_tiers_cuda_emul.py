@@ -58,6 +58,22 @@ def _h2f(b, o):
     return np.ascontiguousarray(b[:, o:o + 2]).view(np.float16)[:, 0].astype(np.float32)
 
 
+def _code_f(c: np.ndarray, off: int) -> np.ndarray:
+    """NumPy port of ``code_f(c, off)`` (kv_tiers.cuh): ``c`` (uint32, < 2^23) in the mantissa of
+    2^23, minus 2^23 + off, in float32."""
+    return (np.uint32(0x4B000000) | np.asarray(c, dtype=np.uint32)).view(np.float32) - np.float32(2 ** 23 + off)
+
+
+def test_code_f_is_the_integer_value():
+    """The decoders' integer-to-float trick is exact for every code a scalar tier stores (and far
+    past: all of [0, 2^16)) at every offset they use."""
+    c = np.arange(1 << 16, dtype=np.uint32)
+    for off in (0, 8, 16, 32, 128):
+        np.testing.assert_array_equal(_code_f(c, off), c.astype(np.int64).astype(np.float32) - np.float32(off))
+    b = np.arange(256, dtype=np.uint32)  # q8_0: the byte ^ 0x80 at offset 128 is the int8 value
+    np.testing.assert_array_equal(_code_f(b ^ 0x80, 128), b.astype(np.uint8).view(np.int8).astype(np.float32))
+
+
 def _val(t, b: np.ndarray, i: int) -> np.ndarray:
     """NumPy port of ``T::val(row, i, tab)`` (kv_tiers.cuh) over rows ``b`` uint8 ``[N, row]``."""
     n, j = t.name, i & 31
@@ -70,13 +86,13 @@ def _val(t, b: np.ndarray, i: int) -> np.ndarray:
         return (np.ascontiguousarray(b).view(np.uint16)[:, i].astype(np.uint32) << 16).view(np.float32)
     if n == "q8_0":
         o = 34 * (i >> 5)
-        return _h2f(b, o) * b[:, o + 2 + j].view(np.int8).astype(np.float32)
+        return _h2f(b, o) * _code_f(b32[:, o + 2 + j] ^ 0x80, 128)
     if n == "q6_0":
         o, jj = 26 * (i >> 5), j & 15
         qs, qhb = b32[:, o + 10 + jj], b32[:, o + 2 + (j & 7)]
         h = (qhb >> (4 * (jj >> 3))) & 15
         q = ((qs & 15) | ((h & 3) << 4)) if j < 16 else ((qs >> 4) | (((h >> 2) & 3) << 4))
-        return _h2f(b, o) * (q.astype(np.float32) - 32)
+        return _h2f(b, o) * _code_f(q, 32)
     if n in ("q5_1", "q5_0", "q4_0"):
         o = {"q5_1": 24, "q5_0": 22, "q4_0": 18}[n] * (i >> 5)
         qs_at = {"q5_1": 8, "q5_0": 6, "q4_0": 2}[n]
@@ -86,8 +102,8 @@ def _val(t, b: np.ndarray, i: int) -> np.ndarray:
             qh_at = 4 if n == "q5_1" else 2
             q = q | (((b32[:, o + qh_at + (j >> 3)] >> (j & 7)) & 1) << 4)
         if n == "q5_1":
-            return _h2f(b, o) * q.astype(np.float32) + _h2f(b, o + 2)
-        return _h2f(b, o) * (q.astype(np.float32) - (16 if n == "q5_0" else 8))
+            return _h2f(b, o) * _code_f(q, 0) + _h2f(b, o + 2)
+        return _h2f(b, o) * _code_f(q, 16 if n == "q5_0" else 8)
     o, j = t.block_bytes * (i >> 6), i & 63
     if t.family == "turbo":
         bits = t.bits

@@ -74,6 +74,11 @@ __device__ __forceinline__ void ldw(const u8* __restrict__ p, u32* w) {
 __device__ __forceinline__ u32 wb(const u32* w, int i) { return (w[i >> 2] >> ((i & 3) * 8)) & 0xFFu; }
 __device__ __forceinline__ u16 wh(const u32* w, int i) { return (u16)((w[i >> 2] >> ((i & 3) * 8)) & 0xFFFFu); }  // i even
 __device__ __forceinline__ u16 ldh(const u8* p) { return *(const u16*)p; }  // 2-aligned
+// (float)((int)c - off) for a code 0 <= c < 2^23, exactly, on the FP32 / integer pipes: c in the
+// mantissa of 2^23 (a bit OR), minus 2^23 + off (exact in float32 for off < 2^23). The decoders'
+// I2F conversions ran on sm_90's conversion unit (16 results a clock per SM): the short-row kernels'
+// q8_0 K / V decode at head size 256 issued 131 of them per tile.
+__device__ __forceinline__ float code_f(u32 c, int off) { return __int_as_float(0x4B000000u | c) - (8388608.f + (float)off); }
 
 // ---- float tiers (native storage: the cache's float32 / float16 array; bf16 as 2 bytes)
 struct KF32 {
@@ -163,10 +168,10 @@ struct KQ8_0 {
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 34 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
-    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return (float)(i8)wb(w, 34 * b + 2 + j); }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) { return code_f(wb(w, 34 * b + 2 + j) ^ 0x80u, 128); }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 34 * (i >> 5);
-        return h2f(ldh(b)) * (float)(i8)b[2 + (i & 31)];
+        return h2f(ldh(b)) * code_f(b[2 + (i & 31)] ^ 0x80u, 128);
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 34 * (i0 >> 5);
@@ -174,7 +179,7 @@ struct KQ8_0 {
         ldw<E, 2>(b + 2 + (i0 & 31), w);
         const float d = h2f(ldh(b));
 #pragma unroll
-        for (int e = 0; e < E; e++) vf[e] = d * (float)(i8)wb(w, e);
+        for (int e = 0; e < E; e++) vf[e] = d * code_f(wb(w, e) ^ 0x80u, 128);
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q8_0_ref
         float d = xdiv(wmax(xabs(v)), 127.f), id = xinv(d);
@@ -187,18 +192,18 @@ struct KQ6_0 {
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 26 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
-    static __device__ __forceinline__ int q_of(u32 qs, u32 qhb, int j) {  // qs = qs[j&15], qhb = qh[j&7]
+    static __device__ __forceinline__ u32 q_of(u32 qs, u32 qhb, int j) {  // qs = qs[j&15], qhb = qh[j&7]; code + 32
         int jj = j & 15;
         u32 h = (qhb >> (4 * (jj >> 3))) & 15u;
-        return (int)(j < 16 ? ((qs & 15u) | ((h & 3u) << 4)) : ((qs >> 4) | (((h >> 2) & 3u) << 4))) - 32;
+        return j < 16 ? ((qs & 15u) | ((h & 3u) << 4)) : ((qs >> 4) | (((h >> 2) & 3u) << 4));
     }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
-        return (float)q_of(wb(w, 26 * b + 10 + (j & 15)), wb(w, 26 * b + 2 + (j & 7)), j);
+        return code_f(q_of(wb(w, 26 * b + 10 + (j & 15)), wb(w, 26 * b + 2 + (j & 7)), j), 32);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 26 * (i >> 5);
         int j = i & 31;
-        return h2f(ldh(b)) * (float)q_of(b[10 + (j & 15)], b[2 + (j & 7)], j);
+        return h2f(ldh(b)) * code_f(q_of(b[10 + (j & 15)], b[2 + (j & 7)], j), 32);
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 26 * (i0 >> 5);
@@ -208,7 +213,7 @@ struct KQ6_0 {
         ldw<E, 2>(b + 10 + (j0 & 15), qs);
         const float d = h2f(ldh(b));
 #pragma unroll
-        for (int e = 0; e < E; e++) vf[e] = d * (float)q_of(wb(qs, e), wb(qh, (j0 + e) & 7), j0 + e);
+        for (int e = 0; e < E; e++) vf[e] = d * code_f(q_of(wb(qs, e), wb(qh, (j0 + e) & 7), j0 + e), 32);
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q6_0_ref
         float d = xdiv(wsabsmax(v, lane), -32.f), id = xinv(d);
@@ -232,12 +237,12 @@ struct KQ5_1 {
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 24 * b)); }
     static __device__ __forceinline__ float mn(const u32* w, int b) { return h2f(wh(w, 24 * b + 2)); }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
-        return (float)q5_code(wb(w, 24 * b + 8 + (j & 15)), wb(w, 24 * b + 4 + (j >> 3)), j);
+        return code_f(q5_code(wb(w, 24 * b + 8 + (j & 15)), wb(w, 24 * b + 4 + (j >> 3)), j), 0);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 24 * (i >> 5);
         int j = i & 31;
-        return h2f(ldh(b)) * (float)q5_code(b[8 + (j & 15)], b[4 + (j >> 3)], j) + h2f(ldh(b + 2));
+        return h2f(ldh(b)) * code_f(q5_code(b[8 + (j & 15)], b[4 + (j >> 3)], j), 0) + h2f(ldh(b + 2));
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 24 * (i0 >> 5);
@@ -250,7 +255,7 @@ struct KQ5_1 {
         for (int e = 0; e < E; e++) {
             const int j = j0 + e;
             const u32 c = wb(qs, e);
-            vf[e] = d * (float)((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4)) + m;
+            vf[e] = d * code_f((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4), 0) + m;
         }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_1_ref
@@ -268,12 +273,12 @@ struct KQ5_0 {
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 22 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
-        return (float)((int)q5_code(wb(w, 22 * b + 6 + (j & 15)), wb(w, 22 * b + 2 + (j >> 3)), j) - 16);
+        return code_f(q5_code(wb(w, 22 * b + 6 + (j & 15)), wb(w, 22 * b + 2 + (j >> 3)), j), 16);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 22 * (i >> 5);
         int j = i & 31;
-        return h2f(ldh(b)) * (float)((int)q5_code(b[6 + (j & 15)], b[2 + (j >> 3)], j) - 16);
+        return h2f(ldh(b)) * code_f(q5_code(b[6 + (j & 15)], b[2 + (j >> 3)], j), 16);
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 22 * (i0 >> 5);
@@ -286,7 +291,7 @@ struct KQ5_0 {
         for (int e = 0; e < E; e++) {
             const int j = j0 + e;
             const u32 c = wb(qs, e);
-            vf[e] = d * (float)((int)((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4)) - 16);
+            vf[e] = d * code_f((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4), 16);
         }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_0_ref
@@ -304,13 +309,13 @@ struct KQ4_0 {
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
         u32 qs = wb(w, 18 * b + 2 + (j & 15));
-        return (float)((int)(j < 16 ? (qs & 15u) : (qs >> 4)) - 8);
+        return code_f(j < 16 ? (qs & 15u) : (qs >> 4), 8);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 18 * (i >> 5);
         int j = i & 31;
         u32 qs = b[2 + (j & 15)];
-        return h2f(ldh(b)) * (float)((int)(j < 16 ? (qs & 15u) : (qs >> 4)) - 8);
+        return h2f(ldh(b)) * code_f(j < 16 ? (qs & 15u) : (qs >> 4), 8);
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 18 * (i0 >> 5);
@@ -321,7 +326,7 @@ struct KQ4_0 {
 #pragma unroll
         for (int e = 0; e < E; e++) {
             const u32 c = wb(qs, e);
-            vf[e] = d * (float)((int)(j0 < 16 ? (c & 15u) : (c >> 4)) - 8);
+            vf[e] = d * code_f(j0 < 16 ? (c & 15u) : (c >> 4), 8);
         }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_0_ref
