@@ -53,7 +53,10 @@ def kernel_names(cubin: bytes) -> set:
 
 
 def _nvrtc12_path() -> Path:
-    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    try:  # a dotted name imports its parent: no ``nvidia`` package at all raises
+        spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    except ModuleNotFoundError:
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         if platform.system() == "Linux" and platform.machine() == "x86_64":
             pytest.fail("nvidia-cuda-nvrtc-cu12 is not installed: pip install '.[dev]'")
@@ -119,3 +122,12 @@ def test_tier_attention_compiles_nvrtc12(nvrtc12, name):
     d = cuda_kv.KV_HEAD_DIMS[TIER_NAMES.index(name) % len(cuda_kv.KV_HEAD_DIMS)]
     got = _kernels(nvrtc12, cuda_kv.attention_source(name, name, d), f"attn_{name}_{name}_d{d}", 90)
     assert TIER_KERNELS <= got, (name, d, sorted(TIER_KERNELS - got))
+
+
+@pytest.mark.parametrize("tk,tv,d,arch", [("q8_0", "q8_0", 256, 90), ("q8_0", "turbo3", 256, 80),
+                                          ("q4_0", "f16", 128, 80), ("turbo2_tcq", "q5_1", 512, 90)])
+def test_tier_pair_compiles_nvrtc12(nvrtc12, tk, tv, d, arch):
+    """Mixed K / V tiers, sm_80 and the gemma head size 256 (which the rotation above gives no
+    scalar tier)."""
+    got = _kernels(nvrtc12, cuda_kv.attention_source(tk, tv, d), f"attn_{tk}_{tv}_d{d}", arch)
+    assert TIER_KERNELS <= got, (tk, tv, d, arch, sorted(TIER_KERNELS - got))
