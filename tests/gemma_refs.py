@@ -11,9 +11,9 @@ CASES = ["capital", "count", "code", "unicode", "recipe", "story", "long_swa", "
 
 def load_refs(shared_dir):
     """``(exact, llamacpp)``: the two reference files' cases by name (see ../shared/data/README.md)."""
-    with open(shared_dir / "data/ref/gemma3_270m_transformers_f32.json") as f:
+    with open(shared_dir / "data/ref/gemma3_270m_transformers_f32.json", encoding="utf-8") as f:
         exact = json.load(f)
-    with open(shared_dir / "data/ref/gemma3_270m_llamacpp_greedy.json") as f:
+    with open(shared_dir / "data/ref/gemma3_270m_llamacpp_greedy.json", encoding="utf-8") as f:
         lcpp = json.load(f)
     return {c["name"]: c for c in exact["cases"]}, {c["name"]: c for c in lcpp["cases"]}
 

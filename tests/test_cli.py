@@ -375,7 +375,7 @@ def test_default_model_assembled_once_and_verified(monkeypatch, tmp_path):
 
 
 def _reference_case(shared_dir, name):
-    data = json.loads((shared_dir / "data" / "ref" / "gemma3_270m_llamacpp_greedy.json").read_text())
+    data = json.loads((shared_dir / "data" / "ref" / "gemma3_270m_llamacpp_greedy.json").read_text(encoding="utf-8"))
     return next(c for c in data["cases"] if c["name"] == name)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import locale
 import platform
 import struct
 from pathlib import Path
@@ -78,7 +79,8 @@ def _compile(lib, src: str, name: str, arch: int) -> bytes:
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None) == 0
     try:
         opts = [o.encode() for o in cuda_kernels.OPTIONS] + [f"--gpu-architecture=sm_{arch}".encode()]
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        with cuda_kernels.thread_locale_kept():  # as _compile_cubin: NVRTC 12.0 resets it
+            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         n = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
         log = ctypes.create_string_buffer(n.value)
@@ -97,6 +99,30 @@ def _kernels(lib, src: str, name: str, arch: int) -> set:
     cubin = _compile(lib, src, name, arch)
     assert cubin[:4] == b"\x7fELF", name
     return kernel_names(cubin)
+
+
+def test_compile_keeps_the_thread_locale(nvrtc12):
+    """NVRTC 12.0 leaves the compiling thread on a "C" locale (``open()``'s default encoding then
+    reads ASCII); ``cuda_kernels.thread_locale_kept``, around every compile of the backend, gives
+    the thread its locale back."""
+    src, opts = b'extern "C" __global__ void k() {}', (ctypes.c_char_p * 1)(b"--gpu-architecture=sm_90")
+    before = locale.getpreferredencoding(False)
+    use = ctypes.CDLL(None).uselocale
+    use.restype, use.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    saved = use(None)
+    prog = ctypes.c_void_p()
+    assert nvrtc12.nvrtcCreateProgram(ctypes.byref(prog), src, b"k", 0, None, None) == 0
+    try:
+        assert nvrtc12.nvrtcCompileProgram(prog, 1, opts) == 0
+        changed = locale.getpreferredencoding(False)
+    finally:
+        use(saved)
+        nvrtc12.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert locale.getpreferredencoding(False) == before
+    if before.upper().replace("-", "") == "UTF8":
+        assert changed != before  # NVRTC 12.0's behaviour, which the guard undoes
+    _compile(nvrtc12, src.decode(), "k", 90)
+    assert locale.getpreferredencoding(False) == before
 
 
 def test_nvrtc12_is_the_oldest_cuda12(nvrtc12):

@@ -109,7 +109,7 @@ def test_pyz_runs_version_and_errors(built, tmp_path):
 def test_pyz_runs_the_model(built, tmp_path, model_path, shared_dir):
     import json
 
-    ref = json.loads((shared_dir / "data" / "ref" / "gemma3_270m_llamacpp_greedy.json").read_text())
+    ref = json.loads((shared_dir / "data" / "ref" / "gemma3_270m_llamacpp_greedy.json").read_text(encoding="utf-8"))
     case = next(c for c in ref["cases"] if c["name"] == "capital")
     out, _, _ = built
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "PYTHONPATH", "SHIV_"))}

@@ -135,7 +135,7 @@ def gemma_long_sequence(shared_data: Path) -> list:
 
 
 def _gemma_cases(shared_data: Path) -> dict:
-    with open(Path(shared_data) / "ref" / "gemma3_270m_transformers_f32.json") as f:
+    with open(Path(shared_data) / "ref" / "gemma3_270m_transformers_f32.json", encoding="utf-8") as f:
         return {c["name"]: c for c in json.load(f)["cases"]}
 
 

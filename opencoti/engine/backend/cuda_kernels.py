@@ -16,6 +16,8 @@ compiles instead, with CuPy's own kernel cache pointed at
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import hashlib
 import os
@@ -37,7 +39,7 @@ def read_source(name: str) -> str:
     seen: set[str] = set()
 
     def load(n: str) -> str:
-        text = resources.files("opencoti.cuda_src").joinpath(n).read_text()
+        text = resources.files("opencoti.cuda_src").joinpath(n).read_text(encoding="utf-8")
 
         def sub(m):
             inc = m.group(1)
@@ -68,13 +70,34 @@ def _nvrtc_version() -> str:
         return "?"
 
 
+@contextlib.contextmanager
+def thread_locale_kept():
+    """Give the calling thread its C locale back after the block (glibc / BSD ``uselocale``;
+    elsewhere a no-op). NVRTC 12.0's ``nvrtcCompileProgram`` leaves the thread on a "C" locale
+    of its own, after which ``locale.getpreferredencoding()`` -- the default encoding of
+    ``open()`` -- reads ASCII and UTF-8 text files fail to load (tests/test_cuda_nvrtc12.py
+    found it; NVRTC 12.9 leaves the locale alone)."""
+    try:
+        use = ctypes.CDLL(None).uselocale
+    except (OSError, AttributeError):  # pragma: no cover - no uselocale in this libc
+        yield
+        return
+    use.restype, use.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    saved = use(None)
+    try:
+        yield
+    finally:
+        use(saved)
+
+
 def _compile_cubin(src: str, name: str, arch: str) -> bytes:
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(src, name, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, list(OPTIONS) + [f"--gpu-architecture=sm_{arch}"])
+            with thread_locale_kept():
+                nvrtc.compileProgram(prog, list(OPTIONS) + [f"--gpu-architecture=sm_{arch}"])
         except Exception as e:
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"CUDA kernel compile failed ({name}): {e}\n{log}") from None
