@@ -107,16 +107,13 @@ def test_compile_keeps_the_thread_locale(nvrtc12):
     the thread its locale back."""
     src, opts = b'extern "C" __global__ void k() {}', (ctypes.c_char_p * 1)(b"--gpu-architecture=sm_90")
     before = locale.getpreferredencoding(False)
-    use = ctypes.CDLL(None).uselocale
-    use.restype, use.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-    saved = use(None)
     prog = ctypes.c_void_p()
     assert nvrtc12.nvrtcCreateProgram(ctypes.byref(prog), src, b"k", 0, None, None) == 0
     try:
-        assert nvrtc12.nvrtcCompileProgram(prog, 1, opts) == 0
-        changed = locale.getpreferredencoding(False)
+        with cuda_kernels.thread_locale_kept():
+            assert nvrtc12.nvrtcCompileProgram(prog, 1, opts) == 0
+            changed = locale.getpreferredencoding(False)  # inside the guard: NVRTC's locale
     finally:
-        use(saved)
         nvrtc12.nvrtcDestroyProgram(ctypes.byref(prog))
     assert locale.getpreferredencoding(False) == before
     if before.upper().replace("-", "") == "UTF8":
