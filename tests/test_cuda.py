@@ -887,7 +887,7 @@ def test_rope_kv_write_sums_split_k(gpu, tk, tv, norms, v_split):
     """q / k / v handed to rope_kv_write as split-K partials (``SplitK`` column slices of a fused
     product's 3 unsummed slabs, as ``mul_mat_split_partials`` returns them) give the bits of the
     summed product's slices: rotated q and the K / V stores, with the projections' biases, q / k
-    norms, f16, scalar and turbo tiers (kernels.cu rope_kv_write, kv_write.cu rope_kv_write_q); v
+    norms, f16, scalar and turbo tiers (kernels.cu rope_kv_write, rope_store.cu rope_kv_write_q); v
     also as a plain array (a product of its own)."""
     from opencoti.engine.backend import cuda as cu
 
@@ -974,11 +974,11 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T, sliced):
     (512, 512, 8, 2, 3, False, "neox", 512, False), (64, 64, 8, 8, 70, False, "norm", 64, False)])
 @pytest.mark.parametrize("sliced", [False, True])
 def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv, T, norms, mode, n_rot, ff, sliced):
-    """rope + a scalar- or turbo-tier KV store in one launch (kv_write.cu rope_kv_write_q) gives the bits
-    of rope, rope and the tier quantize kernels launched one by one (cpu.rope_kv_write's
-    composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and the whole K / V stores
-    (the planned cells are in the second stream of a split cache), for symmetric and mixed
-    pairs, norm / neox, partial rotation, frequency factors, q / k norms, d_v < d_k, and head
+    """rope + a scalar- or turbo-tier KV store in one launch (rope_store.cu rope_kv_write_q, a module
+    per tier pair) gives the bits of rope, rope and the tier quantize kernels launched one by one
+    (cpu.rope_kv_write's composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and
+    the whole K / V stores (the planned cells are in the second stream of a split cache), for
+    symmetric and mixed pairs, norm / neox, partial rotation, frequency factors, q / k norms, d_v < d_k, and head
     sizes above the block's 256 threads (rope's strided loop, warps quantizing two blocks);
     ``sliced``: strided q / k / v slices of one buffer with biases (_qkv_inputs)."""
     from opencoti.engine.backend import cuda as cu
@@ -996,7 +996,8 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
     outs = []
     for fused in (True, False):
         monkeypatch.setattr(cu, "ROPE_KV_TIERS", fused)
-        gpu._fns.pop(("kvw", "rope_kv_write_q"), None)
+        for key in [key for key in gpu._fns if key[0] == "rope_store"]:
+            del gpu._fns[key]
         c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=dv, type_k=tk, type_v=tv, zeros=gpu.zeros)
         plan = c.prepare(seqs, pos)
         c.apply(plan, seqs, pos)
@@ -1006,7 +1007,9 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
         # the rotated tiers fuse at head sizes up to 256 with d_v = d_k for a rotated V
         rot_k, rot_v = tk in cuda_kv.ROPE_STORE_ROTATED, tv in cuda_kv.ROPE_STORE_ROTATED
         fusable = not (rot_k or rot_v) or (d <= 256 and (not rot_v or dv == d))
-        assert (("kvw", "rope_kv_write_q") in gpu._fns) == (fused and fusable)
+        rot_d = d if rot_k or rot_v else 0
+        assert [key for key in gpu._fns if key[0] == "rope_store"] == ([("rope_store", tk, tv, rot_d)]
+                                                                       if fused and fusable else [])
         outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0]), cp.asnumpy(c.v[0])))
     assert np.abs(outs[0][1][1, plan.cell].view(np.uint8)).sum() > 0  # the cells were written
     for a, b in zip(*outs):

@@ -34,7 +34,7 @@ MODULES = {
     "mmq.cu": (14, {"mmq_12", "mmq_14", "mmq_reduce"}),
     "shared_prefix.cu": (6, {"sp_attn_d128", "sp_attn_d256", "sp_merge_digits"}),
     "recurrent.cu": (5, {"ssm_conv", "gated_delta_net_r1"}),
-    "kv_write": (89, {"rope_kv_write_q", "kv_quant_KQ8_0", "kv_quant_KTurbo3_d128", "kv_dequant_KQ4_0_d256"}),
+    "kv_write": (88, {"kv_quant_KQ8_0", "kv_quant_KTurbo3_d128", "kv_dequant_KQ4_0_d256"}),
 }
 TIER_KERNELS = {"attn_kv_stream"} | {f"attn_kv_g{g}{lanes}" for g in (1, 2, 4) for lanes in ("", "_l")}
 
@@ -154,3 +154,13 @@ def test_tier_pair_compiles_nvrtc12(nvrtc12, tk, tv, d, arch):
     scalar tier)."""
     got = _kernels(nvrtc12, cuda_kv.attention_source(tk, tv, d), f"attn_{tk}_{tv}_d{d}", arch)
     assert TIER_KERNELS <= got, (tk, tv, d, arch, sorted(TIER_KERNELS - got))
+
+
+@pytest.mark.parametrize("tk,tv,d,arch", [("q8_0", "q8_0", 128, 90), ("q4_0", "turbo3", 256, 80),
+                                          ("turbo2", "turbo4", 64, 90), ("f32", "bf16", 512, 80),
+                                          ("q5_1", "q6_0", 128, 80), ("turbo8", "q5_0", 128, 90)])
+def test_rope_store_compiles_nvrtc12(nvrtc12, tk, tv, d, arch):
+    """The fused rope + KV store module of a tier pair (rope_store.cu, cuda_kv.rope_store_source):
+    exactly its one kernel, for scalar, float and rotated tiers and mixed pairs."""
+    got = _kernels(nvrtc12, cuda_kv.rope_store_source(tk, tv, d), f"rope_store_{tk}_{tv}_d{d}", arch)
+    assert got == {"rope_kv_write_q"}, (tk, tv, d, arch, sorted(got))

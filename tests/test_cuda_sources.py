@@ -45,6 +45,7 @@ def _sources() -> dict[str, str]:
     srcs["kv_write (generated)"] = cuda_kv.write_source()
     for t in TIER_NAMES:
         srcs[f"attention {t} (generated)"] = cuda_kv.attention_source(t, t, 128)
+    srcs["rope_store q8_0 turbo3 (generated)"] = cuda_kv.rope_store_source("q8_0", "turbo3", 128)
     return srcs
 
 
@@ -90,3 +91,17 @@ def test_kernel_scan_finds_the_kernels():
            '#define K(T) extern "C" __global__ void k_##T(T* p) {  \\\n        p[0] = 0; GRID_DEP_WAIT(); }\n')
     assert kernel_first_statements(src) == {"a": "GRID_DEP_WAIT();", "b": "GRID_DEP_WAIT();", "k_##T": "p[0]=0;"}
     assert len(kernel_first_statements(cuda_kernels.read_source("kernels.cu"))) >= 20
+
+
+def test_rope_store_source_defines_the_pair():
+    """rope_store.cu's module per (K tier, V tier): the pair's tier structs, the head size only
+    where a tier is rotated (one module for every head size of a scalar pair), and ValueError
+    for a tier without the fused store (the trellis tiers) or a rotated tier at head size 512."""
+    head = lambda *a: cuda_kv.rope_store_source(*a).split("\n")[:3]  # noqa: E731
+    assert head("q8_0", "q4_0", 512) == ["#define RS_TK KQ8_0", "#define RS_TV KQ4_0", "#define RS_D 0"]
+    assert head("f16", "turbo3", 256) == ["#define RS_TK KF16", "#define RS_TV KTurbo3", "#define RS_D 256"]
+    assert head("turbo2", "bf16", 64)[2] == "#define RS_D 64"
+    with pytest.raises(ValueError, match="turbo3_tcq"):
+        cuda_kv.rope_store_source("turbo3_tcq", "q8_0", 128)
+    with pytest.raises(ValueError, match="head size 64, 128 or 256, not 512"):
+        cuda_kv.rope_store_source("q8_0", "turbo4", 512)

@@ -10,8 +10,7 @@
 //                       states, the tail-biting Viterbi search of trellis.py.
 // Dequantize (kv_dequant_<T>_d<D>): rows of cell[] -> float32 [n_cells_listed, n_kv, D], the
 // rotated tiers un-rotated (KVCache.read_k on the GPU; context shift).
-#include "kv_tiers.cuh"
-#include "rope.cuh"
+#include "kv_store.cuh"
 
 #define KV_INF (__int_as_float(0x7f800000))
 
@@ -39,77 +38,6 @@ __device__ __forceinline__ void tree64(float* p, int tid, int j, bool active) {
         if (active && j < h) p[tid] = xadd(p[tid], p[tid + h]);
         __syncthreads();
     }
-}
-
-// tree64 of two quantities a, b held one value per thread of whole 64-thread groups (the block's
-// threads: value j = threadIdx.x & 63 of group base b0): the group sums (a_0 + .., b_0 + ..) in
-// tree64's order -- h = 32 through sc (the upper warp's values), h = 16 .. 1 by shuffles down (lane
-// j < h adds lane j + h) -- broadcast to every thread of the group. sc: 2 * blockDim floats, free
-// again after the block's next sync.
-__device__ __forceinline__ float2 tree64_pair(float a, float b, float* sc) {
-    const int tid = threadIdx.x, j = tid & 63, n = blockDim.x;
-    if (j >= 32) { sc[tid] = a; sc[n + tid] = b; }
-    __syncthreads();
-    if (j < 32) {  // a whole (lower) warp
-        a = xadd(a, sc[tid + 32]);
-        b = xadd(b, sc[n + tid + 32]);
-#pragma unroll
-        for (int h = 16; h > 0; h >>= 1) {
-            const float oa = __shfl_down_sync(0xffffffffu, a, h), ob = __shfl_down_sync(0xffffffffu, b, h);
-            a = xadd(a, oa);
-            b = xadd(b, ob);
-        }
-        if (j == 0) { sc[tid] = a; sc[n + tid] = b; }
-    }
-    __syncthreads();
-    return make_float2(sc[tid - j], sc[n + tid - j]);
-}
-
-// payload byte m of a turbo block from its 64 indices
-template <int BITS>
-__device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
-    if (BITS == 8) return (u8)idx[m];
-    if (BITS == 4) return (u8)(idx[2 * m] | (idx[2 * m + 1] << 4));
-    if (m < 16) return (u8)((idx[4 * m] & 3) | ((idx[4 * m + 1] & 3) << 2) | ((idx[4 * m + 2] & 3) << 4) | ((idx[4 * m + 3] & 3) << 6));
-    int mm = m - 16, v = 0;  // turbo3 high bits
-#pragma unroll
-    for (int r = 0; r < 8; r++) v |= ((idx[8 * mm + r] >> 2) & 1) << r;
-    return (u8)v;
-}
-
-// One row of D values quantized to the turbo tier T at dst_row (its D / 64 blocks): thread tid
-// (of exactly D) holds value x = row[tid]; sc: 4 D floats of shared scratch, free again after the
-// block's next sync. turbo.py's arithmetic: the rotation (fwht_thread), per-64 norms and
-// least-squares scales summed in tree64's order (tree64_pair), the code search over the thresholds.
-template <class T, int D>
-__device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* sc) {
-    const int tid = threadIdx.x, j = tid & 63, b0 = tid - j;
-    int* idx = (int*)sc;  // after the rotation's buffers are read (tree64_pair's syncs follow)
-    const float y = fwht_thread<D>(x, sc);
-    const float n = xsqrt(tree64_pair(xmul(y, y), 0.f, sc + 2 * D).x);
-    const float u = xlt(0.f, n) ? xmul(y, xdiv(8.f, n)) : 0.f;
-    const float* th = T::thr();
-    // searchsorted(thresholds, u, side="left"): the thresholds below u (th < u; a NaN u counts
-    // all, as NumPy sorts it last). Up to 15 thresholds by counting (every thread reads the same
-    // th[i]: one constant-cache broadcast each, no dependent chain), else a binary search.
-    int lo = 0;
-    if constexpr (T::NT <= 16) {
-#pragma unroll
-        for (int i = 0; i < T::NT - 1; i++) lo += !xle(u, th[i]);
-    } else {
-        int hi = T::NT - 1;
-        while (lo < hi) {
-            int mid = (lo + hi) >> 1;
-            if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;
-        }
-    }
-    const float c = T::tab()[lo];
-    idx[tid] = lo;
-    const float2 nd = tree64_pair(xmul(y, c), xmul(c, c), sc + 2 * D);  // its syncs publish idx
-    const float scale = xlt(0.f, nd.y) ? xdiv(nd.x, nd.y) : 0.f;
-    u8* dst = dst_row + (long long)(tid >> 6) * T::BB;
-    if (j == 0) st16(dst, f2h(scale));
-    if (j < T::BB - 2) dst[2 + j] = turbo_pack<T::KBITS>(idx + b0, j);
 }
 
 template <class T, int D>
@@ -264,99 +192,3 @@ __device__ __forceinline__ void kv_dequant(const u8* __restrict__ store, const i
 DEF_DQ_ALL(KF32) DEF_DQ_ALL(KF16) DEF_DQ_ALL(KBF16) DEF_DQ_ALL(KQ8_0) DEF_DQ_ALL(KQ6_0) DEF_DQ_ALL(KQ5_1)
 DEF_DQ_ALL(KQ5_0) DEF_DQ_ALL(KQ4_0) DEF_DQ_ALL(KTurbo8) DEF_DQ_ALL(KTurbo4) DEF_DQ_ALL(KTurbo3)
 DEF_DQ_ALL(KTurbo2) DEF_DQ_ALL(KTcq3) DEF_DQ_ALL(KTcq2)
-
-// An attention layer's rope + quantized KV store in one launch (cpu.rope_kv_write with scalar or
-// turbo tiers: the launches of rope, rope and kv_write's quantize kernels): grid T * (Hq + 2 Hk)
-// blocks of blockDim (a multiple of 32) threads; blocks [0, T * Hq) rotate q head rows (q_norm
-// first) into q_out, the next T * Hk take one (token, kv head) each: its K row rotated (k_norm
-// first) into shared memory and quantized to tier tk, and the last T * Hk its V row (dv values)
-// quantized to tier tv (apart, so that V's store runs beside K's rope instead of after it), at
-// the token's cell (flat index cell[t]; rows [n_kv][n / 32 blocks, turbo n / 64, of BB bytes]).
-// Warp w quantizes the 32-value blocks w, w + n_warps, ... (the scalar quantizers are
-// warp-collective: lane = value), so the stored bytes are kv_quant_<T>'s. Tiers by index
-// (cuda_kv.ROPE_STORE_TIERS): 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1, 6 q5_0, 7 q4_0, and the
-// rotated 8 turbo8, 9 turbo4, 10 turbo3, 11 turbo2 (turbo_row: the block's threads are the row's
-// values, so a rotated K needs blockDim == D, a rotated V blockDim == dv, a power of two up to
-// 256). Dynamic shared memory: 2 D floats, 6 D with a rotated tier.
-__device__ __forceinline__ int scalar_bb(int t) {
-    switch (t) {
-        case 0: return KF32::BB;
-        case 1: return KF16::BB;
-        case 2: return KBF16::BB;
-        case 3: return KQ8_0::BB;
-        case 4: return KQ6_0::BB;
-        case 5: return KQ5_1::BB;
-        case 6: return KQ5_0::BB;
-        default: return KQ4_0::BB;
-    }
-}
-__device__ __forceinline__ void scalar_q32(int t, float v, u8* dst, int lane) {
-    switch (t) {
-        case 0: KF32::q32(v, dst, lane); break;
-        case 1: KF16::q32(v, dst, lane); break;
-        case 2: KBF16::q32(v, dst, lane); break;
-        case 3: KQ8_0::q32(v, dst, lane); break;
-        case 4: KQ6_0::q32(v, dst, lane); break;
-        case 5: KQ5_1::q32(v, dst, lane); break;
-        case 6: KQ5_0::q32(v, dst, lane); break;
-        default: KQ4_0::q32(v, dst, lane); break;
-    }
-}
-template <class T>
-__device__ __forceinline__ void turbo_row_d(int n, float x, u8* dst, float* sc) {
-    switch (n) {
-        case 64: turbo_row<T, 64>(x, dst, sc); break;
-        case 128: turbo_row<T, 128>(x, dst, sc); break;
-        default: turbo_row<T, 256>(x, dst, sc); break;
-    }
-}
-// a row of n values (tier t, cuda_kv.ROPE_STORE_TIERS) stored at dst: the scalar tiers by warps of 32-value
-// blocks, value(i) for i < n; a rotated tier by all n threads, value(threadIdx.x); sc: 4 n floats (rotated)
-template <class Val>
-__device__ __forceinline__ void tier_store_row(int t, int n, u8* dst, float* sc, Val value) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    if (t < 8) {
-        const int bb = scalar_bb(t);
-        for (int b = warp; b < n / 32; b += nw) scalar_q32(t, value(32 * b + lane), dst + b * bb, lane);
-        return;
-    }
-    const float x = value(threadIdx.x);
-    switch (t) {
-        case 8: turbo_row_d<KTurbo8>(n, x, dst, sc); break;
-        case 9: turbo_row_d<KTurbo4>(n, x, dst, sc); break;
-        case 10: turbo_row_d<KTurbo3>(n, x, dst, sc); break;
-        default: turbo_row_d<KTurbo2>(n, x, dst, sc); break;
-    }
-}
-__device__ __forceinline__ long long tier_row_bytes(int t, int n) {
-    switch (t) {
-        case 8: return n / 64 * KTurbo8::BB;
-        case 9: return n / 64 * KTurbo4::BB;
-        case 10: return n / 64 * KTurbo3::BB;
-        case 11: return n / 64 * KTurbo2::BB;
-        default: return n / 32 * scalar_bb(t);
-    }
-}
-
-extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8), int tk, int tv) { GRID_DEP_WAIT();
-    const QKVIn in = ROPE_KV_WRITE_IN;
-    extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
-    __shared__ float sh[32];
-    long long row;
-    if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                     corr_hi, mscale, rbuf, sh, row))
-        return;
-    const bool is_v = row >= (long long)T * Hk;
-    if (is_v) row -= (long long)T * Hk;
-    const int t = (int)(row / Hk), h = (int)(row % Hk);
-    const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
-    float *kb = rbuf + D, *sc = rbuf + 2 * D;
-    if (is_v) {
-        tier_store_row(tv, dv, V + c * tier_row_bytes(tv, dv), sc, [&](int i) { return in.v_at(t, h, dv, i); });
-        return;
-    }
-    rope_row(in.k_row(t, h, D), in.nsk, in.slk, in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
-             corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
-    __syncthreads();
-    tier_store_row(tk, D, K + c * tier_row_bytes(tk, D), sc, [&](int i) { return kb[i]; });
-}

@@ -290,7 +290,7 @@ ATTN_GROUPS = (1, 2, 4, 8)  # query heads per block (kernel MAXG); head_dim 512 
 # fewest heads per block such that rows x kv heads x head blocks stays within this (decode steps)
 ATTN_SMALL_GRID = int(os.environ.get("OPENCOTI_CUDA_ATTN_SMALL_GRID", "16"))
 ATTN_GROUP_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_GROUP_CELLS", "4096"))
-# rope + a scalar- or turbo-tier KV store in one launch (rope_kv_write -> kv_write.cu rope_kv_write_q);
+# rope + a scalar- or turbo-tier KV store in one launch (rope_kv_write -> rope_store.cu rope_kv_write_q);
 # OPENCOTI_CUDA_ROPE_KV_TIERS=0: rope, rope and the quantize kernels one by one
 ROPE_KV_TIERS = os.environ.get("OPENCOTI_CUDA_ROPE_KV_TIERS", "1") != "0"
 # decode attention's splits (_attn_splits): at most ATTN_SPLIT_CELLS cells each while the grid is
@@ -1483,7 +1483,8 @@ class CUDABackend:
         launch with the bits of the separate ones: f16 K and V of one head size by kernels.cu's
         ``rope_kv_write``; any other pair of ``cuda_kv.ROPE_STORE_TIERS`` (f32, f16, bf16, q8_0,
         q6_0, q5_1, q5_0, q4_0 with head sizes of a multiple of 32; turbo8 / 4 / 3 / 2 with head
-        sizes 64, 128 or 256, d_v = d_k for a rotated V) by kv_write.cu's ``rope_kv_write_q``
+        sizes 64, 128 or 256, d_v = d_k for a rotated V) by rope_store.cu's ``rope_kv_write_q`` (a
+        module per tier pair, ``_rope_store_fn``)
         (``OPENCOTI_CUDA_ROPE_KV_TIERS=0``: the composition); the trellis tiers and other shapes
         run the composition. ``q [T, n_head, D]``, ``k [T, n_kv, D]``,
         ``v [T, n_kv, dv]`` float32, each with unit strides inside a token (the token stride is
@@ -1525,10 +1526,8 @@ class CUDABackend:
         if f16:
             self._fn("k", "rope_kv_write")((T * (Hq + Hk),), block, args, shared_mem=4 * D)
         else:  # a block per q head row, per K row and per V row
-            idx = cuda_kv.ROPE_STORE_TIERS.index
-            self._kv_write_fn("rope_kv_write_q")((T * (Hq + 2 * Hk),), block,
-                                                 args + (np.int32(idx(nk)), np.int32(idx(nv))),
-                                                 shared_mem=(24 if rot_k or rot_v else 8) * D)
+            self._rope_store_fn(nk, nv, D)((T * (Hq + 2 * Hk),), block, args,
+                                           shared_mem=(24 if rot_k or rot_v else 8) * D)
         return y
 
     def _token_rows(self, a):
@@ -2059,6 +2058,20 @@ class CUDABackend:
         f = self._fns.get(key)
         if f is None:
             f = self._fns[key] = self._kernel(m, name)
+        return f
+
+    def _rope_store_fn(self, type_k: str, type_v: str, d: int):
+        """``rope_kv_write_q`` of the (K tier, V tier) pair's rope_store module (head size ``d``
+        matters to a rotated tier only: ``cuda_kv.rope_store_source``)."""
+        rot = type_k in cuda_kv.ROPE_STORE_ROTATED or type_v in cuda_kv.ROPE_STORE_ROTATED
+        key = ("rope_store", type_k, type_v, d if rot else 0)
+        f = self._fns.get(key)
+        if f is None:
+            m = self._kv_mods.get(key)
+            if m is None:
+                m = self._kv_mods[key] = load_source(cuda_kv.rope_store_source(type_k, type_v, d),
+                                                     f"rope_store_{type_k}_{type_v}_d{key[3]}")
+            f = self._fns[key] = self._kernel(m, "rope_kv_write_q")
         return f
 
     def _kv_quant(self, store, tier, x, cells) -> None:

@@ -35,7 +35,7 @@ TIER_STRUCTS = {
 KV_TYPES = tuple(TIER_STRUCTS)  # what CUDABackend.kv_types lists
 # head sizes the tier kernels are built for (the rotated tiers need a power of two in [64, 512])
 KV_HEAD_DIMS = (64, 128, 256, 512)
-# tiers of kv_write.cu's rope_kv_write_q (rope + quantized store in one launch), in its index order
+# tiers of rope_store.cu's rope_kv_write_q (rope + quantized store in one launch, a module per pair)
 ROPE_STORE_TIERS = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0", "turbo8", "turbo4", "turbo3",
                     "turbo2")
 # the rotated ones among them (a block's threads are a row's values: head sizes up to 256)
@@ -116,6 +116,23 @@ def attention_source(type_k: str, type_v: str, d: int) -> str:
             + tables_prefix() + read_source("attention.cu"))
 
 
+def rope_store_source(type_k: str, type_v: str, d: int) -> str:
+    """Full source of the fused rope + KV store module for one pair of ``ROPE_STORE_TIERS``
+    (``rope_store.cu``'s ``rope_kv_write_q`` compiled with ``RS_TK`` / ``RS_TV`` / ``RS_D``):
+    ``d`` is the head size of a rotated K or V tier (64, 128 or 256); a pair of float and scalar
+    tiers gets one module for every head size (``RS_D`` 0). ``ValueError`` for a tier outside
+    ``ROPE_STORE_TIERS`` or a rotated tier at another head size."""
+    for name in (type_k, type_v):
+        if name not in ROPE_STORE_TIERS:
+            raise ValueError(f"no fused rope + KV store for KV cache type {name}")
+    rot = type_k in ROPE_STORE_ROTATED or type_v in ROPE_STORE_ROTATED
+    if rot and d not in (64, 128, 256):
+        raise ValueError(f"the fused rope + KV store of a rotated tier needs head size 64, 128 or 256, not {d}")
+    return ("#define RS_TK %s\n#define RS_TV %s\n#define RS_D %d\n"
+            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d if rot else 0)
+            + tables_prefix() + read_source("rope_store.cu"))
+
+
 def write_kernel(tier, d: int) -> tuple[str, int]:
     """(kernel name, threads per block) of the quantize kernel of ``tier`` at head size ``d``
     (``kv_write.cu``): the scalar and float tiers take one warp per 32-value block (grid:
@@ -130,4 +147,4 @@ def write_kernel(tier, d: int) -> tuple[str, int]:
 
 
 __all__ = ["KV_HEAD_DIMS", "KV_TYPES", "STREAM_CODE_TIERS", "TIER_STRUCTS", "attention_source", "has_table",
-           "stream_table_bytes", "tables_prefix", "write_kernel", "write_source"]
+           "rope_store_source", "stream_table_bytes", "tables_prefix", "write_kernel", "write_source"]

@@ -1,0 +1,57 @@
+// An attention layer's rope + quantized KV store in one launch (cpu.rope_kv_write with scalar or
+// turbo tiers: the launches of rope, rope and kv_write's quantize kernels), compiled per KV tier
+// pair by cuda_kv.rope_store_source with RS_TK / RS_TV (kv_tiers.cuh tier structs: the float,
+// scalar and turbo tiers) and RS_D (the head size of a rotated tier, 0 when neither is rotated).
+//
+// One module per pair, not one kernel that switches on runtime tier indices: a decode step runs
+// this kernel once per layer as a few dozen blocks, one per SM, every one of them fetching its
+// instructions cold; the switching kernel held every tier's encoder (28 K SASS instructions), and
+// its warps stalled on instruction fetch (ncu "no instruction": 9.5 cycles per issue against
+// 0.7 for f16's rope_kv_write, gemma-3-270m, H200).
+//
+// rope_kv_write_q: grid T * (Hq + 2 Hk) blocks of blockDim (a multiple of 32) threads; blocks
+// [0, T * Hq) rotate q head rows (q_norm first) into q_out, the next T * Hk take one (token, kv
+// head) each: its K row rotated (k_norm first) into shared memory and quantized to RS_TK, and the
+// last T * Hk its V row (dv values) quantized to RS_TV (apart, so that V's store runs beside K's
+// rope instead of after it), at the token's cell (flat index cell[t]; rows [n_kv][n / BS blocks of
+// BB bytes]). A scalar tier's warp w quantizes the 32-value blocks w, w + n_warps, ... (the scalar
+// quantizers are warp-collective: lane = value), so the stored bytes are kv_quant_<T>'s; a rotated
+// tier's row takes all the block's threads (turbo_row: a rotated K needs blockDim == D == RS_D, a
+// rotated V blockDim == dv == RS_D, a power of two up to 256). Dynamic shared memory: 2 D floats,
+// 6 D with a rotated tier.
+#include "kv_store.cuh"
+#include "rope.cuh"
+
+// a row of n values stored at dst in tier T: value(i) gives value i
+template <class T, class Val>
+__device__ __forceinline__ void rs_store_row(int n, u8* dst, float* sc, Val value) {
+    if constexpr (T::ROT) {
+        turbo_row<T, RS_D>(value(threadIdx.x), dst, sc);
+    } else {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        for (int b = warp; b < n / 32; b += nw) T::q32(value(32 * b + lane), dst + b * T::BB, lane);
+    }
+}
+
+extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) { GRID_DEP_WAIT();
+    const QKVIn in = ROPE_KV_WRITE_IN;
+    extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
+    __shared__ float sh[32];
+    long long row;
+    if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
+                     corr_hi, mscale, rbuf, sh, row))
+        return;
+    const bool is_v = row >= (long long)T * Hk;
+    if (is_v) row -= (long long)T * Hk;
+    const int t = (int)(row / Hk), h = (int)(row % Hk);
+    const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
+    float *kb = rbuf + D, *sc = rbuf + 2 * D;
+    if (is_v) {
+        rs_store_row<RS_TV>(dv, V + c * (dv / RS_TV::BS * RS_TV::BB), sc, [&](int i) { return in.v_at(t, h, dv, i); });
+        return;
+    }
+    rope_row(in.k_row(t, h, D), in.nsk, in.slk, in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
+             corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
+    __syncthreads();
+    rs_store_row<RS_TK>(D, K + c * (D / RS_TK::BS * RS_TK::BB), sc, [&](int i) { return kb[i]; });
+}
