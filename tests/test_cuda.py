@@ -2408,7 +2408,8 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/lo
 def test_kv_modules_compile_sm90(tmp_path, what):
     """The exact sources the backend compiles (tables prefix + inlined includes) build for sm_90
     with the backend's options."""
-    src = cuda_kv.write_source() if what == "write" else cuda_kv.attention_source(*what)
+    src = (cuda_kv.write_source() if what == "write" else cuda_kv.rope_store_source(*what[1:])
+           if what[0] == "rope_store" else cuda_kv.attention_source(*what))
     f = tmp_path / "m.cu"
     f.write_text(src)
     r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"),
@@ -2490,12 +2491,14 @@ def _sass_byte_stores_from_converts(sass: str) -> list:
 
 
 @pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc / cuobjdump not installed")
-@pytest.mark.parametrize("what", ["write", ("q8_0", "turbo3", 256), ("turbo3_tcq", "q5_1", 128)])
+@pytest.mark.parametrize("what", ["write", ("q8_0", "turbo3", 256), ("turbo3_tcq", "q5_1", 128),
+                                  ("rope_store", "q4_0", "turbo3", 128), ("rope_store", "q8_0", "q5_1", 128)])
 def test_kv_sass_no_numeric_f16_byte_store(tmp_path, what):
     """SASS (sm_90, the backend's options): no F2I.*.F16 instruction and no byte store fed
     directly by an f32 -> f16 convert in the KV modules (the H200 bug: F2I.U8.F16.TRUNC stored
     the half's integer value instead of its low byte). The checker flags the pre-fix source."""
-    src = cuda_kv.write_source() if what == "write" else cuda_kv.attention_source(*what)
+    src = (cuda_kv.write_source() if what == "write" else cuda_kv.rope_store_source(*what[1:])
+           if what[0] == "rope_store" else cuda_kv.attention_source(*what))
     f = tmp_path / "m.cu"
     f.write_text(src)
     r = subprocess.run([NVCC, "-std=c++17", "--use_fast_math", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"),

@@ -2,12 +2,14 @@
 
 The device code is ``opencoti/cuda_src/kv_tiers.cuh`` (decoders and encoders of every tier,
 one ``struct`` per tier), ``kv_write.cu`` (quantize new K/V rows into cells, dequantize
-gathered cells) and the tier-generic attention kernel of ``attention.cu`` (compiled per
-(K tier, V tier, head size) with ``KV_TK`` / ``KV_TV`` / ``KV_D`` defined). The rotated tiers'
-tables (``kv_tiers._tables``: rotation signs, Lloyd-Max levels and their decision
-thresholds, trellis codebooks) are not copied into the ``.cuh``: ``tables_prefix`` renders
-them from the Python tiers as C hex-float literals (exact float32 values), and every KV
-module is compiled with that prefix, so the GPU and the CPU always share one table.
+gathered cells), ``rope_store.cu`` (an attention layer's rope + KV store in one launch, compiled
+per (K tier, V tier) with ``RS_TK`` / ``RS_TV`` / ``RS_D`` defined) and the tier-generic
+attention kernel of ``attention.cu`` (compiled per (K tier, V tier, head size) with ``KV_TK`` /
+``KV_TV`` / ``KV_D`` defined). The rotated tiers' tables (``kv_tiers._tables``: rotation
+signs, Lloyd-Max levels and their decision thresholds, trellis codebooks) are not copied into
+the ``.cuh``: ``tables_prefix`` renders them from the Python tiers as C hex-float literals
+(exact float32 values), and every KV module is compiled with that prefix, so the GPU and the
+CPU always share one table.
 
 Byte layouts and rounding are the CPU tiers' (``opencoti/engine/kv_tiers``): the write
 kernels store the same bytes as ``KVTier.quantize`` -- bit for bit for every tier (the
