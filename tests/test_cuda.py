@@ -971,17 +971,26 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T, sliced):
                                    ("turbo2", "q8_0"), ("q4_0", "turbo4"), ("turbo8", "turbo2")])
 @pytest.mark.parametrize("d,dv,n_head,n_kv,T,norms,mode,n_rot,ff", [
     (128, 128, 6, 2, 5, False, "neox", 128, True), (256, 128, 4, 1, 1, True, "norm", 64, False),
-    (512, 512, 8, 2, 3, False, "neox", 512, False), (64, 64, 8, 8, 70, False, "norm", 64, False)])
+    (512, 512, 8, 2, 3, False, "neox", 512, False), (64, 64, 8, 8, 70, False, "norm", 64, False),
+    (256, 256, 4, 1, 3, True, "neox", 256, False), (96, 96, 6, 3, 4, False, "neox", 96, False)])
 @pytest.mark.parametrize("sliced", [False, True])
 def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv, T, norms, mode, n_rot, ff, sliced):
     """rope + a scalar- or turbo-tier KV store in one launch (rope_store.cu rope_kv_write_q, a module
     per tier pair) gives the bits of rope, rope and the tier quantize kernels launched one by one
     (cpu.rope_kv_write's composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and
     the whole K / V stores (the planned cells are in the second stream of a split cache), for
-    symmetric and mixed pairs, norm / neox, partial rotation, frequency factors, q / k norms, d_v < d_k, and head
-    sizes above the block's 256 threads (rope's strided loop, warps quantizing two blocks);
-    ``sliced``: strided q / k / v slices of one buffer with biases (_qkv_inputs)."""
+    symmetric and mixed pairs, norm / neox, partial rotation, frequency factors, q / k norms,
+    d_v < d_k, a rotated V at 256, a head size of a multiple of 32 that is no power of two (96:
+    the rotated tiers refuse it, ValueError) and head sizes above the block's 256 threads (rope's
+    strided loop, warps quantizing two blocks); ``sliced``: strided q / k / v slices of one
+    buffer with biases (_qkv_inputs)."""
     from opencoti.engine.backend import cuda as cu
+
+    rot_k, rot_v = tk in cuda_kv.ROPE_STORE_ROTATED, tv in cuda_kv.ROPE_STORE_ROTATED
+    if (rot_k or rot_v) and d & (d - 1):
+        with pytest.raises(ValueError, match="power of two"):
+            KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=dv, type_k=tk, type_v=tv, zeros=gpu.zeros)
+        return
 
     rng = np.random.default_rng(19 + d)
     q = rng.standard_normal((T, n_head, d)).astype(np.float32)
@@ -1005,7 +1014,6 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
         dn = [None if a is None else cp.asarray(a) for a in (qn, kn)]
         y = gpu.rope_kv_write(*dq, pos, c, 0, plan, *dn, bias, **rope)
         # the rotated tiers fuse at head sizes up to 256 with d_v = d_k for a rotated V
-        rot_k, rot_v = tk in cuda_kv.ROPE_STORE_ROTATED, tv in cuda_kv.ROPE_STORE_ROTATED
         fusable = not (rot_k or rot_v) or (d <= 256 and (not rot_v or dv == d))
         rot_d = d if rot_k or rot_v else 0
         assert [key for key in gpu._fns if key[0] == "rope_store"] == ([("rope_store", tk, tv, rot_d)]
@@ -2404,7 +2412,8 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/lo
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("what", ["write", ("q8_0", "turbo3", 256), ("turbo3_tcq", "q5_1", 128), ("f16", "bf16", 512)])
+@pytest.mark.parametrize("what", ["write", ("q8_0", "turbo3", 256), ("turbo3_tcq", "q5_1", 128), ("f16", "bf16", 512),
+                                  ("rope_store", "turbo2", "q8_0", 256), ("rope_store", "f32", "bf16", 512)])
 def test_kv_modules_compile_sm90(tmp_path, what):
     """The exact sources the backend compiles (tables prefix + inlined includes) build for sm_90
     with the backend's options."""

@@ -2,8 +2,9 @@
 //   - decoders for attention: code()/scale() read a block from registers holding a
 //     segment of a row (QK: a lane per cell), val() reads one value from memory (PV:
 //     the lanes over dims; the read kernel);
-//   - the encoder of kv_write.cu (q32() for the 32-value scalar tiers, one warp per block;
-//     the rotated tiers are encoded by whole kernels there).
+//   - the scalar encoder q32() (the 32-value scalar tiers, one warp per block: kv_write.cu's
+//     quantize kernels and rope_store.cu's fused store); the rotated tiers are encoded a row
+//     per block (kv_store.cuh turbo_row; the trellis tiers by kv_write.cu's Viterbi kernels).
 // The byte layouts are the CPU tiers' (scalar.py, turbo.py, tcq.py module docs). Rotated
 // tiers (ROT) decode to the rotated domain y = R x (turbo.py): attention rotates q once
 // and un-rotates the P.V output once. Needs the tables prefix of cuda_kv.tables_prefix().

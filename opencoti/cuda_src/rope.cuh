@@ -1,6 +1,6 @@
 // Block-wide sums and one row of RoPE (ggml_rope_ext), shared by kernels.cu (rope, the f16
-// rope_kv_write) and kv_write.cu (rope_kv_write_q, the scalar and turbo KV tiers): one definition, so the
-// fused kernels give the bits of the separate launches.
+// rope_kv_write) and rope_store.cu (rope_kv_write_q, the scalar and turbo KV tiers): one definition, so
+// the fused kernels give the bits of the separate launches.
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -116,8 +116,8 @@ struct QKVIn {
 };
 
 // The fused rope + KV store kernels' parameters (kernels.cu rope_kv_write: KV_T u16, f16 rows;
-// kv_write.cu rope_kv_write_q: u8, tier rows, then its tier indices), one list for both, and the
-// QKVIn they build from the first nine and the last six.
+// rope_store.cu rope_kv_write_q: u8, tier rows), one list for both, and the QKVIn they build from
+// the first nine and the last six.
 #define ROPE_KV_WRITE_PARAMS(KV_T)                                                                                   \
     const float *q, const float *k, const float *v, const float *bq, const float *bk, const float *bv, long long ldq, \
         long long ldk, long long ldv, const int *__restrict__ pos, float *__restrict__ q_out, KV_T *__restrict__ K,    \
@@ -130,7 +130,7 @@ struct QKVIn {
 // The fused rope + KV store kernels' q blocks: blocks [0, T * Hq) rotate one q head row into
 // q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the others return
 // false with kv_row = blockIdx.x - T * Hq (f16's rope_kv_write, grid T * (Hq + Hk): their
-// (token, kv head) row, token kv_row / Hk; kv_write.cu's rope_kv_write_q, grid T * (Hq + 2 Hk):
+// (token, kv head) row, token kv_row / Hk; rope_store.cu's rope_kv_write_q, grid T * (Hq + 2 Hk):
 // the K rows, then the V rows).
 __device__ __forceinline__ bool rope_q_block(const QKVIn& in, float* __restrict__ q_out, int T, int Hq,
                                              const int* __restrict__ pos, int D, int n_rot, float base,

@@ -5,7 +5,7 @@
 //
 // One module per pair, not one kernel that switches on runtime tier indices: a decode step runs
 // this kernel once per layer as a few dozen blocks, one per SM, every one of them fetching its
-// instructions cold; the switching kernel held every tier's encoder (28 K SASS instructions), and
+// instructions cold; the switching kernel held every tier's encoder (14 K SASS instructions), and
 // its warps stalled on instruction fetch (ncu "no instruction": 9.5 cycles per issue against
 // 0.7 for f16's rope_kv_write, gemma-3-270m, H200).
 //
