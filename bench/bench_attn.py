@@ -99,7 +99,7 @@ def main() -> None:
                               for L in (int(v) for v in a.cells.split(","))))
         print()
         if a.tiers and D in cu.AS_HEAD_DIMS:
-            _tier_table(be, cp, cu, a, H, nkv, D)
+            _tier_table(be, cp, cu, a, H, nkv, D, l2)
 
 
 def _kv_copies(cp, K, V, copies: int, l2: int, most: int) -> list:
@@ -130,9 +130,10 @@ def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: li
     return call
 
 
-def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
+def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
     """The streaming kernel over each tier of ``--tiers`` (K and V) at the backend's split
-    count for each ``--cells`` length, against f16: one table."""
+    count for each ``--cells`` length, against f16: one table (``l2``: the GPU's L2 bytes,
+    ``_kv_copies``)."""
     from bench_gemv import _graph_time
 
     from opencoti.engine.backend import cuda_kv
@@ -154,7 +155,7 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int) -> None:
         for t in tiers:
             T = get_tier(t)
             K, V = cp.asarray(T.quantize(kf)), cp.asarray(T.quantize(vf))
-            kvs = _kv_copies(cp, K, V, a.copies, cp.cuda.Device().attributes["L2CacheSize"], a.reps)
+            kvs = _kv_copies(cp, K, V, a.copies, l2, a.reps)
             rb = K.shape[-1] * K.dtype.itemsize
             if t == "f16":
                 smem = cu._as_smem(D, rb, rb)

@@ -1526,8 +1526,9 @@ class CUDABackend:
         if f16:
             self._fn("k", "rope_kv_write")((T * (Hq + Hk),), block, args, shared_mem=4 * D)
         else:  # a block per q head row, per K row and per V row
-            self._rope_store_fn(nk, nv, D)((T * (Hq + 2 * Hk),), block, args,
-                                           shared_mem=(24 if rot_k or rot_v else 8) * D)
+            rot = rot_k or rot_v
+            self._rope_store_fn(nk, nv, D if rot else 0)((T * (Hq + 2 * Hk),), block, args,
+                                                         shared_mem=(24 if rot else 8) * D)
         return y
 
     def _token_rows(self, a):
@@ -2060,17 +2061,14 @@ class CUDABackend:
             f = self._fns[key] = self._kernel(m, name)
         return f
 
-    def _rope_store_fn(self, type_k: str, type_v: str, d: int):
-        """``rope_kv_write_q`` of the (K tier, V tier) pair's rope_store module (head size ``d``
-        matters to a rotated tier only: ``cuda_kv.rope_store_source``)."""
-        rot = type_k in cuda_kv.ROPE_STORE_ROTATED or type_v in cuda_kv.ROPE_STORE_ROTATED
-        key = ("rope_store", type_k, type_v, d if rot else 0)
+    def _rope_store_fn(self, type_k: str, type_v: str, d_rot: int):
+        """``rope_kv_write_q`` of the (K tier, V tier) pair's rope_store module, compiled on first
+        use: ``d_rot`` the head size of a rotated tier, 0 for a pair without one
+        (``cuda_kv.rope_store_source``)."""
+        key = ("rope_store", type_k, type_v, d_rot)
         f = self._fns.get(key)
         if f is None:
-            m = self._kv_mods.get(key)
-            if m is None:
-                m = self._kv_mods[key] = load_source(cuda_kv.rope_store_source(type_k, type_v, d),
-                                                     f"rope_store_{type_k}_{type_v}_d{key[3]}")
+            m = load_source(cuda_kv.rope_store_source(type_k, type_v, d_rot), f"rope_store_{type_k}_{type_v}_d{d_rot}")
             f = self._fns[key] = self._kernel(m, "rope_kv_write_q")
         return f
 
