@@ -115,6 +115,8 @@ def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: li
     """A closure launching decode kernel ``fn`` (grid, threads, shared memory) with ``ns`` splits,
     plus ``attn_merge`` when it splits, into buffers of its own; call i reads ``inputs[i % len]``
     (each a tuple q, q_pos, row_view, view_off, cells, cell_pos, K, V: copies of one cache)."""
+    from opencoti.engine.backend.cuda import merge_launch
+
     out = cp.empty((1, H * D), cp.float32)
     pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
     turn = [0]
@@ -125,7 +127,7 @@ def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: li
         fn(grid, (threads,), args + (np.int32(H), np.int32(nkv), np.float32(D ** -0.5), np.int32(0), np.float32(0),
                                      np.int32(ns), out, pa, pm), shared_mem=smem)
         if ns > 1:
-            merge((1, H), (min(256, D),), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
+            merge(*merge_launch(1, H, D), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
 
     return call
 

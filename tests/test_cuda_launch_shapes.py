@@ -276,3 +276,20 @@ def test_tiles_weight(monkeypatch):
     monkeypatch.setattr(cu, "IMMA_BATCH", True)
     monkeypatch.setattr(cu, "TILED", False)
     assert not cu.tiles_weight(12, 18944, 3584)
+
+
+def test_merge_launch_windows():
+    """The attention merges take a block per 256-element window of a row (lse_merge.cuh), with
+    LSE_GROUPS groups of 256 threads, the define the host mirrors as MERGE_GROUPS: a window may
+    hold part of a head (512), several heads (64), and a row's last window may be partial (28
+    heads of 32: 896 elements, 4 windows)."""
+    import re
+    from importlib import resources
+
+    src = resources.files("opencoti.cuda_src").joinpath("lse_merge.cuh").read_text()
+    assert int(re.search(r"#define LSE_GROUPS (\d+)", src).group(1)) == cu.MERGE_GROUPS
+    assert cu.merge_launch(1, 4, 256) == ((1, 4), (256 * cu.MERGE_GROUPS,))
+    assert cu.merge_launch(12, 28, 128) == ((12, 14), (1024,))
+    assert cu.merge_launch(3, 8, 512) == ((3, 16), (1024,))
+    assert cu.merge_launch(1, 12, 64) == ((1, 3), (1024,))
+    assert cu.merge_launch(2, 28, 32) == ((2, 4), (1024,))

@@ -222,33 +222,33 @@ DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
 DEF_ATTN(256, 1) DEF_ATTN(256, 2) DEF_ATTN(256, 4) DEF_ATTN(256, 8)
 DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
 
-// dim d of (row, head) rh merged: sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}
-__device__ __forceinline__ float attn_merge_one(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                                long long rh, int n_split, int D, int d) {
-    const float M = lse_max(part_ml, rh * n_split, n_split, NEG_INF);
-    float L = 0.f, A = 0.f;
-    if (M != NEG_INF) lse_add(part_acc, part_ml, rh * n_split, n_split, D, d, M, L, A);
-    return L > 0.f ? A / L : 0.f;
+// the partials of (row r, head h): attn_partial's n_split of them
+__device__ __forceinline__ LseRun attn_run(const float* part_acc, const float* part_ml, int r, int n_head, int h,
+                                           int n_split) {
+    return LseRun{part_acc, part_ml, ((long long)r * n_head + h) * n_split, n_split};
 }
-// out[r, h, :] merged (attn_merge_one); grid (T, n_head), min(D, 256) threads.
-extern "C" __global__ void attn_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                      float* __restrict__ out, int n_head, int D, int n_split) { GRID_DEP_WAIT();
-    const long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) out[rh * D + d] = attn_merge_one(part_acc, part_ml, rh, n_split, D, d);
+// out[r, :] merged (lse_merge.cuh), 256 elements per block: grid (T, ceil(n_head * D / 256)),
+// LSE_THREADS threads.
+extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
+    int n_split) { GRID_DEP_WAIT();
+    const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
+    const float v = lse_merge_window<1>([&](int h, int) { return attn_run(part_acc, part_ml, r, n_head, h, n_split); },
+                                        HD, D, blockIdx.y * 256);
+    if (threadIdx.x < 256 && e < HD) out[(long long)r * HD + e] = v;
 }
 // attn_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
 // column nd t of ncp), for an integer GEMV that reads the output next (the attention output
-// projection): grid (T, n_head * D / 256), 256 threads, thread i element 256 blockIdx.y + i of
-// the row (attn_merge's value, bit for bit).
-extern "C" __global__ void attn_merge_digits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                             float* __restrict__ out, int n_head, int D, int n_split,
-                                             i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm,
-                                             int ncp, int nd) { GRID_DEP_WAIT();
-    const int e = blockIdx.y * 256 + threadIdx.x, h = e / D, d = e % D;
-    const long long rh = (long long)blockIdx.x * n_head + h;
-    const float v = attn_merge_one(part_acc, part_ml, rh, n_split, D, d);
-    out[rh * D + d] = v;
-    digits_block256(v, blockIdx.y, (long long)nd * blockIdx.x, ncp, nd, xq, xs, xm);
+// projection): grid (T, n_head * D / 256), LSE_THREADS threads, the block's element i that of
+// attn_merge (bit for bit: the same merge).
+extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge_digits(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
+    int n_split, i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
+    const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
+    const float v = lse_merge_window<1>([&](int h, int) { return attn_run(part_acc, part_ml, r, n_head, h, n_split); },
+                                        HD, D, blockIdx.y * 256);
+    if (threadIdx.x < 256) out[(long long)r * HD + e] = v;
+    digits_block256(v, blockIdx.y, (long long)nd * r, ncp, nd, xq, xs, xm);
 }
 // attn_stream_d<D>: attn_partial's partials for long rows, K / V streamed through shared memory
 // (attn_stream.cuh) from f16 rows

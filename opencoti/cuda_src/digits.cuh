@@ -67,14 +67,15 @@ __device__ __forceinline__ void digits_row(const float* y, int K, int ncp, int D
     }
 }
 
-// A block of 256 threads, thread i holding element i of super-block sb of one token's row (a kernel
-// that makes the row 256 values per block, e.g. the attention merges): the values go through shared
-// memory to warp 0, which stores their digit columns col0 .. col0 + D - 1 (as digits_row). Every
-// thread of a 256-thread block calls it, once per kernel (no barrier guards s_v against a second call).
+// A block of 256 or more threads, thread i < 256 holding element i of super-block sb of one
+// token's row (a kernel that makes the row 256 values per block, e.g. the attention merges; the
+// other threads' v is ignored): the values go through shared memory to warp 0, which stores their
+// digit columns col0 .. col0 + D - 1 (as digits_row). Every thread of the block calls it, once
+// per kernel (no barrier guards s_v against a second call).
 __device__ __forceinline__ void digits_block256(float v, int sb, long long col0, int ncp, int D,
                                                 i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm) {
     __shared__ __align__(16) float s_v[256];
-    s_v[threadIdx.x] = v;
+    if (threadIdx.x < 256) s_v[threadIdx.x] = v;
     __syncthreads();
     if (threadIdx.x < 32) {
         const float4 a = *(const float4*)(s_v + 8 * threadIdx.x), b = *(const float4*)(s_v + 8 * threadIdx.x + 4);

@@ -2,30 +2,93 @@
 // (row, head) holds acc_s[D] (unnormalised sum of p * v), m_s (its running max score) and
 // l_s (its sum of e^{score - m_s}); the merged row is sum_s acc_s e^{m_s - M} / sum_s l_s
 // e^{m_s - M} with M the largest m_s. Partials with m_s = -inf (no visible cell) drop out.
-// Partial i of a run of n starting at `first`: acc at acc[(first + i) * D], (m, l) at
-// ml[2 * (first + i)]. (Included once per source by cuda_kernels.read_source.)
+// (Included once per source by cuda_kernels.read_source.)
+//
+// lse_merge_window: a block of LSE_THREADS threads merges a window of 256 consecutive elements
+// of one row's [n_head * D] output (heads e / D, dims e % D; the window may span several heads
+// when D < 256, or part of one when D = 512). A decode step's merge is latency bound: a thread
+// per element walking every split in turn took 31 us at 128 splits on the H200 (gemma-3-270m at
+// depth 32,768), longer than the attention it merged. Here (1) one warp per head of the window
+// reduces (M, L) over the splits, 32 splits per load, and (2) LSE_GROUPS groups of 256 threads
+// each sum every LSE_GROUPS-th split of the values, summed in a fixed order at the end (the
+// result is deterministic, and the same for every kernel that merges through it).
 
 #define LSE_NEG_INF (-__int_as_float(0x7f800000))
+#define LSE_GROUPS 4
+#define LSE_THREADS (256 * LSE_GROUPS)
 
-// (The loops load before they test, unrolled, so a long run of partials keeps several loads in
-// flight instead of one round trip per partial.)
-__device__ __forceinline__ float lse_max(const float* __restrict__ ml, long long first, int n, float M) {
-#pragma unroll 8
-    for (int s = 0; s < n; s++) M = fmaxf(M, ml[2 * (first + s)]);
-    return M;
-}
+#ifndef FLT_MAX
+#define FLT_MAX 3.402823466e+38f
+#endif
 
-// adds the n partials' dim d, rescaled to the common max M, into L (weights) and A (values)
-__device__ __forceinline__ void lse_add(const float* __restrict__ acc, const float* __restrict__ ml, long long first,
-                                        int n, int D, int d, float M, float& L, float& A) {
+// One run of partials of a (row, head): n of them, partial i's acc at acc[(first + i) * D], its
+// (m, l) at ml[2 * (first + i)] (8-byte aligned).
+struct LseRun {
+    const float* __restrict__ acc;
+    const float* __restrict__ ml;
+    long long first;
+    int n;
+};
+
+// The merged value of element e0 + threadIdx.x of a row of HD = n_head * D values, for threads
+// 0..255 of the block (the others return 0): runs(h, k) gives run k < NR of head h (the runs
+// of a head merge as one list of partials). Every thread of the LSE_THREADS-thread block calls
+// it, once per kernel. Window elements at or past HD return 0.
+template <int NR, class Runs>
+__device__ __forceinline__ float lse_merge_window(Runs runs, int HD, int D, int e0) {
+    __shared__ float s_ml[256 / 32][2];  // (M, L) of the window's heads (at most 8: D >= 32)
+    __shared__ float s_a[LSE_GROUPS - 1][256];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = threadIdx.x >> 8, i = threadIdx.x & 255;
+    const int e1 = min(HD, e0 + 256), h0 = e0 / D, nh = (e1 - 1) / D - h0 + 1;
+    if (warp < nh) {
+        float M = LSE_NEG_INF, L = 0.f;
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            const LseRun u = runs(h0 + warp, k);
+#pragma unroll 4
+            for (int s = lane; s < u.n; s += 32) M = fmaxf(M, u.ml[2 * (u.first + s)]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        if (M != LSE_NEG_INF) {
+#pragma unroll
+            for (int k = 0; k < NR; k++) {
+                const LseRun u = runs(h0 + warp, k);
+#pragma unroll 4
+                for (int s = lane; s < u.n; s += 32) {
+                    const float2 v = *(const float2*)(u.ml + 2 * (u.first + s));  // (m, l): one load
+                    if (v.x != LSE_NEG_INF) L += v.y * __expf(v.x - M);
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_down_sync(0xffffffffu, L, o);
+        if (lane == 0) { s_ml[warp][0] = M; s_ml[warp][1] = L; }
+    }
+    __syncthreads();
+    const int e = e0 + i, h = min(e, e1 - 1) / D, d = e % D;
+    const float M = s_ml[h - h0][0];
+    float A = 0.f;
+    if (e < e1 && M != LSE_NEG_INF) {
+#pragma unroll
+        for (int k = 0; k < NR; k++) {
+            const LseRun u = runs(h, k);
 #pragma unroll 8
-    for (int s = 0; s < n; s++) {
-        const long long pi = first + s;
-        const float ms = ml[2 * pi], ls = ml[2 * pi + 1], as = acc[pi * D + d];
-        if (ms != LSE_NEG_INF) {
-            const float f = __expf(ms - M);
-            L += ls * f;
-            A += as * f;
+            for (int s = grp; s < u.n; s += LSE_GROUPS) {
+                // exp(-inf) = 0 drops a partial with no visible cell, whose acc may be anything:
+                // clamped (finite values unchanged) so that 0 * acc is 0, and so that the load
+                // is used unconditionally (a load predicated on its m_s waits for that load first)
+                const long long pi = u.first + s;
+                const float ms = u.ml[2 * pi], as = fminf(fmaxf(u.acc[pi * D + d], -FLT_MAX), FLT_MAX);
+                A += as * __expf(ms - M);
+            }
         }
     }
+    if (grp > 0) s_a[grp - 1][i] = A;
+    __syncthreads();
+    if (grp > 0) return 0.f;
+#pragma unroll
+    for (int g = 0; g < LSE_GROUPS - 1; g++) A += s_a[g][i];
+    const float L = s_ml[h - h0][1];
+    return L > 0.f ? A / L : 0.f;
 }

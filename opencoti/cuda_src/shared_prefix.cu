@@ -254,42 +254,35 @@ __device__ __forceinline__ void sp_attn_impl(
                             softcap, n_split, part_acc, part_ml); }
 DEF_SP(32, 64) DEF_SP(64, 64) DEF_SP(128, 64) DEF_SP(256, 32)
 
-// one (row, head, dim) of sp_merge
-__device__ __forceinline__ float sp_merge_one(const float* __restrict__ p_acc, const float* __restrict__ p_ml,
-                                              int n_sp, const float* __restrict__ s_acc,
-                                              const float* __restrict__ s_ml, int n_ss, int slot, int r, int h,
-                                              int n_head, int D, int d) {
-    const long long rh = (long long)r * n_head + h;
-    const long long sh = slot >= 0 ? (long long)slot * n_head + h : 0;
-    const int nss = slot >= 0 ? n_ss : 0;
-    const float M = lse_max(s_ml, sh * n_ss, nss, lse_max(p_ml, rh * n_sp, n_sp, SP_NEG_INF));
-    float L = 0.f, A = 0.f;
-    if (M != SP_NEG_INF) {
-        lse_add(p_acc, p_ml, rh * n_sp, n_sp, D, d, M, L, A);
-        lse_add(s_acc, s_ml, sh * n_ss, nss, D, d, M, L, A);
-    }
-    return L > 0.f ? A / L : 0.f;
+// row r's output merged (lse_merge.cuh) from its private partials (n_sp per head) and, when
+// slot >= 0, the shared partials of that group row (n_ss per head): the block's window blockIdx.y
+__device__ __forceinline__ float sp_merge_window(const float* p_acc, const float* p_ml, int n_sp, const float* s_acc,
+                                                 const float* s_ml, int n_ss, int slot, int r, int n_head, int D) {
+    return lse_merge_window<2>([&](int h, int k) {
+        return k == 0 ? LseRun{p_acc, p_ml, ((long long)r * n_head + h) * n_sp, n_sp}
+                      : LseRun{s_acc, s_ml, slot >= 0 ? ((long long)slot * n_head + h) * n_ss : 0, slot >= 0 ? n_ss : 0};
+    }, n_head * D, D, blockIdx.y * 256);
 }
 
 // sp_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
-// column nd t of ncp; attention.cu attn_merge_digits): grid (T, n_head * D / 256), 256 threads.
-extern "C" __global__ void sp_merge_digits(const float* __restrict__ p_acc, const float* __restrict__ p_ml, int n_sp,
-                                           const float* __restrict__ s_acc, const float* __restrict__ s_ml, int n_ss,
-                                           const int* __restrict__ row_slot, float* __restrict__ out, int n_head,
-                                           int D, i8* __restrict__ xq, float* __restrict__ xs,
-                                           i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
+// column nd t of ncp; attention.cu attn_merge_digits): grid (T, n_head * D / 256), LSE_THREADS
+// threads.
+extern "C" __global__ void __launch_bounds__(LSE_THREADS) sp_merge_digits(
+    const float* __restrict__ p_acc, const float* __restrict__ p_ml, int n_sp, const float* __restrict__ s_acc,
+    const float* __restrict__ s_ml, int n_ss, const int* __restrict__ row_slot, float* __restrict__ out, int n_head,
+    int D, i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
     const int r = blockIdx.x, e = blockIdx.y * 256 + threadIdx.x;
-    const float v = sp_merge_one(p_acc, p_ml, n_sp, s_acc, s_ml, n_ss, row_slot[r], r, e / D, n_head, D, e % D);
-    out[(long long)r * n_head * D + e] = v;
+    const float v = sp_merge_window(p_acc, p_ml, n_sp, s_acc, s_ml, n_ss, row_slot[r], r, n_head, D);
+    if (threadIdx.x < 256) out[(long long)r * n_head * D + e] = v;
     digits_block256(v, blockIdx.y, (long long)nd * r, ncp, nd, xq, xs, xm);
 }
 
-// grid (T, n_head), min(D, 256) threads
-extern "C" __global__ void sp_merge(const float* __restrict__ p_acc, const float* __restrict__ p_ml, int n_sp,
-                                    const float* __restrict__ s_acc, const float* __restrict__ s_ml, int n_ss,
-                                    const int* __restrict__ row_slot, float* __restrict__ out, int n_head, int D) { GRID_DEP_WAIT();
-    const long long rh = (long long)blockIdx.x * n_head + blockIdx.y;
-    const int slot = row_slot[blockIdx.x];
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-        out[rh * D + d] = sp_merge_one(p_acc, p_ml, n_sp, s_acc, s_ml, n_ss, slot, blockIdx.x, blockIdx.y, n_head, D, d);
+// grid (T, ceil(n_head * D / 256)), LSE_THREADS threads
+extern "C" __global__ void __launch_bounds__(LSE_THREADS) sp_merge(
+    const float* __restrict__ p_acc, const float* __restrict__ p_ml, int n_sp, const float* __restrict__ s_acc,
+    const float* __restrict__ s_ml, int n_ss, const int* __restrict__ row_slot, float* __restrict__ out, int n_head,
+    int D) { GRID_DEP_WAIT();
+    const int r = blockIdx.x, e = blockIdx.y * 256 + threadIdx.x;
+    const float v = sp_merge_window(p_acc, p_ml, n_sp, s_acc, s_ml, n_ss, row_slot[r], r, n_head, D);
+    if (threadIdx.x < 256 && e < n_head * D) out[(long long)r * n_head * D + e] = v;
 }

@@ -448,6 +448,16 @@ def _sp_smem(d: int) -> int:
     return (2 * SP_QT + 2 * ct) * (d + 8) * 2 + 4 * (ct + 2 * SP_QT)
 
 
+MERGE_GROUPS = 4  # lse_merge.cuh LSE_GROUPS: 256-thread groups of a merge block
+
+
+def merge_launch(T: int, H: int, D: int) -> tuple:
+    """``(grid, block)`` of the attention merges (attn_merge, sp_merge and their ``_digits``
+    forms; lse_merge.cuh) for ``T`` rows of ``H`` heads of size ``D``: a block per 256-element
+    window of a row, ``256 * MERGE_GROUPS`` threads."""
+    return (T, -(-H * D // 256)), (256 * MERGE_GROUPS,)
+
+
 def _as_srb(rb: int) -> int:
     """Shared-memory stride of a ``rb``-byte K / V row in the streaming kernels (attn_stream.cuh
     ``as_srb``): 16-aligned, an odd multiple of 16."""
@@ -2212,16 +2222,14 @@ class CUDABackend:
         return out
 
     def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple) -> None:
-        """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge: grid
-        (T, H), min(D, 256) threads) into ``out [T, H * D]``, or its ``_digits`` form (grid (T,
-        H * D / 256), 256 threads) that also writes the output projection's digits
-        (``_row_digits``; MERGE_DIGITS)."""
-        T = out.shape[0]
+        """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge; grid
+        and block: ``merge_launch``) into ``out [T, H * D]``, or its ``_digits`` form that also
+        writes the output projection's digits (``_row_digits``; MERGE_DIGITS)."""
         dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS
         if dg[0] is not _NULL:
-            self._fn(mod, name + "_digits")((T, H * D // 256), (256,), args + dg)
+            self._fn(mod, name + "_digits")(*merge_launch(out.shape[0], H, D), args + dg)
         else:
-            self._fn(mod, name)((T, H), (min(256, D),), args)
+            self._fn(mod, name)(*merge_launch(out.shape[0], H, D), args)
 
     def _attention_prefill(self, q, q_pos, k_store, v_store, plan, meta: dict, scale: float, n_swa: int,
                            softcap: float):
@@ -2266,7 +2274,7 @@ class CUDABackend:
                     np.int32(n_ss), s_acc[r0 * H * n_ss * D:], s_ml[r0 * H * n_ss * 2:]), shared_mem=_sp_smem(D))
             r0 += r
         out = cp.empty((T, H * D), dtype=cp.float32)
-        self._fn("s", "sp_merge")((T, H), (min(256, D),),
+        self._fn("s", "sp_merge")(*merge_launch(T, H, D),
                                   (s_acc, s_ml, np.int32(0), s_acc, s_ml, np.int32(n_ss), slot_d, out, np.int32(H),
                                    np.int32(D)))
         return out
