@@ -13,7 +13,8 @@ counts in ``CUDABackend._attn_splits`` / ``_attn_stream_splits``.
 
 ``--tiers``: then, per layout and N, the streaming kernel over each KV tier pair (``-ctk`` =
 ``-ctv``; ``attn_kv_stream`` of the pair's module, rows quantized by the CPU tier) at the
-backend's split count, next to f16 at the same count: us per call, bytes per second, and the
+backend's split count (which depends on the kernel's resident blocks per SM), against f16 at its
+own: us per call, bytes per second, and the
 time relative to f16. ``--split-cells 256,512,1024`` adds rows at N / 256, N / 512, ... splits:
 a tier's time against its cells per block separates the block's fixed cost (tables, rotations,
 merge) from its per-cell decode.
@@ -165,14 +166,18 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
             else:
                 smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False))
                 fn = be._kv_attn_fn(t, t, D, 0, smem=smem)
-            counts = [be._attn_stream_splits(L, gy, 1)] + [max(1, L // int(c)) for c in a.split_cells.split(",") if c]
-            for ns in dict.fromkeys(counts):
-                call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), 2 * cu._as_tile(D, rb, rb), smem,
+            threads = 2 * cu._as_tile(D, rb, rb)
+            fit = be._blocks_per_sm(threads, fn.raw.num_regs, smem)
+            counts = [be._attn_stream_splits(L, gy, 1, fit)] + [max(1, L // int(c)) for c in a.split_cells.split(",") if c]
+            for i, ns in enumerate(dict.fromkeys(counts)):
+                call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), threads, smem,
                                     [(q, qpos, rv, vo, cells, cpos, k, v) for k, v in kvs], H, nkv, D, ns)
                 us = _graph_time(cp, call, a.reps)
-                base[ns] = us if t == "f16" else base[ns]
+                key = "auto" if i == 0 else ns  # the backend's count against f16's own
+                if t == "f16":
+                    base[key] = us
                 gbs = 2 * L * nkv * rb / (us * 1e3)
-                print(f"| {t} | {L:,} | {ns} | {us:.1f} | {gbs:,.0f} | {us / base[ns]:.2f} |", flush=True)
+                print(f"| {t} | {L:,} | {ns} | {us:.1f} | {gbs:,.0f} | {us / base.get(key, us):.2f} |", flush=True)
     print()
 
 

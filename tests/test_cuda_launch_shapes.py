@@ -14,6 +14,7 @@ class Device:
     """The backend's device figures and the methods under test (no CUDA context)."""
 
     _attn_splits = cu.CUDABackend._attn_splits
+    _attn_stream_splits = cu.CUDABackend._attn_stream_splits
     _gemvi_warps = cu.CUDABackend._gemvi_warps
     _gemvi_warps_auto = cu.CUDABackend._gemvi_warps_auto
     _blocks_per_sm = cu.CUDABackend._blocks_per_sm
@@ -293,3 +294,19 @@ def test_merge_launch_windows():
     assert cu.merge_launch(3, 8, 512) == ((3, 16), (1024,))
     assert cu.merge_launch(1, 12, 64) == ((1, 3), (1024,))
     assert cu.merge_launch(2, 28, 32) == ((2, 4), (1024,))
+
+
+def test_attn_stream_splits_resident_blocks(monkeypatch):
+    """The streaming kernels' splits fill one wave: min(ATTN_STREAM_SM_BLOCKS, the blocks of the
+    kernel resident per SM) per SM, so a knob above what fits does not make a second wave (the
+    270m's f16 block fits once per SM by its shared memory, a q4_0 block twice)."""
+    monkeypatch.setattr(cu, "ATTN_STREAM_MIN_SPLIT", 128)
+    monkeypatch.setattr(cu, "ATTN_MAX_SPLITS", 256)
+    monkeypatch.setattr(cu, "ATTN_STREAM_SM_BLOCKS", 1.0)
+    assert H200._attn_stream_splits(65536, 1, 1, 2) == 132
+    monkeypatch.setattr(cu, "ATTN_STREAM_SM_BLOCKS", 2.0)
+    assert H200._attn_stream_splits(65536, 1, 1, 1) == 132
+    assert H200._attn_stream_splits(65536, 1, 1, 2) == 256  # 264 wanted, ATTN_MAX_SPLITS
+    assert H200._attn_stream_splits(16384, 1, 1, 2) == 128  # splits of at least 128 cells
+    assert H200._attn_stream_splits(65536, 4, 1, 2) == 66
+    assert H200._attn_stream_splits(65536, 4, 1, 0) == 33  # no fit reported: one block per SM

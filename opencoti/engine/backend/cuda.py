@@ -2196,7 +2196,11 @@ class CUDABackend:
             stream = smem <= self.smem_per_block
         if stream:
             n_hg = -(-G // 16)
-            n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T)
+            threads = 2 * _as_tile(D, rb_k, rb_v)
+            sfn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem) if quant else \
+                self._big_smem_fn("a", f"attn_stream_d{D}", smem)
+            n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T,
+                                               self._blocks_per_sm(threads, sfn.raw.num_regs, smem))
         else:
             n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
         if n_split > 1:
@@ -2210,9 +2214,7 @@ class CUDABackend:
                 k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
                 np.float32(softcap), np.int32(n_split), out, part_acc, part_ml)
         if stream:
-            fn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem) if quant else \
-                self._big_smem_fn("a", f"attn_stream_d{D}", smem)
-            fn((T, n_kv * n_hg, n_split), (2 * _as_tile(D, rb_k, rb_v),), args, shared_mem=smem)
+            sfn((T, n_kv * n_hg, n_split), (threads,), args, shared_mem=smem)
         else:
             fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
             fn((T, n_kv * n_hg, n_split), (128,), args)
@@ -2322,12 +2324,14 @@ class CUDABackend:
         batch = rows > 1 and rows * heads >= ATTN_STREAM_BATCH_BLOCKS
         return n_cells >= (ATTN_STREAM_BATCH_CELLS if batch else ATTN_STREAM_CELLS) * max(1, rows)
 
-    def _attn_stream_splits(self, n_cells: int, base: int, rows: int) -> int:
+    def _attn_stream_splits(self, n_cells: int, base: int, rows: int, fit: int = 1) -> int:
         """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x 16-head
         groups) are launched per split for ``rows`` query rows of ``n_cells`` cells (as
-        ``_attn_splits``): about ATTN_STREAM_SM_BLOCKS blocks per SM, splits of at least
-        ATTN_STREAM_MIN_SPLIT of the mean row's cells, at most ATTN_MAX_SPLITS, at least 1."""
-        want = -(-int(ATTN_STREAM_SM_BLOCKS * self.n_sm) // base)
+        ``_attn_splits``), for a kernel of which ``fit`` blocks are resident per SM
+        (``_blocks_per_sm``): about min(ATTN_STREAM_SM_BLOCKS, fit) blocks per SM, one wave,
+        splits of at least ATTN_STREAM_MIN_SPLIT of the mean row's cells, at most
+        ATTN_MAX_SPLITS, at least 1."""
+        want = -(-int(min(ATTN_STREAM_SM_BLOCKS, max(1, fit)) * self.n_sm) // base)
         longest = n_cells // (max(1, rows) * max(1, ATTN_STREAM_MIN_SPLIT))
         return int(max(1, min(want, longest, ATTN_MAX_SPLITS)))
 
