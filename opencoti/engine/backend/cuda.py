@@ -344,7 +344,9 @@ PREFILL_TC_ROWS = 16  # query rows per sequence (mean over the ubatch) from whic
 # ATTN_STREAM_SM_BLOCKS blocks per SM, each at least ATTN_STREAM_MIN_SPLIT cells (one block per SM
 # measured best on the H200, bench_attn: Qwen2.5-7B heads at 32k cells, 4-warp blocks, 34.3 us at
 # one block per SM, 37.8 at two; a tier pair's two to four blocks per SM were slower too: fewer,
-# longer splits pay less prologue and merge)
+# longer splits pay less prologue and merge; both measured before the merge took ~5 us at any
+# split count, CUDA_NOTES session 26); never more blocks per SM than the kernel fits at once
+# (_attn_stream_splits' fit)
 ATTN_STREAM_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_CELLS", "2048"))
 ATTN_STREAM_SM_BLOCKS = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_SM_BLOCKS", "1"))
 ATTN_STREAM_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_MIN_SPLIT", "256"))
