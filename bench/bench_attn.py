@@ -175,6 +175,7 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
                 us = _graph_time(cp, call, a.reps)
                 key = "auto" if i == 0 else ns  # the backend's count against f16's own
                 if t == "f16":
+                    base[ns] = us
                     base[key] = us
                 gbs = 2 * L * nkv * rb / (us * 1e3)
                 print(f"| {t} | {L:,} | {ns} | {us:.1f} | {gbs:,.0f} | {us / base.get(key, us):.2f} |", flush=True)

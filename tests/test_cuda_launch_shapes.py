@@ -294,6 +294,10 @@ def test_merge_launch_windows():
     assert cu.merge_launch(3, 8, 512) == ((3, 16), (1024,))
     assert cu.merge_launch(1, 12, 64) == ((1, 3), (1024,))
     assert cu.merge_launch(2, 28, 32) == ((2, 4), (1024,))
+    assert cu.merge_launch(1, 5, 96) == ((1, 2), (1024,))  # 96: a window touches 3 heads
+    for d in (0, 16, 33, 80):  # a head size below 32 or off its multiples could touch a 9th head
+        with pytest.raises(ValueError, match="multiple of 32"):
+            cu.merge_launch(1, 8, d)
 
 
 def test_attn_stream_splits_resident_blocks(monkeypatch):

@@ -36,7 +36,7 @@ struct LseRun {
 // it, once per kernel. Window elements at or past HD return 0.
 template <int NR, class Runs>
 __device__ __forceinline__ float lse_merge_window(Runs runs, int HD, int D, int e0) {
-    __shared__ float s_ml[256 / 32][2];  // (M, L) of the window's heads (at most 8: D >= 32)
+    __shared__ float s_ml[256 / 32][2];  // (M, L) of the window's heads: at most 8 for D a multiple of 32 (merge_launch)
     __shared__ float s_a[LSE_GROUPS - 1][256];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = threadIdx.x >> 8, i = threadIdx.x & 255;
     const int e1 = min(HD, e0 + 256), h0 = e0 / D, nh = (e1 - 1) / D - h0 + 1;

@@ -456,7 +456,10 @@ MERGE_GROUPS = 4  # lse_merge.cuh LSE_GROUPS: 256-thread groups of a merge block
 def merge_launch(T: int, H: int, D: int) -> tuple:
     """``(grid, block)`` of the attention merges (attn_merge, sp_merge and their ``_digits``
     forms; lse_merge.cuh) for ``T`` rows of ``H`` heads of size ``D``: a block per 256-element
-    window of a row, ``256 * MERGE_GROUPS`` threads."""
+    window of a row, ``256 * MERGE_GROUPS`` threads. Raises ValueError unless ``D`` is a multiple
+    of 32 (a window then touches at most 8 heads, the kernel's per-head slots)."""
+    if D <= 0 or D % 32:
+        raise ValueError(f"attention merge: head size {D} is not a multiple of 32")
     return (T, -(-H * D // 256)), (256 * MERGE_GROUPS,)
 
 
