@@ -222,10 +222,14 @@ DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
 DEF_ATTN(256, 1) DEF_ATTN(256, 2) DEF_ATTN(256, 4) DEF_ATTN(256, 8)
 DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
 
-// the partials of (row r, head h): attn_partial's n_split of them
-__device__ __forceinline__ LseRun attn_run(const float* part_acc, const float* part_ml, int r, int n_head, int h,
-                                           int n_split) {
-    return LseRun{part_acc, part_ml, ((long long)r * n_head + h) * n_split, n_split};
+// row blockIdx.x's output merged (lse_merge.cuh) from attn_partial's n_split partials per head:
+// the block's window blockIdx.y
+__device__ __forceinline__ float attn_merge_window(const float* part_acc, const float* part_ml, int n_head, int D,
+                                                   int n_split) {
+    const int r = blockIdx.x;
+    return lse_merge_window<1>([&](int h, int) {
+        return LseRun{part_acc, part_ml, ((long long)r * n_head + h) * n_split, n_split};
+    }, n_head * D, D, blockIdx.y * 256);
 }
 // out[r, :] merged (lse_merge.cuh), 256 elements per block: grid (T, ceil(n_head * D / 256)),
 // LSE_THREADS threads.
@@ -233,8 +237,7 @@ extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
     int n_split) { GRID_DEP_WAIT();
     const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
-    const float v = lse_merge_window<1>([&](int h, int) { return attn_run(part_acc, part_ml, r, n_head, h, n_split); },
-                                        HD, D, blockIdx.y * 256);
+    const float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
     if (threadIdx.x < 256 && e < HD) out[(long long)r * HD + e] = v;
 }
 // attn_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
@@ -245,8 +248,7 @@ extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge_digits(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
     int n_split, i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
     const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
-    const float v = lse_merge_window<1>([&](int h, int) { return attn_run(part_acc, part_ml, r, n_head, h, n_split); },
-                                        HD, D, blockIdx.y * 256);
+    const float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
     if (threadIdx.x < 256) out[(long long)r * HD + e] = v;
     digits_block256(v, blockIdx.y, (long long)nd * r, ncp, nd, xq, xs, xm);
 }

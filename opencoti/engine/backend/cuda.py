@@ -641,6 +641,7 @@ class CUDABackend:
                       "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"),
                       "m": load_module("mmq.cu"), "i": load_module("gemv_int.cu")}
         self._fns: dict = {}
+        self._fits: dict = {}  # streaming attention kernel -> its resident blocks per SM
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
         self._decode_rows = 0  # rows of the current ubatch when each is its own sequence's token, else 0
@@ -2204,8 +2205,10 @@ class CUDABackend:
             threads = 2 * _as_tile(D, rb_k, rb_v)
             sfn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem) if quant else \
                 self._big_smem_fn("a", f"attn_stream_d{D}", smem)
-            n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T,
-                                               self._blocks_per_sm(threads, sfn.raw.num_regs, smem))
+            fit = self._fits.get(sfn)
+            if fit is None:  # once per kernel: num_regs is a driver query
+                fit = self._fits[sfn] = self._blocks_per_sm(threads, sfn.raw.num_regs, smem)
+            n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T, fit)
         else:
             n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
         if n_split > 1:
