@@ -1,7 +1,8 @@
 """Decode speed per KV cache tier and context depth on a GPU backend (issue 6 part 2).
 
     python bench/bench_kv_tiers.py [-m model.gguf | --synth qwen2.5-7b-q4_k_m] \
-        [--tiers f16,q8_0,q4_0,turbo3,turbo2] [--depths 0,8192,32768] [-n 64] [-r 3]
+        [--tiers f16,q8_0,q4_0,turbo3,turbo2] [--depths 0,8192,32768] [-n 64] [-r 3] \
+        [--variant NAME:KNOB=VALUE[,KNOB=VALUE...]]...
 
 For each tier (``name`` = the same tier for K and V, ``k/v`` = a pair) one runner with
 ``n_ctx`` = the largest depth + 512 cells is built, all of them up front; per depth each
@@ -13,11 +14,24 @@ tok/s (mean ± stddev) and the ratio to f16 at the same depth. ``--synth PRESET`
 ``opencoti.tools.synth_shapes``'s random-weight model with that preset's exact shapes (e.g. the
 7B-shaped ``qwen2.5-7b-q4_k_m``) to the cache dir first. Targets (issue 6): a quantized tier
 costs at most 10% at short context and is at least f16's speed at 32k.
+
+``--variant`` (repeatable) adds, for every tier, a runner that runs with the backend module's
+knobs set to other values (e.g. ``sb2:ATTN_STREAM_SM_BLOCKS=2,ATTN_STREAM_MIN_SPLIT=128``; the
+names of ``opencoti.engine.backend.<backend>``'s module constants that it reads at call time,
+values parsed as Python literals), set around that runner's prefill and decode runs only: it
+takes its turns in the same process as the others, whose speed varies from process to process
+(the synthetic gemma-3-270m's f16 at 32k: 787-950 tok/s in four processes on one H200, CUDA_NOTES
+session 27), so a setting and the default compare within one process. Its rows are labelled
+``tier [NAME]``, their ratio is to the same variant's f16, and a last column gives the ratio to
+the same tier without the variant.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import importlib
 import os
 import statistics
 import sys
@@ -49,6 +63,40 @@ def _model_path(a) -> str:
     return str(default_model_path())
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME:KNOB=VALUE[,KNOB=VALUE...]`` -> ``(NAME, {KNOB: value})``, each value a Python
+    literal (``2``, ``128``, ``'x'``). Raises ``argparse.ArgumentTypeError`` for a malformed text
+    (argparse prints its message)."""
+    name, sep, body = text.partition(":")
+    knobs = {}
+    for item in body.split(",") if body else []:
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise argparse.ArgumentTypeError(f"{text!r}: expected KNOB=VALUE, got {item!r}")
+        try:
+            knobs[k.strip()] = ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"{text!r}: {v.strip()!r} is not a Python literal") from None
+    if not sep or not name or not knobs:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:KNOB=VALUE[,KNOB=VALUE...]")
+    return name, knobs
+
+
+@contextlib.contextmanager
+def knobs_set(module, knobs: dict):
+    """Module constants ``knobs`` set on ``module`` for the block, the old values restored after.
+    Raises ``AttributeError`` for a name the module does not have (a typo would otherwise measure
+    the default)."""
+    old = {k: getattr(module, k) for k in knobs}
+    try:
+        for k, v in knobs.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
 def _decode(runner, depth: int, n: int) -> float:
     t = time.perf_counter()
     for i in range(n):
@@ -67,45 +115,64 @@ def main() -> None:
     ap.add_argument("--depths", default="0,8192,32768")
     ap.add_argument("-n", "--steps", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant,
+                    help="NAME:KNOB=VALUE[,...]: every tier also with the backend module's knobs set (repeatable)")
     a = ap.parse_args()
 
     model = load_model(_model_path(a), with_tokenizer=False)
     depths = [int(x) for x in a.depths.split(",") if x]
     specs = [t for t in a.tiers.split(",") if t]
-    runners = {}
-    for spec in specs:
-        tk, tv = spec.split("/") if "/" in spec else (spec, spec)
-        runners[spec] = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
-    res: dict = {(spec, d): [] for spec in specs for d in depths}
+    backend_mod = importlib.import_module(f"opencoti.engine.backend.{a.backend}")
+    variants = [("", {})] + a.variant
+    for _, knobs in variants:
+        with knobs_set(backend_mod, knobs):  # a missing knob fails here, before any run
+            pass
+    runners = {}  # label -> (runner, knobs)
+    for vname, knobs in variants:
+        for spec in specs:
+            tk, tv = spec.split("/") if "/" in spec else (spec, spec)
+            runner = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
+            runners[f"{spec} [{vname}]" if vname else spec] = (runner, knobs)
+    labels = list(runners)
+    res: dict = {(lb, d): [] for lb in labels for d in depths}
     for d in depths:
-        for runner in runners.values():
-            runner.kv.clear()
-            if d:
-                prefill(runner, d)
-            _decode(runner, d, a.steps)  # warm-up: graph capture, module compile
+        for runner, knobs in runners.values():
+            with knobs_set(backend_mod, knobs):
+                runner.kv.clear()
+                if d:
+                    prefill(runner, d)
+                _decode(runner, d, a.steps)  # warm-up: graph capture, module compile
         # the tiers take turns, run by run: a drift of the device's clocks over the call (the
         # first tier's rows measured low in earlier one-tier-after-another runs) hits them alike
         for _ in range(a.repetitions):
-            for spec, runner in runners.items():
-                res[(spec, d)].append(_decode(runner, d, a.steps))
-        for spec in specs:
-            print(f"{spec} @ {d}: {statistics.mean(res[(spec, d)]):,.1f} tok/s", file=sys.stderr, flush=True)
+            for lb, (runner, knobs) in runners.items():
+                with knobs_set(backend_mod, knobs):
+                    res[(lb, d)].append(_decode(runner, d, a.steps))
+        for lb in labels:
+            print(f"{lb} @ {d}: {statistics.mean(res[(lb, d)]):,.1f} tok/s", file=sys.stderr, flush=True)
 
     from opencoti.engine.backend import get_backend
 
     b = get_backend(a.backend)
     print(f"\nopencoti KV tiers: backend {b.name} ({getattr(b, 'device_name', 'host')}), model {model.name}, "
           f"decode {a.steps} tokens x {a.repetitions}\n")
-    print("| -ctk/-ctv | " + " | ".join(f"tg @ d{d} t/s | vs f16" for d in depths) + " |")
-    print("| --- |" + " ---: | ---: |" * len(depths))
-    for spec in dict.fromkeys(s for s, _ in res):
-        cells = []
-        for d in depths:
-            v = res[(spec, d)]
-            m, sd = statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
-            ref = res.get(("f16", d))
-            cells.append(f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / statistics.mean(ref):.2f}" if ref else ""))
-        print(f"| {spec} | " + " | ".join(cells) + " |")
+    extra = len(variants) > 1
+    print("| -ctk/-ctv | " + " | ".join(f"tg @ d{d} t/s | vs f16" + (" | vs default" if extra else "")
+                                        for d in depths) + " |")
+    print("| --- |" + (" ---: | ---: | ---: |" if extra else " ---: | ---: |") * len(depths))
+    for vname, _ in variants:
+        for spec in specs:
+            lb = f"{spec} [{vname}]" if vname else spec
+            cells = []
+            for d in depths:
+                v = res[(lb, d)]
+                m, sd = statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
+                ref = res.get((f"f16 [{vname}]" if vname else "f16", d))
+                cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / statistics.mean(ref):.2f}" if ref else "")
+                if extra:
+                    cell += f" | {m / statistics.mean(res[(spec, d)]):.2f}"
+                cells.append(cell)
+            print(f"| {lb} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,13 @@ class Device:
     _gemvi_warps_auto = cu.CUDABackend._gemvi_warps_auto
     _blocks_per_sm = cu.CUDABackend._blocks_per_sm
 
-    def __init__(self, n_sm: int, smem_per_sm: int, smem_per_block: int):
+    def __init__(self, n_sm: int, smem_per_sm: int, smem_per_block: int, threads_per_sm: int = 2048):
         self.n_sm, self.smem_per_sm, self.smem_per_block = n_sm, smem_per_sm, smem_per_block
+        self.regs_per_sm, self.threads_per_sm = 65536, threads_per_sm
 
 
 H200 = Device(132, 233472, 232448)
-SM86 = Device(84, 102400, 101376)
+SM86 = Device(84, 102400, 101376, 1536)
 
 
 def splits(dev, n_cells, base, lo, rows):
@@ -314,3 +315,25 @@ def test_attn_stream_splits_resident_blocks(monkeypatch):
     assert H200._attn_stream_splits(16384, 1, 1, 2) == 128  # splits of at least 128 cells
     assert H200._attn_stream_splits(65536, 4, 1, 2) == 66
     assert H200._attn_stream_splits(65536, 4, 1, 0) == 33  # no fit reported: one block per SM
+
+
+def test_blocks_per_sm_occupancy_rules():
+    """Resident blocks per SM (``_blocks_per_sm``) by the occupancy calculator's rules, on the
+    kernels it sizes: registers per warp in units of 256 with warps in groups of 4, the SM's
+    thread limit, shared memory in 128-byte units plus 1 KiB per block, 32 blocks."""
+    # the 7B's q8_0 streaming block: 184 registers x 256 threads = 47,104 of 65,536, but a warp's
+    # 5,888 registers allow 11 warps, 8 in groups of 4: one 8-warp block
+    assert H200._blocks_per_sm(256, 184, 120000) == 1
+    # the 270m's turbo3 streaming block: 255 registers (8,192 a warp: 8 warps) x 4 warps, 84 KB
+    assert H200._blocks_per_sm(128, 255, 84000) == 2
+    # 168 registers x 128 threads: 65,536 / 5,376 = 12 warps, 3 blocks (the plain division says 3
+    # as well); at 170 registers a warp takes 5,632 (11 warps, 8 usable): 2, where it said 3
+    assert H200._blocks_per_sm(128, 168, 0) == 3
+    assert H200._blocks_per_sm(128, 170, 0) == 2
+    # the thread limit: 1,024-thread blocks of few registers, 2 on sm_90, 1 on sm_86
+    assert H200._blocks_per_sm(1024, 32, 0) == 2 and SM86._blocks_per_sm(1024, 32, 0) == 1
+    # shared memory: 113 KiB + the reserved 1 KiB twice fit 228 KiB, 1 byte more rounds up to 128
+    assert H200._blocks_per_sm(128, 32, 113 * 1024) == 2
+    assert H200._blocks_per_sm(128, 32, 113 * 1024 + 1) == 1
+    assert H200._blocks_per_sm(32, 16, 0) == 32  # the block limit
+    assert SM86._blocks_per_sm(128, 32, 101 * 1024) == 0  # does not fit at all

@@ -663,6 +663,8 @@ class CUDABackend:
         props = cp.cuda.runtime.getDeviceProperties(device)
         self.n_sm = props["multiProcessorCount"]
         self.smem_per_sm = props["sharedMemPerMultiprocessor"]
+        self.regs_per_sm = props["regsPerMultiprocessor"]
+        self.threads_per_sm = props["maxThreadsPerMultiProcessor"]
         self.smem_per_block = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                                  device)
         self.device_name = props["name"].decode()
@@ -1201,9 +1203,17 @@ class CUDABackend:
 
     def _blocks_per_sm(self, threads: int, regs: int, smem: int) -> int:
         """Resident blocks per SM of ``threads`` threads of ``regs`` registers each and ``smem``
-        bytes of shared memory (plus the 1 KiB the runtime reserves per block): the register
-        file's 65,536, the SM's shared memory and 32 blocks bound it."""
-        return min(32, 65536 // (threads * max(regs, 1)), self.smem_per_sm // (smem + 1024))
+        bytes of dynamic shared memory, by the CUDA toolkit's occupancy rules for compute
+        capability 7.0-9.0 (cuda_occupancy.h, cudaOccMaxBlocksPerSMRegsLimit and its shared
+        memory and thread limits): a warp's registers are allocated in units of 256 within each
+        of the SM's 4 register sub-partitions (so the warps they allow come in groups of 4);
+        shared memory in units of 128 bytes plus the 1 KiB the runtime reserves per block; at
+        most the SM's threads (``threads_per_sm``: 2,048 on sm_80 / sm_90, 1,536 on sm_86 /
+        sm_89) and 32 blocks. 0 when one block does not fit."""
+        warps = -(-threads // 32)
+        reg_warps = self.regs_per_sm // (-(-max(regs, 1) * 32 // 256) * 256) // 4 * 4
+        smem_alloc = -(-smem // 128) * 128 + 1024
+        return min(32, reg_warps // warps, self.threads_per_sm // (32 * warps), self.smem_per_sm // smem_alloc)
 
     def _mmq(self, x, w: QTensor):
         """``x [n, k] @ w.T`` -> ``[n, rows]`` float32 for ``n <= GEMV_MAX_TOKENS`` rows on tensor
