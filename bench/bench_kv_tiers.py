@@ -18,12 +18,14 @@ costs at most 10% at short context and is at least f16's speed at 32k.
 ``--variant`` (repeatable) adds, for every tier, a runner that runs with the backend module's
 knobs set to other values (e.g. ``sb2:ATTN_STREAM_SM_BLOCKS=2,ATTN_STREAM_MIN_SPLIT=128``; the
 names of ``opencoti.engine.backend.<backend>``'s module constants that it reads at call time,
-values parsed as Python literals), set around that runner's prefill and decode runs only: it
-takes its turns in the same process as the others, whose speed varies from process to process
+values parsed as Python literals; no commas inside a value), set while that runner is built
+and around its prefill and decode runs: it takes its turns in the same process as the others, whose speed varies from process to process
 (the synthetic gemma-3-270m's f16 at 32k: 787-950 tok/s in four processes on one H200, CUDA_NOTES
 session 27), so a setting and the default compare within one process. Its rows are labelled
 ``tier [NAME]``, their ratio is to the same variant's f16, and a last column gives the ratio to
-the same tier without the variant.
+the same tier without the variant. The model's weights are loaded once, at the defaults, and
+the backend's compiled kernels are shared: knobs read while weights load or a kernel's source is
+built do not vary.
 """
 
 from __future__ import annotations
@@ -118,21 +120,26 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], type=parse_variant,
                     help="NAME:KNOB=VALUE[,...]: every tier also with the backend module's knobs set (repeatable)")
     a = ap.parse_args()
+    backend_mod = importlib.import_module(f"opencoti.engine.backend.{a.backend}")
+    variants = [("", {})] + a.variant
+    names = [n for n, _ in a.variant]
+    if len(set(names)) < len(names):
+        ap.error(f"--variant names repeat: {', '.join(names)}")
+    for vname, knobs in a.variant:  # before the model loads: a typo would measure the default
+        missing = [k for k in knobs if not hasattr(backend_mod, k)]
+        if missing:
+            ap.error(f"--variant {vname}: {backend_mod.__name__} has no {', '.join(missing)}")
 
     model = load_model(_model_path(a), with_tokenizer=False)
     depths = [int(x) for x in a.depths.split(",") if x]
     specs = [t for t in a.tiers.split(",") if t]
-    backend_mod = importlib.import_module(f"opencoti.engine.backend.{a.backend}")
-    variants = [("", {})] + a.variant
-    for _, knobs in variants:
-        with knobs_set(backend_mod, knobs):  # a missing knob fails here, before any run
-            pass
-    runners = {}  # label -> (runner, knobs)
+    runners = {}  # label -> (runner, knobs); a variant's runners are built under its knobs
     for vname, knobs in variants:
-        for spec in specs:
-            tk, tv = spec.split("/") if "/" in spec else (spec, spec)
-            runner = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
-            runners[f"{spec} [{vname}]" if vname else spec] = (runner, knobs)
+        with knobs_set(backend_mod, knobs):
+            for spec in specs:
+                tk, tv = spec.split("/") if "/" in spec else (spec, spec)
+                runner = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
+                runners[f"{spec} [{vname}]" if vname else spec] = (runner, knobs)
     labels = list(runners)
     res: dict = {(lb, d): [] for lb in labels for d in depths}
     for d in depths:

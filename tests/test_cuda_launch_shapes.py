@@ -19,13 +19,15 @@ class Device:
     _gemvi_warps_auto = cu.CUDABackend._gemvi_warps_auto
     _blocks_per_sm = cu.CUDABackend._blocks_per_sm
 
-    def __init__(self, n_sm: int, smem_per_sm: int, smem_per_block: int, threads_per_sm: int = 2048):
+    def __init__(self, n_sm: int, smem_per_sm: int, smem_per_block: int, threads_per_sm: int = 2048,
+                 blocks_per_sm: int = 32):
         self.n_sm, self.smem_per_sm, self.smem_per_block = n_sm, smem_per_sm, smem_per_block
-        self.regs_per_sm, self.threads_per_sm = 65536, threads_per_sm
+        self.regs_per_sm, self.threads_per_sm, self.blocks_per_sm, self.smem_reserved = 65536, threads_per_sm, \
+            blocks_per_sm, 1024
 
 
 H200 = Device(132, 233472, 232448)
-SM86 = Device(84, 102400, 101376, 1536)
+SM86 = Device(84, 102400, 101376, 1536, 16)
 
 
 def splits(dev, n_cells, base, lo, rows):
@@ -321,19 +323,34 @@ def test_blocks_per_sm_occupancy_rules():
     """Resident blocks per SM (``_blocks_per_sm``) by the occupancy calculator's rules, on the
     kernels it sizes: registers per warp in units of 256 with warps in groups of 4, the SM's
     thread limit, shared memory in 128-byte units plus 1 KiB per block, 32 blocks."""
-    # the 7B's q8_0 streaming block: 184 registers x 256 threads = 47,104 of 65,536, but a warp's
-    # 5,888 registers allow 11 warps, 8 in groups of 4: one 8-warp block
-    assert H200._blocks_per_sm(256, 184, 120000) == 1
-    # the 270m's turbo3 streaming block: 255 registers (8,192 a warp: 8 warps) x 4 warps, 84 KB
-    assert H200._blocks_per_sm(128, 255, 84000) == 2
-    # 168 registers x 128 threads: 65,536 / 5,376 = 12 warps, 3 blocks (the plain division says 3
-    # as well); at 170 registers a warp takes 5,632 (11 warps, 8 usable): 2, where it said 3
+    # registers alone (no shared memory): the 7B's q8_0 streaming block, 184 registers x 8 warps
+    # (47,104 of 65,536, but a warp's 5,888 allow 2 warps per sub-partition: 8 warps, one block);
+    # the 270m's turbo3 block, 255 x 4 warps (8,192 a warp: 8 warps, two blocks)
+    assert H200._blocks_per_sm(256, 184, 0) == 1
+    assert H200._blocks_per_sm(128, 255, 0) == 2
+    # 168 registers x 4 warps: 5,376 a warp, 3 per sub-partition, 3 blocks; at 170 a warp takes
+    # 5,632 (2 per sub-partition): 2 blocks, where registers / (threads x regs) said 3
     assert H200._blocks_per_sm(128, 168, 0) == 3
     assert H200._blocks_per_sm(128, 170, 0) == 2
-    # the thread limit: 1,024-thread blocks of few registers, 2 on sm_90, 1 on sm_86
-    assert H200._blocks_per_sm(1024, 32, 0) == 2 and SM86._blocks_per_sm(1024, 32, 0) == 1
+    # 96 registers x 1,024 threads: 3,072 a warp, 5 per sub-partition, 20 warps: a 32-warp block
+    # does not fit; at 16 registers the registers hold 4 such blocks, the SM's threads 2 (sm_90)
+    # or 1 (sm_86's 1,536)
+    assert H200._blocks_per_sm(1024, 96, 0) == 0
+    assert H200._blocks_per_sm(1024, 16, 0) == 2 and SM86._blocks_per_sm(1024, 16, 0) == 1
     # shared memory: 113 KiB + the reserved 1 KiB twice fit 228 KiB, 1 byte more rounds up to 128
     assert H200._blocks_per_sm(128, 32, 113 * 1024) == 2
     assert H200._blocks_per_sm(128, 32, 113 * 1024 + 1) == 1
-    assert H200._blocks_per_sm(32, 16, 0) == 32  # the block limit
+    # the block limits: 32 blocks on sm_90, 16 on sm_86
+    assert H200._blocks_per_sm(32, 16, 0) == 32 and SM86._blocks_per_sm(32, 16, 0) == 16
     assert SM86._blocks_per_sm(128, 32, 101 * 1024) == 0  # does not fit at all
+
+
+def test_gemvi_forced_warps_fit_registers(monkeypatch):
+    """A forced GEMVI_WARPS is halved until one block fits the SM by the occupancy rules: at 170
+    registers a warp takes 5,632, 2 per sub-partition, 8 warps per SM, so a forced 16 (nsb 12:
+    12 warps, which 12 x 32 x 170 <= 65,536 would have let through) halves to 6, and 16 to 8;
+    6 warps at 96 registers fit as they are."""
+    monkeypatch.setattr(cu, "GEMVI_WARPS", 16)
+    assert H200._gemvi_warps(132, 12, 0, 170) == 6
+    assert H200._gemvi_warps(132, 16, 0, 170) == 8
+    assert H200._gemvi_warps(132, 6, 0, 96) == 6

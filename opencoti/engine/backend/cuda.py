@@ -665,6 +665,8 @@ class CUDABackend:
         self.smem_per_sm = props["sharedMemPerMultiprocessor"]
         self.regs_per_sm = props["regsPerMultiprocessor"]
         self.threads_per_sm = props["maxThreadsPerMultiProcessor"]
+        self.blocks_per_sm = props.get("maxBlocksPerMultiProcessor", 32)  # CuPy built for CUDA >= 11
+        self.smem_reserved = props.get("reservedSharedMemPerBlock", 1024)
         self.smem_per_block = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                                  device)
         self.device_name = props["name"].decode()
@@ -1177,13 +1179,13 @@ class CUDABackend:
         ``regs`` registers per thread: the power of two nearest GEMVI_WARPS_PER_SM warps per SM in
         all (<= GEMVI_MAX_WARPS, <= nsb), halved while the grid would not be resident at once
         (registers, shared memory) if a smaller one would be; a forced count (GEMVI_WARPS) is
-        halved until one block fits the SM's shared memory per block and its 65,536 registers."""
+        halved until one block fits the SM (``_blocks_per_sm``) and its shared memory per block."""
         if GEMVI_WARPS:
             ks = max(1, min(GEMVI_WARPS, nsb, 32))
         else:
             ks = self._gemvi_warps_auto(blocks, nsb, warp_bytes, regs)
         # one block must fit (e.g. 4 slots on sm_86; a forced count of a many-register kernel)
-        while ks > 1 and (ks * warp_bytes > self.smem_per_block or 32 * ks * max(regs, 1) > 65536):
+        while ks > 1 and (ks * warp_bytes > self.smem_per_block or self._blocks_per_sm(32 * ks, regs, ks * warp_bytes) == 0):
             ks //= 2
         return ks
 
@@ -1203,17 +1205,19 @@ class CUDABackend:
 
     def _blocks_per_sm(self, threads: int, regs: int, smem: int) -> int:
         """Resident blocks per SM of ``threads`` threads of ``regs`` registers each and ``smem``
-        bytes of dynamic shared memory, by the CUDA toolkit's occupancy rules for compute
-        capability 7.0-9.0 (cuda_occupancy.h, cudaOccMaxBlocksPerSMRegsLimit and its shared
-        memory and thread limits): a warp's registers are allocated in units of 256 within each
-        of the SM's 4 register sub-partitions (so the warps they allow come in groups of 4);
-        shared memory in units of 128 bytes plus the 1 KiB the runtime reserves per block; at
-        most the SM's threads (``threads_per_sm``: 2,048 on sm_80 / sm_90, 1,536 on sm_86 /
-        sm_89) and 32 blocks. 0 when one block does not fit."""
+        bytes of shared memory, by the CUDA toolkit's occupancy rules for compute capability
+        8.0-9.0 (cuda_occupancy.h, cudaOccMaxBlocksPerSMRegsLimit and its shared memory, thread
+        and block limits): a warp's registers are allocated in units of 256 within each of the
+        SM's 4 register sub-partitions (so the warps they allow come in groups of 4); shared
+        memory in units of 128 bytes plus what the runtime reserves per block
+        (``smem_reserved``: 1 KiB); at most the SM's threads (``threads_per_sm``: 2,048 on sm_80
+        / sm_90, 1,536 on sm_86 / sm_89) and blocks (``blocks_per_sm``: 32, 16 on sm_86, 24 on
+        sm_89). 0 when one block does not fit."""
         warps = -(-threads // 32)
         reg_warps = self.regs_per_sm // (-(-max(regs, 1) * 32 // 256) * 256) // 4 * 4
-        smem_alloc = -(-smem // 128) * 128 + 1024
-        return min(32, reg_warps // warps, self.threads_per_sm // (32 * warps), self.smem_per_sm // smem_alloc)
+        smem_alloc = -(-smem // 128) * 128 + self.smem_reserved
+        return min(self.blocks_per_sm, reg_warps // warps, self.threads_per_sm // (32 * warps),
+                   self.smem_per_sm // smem_alloc)
 
     def _mmq(self, x, w: QTensor):
         """``x [n, k] @ w.T`` -> ``[n, rows]`` float32 for ``n <= GEMV_MAX_TOKENS`` rows on tensor
