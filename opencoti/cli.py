@@ -222,7 +222,8 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 @click.option("-ctk", "--cache-type-k", type=_KVType(), default=None, envvar=_env("cache_type_k"),
               help="KV cache type of K: f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8, turbo4, turbo3, "
                    "turbo2, turbo3_tcq, turbo2_tcq (default: f16; with OPENCOTI_KV_AUTO_TIER=1 K is held "
-                   "at this type while V is chosen).")
+                   "at this type while V is chosen to fit OPENCOTI_KV_BUDGET_MIB, default half the free "
+                   "memory).")
 @click.option("-ctv", "--cache-type-v", type=_KVType(), default=None, envvar=_env("cache_type_v"),
               help="KV cache type of V, same values (default: f16; giving it turns auto-tier off).")
 @click.option("-ctkt", "--cache-type-k-tail", type=_KVType(), default=None, envvar=_env("cache_type_k_tail"),

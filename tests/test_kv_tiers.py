@@ -54,7 +54,7 @@ def test_registry_and_errors():
     assert get_tier("Q8_0") is get_tier("q8_0")
     with pytest.raises(ValueError, match="power of two"):
         get_tier("turbo3").check_dim(96)
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(ValueError, match="head size 48 is not a multiple of 32"):
         get_tier("q4_0").check_dim(48)
 
 

@@ -310,7 +310,9 @@ def test_auto_tier_decisions(synth, gemma):
     # iSWA models: does not apply, and says why
     d = decide_kv_types(gemma.hparams, 4096, 1, True, 512, _Backend(), auto=True, budget_mib=1.0)
     assert not d.applied and (d.type_k, d.type_v) == ("f16", "f16")
-    assert "iSWA" in d.reason and "does not apply" in d.reason
+    assert "iSWA" in d.reason and "does not apply" in d.reason and d.reason.endswith("keeping f16/f16")
+    d = decide_kv_types(gemma.hparams, 4096, 1, True, 512, _Backend(), type_k="q8_0", auto=True, budget_mib=1.0)
+    assert (d.type_k, d.type_v) == ("q8_0", "f16") and d.reason.endswith("keeping q8_0/f16")
 
 
 def test_engine_auto_tier_reads_back_from_the_live_cache(synth, capsys):
@@ -353,3 +355,8 @@ def test_auto_tier_skips_pairs_the_head_size_cannot_hold(synth):
     # an explicit -ctk the head size cannot hold still fails, naming it
     with pytest.raises(ValueError, match="q4_0 stores rows in blocks of 32"):
         decide_kv_types(hp, 4096, 1, True, 512, _Backend(), type_k="q4_0", auto=True, budget_mib=0.001)
+    # ... and a tail type (-ctkt / -ctvt) names its flag
+    from opencoti.engine.kv_cache import KVCache
+
+    with pytest.raises(ValueError, match=r"^-ctvt \(the spilled tail's type\): KV cache type q8_0 .* multiple of 32$"):
+        KVCache([0], 64, 1, 1, n_head_kv=1, d_k=16, d_v=16, type_v_tail="q8_0")

@@ -164,7 +164,7 @@ class Engine:
             if self.kv_decision.applied and self.kv_decision.fits:
                 print(f"opencoti: {self.kv_decision.reason}", file=sys.stderr)  # a boot line, as the others
             else:
-                log.warning("opencoti: %s", self.kv_decision.reason)
+                log.warning("%s", self.kv_decision.reason)
         self.n_ctx = n_ctx
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own

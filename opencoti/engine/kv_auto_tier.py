@@ -26,9 +26,10 @@ Budget: ``OPENCOTI_KV_BUDGET_MIB`` (``Params.kv_budget_mib``) when set, else
 memory on a GPU). With neither, auto-tier keeps f16 and says why.
 
 Only dense full-attention models: an iSWA model (Gemma-3) keeps most layers in a
-sliding-window cache whose size does not follow the context, and a sliding-window model
-does not grow its KV with n_ctx, so the single "whole KV grows with n_ctx" budget walk
-does not describe them; auto-tier reports that it does not apply and keeps f16.
+sliding-window cache whose size does not follow the context (only its few global layers'
+does), and a sliding-window model's KV does not grow with n_ctx at all, so the single
+"whole KV grows with n_ctx" budget walk does not describe them; auto-tier reports that it
+does not apply and keeps the types it was given (f16, or an explicit -ctk).
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def decide_kv_types(hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int
     if hp.is_iswa or hp.n_swa > 0:
         kind = "iSWA (sliding-window layers with a fixed-size cache)" if hp.is_iswa else "sliding-window"
         return KVTierDecision(True, False, k0, v0,
-                              f"auto-tier does not apply: {hp.arch} is {kind}, not dense full attention; "
-                              f"its KV does not grow with n_ctx as the budget walk assumes")
+                              f"auto-tier does not apply: {hp.arch} is {kind}, not dense full attention "
+                              f"(its sliding-window layers' KV does not follow n_ctx as the budget walk "
+                              f"assumes); keeping {k0}/{v0}")
     if budget_mib is not None:
         budget, source = int(budget_mib * MIB), "OPENCOTI_KV_BUDGET_MIB"
     else:

@@ -344,10 +344,12 @@ class KVCache:
         self.tier_k, self.tier_v = get_tier(type_k), get_tier(type_v)
         self.tier_k_tail = self.tier_k if type_k_tail is None else get_tier(type_k_tail)
         self.tier_v_tail = self.tier_v if type_v_tail is None else get_tier(type_v_tail)
-        for t in (self.tier_k, self.tier_k_tail):
-            t.check_dim(d_k)
-        for t in (self.tier_v, self.tier_v_tail):
-            t.check_dim(d_v)
+        for t, tail, d, flag in ((self.tier_k, self.tier_k_tail, d_k, "-ctk"), (self.tier_v, self.tier_v_tail, d_v, "-ctv")):
+            t.check_dim(d)
+            try:
+                tail.check_dim(d)
+            except ValueError as e:  # the tail's type came from its own flag: say which
+                raise ValueError(f"{flag}t (the spilled tail's type): {e}") from None
         self.layers = list(layers)
         self.n_cells = n_cells
         self.n_stream = n_stream

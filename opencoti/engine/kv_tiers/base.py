@@ -45,7 +45,7 @@ class KVTier:
         ``block_size``; the rotated tiers need more, see theirs)."""
         if d <= 0 or d % self.block_size:
             raise ValueError(f"KV cache type {self.name} stores rows in blocks of {self.block_size} values; "
-                             f"head size {d} is not a multiple")
+                             f"head size {d} is not a multiple of {self.block_size}")
 
     def bytes_per_row(self, d: int) -> int:
         """Bytes of one stored row of ``d`` values."""
