@@ -25,26 +25,27 @@ from opencoti.model.loader import load_model
 from opencoti.tools import kv_tier_quality as kq
 
 # (type_k, type_v) -> (mean KLD in nats, top-1 agreement), measured in this configuration with
-# ``python -m opencoti.tools.kv_tier_quality --model gemma|synth128 --raw`` (``--long`` for GEMMA_LONG)
+# ``python -m opencoti.tools.kv_tier_quality --model gemma|synth128 --raw`` (``--long`` for GEMMA_LONG);
+# gemma's on the CI's kind of machine (AMD EPYC, numpy 2.4.6)
 GEMMA = {
-    ('f32', 'f32'): (4.85e-08, 1.0),
-    ('bf16', 'bf16'): (1.83e-05, 1.0),
+    ('f32', 'f32'): (7.14e-08, 1.0),
+    ('bf16', 'bf16'): (1.82e-05, 1.0),
     ('q8_0', 'q8_0'): (0.00112, 1.0),
-    ('q6_0', 'q6_0'): (0.00744, 0.9811),
-    ('q5_1', 'q5_1'): (0.0205, 0.9811),
-    ('q5_0', 'q5_0'): (0.0228, 0.9811),
-    ('q4_0', 'q4_0'): (0.0489, 0.9623),
-    ('turbo8', 'turbo8'): (0.000265, 0.9937),
-    ('turbo4', 'turbo4'): (0.0489, 0.9686),
-    ('turbo3', 'turbo3'): (0.322, 0.8679),
-    ('turbo2', 'turbo2'): (2.48, 0.3962),
+    ('q6_0', 'q6_0'): (0.00745, 0.9811),
+    ('q5_1', 'q5_1'): (0.0227, 0.9811),
+    ('q5_0', 'q5_0'): (0.0232, 0.9811),
+    ('q4_0', 'q4_0'): (0.0493, 0.9623),
+    ('turbo8', 'turbo8'): (0.000498, 0.9937),
+    ('turbo4', 'turbo4'): (0.0478, 0.9686),
+    ('turbo3', 'turbo3'): (0.343, 0.8931),
+    ('turbo2', 'turbo2'): (2.74, 0.4088),
     ('turbo3_tcq', 'turbo3_tcq'): (0.266, 0.8868),
     ('turbo2_tcq', 'turbo2_tcq'): (1.55, 0.6604),
-    ('q8_0', 'turbo3'): (0.00864, 0.9874),  # the asymmetric pair: 2.7x smaller KV than f16, near q8_0's quality
+    ('q8_0', 'turbo3'): (0.00862, 0.9874),  # the asymmetric pair: 2.7x smaller KV than f16, near q8_0's quality
 }
 GEMMA_LONG = {
-    ('q8_0', 'q8_0'): (2.38e-06, 1.0),
-    ('q4_0', 'q4_0'): (0.00817, 1.0),
+    ('q8_0', 'q8_0'): (2.2e-06, 1.0),
+    ('q4_0', 'q4_0'): (0.00909, 1.0),
 }
 SYNTH = {
     ('f32', 'f32'): (5.78e-08, 1.0),
@@ -66,12 +67,19 @@ SYNTH = {
     ('turbo3', 'q8_0'): (0.0141, 0.7327),
 }
 
+# A gate's KLD bound: KLD_FACTOR x the recorded value (+ KLD_EPS), NEAR_LOSSLESS_FACTOR x below
+# NEAR_LOSSLESS nats, where the mean over gemma's 159 positions is a few positions' worth that
+# float rounding moves (NumPy's BLAS and SIMD paths, the CPU: between numpy 2.3.5 and 2.4.6 on one
+# machine gemma's turbo8 read 0.000421 / 0.000498, q8_0 0.00065 / 0.00112, bf16 2.8e-05 /
+# 1.8e-05, and another machine's recorded turbo8 0.000265; kv_tiers/__init__.py)
 KLD_FACTOR, KLD_EPS, TOP1_SLACK = 1.5, 1e-6, 0.03
+NEAR_LOSSLESS, NEAR_LOSSLESS_FACTOR = 1e-3, 3.0
 
 
 def _check(got: kq.Quality, want: tuple[float, float], pair):
     kld, top1 = want
-    assert got.kld <= kld * KLD_FACTOR + KLD_EPS, (pair, got, want)
+    factor = NEAR_LOSSLESS_FACTOR if kld < NEAR_LOSSLESS else KLD_FACTOR
+    assert got.kld <= kld * factor + KLD_EPS, (pair, got, want)
     assert got.top1 >= top1 - TOP1_SLACK, (pair, got, want)
 
 
