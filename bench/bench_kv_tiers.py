@@ -19,9 +19,10 @@ costs at most 10% at short context and is at least f16's speed at 32k.
 knobs set to other values (e.g. ``sb2:ATTN_STREAM_SM_BLOCKS=2,ATTN_STREAM_MIN_SPLIT=128``; the
 names of ``opencoti.engine.backend.<backend>``'s module constants that it reads at call time,
 values parsed as Python literals; no commas inside a value), set while that runner is built
-and around its prefill and decode runs: it takes its turns in the same process as the others, whose speed varies from process to process
-(the synthetic gemma-3-270m's f16 at 32k: 787-950 tok/s in four processes on one H200, CUDA_NOTES
-session 27), so a setting and the default compare within one process. Its rows are labelled
+and around its prefill and decode runs: it takes its turns in the same process as the others,
+whose speed varies from process to process (the synthetic gemma-3-270m's f16 at 32k: 787-950
+tok/s in four processes on one H200, CUDA_NOTES session 27), so a setting and the default
+compare within one process. Its rows are labelled
 ``tier [NAME]``, their ratio is to the same variant's f16, and a last column gives the ratio to
 the same tier without the variant. The model's weights are loaded once, at the defaults, and
 the backend's compiled kernels are shared: knobs read while weights load or a kernel's source is
@@ -99,6 +100,11 @@ def knobs_set(module, knobs: dict):
             setattr(module, k, v)
 
 
+def _label(spec: str, variant: str) -> str:
+    """A table row's label: the tier spec, with ``[variant]`` for a --variant's runner."""
+    return f"{spec} [{variant}]" if variant else spec
+
+
 def _decode(runner, depth: int, n: int) -> float:
     t = time.perf_counter()
     for i in range(n):
@@ -139,7 +145,7 @@ def main() -> None:
             for spec in specs:
                 tk, tv = spec.split("/") if "/" in spec else (spec, spec)
                 runner = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
-                runners[f"{spec} [{vname}]" if vname else spec] = (runner, knobs)
+                runners[_label(spec, vname)] = (runner, knobs)
     labels = list(runners)
     res: dict = {(lb, d): [] for lb in labels for d in depths}
     for d in depths:
@@ -169,12 +175,12 @@ def main() -> None:
     print("| --- |" + (" ---: | ---: | ---: |" if extra else " ---: | ---: |") * len(depths))
     for vname, _ in variants:
         for spec in specs:
-            lb = f"{spec} [{vname}]" if vname else spec
+            lb = _label(spec, vname)
             cells = []
             for d in depths:
                 v = res[(lb, d)]
                 m, sd = statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
-                ref = res.get((f"f16 [{vname}]" if vname else "f16", d))
+                ref = res.get((_label("f16", vname), d))
                 cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / statistics.mean(ref):.2f}" if ref else "")
                 if extra:
                     cell += f" | {m / statistics.mean(res[(spec, d)]):.2f}"

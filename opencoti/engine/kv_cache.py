@@ -344,7 +344,8 @@ class KVCache:
         self.tier_k, self.tier_v = get_tier(type_k), get_tier(type_v)
         self.tier_k_tail = self.tier_k if type_k_tail is None else get_tier(type_k_tail)
         self.tier_v_tail = self.tier_v if type_v_tail is None else get_tier(type_v_tail)
-        for t, tail, d, flag in ((self.tier_k, self.tier_k_tail, d_k, "-ctk"), (self.tier_v, self.tier_v_tail, d_v, "-ctv")):
+        for t, tail, d, flag in ((self.tier_k, self.tier_k_tail, d_k, "-ctk"),
+                                 (self.tier_v, self.tier_v_tail, d_v, "-ctv")):
             t.check_dim(d)
             try:
                 tail.check_dim(d)

@@ -1185,7 +1185,10 @@ class CUDABackend:
         else:
             ks = self._gemvi_warps_auto(blocks, nsb, warp_bytes, regs)
         # one block must fit (e.g. 4 slots on sm_86; a forced count of a many-register kernel)
-        while ks > 1 and (ks * warp_bytes > self.smem_per_block or self._blocks_per_sm(32 * ks, regs, ks * warp_bytes) == 0):
+        def fits(ks: int) -> bool:
+            return ks * warp_bytes <= self.smem_per_block and self._blocks_per_sm(32 * ks, regs, ks * warp_bytes) > 0
+
+        while ks > 1 and not fits(ks):
             ks //= 2
         return ks
 

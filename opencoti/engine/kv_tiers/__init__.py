@@ -60,10 +60,11 @@ moved in its third digit).
 
 The gemma column also moves with the float environment, most where the KLD is small: it is a
 mean over 159 positions that a few dominate (turbo8: position 41 of ``code`` alone gives
-0.029-0.051 of that case's KLD sum of 0.038-0.059). On the same machine with numpy 2.3.5 instead of 2.4.6 it read f32 1.86e-07, bf16
-2.84e-05, q8_0 0.00065, q5_1 0.0144, turbo8 0.000421, turbo3 0.351, turbo3 / q8_0 0.311 (top-1
-within 0.02); another machine had recorded turbo8 0.000265 and turbo3 0.322. The synth column
-did not move. The gates allow 3x below 1e-3 nats and 1.5x above.
+0.029-0.051 of that case's KLD sum of 0.038-0.059). On the same machine with numpy 2.3.5
+instead of 2.4.6 it read f32 1.86e-07, bf16 2.84e-05, q8_0 0.00065, q5_1 0.0144, turbo8
+0.000421, turbo3 0.351, turbo3 / q8_0 0.311 (top-1 within 0.02); another machine had recorded
+turbo8 0.000265 and turbo3 0.322. The synth column did not move. The gates allow 3x below
+1e-3 nats and 1.5x above.
 
 Past gemma-3's window (first 1024 tokens of ``long_2k``, 64 positions from 512): q8_0/q8_0
 KLD 2.2e-06, top-1 1.0; q4_0/q4_0 KLD 0.00909, top-1 1.0 (another machine: 2.38e-06 /
