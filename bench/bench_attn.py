@@ -70,8 +70,10 @@ def main() -> None:
         print("| --- | ---: |" + " ---: |" * (len(splits) + 1))
         fns = {"partial": (be._fn("a", f"attn_partial_d{D}_g{g}"), nkv * -(-H // nkv // g), 0)}
         if D in cu.AS_HEAD_DIMS:
-            smem = cu._as_smem(D, 2 * D, 2 * D)
-            fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}", smem), nkv * -(-H // nkv // 16), smem)
+            hn = cu._as_heads(H // nkv)
+            smem = cu._as_smem(D, 2 * D, 2 * D, hn=hn)
+            fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}" + ("_h16" if hn == 16 else ""), smem),
+                             nkv * -(-H // nkv // hn), smem)
         threads = {"partial": 128, "stream": 2 * cu._as_tile(D, 2 * D, 2 * D)}  # the stream's: 2 per tile cell
         merge = be._fn("a", "attn_merge")
         for L in (int(v) for v in a.cells.split(",")):
@@ -96,7 +98,7 @@ def main() -> None:
                 print(f"| {kname} | {L:,} | " + " | ".join(row) + f" | {gbs:,.0f} |", flush=True)
         if "stream" in fns:
             print("\nthe backend's stream split count at each length: "
-                  + ", ".join(f"{L:,}: s{be._attn_stream_splits(L, nkv * -(-H // nkv // 16), 1)}"
+                  + ", ".join(f"{L:,}: s{be._attn_stream_splits(L, fns['stream'][1], 1)}"
                               for L in (int(v) for v in a.cells.split(","))))
         print()
         if a.tiers and D in cu.AS_HEAD_DIMS:
@@ -147,7 +149,8 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
     print("| -ctk/-ctv | cells | splits | us | GB/s | vs f16 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rng = np.random.default_rng(0)
-    gy = nkv * -(-H // nkv // 16)
+    hn = cu._as_heads(H // nkv)
+    gy = nkv * -(-H // nkv // hn)
     for L in (int(v) for v in a.cells.split(",")):
         kf = (rng.standard_normal((L, nkv, D)) * 0.5).astype(np.float32)
         vf = rng.standard_normal((L, nkv, D)).astype(np.float32)
@@ -161,11 +164,12 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
             kvs = _kv_copies(cp, K, V, a.copies, l2, a.reps)
             rb = K.shape[-1] * K.dtype.itemsize
             if t == "f16":
-                smem = cu._as_smem(D, rb, rb)
-                fn = be._big_smem_fn("a", f"attn_stream_d{D}", smem)
+                smem = cu._as_smem(D, rb, rb, hn=hn)
+                fn = be._big_smem_fn("a", f"attn_stream_d{D}" + ("_h16" if hn == 16 else ""), smem)
             else:
-                smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False))
-                fn = be._kv_attn_fn(t, t, D, 0, smem=smem)
+                smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False),
+                                   hn)
+                fn = be._kv_attn_fn(t, t, D, 0, smem=smem, hn=hn)
             threads = 2 * cu._as_tile(D, rb, rb)
             fit = be._blocks_per_sm(threads, fn.raw.num_regs, smem)
             counts = [be._attn_stream_splits(L, gy, 1, fit)] + [max(1, L // int(c)) for c in a.split_cells.split(",") if c]

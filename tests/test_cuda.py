@@ -1069,7 +1069,8 @@ def test_stream_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa,
     """The streaming decode kernel (attention.cu attn_stream_d<D>, taken for long rows) equals the
     CPU's attention: 5 rows of two sequences (1,460 cells in shuffled places, and 40), causal,
     sliding window, softcap, 1, 3 or 40 splits (40: splits of under one tile, and empty ones for
-    the 40-cell row), up to 16 query heads per block (20 per kv head: a second, partial block).
+    the 40-cell row), 8 query heads per block up to 8 per kv head (1, 4, 7), else 16 (``_h16``: 16 per
+    kv head, and 20: a second, partial block).
     Row 2's query is 1e6 times the others (|q * scale| beyond the f16 range): it is staged scaled
     by a power of two and its scores scaled back."""
     from opencoti.engine.backend import cuda as cu
@@ -1090,7 +1091,7 @@ def test_stream_attention_matches(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa,
     monkeypatch.setattr(gpu, "_big_smem_fn", lambda mod, name, smem: launched.append(name) or orig(mod, name, smem))
     got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(k_all), cp.asarray(v_all), plan,
                                          scale, n_swa, softcap))
-    assert launched == [f"attn_stream_d{d}"]
+    assert launched == [f"attn_stream_d{d}" + ("_h16" if n_head // n_kv > 8 else "")]
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
@@ -1811,6 +1812,14 @@ def test_kv_tier_attention_cells(gpu, cpu, name, d, n_head, n_kv, n_swa, softcap
 def test_kv_tier_attention_asymmetric(gpu, cpu, tk, tv, d):
     """Asymmetric K/V tiers (rotated K with a plain V and the reverse, f16 halves)."""
     _check_tier_attention(gpu, cpu, tk, tv, d, 8, 2, 37, 0.0, 1500)
+
+
+@pytest.mark.parametrize("d,n_head,n_kv", [(128, 16, 1), (64, 40, 2)])
+@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("turbo3", "turbo3"), ("q5_1", "q4_0")])
+def test_kv_tier_attention_many_heads(gpu, cpu, tk, tv, d, n_head, n_kv):
+    """More than 8 query heads per kv head (16; 20: a second, partial block): the streaming kernel's
+    16-head blocks (the pair's ``_h16`` module), integer and turbo codes and decoded values."""
+    _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, 37, 0.0, 1500)
 
 
 @pytest.mark.parametrize("d", [128, 256])

@@ -113,10 +113,17 @@ def test_stream_tile_and_shared_memory():
     assert cu._as_tile(256, 512, 512) == 64  # f16, gemma-3-270m heads
     assert cu._as_tile(256, 272, 272) == 64  # q8_0 at 256: 4 warps (splits of ~256 cells there)
     assert cu._as_tile(64, 68, 68) == 128
-    # f16 / f16 at 128: queries 8,704 + 2 stages of 128 x (272 + 272) + positions 1,024 + 64
-    assert cu._as_smem(128, 256, 256) == 8704 + 2 * 128 * 544 + 2 * 128 * 4 + 64
+    # f16 / f16 at 128, 8 heads a block: queries 4,352 (hi + lo, 8 x 136 halves) + 2 stages of 128 x
+    # (272 + 272) + positions 1,024 + 64; 16 heads a block: queries 8,704
+    assert cu._as_smem(128, 256, 256) == 4352 + 2 * 128 * 544 + 2 * 128 * 4 + 64
+    assert cu._as_smem(128, 256, 256, hn=16) == 8704 + 2 * 128 * 544 + 2 * 128 * 4 + 64
     # q8_0 / q8_0 at 128: rows of 136 bytes, stride 144; three stages fit 110,592
-    assert cu._as_smem(128, 136, 136) == 8704 + 3 * 128 * 288 + 3 * 128 * 4 + 64
+    assert cu._as_smem(128, 136, 136) == 4352 + 3 * 128 * 288 + 3 * 128 * 4 + 64
+    # rows of 36 bytes (turbo2 at 128, stride 48): 3 stages take 36,864; at 16 heads a block the warps'
+    # merge tile (8 warps x 16 heads x 128 dims + their m / l) is larger and sets the size
+    assert cu._as_smem(128, 36, 36) == 4352 + 3 * 128 * 96 + 3 * 128 * 4 + 64
+    assert cu._as_smem(128, 36, 36, hn=16) == 8704 + 8 * 16 * 128 * 4 + 2 * 8 * 16 * 4 + 3 * 128 * 4 + 64
+    assert [cu._as_heads(g) for g in (1, 4, 7, 8, 9, 16, 20)] == [8, 8, 8, 8, 16, 16, 16]
     # turbo: an f16 pair per pair table entry, K's and V's alike (kv_codes.cuh TBK / TBV)
     assert cuda_kv.stream_table_bytes("turbo3", True) == 256 and cuda_kv.stream_table_bytes("turbo3", False) == 256
     assert cuda_kv.stream_table_bytes("turbo4", True) == 1024 and cuda_kv.stream_table_bytes("q8_0", True) == 0
@@ -129,9 +136,10 @@ def test_stream_tile_and_shared_memory():
             rb = x.shape[-1] * x.dtype.itemsize
             if rb % 4:
                 continue
-            smem = cu._as_smem(d, rb, rb, cuda_kv.stream_table_bytes(name, True),
-                               cuda_kv.stream_table_bytes(name, False))
-            assert smem <= H200.smem_per_block, (name, d, smem)
+            for hn in (8, 16):
+                smem = cu._as_smem(d, rb, rb, cuda_kv.stream_table_bytes(name, True),
+                                   cuda_kv.stream_table_bytes(name, False), hn)
+                assert smem <= H200.smem_per_block, (name, d, hn, smem)
 
 
 def test_gemvi_row_tiles(monkeypatch):
@@ -354,3 +362,4 @@ def test_gemvi_forced_warps_fit_registers(monkeypatch):
     assert H200._gemvi_warps(132, 12, 0, 170) == 6
     assert H200._gemvi_warps(132, 16, 0, 170) == 8
     assert H200._gemvi_warps(132, 6, 0, 96) == 6
+

@@ -257,17 +257,21 @@ extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge_digits(
 template <int D>
 struct AsF16 {
     static constexpr int RB = 2 * D, CA = 16, TBK = 0, TBV = 0;
-    static constexpr bool F16 = true, ROT = false, CODES = false;
+    static constexpr bool F16 = true, ROT = false, CODES = false, PD = false;
     static __host__ __device__ constexpr int kperm(int d) { return d; }
     static __host__ __device__ constexpr int vperm(int nd, int c) { return 8 * nd + c; }
 };
-#define DEF_ATTN_STREAM(D)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) attn_stream_d##D(                                       \
+// (attn_stream_d<D>: 8 query heads per block; attn_stream_d<D>_h16: 16, for more than 8 query
+// heads per kv head)
+#define DEF_ATTN_STREAM1(D, HN, NAME)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                    \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
         float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
-        attn_stream_impl<D, AsF16<D>, AsF16<D>>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head,  \
-                                                n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
+        attn_stream_impl<D, HN, AsF16<D>, AsF16<D>>(q, q_pos, row_view, view_off, cells, cell_pos, K, V,       \
+                                                    n_head, n_kv, scale, n_swa, softcap, n_split, out,         \
+                                                    part_acc, part_ml); }
+#define DEF_ATTN_STREAM(D) DEF_ATTN_STREAM1(D, 8, attn_stream_d##D) DEF_ATTN_STREAM1(D, 16, attn_stream_d##D##_h16)
 DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 
 #endif  // KV_TK
@@ -468,7 +472,7 @@ template <class T, int D>
 struct AsTier {
     using C = KvCodes<T>;
     static constexpr int RB = D / T::BS * T::BB, CA = kv_align(RB) > 16 ? 16 : kv_align(RB), NT = T::NT;
-    static constexpr bool F16 = false, ROT = T::ROT != 0, CODES = C::ON;
+    static constexpr bool F16 = false, ROT = T::ROT != 0, CODES = C::ON, PD = CODES && C::PD;
     // shared-memory table bytes as the K / as the V tier: kv_codes.cuh's, else the float levels
     static constexpr int TBK = CODES ? C::TBK : 4 * NT, TBV = CODES ? C::TBV : 4 * NT;
     static __device__ __forceinline__ void levels(u8* t) {
@@ -501,6 +505,9 @@ struct AsTier {
 // defined for every module, launched only where its rows allow (cuda.py stream_ok: head size <=
 // 256, both rows' bytes a multiple of 4)
 constexpr bool AS_KV_OK = KV_D <= 256 && AsTier<KV_TK, KV_D>::RB % 4 == 0 && AsTier<KV_TV, KV_D>::RB % 4 == 0;
+#ifndef KV_HN
+#define KV_HN 8  // query heads per block of attn_kv_stream (16: a module for more than 8 per kv head)
+#endif
 // one block per SM is enough: without the 1 ptxas fit some pairs at head size 128 into 128
 // registers with spills (turbo3 / turbo3, turbo2 / q8_0), which decoded slower at 32k cells
 extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
@@ -508,8 +515,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
     const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();
     if constexpr (AS_KV_OK)
-        attn_stream_impl<KV_D, AsTier<KV_TK, KV_D>, AsTier<KV_TV, KV_D>>(q, q_pos, row_view, view_off, cells,
-            cell_pos, K, V, n_head, n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml);
+        attn_stream_impl<KV_D, KV_HN, AsTier<KV_TK, KV_D>, AsTier<KV_TV, KV_D>>(q, q_pos, row_view, view_off,
+            cells, cell_pos, K, V, n_head, n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml);
 }
 
 #define DEF_ATTN_KV1(G, NAME, LPC)                                                                             \

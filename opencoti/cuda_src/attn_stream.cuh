@@ -3,27 +3,33 @@
 //
 // attn_partial keeps one tile of 8 cells in flight per warp (cell index -> K row -> V row, three
 // dependent round trips per tile): at 32k cells a 7B layer took ~150 us for its 67 MB of K / V
-// (0.45 TB/s, H200). Here a block (one query row, one kv head, up to 16 of its query heads, one
-// split of the row's cells: grid (T, n_kv * ceil(G / 16), n_split), 2 CT threads) walks its cells
-// in tiles of CT (AsLayout: 128 cells and 8 warps at head sizes up to 128, else 64 and 4). Each
-// tile's K and V rows are copied, as their bytes, into a ring of NS shared-memory stages with
+// (0.45 TB/s, H200). Here a block (one query row, one kv head, HN = 8 or 16 of its query heads,
+// one split of the row's cells: grid (T, n_kv * ceil(G / HN), n_split), 2 CT threads) walks its
+// cells in tiles of CT (AsLayout: 128 cells and 8 warps at head sizes up to 128, else 64 and 4).
+// Each tile's K and V rows are copied, as their bytes, into a ring of NS shared-memory stages with
 // cp.async (two threads per row; zero-filled past the split), NS - 1 tiles in flight while the
 // block computes on the oldest; a thread's next cell index is loaded into a register one tile
-// ahead. Each warp takes 16 cells of a tile: S = Q K^T and O += P V on the tensor cores (mma
-// m16n8k16) as sp_attn (shared_prefix.cu): the block's query heads are the rows of one m16 tile,
-// Q and P are split into f16 hi + lo terms (float32 accuracy, f16_split.cuh), S stays in registers
-// as P's fragments (FlashAttention-2's layout). f16 rows are exact f16 operands (the V fragments by
+// ahead. Each warp takes 16 cells of a tile and computes S^T = K Q^T and O^T += V^T P^T on the
+// tensor cores (mma m16n8k16): the warp's cells (in S^T) and the head's dims (in O^T) are the
+// m16 rows, the block's query heads the n8 columns, one n8 tile per 8 heads. A decode step has
+// few query heads per kv head (G: 4 on gemma-3-270m, 7 on a Qwen2.5-7B), so with the heads as the
+// columns a k step takes one MMA per operand term where the heads as an m16 tile's rows (the
+// FlashAttention-2 layout of sp_attn, shared_prefix.cu) took two, and the accumulators hold
+// HN, not 16, heads: half the products and half the O registers at HN = 8. Q and P are split into
+// f16 hi + lo terms (float32 accuracy, f16_split.cuh); Q's B fragments come from shared memory by
+// ldmatrix; S^T's C fragments become P^T's B fragments in registers (the f16 pairs transposed by
+// movmatrix, pt_frags). f16 rows are exact f16 operands (K's A fragments by ldmatrix, V's by
 // ldmatrix .trans); q8_0, q4_0 and turbo2/3/4 codes are f16 operands too, their block scales
 // applied outside the products (K: on each block's partial scores; V: on the integer codes as
-// hi + lo, on P for the turbo levels; kv_codes.cuh); any other tier's values are decoded (policy dec():
-// scale * code [+ min]) and split into hi + lo. Each warp keeps its own online softmax (Milakov &
-// Gimelshein 2018) over its cells; the warps are merged at the end as attn_partial's are. Masks,
-// softcap and the output format (n_split == 1: normalized rows, else (acc, m, l) partials for
-// attn_merge) are attn_partial's.
+// hi + lo, on P for the turbo levels; kv_codes.cuh); any other tier's values are decoded (policy
+// dec(): scale * code [+ min]) and split into hi + lo. Each warp keeps its own online softmax
+// (Milakov & Gimelshein 2018) over its cells; the warps are merged at the end as attn_partial's
+// are. Masks, softcap and the output format (n_split == 1: normalized rows, else (acc, m, l)
+// partials for attn_merge) are attn_partial's.
 //
 // Row policy P (K and V each): RB bytes per (cell, kv head) row, copied in CA-byte chunks; F16
 // (raw f16 rows); CODES (kv_codes.cuh's operands: C = KvCodes<tier>; kperm / vperm map the MMA's
-// k / n index to the dim); TBK / TBV table bytes (tab_k / tab_v fill them); ROT (a rotated tier:
+// k / n index to the dim; PD: C's block scales ride on P); TBK / TBV table bytes (tab_k / tab_v fill them); ROT (a rotated tier:
 // the queries are rotated before the split, the output un-rotated after the merge). Only where
 // used: dec(w, i, tab) value i of a row whose bytes start at w (neither F16 nor CODES),
 // rotate(rows, n, inverse) (ROT). Decoded values must lie in f16's range (their hi term): cuda.py
@@ -47,20 +53,20 @@ __host__ __device__ constexpr int as_srb(int rb) {
     return ((rb + 15) / 16 * 16) % 32 == 0 ? (rb + 15) / 16 * 16 + 16 : (rb + 15) / 16 * 16;
 }
 // The block's tile (CT cells, NW = CT / 16 warps of 32 threads) and the byte offsets of its
-// dynamic shared memory (cuda.py _as_tile / _as_smem mirror CT / BYTES): queries hi / lo [16][D + 8]
+// dynamic shared memory (cuda.py _as_tile / _as_smem mirror CT / BYTES): queries hi / lo [HN][D + 8]
 // halves; NS stages of K rows [CT][SRBK] then V rows [CT][SRBV] (also the rotated queries' float32
 // staging and the warps' merge tile); positions [NS][CT]; staging factors [16]; the K and V tables
 // (TBK / TBV bytes: AsTier)
-template <int D, int RBK, int RBV, int TBK, int TBV>
+template <int D, int HN, int RBK, int RBV, int TBK, int TBV>
 struct AsLayout {
     static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV);
     static constexpr int CT = D <= 128 && 2 * AS_CT_BIG * (SRBK + SRBV) <= AS_BIG_BYTES ? AS_CT_BIG : AS_CT;
     static constexpr int NW = CT / 16;
     static constexpr int SB = CT * (SRBK + SRBV);
     static constexpr int NS = 3 * SB <= 110592 ? 3 : 2;
-    static constexpr int MS = NW * 16 * D * 4 + 2 * NW * 16 * 4;
+    static constexpr int MS = NW * HN * D * 4 + 2 * NW * HN * 4;
     static constexpr int R = NS * SB > MS ? NS * SB : MS;
-    static constexpr int ST = 2 * 16 * LDQ * 2, POS = ST + R, UP = POS + NS * CT * 4, TAB = UP + 64;
+    static constexpr int ST = 2 * HN * LDQ * 2, POS = ST + R, UP = POS + NS * CT * 4, TAB = UP + 64;
     static constexpr int TABV = TAB + TBK, BYTES = TABV + TBV;
 };
 
@@ -96,18 +102,31 @@ __device__ __forceinline__ void store_rot(float* __restrict__ out, float* __rest
     else part_acc[(rh * n_split + sp) * D + d] = v;
 }
 
-template <int D, class KP, class VP>
+// P^T's B fragments (mma.cuh; cells 2 tig.. | 2 tig + 8.., head gid) of a head tile from this
+// thread's probabilities x of S^T's C fragment (cells gid | gid + 8, heads 2 tig, + 1), those cells'
+// times d0 | d1: f16 hi + lo pairs (LO as sp_split2's), each moved to the transposed tile
+template <int LO>
+__device__ __forceinline__ void pt_frags(const float (&x)[4], float d0, float d1, u32 (&bh)[2], u32 (&bl)[2]) {
+    u32 h0, l0, h1, l1;
+    sp_split2<LO>(x[0] * d0, x[1] * d0, h0, l0);
+    sp_split2<LO>(x[2] * d1, x[3] * d1, h1, l1);
+    bh[0] = movm_t(h0); bh[1] = movm_t(h1);
+    bl[0] = movm_t(l0); bl[1] = movm_t(l1);
+}
+
+template <int D, int HN, class KP, class VP>
 __device__ __forceinline__ void attn_stream_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
     const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
     float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
-    using L = AsLayout<D, KP::RB, VP::RB, KP::TBK, VP::TBV>;
-    constexpr int CT = L::CT, NW = L::NW, NS = L::NS, LDQ = L::LDQ, ND = D / 8;
+    static_assert(HN == 8 || HN == 16, "attn_stream_impl: 8 or 16 query heads per block");
+    using L = AsLayout<D, HN, KP::RB, VP::RB, KP::TBK, VP::TBV>;
+    constexpr int CT = L::CT, NW = L::NW, NS = L::NS, LDQ = L::LDQ, NH = HN / 8, MD = D / 16;
     constexpr int NCK = KP::RB / KP::CA, NCV = VP::RB / VP::CA;  // copy chunks per row
     extern __shared__ __align__(16) unsigned char as_smem[];
     u16* s_qh = (u16*)as_smem;
-    u16* s_ql = s_qh + 16 * LDQ;
+    u16* s_ql = s_qh + HN * LDQ;
     u8* s_st = as_smem + L::ST;
     int* s_pos = (int*)(as_smem + L::POS);
     float* s_up = (float*)(as_smem + L::UP);
@@ -115,8 +134,8 @@ __device__ __forceinline__ void attn_stream_impl(
     u8* s_tv = as_smem + L::TABV;
 
     const int r = blockIdx.x, sp = blockIdx.z;
-    const int G = n_head / n_kv, n_hg = (G + 15) / 16;
-    const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * 16, Gb = min(16, G - g0);
+    const int G = n_head / n_kv, n_hg = (G + HN - 1) / HN;
+    const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * HN, Gb = min(HN, G - g0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const int qp = q_pos[r], vw = row_view[r];
     const int b0 = view_off[vw], len = view_off[vw + 1] - b0;
@@ -155,13 +174,13 @@ __device__ __forceinline__ void attn_stream_impl(
     // rest are zero) in the stages, free until the first fill; each head's staging factor from
     // those values; then the hi + lo split
     float* qf = (float*)s_st;
-    for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+    for (int i = threadIdx.x; i < HN * D; i += blockDim.x) {
         const int g = i / D;
         qf[i] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] * scale : 0.f;
     }
     __syncthreads();
     if constexpr (KP::ROT) KP::rotate(qf, Gb, false);
-    for (int g = warp; g < 16; g += NW) {
+    for (int g = warp; g < HN; g += NW) {
         float mx = 0.f;
         for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qf[g * D + d]));
 #pragma unroll
@@ -169,7 +188,7 @@ __device__ __forceinline__ void attn_stream_impl(
         if (lane == 0) s_up[g] = sp_stage_factor(mx);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+    for (int i = threadIdx.x; i < HN * D; i += blockDim.x) {
         const int g = i / D, d = i % D;  // d: the MMA's k index (the tier's dim order)
         const float x = qf[g * D + KP::kperm(d)] / s_up[g];
         const u16 h = sp_f2h(x);
@@ -184,12 +203,36 @@ __device__ __forceinline__ void attn_stream_impl(
     }
     int nxt = cell_of(NS - 1);
 
+    // The warp's 16 cells of a tile are the rows of the MMAs' m16 tiles, the block's heads their
+    // n8 columns: this thread's accumulators hold cells (S^T) or dims (O^T) gid, gid + 8 of heads
+    // 8 nh + 2 tig + e, e = 0, 1
     const int cw = 16 * warp;  // the warp's first cell of a tile
-    const float up[2] = {s_up[gid], s_up[gid + 8]};
-    float m[2] = {AS_NEG_INF, AS_NEG_INF}, l[2] = {0.f, 0.f};
-    float o[ND][4];
+    float up[NH][2], m[NH][2], l[NH][2];
 #pragma unroll
-    for (int nd = 0; nd < ND; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    for (int nh = 0; nh < NH; nh++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            up[nh][e] = s_up[8 * nh + 2 * tig + e];
+            m[nh][e] = AS_NEG_INF;
+            l[nh][e] = 0.f;
+        }
+    float o[MD][NH][4];
+#pragma unroll
+    for (int md = 0; md < MD; md++)
+#pragma unroll
+        for (int nh = 0; nh < NH; nh++) o[md][nh][0] = o[md][nh][1] = o[md][nh][2] = o[md][nh][3] = 0.f;
+    // the lane's ldmatrix rows: query head (lane & 7) of a head tile at dim (lane >> 3) 8 of two k
+    // steps (B fragments of both); K cell cw + (lane & 15) at dim (lane >> 4) 8 of a k step (A);
+    // V cell cw + (lane & 7) + (lane >> 4) 8 at dim ((lane >> 3) & 1) 8 of an m16 tile (A, .trans)
+    const u16* qlh = s_qh + (lane & 7) * LDQ + (lane >> 3) * 8;
+    const u16* qll = s_ql + (lane & 7) * LDQ + (lane >> 3) * 8;
+    auto ld_q = [&](int kk, u32 (&qh)[NH][4], u32 (&ql)[NH][4]) {  // k steps kk, kk + 1
+#pragma unroll
+        for (int nh = 0; nh < NH; nh++) {
+            ldsm4(qlh + 8 * nh * LDQ + kk * 16, qh[nh]);
+            ldsm4(qll + 8 * nh * LDQ + kk * 16, ql[nh]);
+        }
+    };
 
     for (int j = 0; j < ntile; j++) {
         if (j + NS - 1 < ntile) {
@@ -204,230 +247,278 @@ __device__ __forceinline__ void attn_stream_impl(
         const int* spos = s_pos + (j % NS) * CT;
         const int n = c1 - (c0 + j * CT);  // cells of the tile (the rest are zero-filled)
 
-        // S = Q K^T for the warp's 16 cells (two n8 tiles); four accumulators per n8 tile (hi /
-        // lo terms, even / odd k steps) keep the MMA chains short
-        float sa[2][2][4], sb[2][2][4];
+        // S^T = K Q^T for the warp's 16 cells; four accumulators per head tile (hi / lo query
+        // terms, even / odd k steps) keep the MMA chains short
+        float sa[2][NH][4], sb[2][NH][4];
 #pragma unroll
         for (int a = 0; a < 2; a++)
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++)
+            for (int nh = 0; nh < NH; nh++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) sa[a][nt][e] = sb[a][nt][e] = 0.f;
-        if constexpr (KP::CODES) {  // per block: codes times the query, then times the block scale
+                for (int e = 0; e < 4; e++) sa[a][nh][e] = sb[a][nh][e] = 0.f;
+        if constexpr (KP::CODES) {  // per block: the codes times the query, then times the block scale
             using C = typename KP::C;
             constexpr int NSB = C::BS / 16;
 #pragma unroll
             for (int b = 0; b < D / C::BS; b++) {
-                u32 w[2][C::NW];
+                u32 w[2][C::NW];  // cells gid, gid + 8
 #pragma unroll
-                for (int nt = 0; nt < 2; nt++) {
-                    const u8* blk = sk + (cw + nt * 8 + gid) * L::SRBK + b * C::BB;
-                    C::kraw(blk, tig, (C::BB * b + 2) % 4 == 0, w[nt]);
-                }
-                float t[2][2][4];
+                for (int h = 0; h < 2; h++)
+                    C::kraw(sk + (cw + 8 * h + gid) * L::SRBK + b * C::BB, tig, (C::BB * b + 2) % 4 == 0, w[h]);
+                float t[2][NH][4];
 #pragma unroll
                 for (int a = 0; a < 2; a++)
 #pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
+                    for (int nh = 0; nh < NH; nh++)
 #pragma unroll
-                        for (int e = 0; e < 4; e++) t[a][nt][e] = 0.f;
+                        for (int e = 0; e < 4; e++) t[a][nh][e] = 0.f;
 #pragma unroll
-                for (int s = 0; s < NSB; s++) {
-                    const int kk = b * NSB + s;
-                    u32 h[4], lo[4];
-                    ld_a_frag(s_qh + gid * LDQ + kk * 16 + 2 * tig, LDQ, h);
-                    ld_a_frag(s_ql + gid * LDQ + kk * 16 + 2 * tig, LDQ, lo);
+                for (int s = 0; s < NSB; s += 2) {
+                    u32 qh[NH][4], ql[NH][4];
+                    ld_q(b * NSB + s, qh, ql);
 #pragma unroll
-                    for (int nt = 0; nt < 2; nt++) {
-                        const u32 bh0 = C::kpair(w[nt], s, 0, s_tk), bh1 = C::kpair(w[nt], s, 1, s_tk);
-                        mma_m16n8k16(t[s & 1][nt], h[0], h[1], h[2], h[3], bh0, bh1);
-                        mma_m16n8k16(t[s & 1][nt], lo[0], lo[1], lo[2], lo[3], bh0, bh1);
+                    for (int u = 0; u < 2; u++) {
+                        const u32 a0 = C::kpair(w[0], s + u, 0, s_tk), a1 = C::kpair(w[1], s + u, 0, s_tk);
+                        const u32 a2 = C::kpair(w[0], s + u, 1, s_tk), a3 = C::kpair(w[1], s + u, 1, s_tk);
+#pragma unroll
+                        for (int nh = 0; nh < NH; nh++) {
+                            mma_m16n8k16(t[u][nh], a0, a1, a2, a3, qh[nh][2 * u], qh[nh][2 * u + 1]);
+                            mma_m16n8k16(t[u][nh], a0, a1, a2, a3, ql[nh][2 * u], ql[nh][2 * u + 1]);
+                        }
                     }
                 }
+                // rows gid, gid + 8: those cells' block scales
+                const float d0 = h2f(C::dh(sk + (cw + gid) * L::SRBK + b * C::BB));
+                const float d1 = h2f(C::dh(sk + (cw + 8 + gid) * L::SRBK + b * C::BB));
 #pragma unroll
-                for (int nt = 0; nt < 2; nt++)
+                for (int nh = 0; nh < NH; nh++)
 #pragma unroll
-                    for (int e = 0; e < 2; e++) {  // column 2 tig + e: that cell's block scale
-                        const float d = h2f(C::dh(sk + (cw + nt * 8 + 2 * tig + e) * L::SRBK + b * C::BB));
-                        sa[b & 1][nt][e] += (t[0][nt][e] + t[1][nt][e]) * d;
-                        sa[b & 1][nt][2 + e] += (t[0][nt][2 + e] + t[1][nt][2 + e]) * d;
+                    for (int e = 0; e < 2; e++) {
+                        sa[b & 1][nh][e] += (t[0][nh][e] + t[1][nh][e]) * d0;
+                        sa[b & 1][nh][2 + e] += (t[0][nh][2 + e] + t[1][nh][2 + e]) * d1;
                     }
             }
         } else {
 #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                u32 h[4], lo[4];
-                ld_a_frag(s_qh + gid * LDQ + kk * 16 + 2 * tig, LDQ, h);
-                ld_a_frag(s_ql + gid * LDQ + kk * 16 + 2 * tig, LDQ, lo);
+            for (int kk = 0; kk < MD; kk += 2) {
+                u32 qh[NH][4], ql[NH][4];
+                ld_q(kk, qh, ql);
 #pragma unroll
-                for (int nt = 0; nt < 2; nt++) {
-                    const u8* row = sk + (cw + nt * 8 + gid) * L::SRBK;
+                for (int u = 0; u < 2; u++) {
                     if constexpr (KP::F16) {
-                        const u16* kb = (const u16*)row + kk * 16 + 2 * tig;
-                        const u32 b0 = *(const u32*)kb, b1 = *(const u32*)(kb + 8);
-                        mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], b0, b1);
-                        mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], b0, b1);
-                    } else {
-                        const u32* w = (const u32*)row;
-                        const int i0 = kk * 16 + 2 * tig;
-                        u32 bh0, bl0, bh1, bl1;
+                        u32 a[4];
+                        ldsm4(sk + (cw + (lane & 15)) * L::SRBK + ((kk + u) * 16 + (lane >> 4) * 8) * 2, a);
+#pragma unroll
+                        for (int nh = 0; nh < NH; nh++) {
+                            mma_m16n8k16(sa[u][nh], a[0], a[1], a[2], a[3], qh[nh][2 * u], qh[nh][2 * u + 1]);
+                            mma_m16n8k16(sb[u][nh], a[0], a[1], a[2], a[3], ql[nh][2 * u], ql[nh][2 * u + 1]);
+                        }
+                    } else {  // decoded: A = K hi + lo, rows gid, gid + 8
+                        const u32* w0 = (const u32*)(sk + (cw + gid) * L::SRBK);
+                        const u32* w1 = (const u32*)(sk + (cw + 8 + gid) * L::SRBK);
+                        const int i0 = (kk + u) * 16 + 2 * tig;
                         const float* tk = (const float*)s_tk;
-                        sp_split2(KP::dec(w, i0, tk), KP::dec(w, i0 + 1, tk), bh0, bl0);
-                        sp_split2(KP::dec(w, i0 + 8, tk), KP::dec(w, i0 + 9, tk), bh1, bl1);
-                        mma_m16n8k16(sa[kk & 1][nt], h[0], h[1], h[2], h[3], bh0, bh1);
-                        mma_m16n8k16(sb[kk & 1][nt], lo[0], lo[1], lo[2], lo[3], bh0, bh1);
-                        mma_m16n8k16(sb[kk & 1][nt], h[0], h[1], h[2], h[3], bl0, bl1);
+                        u32 ah[4], al[4];
+                        sp_split2(KP::dec(w0, i0, tk), KP::dec(w0, i0 + 1, tk), ah[0], al[0]);
+                        sp_split2(KP::dec(w1, i0, tk), KP::dec(w1, i0 + 1, tk), ah[1], al[1]);
+                        sp_split2(KP::dec(w0, i0 + 8, tk), KP::dec(w0, i0 + 9, tk), ah[2], al[2]);
+                        sp_split2(KP::dec(w1, i0 + 8, tk), KP::dec(w1, i0 + 9, tk), ah[3], al[3]);
+#pragma unroll
+                        for (int nh = 0; nh < NH; nh++) {
+                            const u32 bh0 = qh[nh][2 * u], bh1 = qh[nh][2 * u + 1];
+                            mma_m16n8k16(sa[u][nh], ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+                            mma_m16n8k16(sb[u][nh], ah[0], ah[1], ah[2], ah[3], ql[nh][2 * u], ql[nh][2 * u + 1]);
+                            mma_m16n8k16(sb[u][nh], al[0], al[1], al[2], al[3], bh0, bh1);
+                        }
                     }
                 }
             }
         }
-        // masks (cells past the split included), softcap, online softmax of rows gid, gid + 8
-        float s[2][4], mx[2] = {AS_NEG_INF, AS_NEG_INF};
+        // masks (cells past the split included), softcap, online softmax of heads 8 nh + 2 tig + e
+        // over the warp's cells (rows gid, gid + 8 here, the rest in the lanes of the other gid)
+        bool ok[2];
 #pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
+        for (int h = 0; h < 2; h++) {
+            const int c = cw + 8 * h + gid, cpos = spos[c];
+            ok[h] = c < n && cpos <= qp && !(n_swa > 0 && qp - cpos >= n_swa);
+        }
+        float s[NH][4];
+#pragma unroll
+        for (int nh = 0; nh < NH; nh++)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int c = cw + nt * 8 + 2 * tig + e, cpos = spos[c];
-                const bool ok = c < n && cpos <= qp && !(n_swa > 0 && qp - cpos >= n_swa);
+                float mx = AS_NEG_INF;
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int x = 2 * h + e;
-                    float v = (sa[0][nt][x] + sa[1][nt][x] + sb[0][nt][x] + sb[1][nt][x]) * up[h];
+                    float v = (sa[0][nh][x] + sa[1][nh][x] + sb[0][nh][x] + sb[1][nh][x]) * up[nh][e];
                     if (softcap > 0.f) v = softcap * tanhf(v / softcap);
-                    s[nt][x] = ok ? v : AS_NEG_INF;
-                    mx[h] = fmaxf(mx[h], s[nt][x]);
+                    s[nh][x] = ok[h] ? v : AS_NEG_INF;
+                    mx = fmaxf(mx, s[nh][x]);
+                }
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                const float mn = fmaxf(m[nh][e], mx);
+                const float corr = m[nh][e] == AS_NEG_INF ? 0.f : __expf(m[nh][e] - mn);
+                m[nh][e] = mn;
+                l[nh][e] *= corr;
+#pragma unroll
+                for (int md = 0; md < MD; md++) { o[md][nh][e] *= corr; o[md][nh][2 + e] *= corr; }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float v = s[nh][2 * h + e];
+                    const float p = v == AS_NEG_INF ? 0.f : __expf(v - mn);
+                    s[nh][2 * h + e] = p;
+                    l[nh][e] += p;
                 }
             }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            const float mn = fmaxf(m[h], mx[h]);
-            const float corr = m[h] == AS_NEG_INF ? 0.f : __expf(m[h] - mn);
-            m[h] = mn;
-            l[h] *= corr;
-#pragma unroll
-            for (int nd = 0; nd < ND; nd++) { o[nd][2 * h] *= corr; o[nd][2 * h + 1] *= corr; }
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float v = s[nt][e];
-                const float p = v == AS_NEG_INF ? 0.f : __expf(v - m[e >> 1]);
-                s[nt][e] = p;
-                l[e >> 1] += p;
-            }
-        }
-        // O += P V: P of the warp's 16 cells as the A operand (hi + lo)
-        u32 ph[4], pl[4];
-        split_p(s[0], s[1], ph, pl);
-        if constexpr (VP::F16) {
-            pv_f16<ND>(o, ph, pl, (const u16*)(sv + (cw + (lane & 15)) * L::SRBV) + (lane >> 4) * 8);
-        } else if constexpr (VP::CODES) {  // B = the codes of cells (2tig, 2tig + 1 | + 8, + 9) ...
-            using C = typename VP::C;
-            constexpr int NK = C::BS / 8;
+        // O^T += V^T P^T (pt_frags: P^T's B fragments)
+        if constexpr (VP::PD) {  // the levels as they are, the block scales on P
+            using C = typename VP::C;            // (per block: P' = p d, hi + lo 2^11)
+            constexpr int NK = C::BS / 8;        // n8 tiles of a block's dims: NK / 2 m16 tiles
             const u8* v0 = sv + (cw + 2 * tig) * L::SRBV;
-            const u8* v1 = v0 + L::SRBV;
-            const u8* v2 = v0 + 8 * L::SRBV;
-            const u8* v3 = v0 + 9 * L::SRBV;
 #pragma unroll
             for (int b = 0; b < D / C::BS; b++) {
                 const int ob = b * C::BB;
                 const bool a4 = (C::BB * b + 2) % 4 == 0;
-                const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v1 + ob, gid, a4);
-                const u32 r2 = C::vraw(v2 + ob, gid, a4), r3 = C::vraw(v3 + ob, gid, a4);
-                if constexpr (C::PD) {  // ... as they are, their block scales on P: P' = p d (hi + lo 2^11)
-                    const float d0 = h2f(C::dh(v0 + ob)), d1 = h2f(C::dh(v1 + ob));
-                    const float d2 = h2f(C::dh(v2 + ob)), d3 = h2f(C::dh(v3 + ob));
-                    const float s0[4] = {s[0][0] * d0, s[0][1] * d1, s[0][2] * d0, s[0][3] * d1};
-                    const float s1[4] = {s[1][0] * d2, s[1][1] * d3, s[1][2] * d2, s[1][3] * d3};
-                    u32 qh[4], ql[4];
-                    split_p<2048>(s0, s1, qh, ql);
+                const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v0 + L::SRBV + ob, gid, a4);
+                const u32 r2 = C::vraw(v0 + 8 * L::SRBV + ob, gid, a4), r3 = C::vraw(v0 + 9 * L::SRBV + ob, gid, a4);
+                const float d0 = h2f(C::dh(sv + (cw + gid) * L::SRBV + ob));
+                const float d1 = h2f(C::dh(sv + (cw + 8 + gid) * L::SRBV + ob));
+                u32 qh[NH][2], ql[NH][2];
 #pragma unroll
-                    for (int k = 0; k < NK; k++) {  // lo x (levels 2^-11): exact, the levels' test
-                        const u32 b0 = C::vcodes(r0, r1, k, s_tv), b1 = C::vcodes(r2, r3, k, s_tv);
-                        float* acc = o[b * NK + k];
-                        mma_m16n8k16(acc, qh[0], qh[1], qh[2], qh[3], b0, b1);
-                        mma_m16n8k16(acc, ql[0], ql[1], ql[2], ql[3], hmul2(b0, H2_2M11), hmul2(b1, H2_2M11));
-                    }
-                } else {  // ... times their block scales (hi + lo)
-                    const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;
-                    const u32 d23 = (u32)C::dh(v2 + ob) | (u32)C::dh(v3 + ob) << 16;
+                for (int nh = 0; nh < NH; nh++) pt_frags<2048>(s[nh], d0, d1, qh[nh], ql[nh]);
 #pragma unroll
-                    for (int k = 0; k < NK; k++) {
-                        u32 h0, l0, h1, l1;
-                        scale_pair(C::vcodes(r0, r1, k, s_tv), d01, h0, l0);
-                        scale_pair(C::vcodes(r2, r3, k, s_tv), d23, h1, l1);
-                        float* acc = o[b * NK + k];
-                        mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], h0, h1);
-                        mma_m16n8k16(acc, pl[0], pl[1], pl[2], pl[3], h0, h1);
-                        mma_m16n8k16(acc, ph[0], ph[1], ph[2], ph[3], l0, l1);
+                for (int k = 0; k < NK; k += 2) {  // lo x (levels 2^-11): exact, the levels' test
+                    const u32 a0 = C::vcodes(r0, r1, k, s_tv), a1 = C::vcodes(r0, r1, k + 1, s_tv);
+                    const u32 a2 = C::vcodes(r2, r3, k, s_tv), a3 = C::vcodes(r2, r3, k + 1, s_tv);
+                    const u32 x0 = hmul2(a0, H2_2M11), x1 = hmul2(a1, H2_2M11);
+                    const u32 x2 = hmul2(a2, H2_2M11), x3 = hmul2(a3, H2_2M11);
+#pragma unroll
+                    for (int nh = 0; nh < NH; nh++) {
+                        float* acc = o[(b * NK + k) / 2][nh];
+                        mma_m16n8k16(acc, a0, a1, a2, a3, qh[nh][0], qh[nh][1]);
+                        mma_m16n8k16(acc, x0, x1, x2, x3, ql[nh][0], ql[nh][1]);
                     }
                 }
             }
-        } else {  // B = V[cells 2tig, 2tig + 1 | + 8, + 9][dim nd * 8 + gid], decoded
-            const u32* w0 = (const u32*)(sv + (cw + 2 * tig) * L::SRBV);
-            const u32* w1 = (const u32*)(sv + (cw + 2 * tig + 1) * L::SRBV);
-            const u32* w2 = (const u32*)(sv + (cw + 2 * tig + 8) * L::SRBV);
-            const u32* w3 = (const u32*)(sv + (cw + 2 * tig + 9) * L::SRBV);
+        } else {
+            u32 ph[NH][2], pl[NH][2];
 #pragma unroll
-            for (int nd = 0; nd < ND; nd++) {
-                const int i = nd * 8 + gid;
-                u32 bh0, bl0, bh1, bl1;
+            for (int nh = 0; nh < NH; nh++) pt_frags<1>(s[nh], 1.f, 1.f, ph[nh], pl[nh]);
+            if constexpr (VP::F16) {
+                const u8* vr = sv + (cw + (lane & 7) + (lane >> 4) * 8) * L::SRBV + ((lane >> 3) & 1) * 16;
+#pragma unroll
+                for (int md = 0; md < MD; md++) {
+                    u32 a[4];
+                    ldsm4t(vr + md * 32, a);
+#pragma unroll
+                    for (int nh = 0; nh < NH; nh++) {
+                        mma_m16n8k16(o[md][nh], a[0], a[1], a[2], a[3], ph[nh][0], ph[nh][1]);
+                        mma_m16n8k16(o[md][nh], a[0], a[1], a[2], a[3], pl[nh][0], pl[nh][1]);
+                    }
+                }
+            } else if constexpr (VP::CODES) {  // A = the codes of column gid of n8 tiles k, k + 1 and
+                using C = typename VP::C;      // cells (2tig, 2tig + 1 | + 8, + 9) times their block
+                constexpr int NK = C::BS / 8;  // scales (hi + lo)
+                const u8* v0 = sv + (cw + 2 * tig) * L::SRBV;
+#pragma unroll
+                for (int b = 0; b < D / C::BS; b++) {
+                    const int ob = b * C::BB;
+                    const bool a4 = (C::BB * b + 2) % 4 == 0;
+                    const u8* v1 = v0 + L::SRBV;
+                    const u8* v2 = v0 + 8 * L::SRBV;
+                    const u8* v3 = v0 + 9 * L::SRBV;
+                    const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v1 + ob, gid, a4);
+                    const u32 r2 = C::vraw(v2 + ob, gid, a4), r3 = C::vraw(v3 + ob, gid, a4);
+                    const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;
+                    const u32 d23 = (u32)C::dh(v2 + ob) | (u32)C::dh(v3 + ob) << 16;
+#pragma unroll
+                    for (int k = 0; k < NK; k += 2) {
+                        u32 ah[4], al[4];
+                        scale_pair(C::vcodes(r0, r1, k, s_tv), d01, ah[0], al[0]);
+                        scale_pair(C::vcodes(r0, r1, k + 1, s_tv), d01, ah[1], al[1]);
+                        scale_pair(C::vcodes(r2, r3, k, s_tv), d23, ah[2], al[2]);
+                        scale_pair(C::vcodes(r2, r3, k + 1, s_tv), d23, ah[3], al[3]);
+#pragma unroll
+                        for (int nh = 0; nh < NH; nh++) {
+                            float* acc = o[(b * NK + k) / 2][nh];
+                            mma_m16n8k16(acc, ah[0], ah[1], ah[2], ah[3], ph[nh][0], ph[nh][1]);
+                            mma_m16n8k16(acc, ah[0], ah[1], ah[2], ah[3], pl[nh][0], pl[nh][1]);
+                            mma_m16n8k16(acc, al[0], al[1], al[2], al[3], ph[nh][0], ph[nh][1]);
+                        }
+                    }
+                }
+            } else {  // A = V^T[dims md 16 + gid (+ 8)][cells 2tig, 2tig + 1 | + 8, + 9], decoded
+                const u32* w0 = (const u32*)(sv + (cw + 2 * tig) * L::SRBV);
+                const u32* w1 = (const u32*)(sv + (cw + 2 * tig + 1) * L::SRBV);
+                const u32* w2 = (const u32*)(sv + (cw + 2 * tig + 8) * L::SRBV);
+                const u32* w3 = (const u32*)(sv + (cw + 2 * tig + 9) * L::SRBV);
                 const float* tv = (const float*)s_tv;
-                sp_split2(VP::dec(w0, i, tv), VP::dec(w1, i, tv), bh0, bl0);
-                sp_split2(VP::dec(w2, i, tv), VP::dec(w3, i, tv), bh1, bl1);
-                mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], bh0, bh1);
-                mma_m16n8k16(o[nd], pl[0], pl[1], pl[2], pl[3], bh0, bh1);
-                mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], bl0, bl1);
+#pragma unroll
+                for (int md = 0; md < MD; md++) {
+                    const int i = md * 16 + gid;
+                    u32 ah[4], al[4];
+                    sp_split2(VP::dec(w0, i, tv), VP::dec(w1, i, tv), ah[0], al[0]);
+                    sp_split2(VP::dec(w0, i + 8, tv), VP::dec(w1, i + 8, tv), ah[1], al[1]);
+                    sp_split2(VP::dec(w2, i, tv), VP::dec(w3, i, tv), ah[2], al[2]);
+                    sp_split2(VP::dec(w2, i + 8, tv), VP::dec(w3, i + 8, tv), ah[3], al[3]);
+#pragma unroll
+                    for (int nh = 0; nh < NH; nh++) {
+                        mma_m16n8k16(o[md][nh], ah[0], ah[1], ah[2], ah[3], ph[nh][0], ph[nh][1]);
+                        mma_m16n8k16(o[md][nh], ah[0], ah[1], ah[2], ah[3], pl[nh][0], pl[nh][1]);
+                        mma_m16n8k16(o[md][nh], al[0], al[1], al[2], al[3], ph[nh][0], ph[nh][1]);
+                    }
+                }
             }
         }
         __syncthreads();  // the stage is refilled next iteration
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
-    // merge the warps (their tiles reuse the stages): s_o [NW][16][D], s_m / s_l [NW][16]
+    for (int nh = 0; nh < NH; nh++)
+#pragma unroll
+        for (int e = 0; e < 2; e++)
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) l[nh][e] += __shfl_xor_sync(0xffffffffu, l[nh][e], o);
+    // merge the warps (their tiles reuse the stages): s_o [NW][HN][D], s_m / s_l [NW][HN]
     __syncthreads();
     float* s_o = (float*)s_st;
-    float* s_m = s_o + NW * 16 * D;
-    float* s_l = s_m + NW * 16;
+    float* s_m = s_o + NW * HN * D;
+    float* s_l = s_m + NW * HN;
 #pragma unroll
-    for (int nd = 0; nd < ND; nd++)
+    for (int md = 0; md < MD; md++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float* so = s_o + (warp * 16 + gid + 8 * h) * D;
-            if constexpr (VP::CODES) {  // the tier's column order back to dims
-                so[VP::vperm(nd, 2 * tig)] = o[nd][2 * h];
-                so[VP::vperm(nd, 2 * tig + 1)] = o[nd][2 * h + 1];
-            } else {
-                *(float2*)(so + nd * 8 + 2 * tig) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+        for (int nh = 0; nh < NH; nh++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)  // row gid + 8 h of m16 tile md: dim vperm(2 md + h, gid)
+                    s_o[(warp * HN + 8 * nh + 2 * tig + e) * D + VP::vperm(2 * md + h, gid)] = o[md][nh][2 * h + e];
+    if (gid == 0) {
+#pragma unroll
+        for (int nh = 0; nh < NH; nh++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                s_m[warp * HN + 8 * nh + 2 * tig + e] = m[nh][e];
+                s_l[warp * HN + 8 * nh + 2 * tig + e] = l[nh][e];
             }
-        }
-    if (tig == 0) {
-        s_m[warp * 16 + gid] = m[0]; s_m[warp * 16 + gid + 8] = m[1];
-        s_l[warp * 16 + gid] = l[0]; s_l[warp * 16 + gid + 8] = l[1];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < Gb * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
         float M = AS_NEG_INF;
 #pragma unroll
-        for (int w = 0; w < NW; w++) M = fmaxf(M, s_m[w * 16 + g]);
+        for (int w = 0; w < NW; w++) M = fmaxf(M, s_m[w * HN + g]);
         float Ls = 0.f, A = 0.f;
         if (M != AS_NEG_INF) {
 #pragma unroll
             for (int w = 0; w < NW; w++) {
-                const float mw = s_m[w * 16 + g];
+                const float mw = s_m[w * HN + g];
                 if (mw == AS_NEG_INF) continue;
                 const float f = __expf(mw - M);
-                Ls += s_l[w * 16 + g] * f;
-                A += s_o[(w * 16 + g) * D + d] * f;
+                Ls += s_l[w * HN + g] * f;
+                A += s_o[(w * HN + g) * D + d] * f;
             }
         }
         if constexpr (VP::ROT) {  // un-rotated below; only this thread reads (., g, d)

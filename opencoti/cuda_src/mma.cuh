@@ -32,3 +32,23 @@ __device__ __forceinline__ void imma_k16s(int* c, u32 a0, u32 a1, u32 b0) {  // 
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(b0));
 }
+
+// Fragment moves (PTX ISA "ldmatrix", "movmatrix"; sm_75+) of 8 x 8 f16 matrices, held one row
+// pair per thread as the MMA's fragments are: thread t holds row t / 4, columns 2 (t % 4) and + 1.
+// ldsm4: four matrices from shared memory, lane l giving the address of row l % 8 of matrix l / 8
+// (16-byte aligned), r[i] = matrix i; ldsm4t: the same, each matrix transposed.
+__device__ __forceinline__ void ldsm4(const void* p, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((u32)__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void ldsm4t(const void* p, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((u32)__cvta_generic_to_shared(p)));
+}
+// the transpose of the matrix whose row pairs the warp holds in x (a C fragment's f16 pairs ->
+// the B fragment of the transposed tile)
+__device__ __forceinline__ u32 movm_t(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}

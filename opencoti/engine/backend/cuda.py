@@ -352,7 +352,7 @@ ATTN_STREAM_SM_BLOCKS = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_SM_BLOCK
 ATTN_STREAM_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_MIN_SPLIT", "256"))
 # ... and for a step of several query rows (batched decode) from ATTN_STREAM_BATCH_CELLS cells per
 # row on average, when a split's grid has at least ATTN_STREAM_BATCH_BLOCKS blocks (rows x kv heads
-# x 16-head groups): attn_partial walks each row's cells with one block per (row, kv head, split),
+# x head groups): attn_partial walks each row's cells with one block per (row, kv head, split),
 # latency-bound. H200, bench_cuda, rows of 512-640 cells, tok/s, stream from 2,048 -> 256 cells:
 # 7B x8 1,411 -> 1,663, x32 3,347 -> 3,816, PolyKV 32 sessions 2,087 -> 2,304; synthetic
 # gemma-3-270m (1 kv head) x32 9,765 -> 10,936, x64 12,149 -> 13,405, but x8 (8 blocks per split)
@@ -478,16 +478,23 @@ def _as_tile(d: int, rb_k: int, rb_v: int) -> int:
     return AS_CT_BIG if big else AS_CT
 
 
-def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0) -> int:
+def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0, hn: int = 8) -> int:
     """Dynamic shared memory bytes of attention.cu's streaming kernels at head size ``d`` for K /
-    V rows of ``rb_k`` / ``rb_v`` bytes and K / V tables of ``tab_k`` / ``tab_v`` bytes
-    (``cuda_kv.stream_table_bytes``; attn_stream.cuh ``AsLayout::BYTES``)."""
+    V rows of ``rb_k`` / ``rb_v`` bytes, K / V tables of ``tab_k`` / ``tab_v`` bytes
+    (``cuda_kv.stream_table_bytes``) and ``hn`` (8 or 16) query heads per block (attn_stream.cuh
+    ``AsLayout::BYTES``)."""
     ct = _as_tile(d, rb_k, rb_v)
     nw = ct // 16
     sb = ct * (_as_srb(rb_k) + _as_srb(rb_v))
     ns = 3 if 3 * sb <= 110592 else 2
-    return (2 * 16 * (d + 8) * 2 + max(ns * sb, nw * 16 * d * 4 + 2 * nw * 16 * 4) + ns * ct * 4 + 64
+    return (2 * hn * (d + 8) * 2 + max(ns * sb, nw * hn * d * 4 + 2 * nw * hn * 4) + ns * ct * 4 + 64
             + tab_k + tab_v)
+
+
+def _as_heads(g: int) -> int:
+    """Query heads per block of the streaming kernels for ``g`` query heads per kv head: 8 (one
+    n8 tile of the MMAs' columns, attn_stream.cuh) up to 8, else 16 (``_h16`` kernels)."""
+    return 8 if g <= 8 else 16
 
 
 def _raise_smem(f, smem: int):
@@ -2151,15 +2158,17 @@ class CUDABackend:
         x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
         self._kv_quant(store, tier, x, self._flat_cells(store, stream, cells))
 
-    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int, lanes: bool = False, smem: int = 0):
+    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int, lanes: bool = False, smem: int = 0, hn: int = 8):
         """The tier attention kernel of (K tier, V tier, head size) for ``g`` query heads per
         block: ``attn_kv_g<g>`` (a lane per cell) or, ``lanes``, ``attn_kv_g<g>_l`` (up to 4
         lanes per cell: short splits); with ``smem`` (its dynamic shared memory bytes) the
-        streaming ``attn_kv_stream`` instead (long rows)."""
-        key = ("kva", tk, tv, d)
+        streaming ``attn_kv_stream`` instead (long rows), of ``hn`` query heads per block (16:
+        the pair's ``_h16`` module)."""
+        key = ("kva", tk, tv, d, hn)
         m = self._kv_mods.get(key)
         if m is None:
-            m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d), f"attn_{tk}_{tv}_d{d}")
+            m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn),
+                                                 f"attn_{tk}_{tv}_d{d}" + ("_h16" if hn == 16 else ""))
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
         if f is None:
@@ -2211,17 +2220,18 @@ class CUDABackend:
         # T, the mean): the streaming kernel, for rows of a multiple of 4 bytes (its copy chunks)
         # whose values fit f16's range (not the f32 / bf16 tiers) and a block that fits the SM
         rb_k, rb_v = k_store.shape[3] * k_store.dtype.itemsize, v_store.shape[3] * v_store.dtype.itemsize
+        hn = _as_heads(G)
         stream = (D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0 and not {tk.name, tv.name} & {"f32", "bf16"}
-                  and self._stream_rows(meta["max_len"], T, n_kv * -(-G // 16)))
+                  and self._stream_rows(meta["max_len"], T, n_kv * -(-G // hn)))
         if stream:
             smem = _as_smem(D, rb_k, rb_v, cuda_kv.stream_table_bytes(tk.name, True),
-                            cuda_kv.stream_table_bytes(tv.name, False))
+                            cuda_kv.stream_table_bytes(tv.name, False), hn)
             stream = smem <= self.smem_per_block
         if stream:
-            n_hg = -(-G // 16)
+            n_hg = -(-G // hn)
             threads = 2 * _as_tile(D, rb_k, rb_v)
-            sfn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem) if quant else \
-                self._big_smem_fn("a", f"attn_stream_d{D}", smem)
+            sfn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem, hn=hn) if quant else \
+                self._big_smem_fn("a", f"attn_stream_d{D}" + ("_h16" if hn == 16 else ""), smem)
             fit = self._fits.get(sfn)
             if fit is None:  # once per kernel: num_regs is a driver query
                 fit = self._fits[sfn] = self._blocks_per_sm(threads, sfn.raw.num_regs, smem)
@@ -2340,7 +2350,7 @@ class CUDABackend:
     @staticmethod
     def _stream_rows(n_cells: int, rows: int, heads: int) -> bool:
         """Whether ``rows`` query rows whose views hold ``n_cells`` cells (as ``_attn_splits``)
-        with ``heads`` blocks per row (kv heads x 16-head groups) take the streaming kernel: one
+        with ``heads`` blocks per row (kv heads x head groups) take the streaming kernel: one
         row from ATTN_STREAM_CELLS cells, several from ATTN_STREAM_BATCH_CELLS per row on
         average when they give ATTN_STREAM_BATCH_BLOCKS blocks per split (else
         ATTN_STREAM_CELLS)."""
@@ -2350,8 +2360,8 @@ class CUDABackend:
         return n_cells >= (ATTN_STREAM_BATCH_CELLS if batch else ATTN_STREAM_CELLS) * max(1, rows)
 
     def _attn_stream_splits(self, n_cells: int, base: int, rows: int, fit: int = 1) -> int:
-        """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x 16-head
-        groups) are launched per split for ``rows`` query rows of ``n_cells`` cells (as
+        """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x head
+        groups, ``_as_heads``) are launched per split for ``rows`` query rows of ``n_cells`` cells (as
         ``_attn_splits``), for a kernel of which ``fit`` blocks are resident per SM
         (``_blocks_per_sm``): about min(ATTN_STREAM_SM_BLOCKS, fit) blocks per SM, one wave,
         splits of at least ATTN_STREAM_MIN_SPLIT of the mean row's cells, at most

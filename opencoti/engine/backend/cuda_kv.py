@@ -109,13 +109,16 @@ def write_source() -> str:
     return tables_prefix() + read_source("kv_write.cu")
 
 
-def attention_source(type_k: str, type_v: str, d: int) -> str:
+def attention_source(type_k: str, type_v: str, d: int, hn: int = 8) -> str:
     """Full source of the tier-generic attention module for one (K tier, V tier, head size):
     ``attention.cu`` compiled with ``KV_TK`` / ``KV_TV`` / ``KV_D`` (kernels
     ``attn_kv_g{1,2,4,8}``, a lane per cell, and ``attn_kv_g{1,2,4,8}_l``, up to 4 lanes per
-    cell; 8 is left out at head size 512, as for f16)."""
-    return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n" % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d)
-            + tables_prefix() + read_source("attention.cu"))
+    cell; 8 is left out at head size 512, as for f16) and ``KV_HN`` (``hn``, 8 or 16: the query
+    heads per block of its streaming kernel ``attn_kv_stream``)."""
+    if hn not in (8, 16):
+        raise ValueError(f"attn_kv_stream takes 8 or 16 query heads per block, not {hn}")
+    return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n#define KV_HN %d\n"
+            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d, hn) + tables_prefix() + read_source("attention.cu"))
 
 
 def rope_store_source(type_k: str, type_v: str, d: int) -> str:
