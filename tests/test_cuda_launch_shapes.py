@@ -18,6 +18,7 @@ class Device:
     _gemvi_warps = cu.CUDABackend._gemvi_warps
     _gemvi_warps_auto = cu.CUDABackend._gemvi_warps_auto
     _blocks_per_sm = cu.CUDABackend._blocks_per_sm
+    _stream_pin_smem = cu.CUDABackend._stream_pin_smem
 
     def __init__(self, n_sm: int, smem_per_sm: int, smem_per_block: int, threads_per_sm: int = 2048,
                  blocks_per_sm: int = 32):
@@ -363,3 +364,24 @@ def test_gemvi_forced_warps_fit_registers(monkeypatch):
     assert H200._gemvi_warps(132, 16, 0, 170) == 8
     assert H200._gemvi_warps(132, 6, 0, 96) == 6
 
+
+@pytest.mark.parametrize("dev", [H200, SM86])
+def test_stream_pin_smem(dev, monkeypatch):
+    """``_stream_pin_smem``: a streaming block that fits an SM more often than the splits' one wave
+    (ceil(ATTN_STREAM_SM_BLOCKS) blocks per SM) launches with its shared memory padded to exactly
+    that many per SM; a block that fits no more often, or ATTN_STREAM_PIN=0, keeps its bytes."""
+    monkeypatch.setattr(cu, "ATTN_STREAM_SM_BLOCKS", 1)
+    smem = 40 * 1024  # 125 registers x 256 threads: two blocks per SM by registers (q4_0 / q4_0 at 128)
+    fit = dev._blocks_per_sm(256, 125, smem)
+    assert fit >= 2
+    pinned = dev._stream_pin_smem(smem, fit)
+    assert pinned > smem and pinned % 128 == 0 and pinned <= dev.smem_per_block
+    assert dev._blocks_per_sm(256, 125, pinned) == 1
+    assert dev._stream_pin_smem(smem, 1) == smem
+    big = dev.smem_per_sm // 2  # fits once already
+    assert dev._stream_pin_smem(big, dev._blocks_per_sm(256, 125, big)) == big
+    monkeypatch.setattr(cu, "ATTN_STREAM_SM_BLOCKS", 1.5)  # two blocks per SM of a block that fits more
+    small = 8 * 1024
+    assert dev._blocks_per_sm(128, 64, dev._stream_pin_smem(small, dev._blocks_per_sm(128, 64, small))) == 2
+    monkeypatch.setattr(cu, "ATTN_STREAM_PIN", 0)
+    assert dev._stream_pin_smem(smem, fit) == smem

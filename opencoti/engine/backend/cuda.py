@@ -350,6 +350,9 @@ PREFILL_TC_ROWS = 16  # query rows per sequence (mean over the ubatch) from whic
 ATTN_STREAM_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_CELLS", "2048"))
 ATTN_STREAM_SM_BLOCKS = float(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_SM_BLOCKS", "1"))
 ATTN_STREAM_MIN_SPLIT = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_MIN_SPLIT", "256"))
+# ... and launched with their shared memory padded so that no more than those blocks fit an SM
+# (_stream_pin_smem; 0: as the kernel needs)
+ATTN_STREAM_PIN = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_PIN", "1"))
 # ... and for a step of several query rows (batched decode) from ATTN_STREAM_BATCH_CELLS cells per
 # row on average, when a split's grid has at least ATTN_STREAM_BATCH_BLOCKS blocks (rows x kv heads
 # x head groups): attn_partial walks each row's cells with one block per (row, kv head, split),
@@ -2236,6 +2239,10 @@ class CUDABackend:
             if fit is None:  # once per kernel: num_regs is a driver query
                 fit = self._fits[sfn] = self._blocks_per_sm(threads, sfn.raw.num_regs, smem)
             n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T, fit)
+            pinned = self._stream_pin_smem(smem, fit)
+            if pinned != smem:
+                smem = pinned
+                _raise_smem(sfn, smem)
         else:
             n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
         if n_split > 1:
@@ -2358,6 +2365,22 @@ class CUDABackend:
             return False
         batch = rows > 1 and rows * heads >= ATTN_STREAM_BATCH_BLOCKS
         return n_cells >= (ATTN_STREAM_BATCH_CELLS if batch else ATTN_STREAM_CELLS) * max(1, rows)
+
+    def _stream_pin_smem(self, smem: int, fit: int) -> int:
+        """Dynamic shared memory bytes to launch a streaming attention block that needs ``smem``
+        bytes and of which ``fit`` are resident per SM (``_blocks_per_sm``) with: with
+        ATTN_STREAM_PIN, padded so that nb = ceil(ATTN_STREAM_SM_BLOCKS) blocks fit an SM where
+        more would, else ``smem``. The splits (``_attn_stream_splits``) are sized as one wave of nb
+        blocks per SM; where more fit, the block scheduler may stack a second block on one SM
+        while another SM stays idle, the kernel's time that of the stacked SM (H200, Qwen2.5-7B
+        shapes at 32k cells, q4_0 / q4_0, whose block fits twice: 297 -> 326 tok/s; the tiers
+        whose block fits once did not move, CUDA_NOTES session 28)."""
+        nb = max(1, math.ceil(ATTN_STREAM_SM_BLOCKS))
+        if not ATTN_STREAM_PIN or fit <= nb:
+            return smem
+        # (nb + 1) (pad + reserved) > smem_per_sm >= nb (pad + reserved), pad a multiple of 128
+        pad = -(-(self.smem_per_sm // (nb + 1) + 1 - self.smem_reserved) // 128) * 128
+        return max(smem, pad)
 
     def _attn_stream_splits(self, n_cells: int, base: int, rows: int, fit: int = 1) -> int:
         """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x head
