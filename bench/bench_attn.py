@@ -13,8 +13,8 @@ counts in ``CUDABackend._attn_splits`` / ``_attn_stream_splits``.
 
 ``--tiers``: then, per layout and N, the streaming kernel over each KV tier pair (``-ctk`` =
 ``-ctv``; ``attn_kv_stream`` of the pair's module, rows quantized by the CPU tier) at the
-backend's split count (which depends on the kernel's resident blocks per SM), against f16 at its
-own: us per call, bytes per second, and the
+backend's split count (which depends on the kernel's resident blocks per SM) and shared memory
+(``_stream_pin_smem``), against f16 at its own: us per call, bytes per second, and the
 time relative to f16. ``--split-cells 256,512,1024`` adds rows at N / 256, N / 512, ... splits:
 a tier's time against its cells per block separates the block's fixed cost (tables, rotations,
 merge) from its per-cell decode.
@@ -149,8 +149,6 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
     print("| -ctk/-ctv | cells | splits | us | GB/s | vs f16 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rng = np.random.default_rng(0)
-    hn = cu._as_heads(H // nkv)
-    gy = nkv * -(-H // nkv // hn)
     for L in (int(v) for v in a.cells.split(",")):
         kf = (rng.standard_normal((L, nkv, D)) * 0.5).astype(np.float32)
         vf = rng.standard_normal((L, nkv, D)).astype(np.float32)
@@ -163,6 +161,8 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
             K, V = cp.asarray(T.quantize(kf)), cp.asarray(T.quantize(vf))
             kvs = _kv_copies(cp, K, V, a.copies, l2, a.reps)
             rb = K.shape[-1] * K.dtype.itemsize
+            hn = cu._as_heads(H // nkv, D, t != "f16")
+            gy = nkv * -(-H // nkv // hn)
             if t == "f16":
                 smem = cu._as_smem(D, rb, rb, hn=hn)
                 fn = be._big_smem_fn("a", f"attn_stream_d{D}" + ("_h16" if hn == 16 else ""), smem)
@@ -174,7 +174,9 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
             fit = be._blocks_per_sm(threads, fn.raw.num_regs, smem)
             counts = [be._attn_stream_splits(L, gy, 1, fit)] + [max(1, L // int(c)) for c in a.split_cells.split(",") if c]
             for i, ns in enumerate(dict.fromkeys(counts)):
-                call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), threads, smem,
+                launch = be._stream_pin_smem(smem, fit, gy * ns)  # as attention_cells launches it
+                cu._raise_smem(fn, launch)
+                call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), threads, launch,
                                     [(q, qpos, rv, vo, cells, cpos, k, v) for k, v in kvs], H, nkv, D, ns)
                 us = _graph_time(cp, call, a.reps)
                 key = "auto" if i == 0 else ns  # the backend's count against f16's own

@@ -125,6 +125,8 @@ def test_stream_tile_and_shared_memory():
     assert cu._as_smem(128, 36, 36) == 4352 + 3 * 128 * 96 + 3 * 128 * 4 + 64
     assert cu._as_smem(128, 36, 36, hn=16) == 8704 + 8 * 16 * 128 * 4 + 2 * 8 * 16 * 4 + 3 * 128 * 4 + 64
     assert [cu._as_heads(g) for g in (1, 4, 7, 8, 9, 16, 20)] == [8, 8, 8, 8, 16, 16, 16]
+    assert cu._as_heads(16, 256) == 16 and cu._as_heads(16, 128, True) == 16
+    assert cu._as_heads(16, 256, True) == 8  # a tier pair's 16-head kernel spills at 256
     # turbo: an f16 pair per pair table entry, K's and V's alike (kv_codes.cuh TBK / TBV)
     assert cuda_kv.stream_table_bytes("turbo3", True) == 256 and cuda_kv.stream_table_bytes("turbo3", False) == 256
     assert cuda_kv.stream_table_bytes("turbo4", True) == 1024 and cuda_kv.stream_table_bytes("q8_0", True) == 0
@@ -369,19 +371,22 @@ def test_gemvi_forced_warps_fit_registers(monkeypatch):
 def test_stream_pin_smem(dev, monkeypatch):
     """``_stream_pin_smem``: a streaming block that fits an SM more often than the splits' one wave
     (ceil(ATTN_STREAM_SM_BLOCKS) blocks per SM) launches with its shared memory padded to exactly
-    that many per SM; a block that fits no more often, or ATTN_STREAM_PIN=0, keeps its bytes."""
+    that many per SM; a block that fits no more often, a grid larger than that wave (a batched
+    step's rows) or ATTN_STREAM_PIN=0 keeps its bytes."""
     monkeypatch.setattr(cu, "ATTN_STREAM_SM_BLOCKS", 1)
     smem = 40 * 1024  # 125 registers x 256 threads: two blocks per SM by registers (q4_0 / q4_0 at 128)
     fit = dev._blocks_per_sm(256, 125, smem)
     assert fit >= 2
-    pinned = dev._stream_pin_smem(smem, fit)
+    pinned = dev._stream_pin_smem(smem, fit, dev.n_sm)
     assert pinned > smem and pinned % 128 == 0 and pinned <= dev.smem_per_block
     assert dev._blocks_per_sm(256, 125, pinned) == 1
-    assert dev._stream_pin_smem(smem, 1) == smem
+    assert dev._stream_pin_smem(smem, fit, dev.n_sm + 1) == smem  # two waves pinned: keep both slots
+    assert dev._stream_pin_smem(smem, 1, dev.n_sm) == smem
     big = dev.smem_per_sm // 2  # fits once already
-    assert dev._stream_pin_smem(big, dev._blocks_per_sm(256, 125, big)) == big
+    assert dev._stream_pin_smem(big, dev._blocks_per_sm(256, 125, big), dev.n_sm) == big
     monkeypatch.setattr(cu, "ATTN_STREAM_SM_BLOCKS", 1.5)  # two blocks per SM of a block that fits more
     small = 8 * 1024
-    assert dev._blocks_per_sm(128, 64, dev._stream_pin_smem(small, dev._blocks_per_sm(128, 64, small))) == 2
+    padded = dev._stream_pin_smem(small, dev._blocks_per_sm(128, 64, small), 2 * dev.n_sm)
+    assert dev._blocks_per_sm(128, 64, padded) == 2
     monkeypatch.setattr(cu, "ATTN_STREAM_PIN", 0)
-    assert dev._stream_pin_smem(smem, fit) == smem
+    assert dev._stream_pin_smem(smem, fit, dev.n_sm) == smem

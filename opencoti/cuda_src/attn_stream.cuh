@@ -184,7 +184,7 @@ __device__ __forceinline__ void attn_stream_impl(
         float mx = 0.f;
         for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qf[g * D + d]));
 #pragma unroll
-        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        for (int sh = 16; sh; sh >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, sh));
         if (lane == 0) s_up[g] = sp_stage_factor(mx);
     }
     __syncthreads();
@@ -357,7 +357,7 @@ __device__ __forceinline__ void attn_stream_impl(
                     mx = fmaxf(mx, s[nh][x]);
                 }
 #pragma unroll
-                for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                for (int sh = 4; sh < 32; sh <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, sh));
                 const float mn = fmaxf(m[nh][e], mx);
                 const float corr = m[nh][e] == AS_NEG_INF ? 0.f : __expf(m[nh][e] - mn);
                 m[nh][e] = mn;
@@ -480,7 +480,7 @@ __device__ __forceinline__ void attn_stream_impl(
 #pragma unroll
         for (int e = 0; e < 2; e++)
 #pragma unroll
-            for (int o = 4; o < 32; o <<= 1) l[nh][e] += __shfl_xor_sync(0xffffffffu, l[nh][e], o);
+            for (int sh = 4; sh < 32; sh <<= 1) l[nh][e] += __shfl_xor_sync(0xffffffffu, l[nh][e], sh);
     // merge the warps (their tiles reuse the stages): s_o [NW][HN][D], s_m / s_l [NW][HN]
     __syncthreads();
     float* s_o = (float*)s_st;

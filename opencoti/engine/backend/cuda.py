@@ -494,10 +494,14 @@ def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0, hn: i
             + tab_k + tab_v)
 
 
-def _as_heads(g: int) -> int:
-    """Query heads per block of the streaming kernels for ``g`` query heads per kv head: 8 (one
-    n8 tile of the MMAs' columns, attn_stream.cuh) up to 8, else 16 (``_h16`` kernels)."""
-    return 8 if g <= 8 else 16
+def _as_heads(g: int, d: int = 0, tiers: bool = False) -> int:
+    """Query heads per block of the streaming kernels for ``g`` query heads per kv head at head
+    size ``d`` (``tiers``: a KV tier pair's module, else f16's): 8 (one n8 tile of the MMAs'
+    columns, attn_stream.cuh) up to 8, else 16 (the ``_h16`` kernels), but 8 for a tier pair above
+    head size 128, whose 16-head kernel runs out of registers (nvcc 13, sm_90: 251-255 registers,
+    q8_0 / q8_0 spilling 80 bytes): its blocks take 8 heads each and read the K / V rows once per
+    8 heads."""
+    return 16 if g > 8 and not (tiers and d > 128) else 8
 
 
 def _raise_smem(f, smem: int):
@@ -652,6 +656,7 @@ class CUDABackend:
                       "m": load_module("mmq.cu"), "i": load_module("gemv_int.cu")}
         self._fns: dict = {}
         self._fits: dict = {}  # streaming attention kernel -> its resident blocks per SM
+        self._smem_raised: dict = {}  # streaming attention kernel -> the pinned shared memory it allows
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
         self._decode_rows = 0  # rows of the current ubatch when each is its own sequence's token, else 0
@@ -2223,7 +2228,7 @@ class CUDABackend:
         # T, the mean): the streaming kernel, for rows of a multiple of 4 bytes (its copy chunks)
         # whose values fit f16's range (not the f32 / bf16 tiers) and a block that fits the SM
         rb_k, rb_v = k_store.shape[3] * k_store.dtype.itemsize, v_store.shape[3] * v_store.dtype.itemsize
-        hn = _as_heads(G)
+        hn = _as_heads(G, D, quant)
         stream = (D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0 and not {tk.name, tv.name} & {"f32", "bf16"}
                   and self._stream_rows(meta["max_len"], T, n_kv * -(-G // hn)))
         if stream:
@@ -2239,10 +2244,12 @@ class CUDABackend:
             if fit is None:  # once per kernel: num_regs is a driver query
                 fit = self._fits[sfn] = self._blocks_per_sm(threads, sfn.raw.num_regs, smem)
             n_split = self._attn_stream_splits(meta["max_len"], T * n_kv * n_hg, T, fit)
-            pinned = self._stream_pin_smem(smem, fit)
+            pinned = self._stream_pin_smem(smem, fit, T * n_kv * n_hg * n_split)
             if pinned != smem:
+                if self._smem_raised.get(sfn, 0) < pinned:  # a driver call: once per kernel and size
+                    self._smem_raised[sfn] = pinned
+                    _raise_smem(sfn, pinned)
                 smem = pinned
-                _raise_smem(sfn, smem)
         else:
             n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
         if n_split > 1:
@@ -2366,21 +2373,23 @@ class CUDABackend:
         batch = rows > 1 and rows * heads >= ATTN_STREAM_BATCH_BLOCKS
         return n_cells >= (ATTN_STREAM_BATCH_CELLS if batch else ATTN_STREAM_CELLS) * max(1, rows)
 
-    def _stream_pin_smem(self, smem: int, fit: int) -> int:
-        """Dynamic shared memory bytes to launch a streaming attention block that needs ``smem``
-        bytes and of which ``fit`` are resident per SM (``_blocks_per_sm``) with: with
-        ATTN_STREAM_PIN, padded so that nb = ceil(ATTN_STREAM_SM_BLOCKS) blocks fit an SM where
-        more would, else ``smem``. The splits (``_attn_stream_splits``) are sized as one wave of nb
-        blocks per SM; where more fit, the block scheduler may stack a second block on one SM
-        while another SM stays idle, the kernel's time that of the stacked SM (H200, Qwen2.5-7B
-        shapes at 32k cells, q4_0 / q4_0, whose block fits twice: 297 -> 326 tok/s; the tiers
-        whose block fits once did not move, CUDA_NOTES session 28)."""
+    def _stream_pin_smem(self, smem: int, fit: int, blocks: int) -> int:
+        """Dynamic shared memory bytes to launch a grid of ``blocks`` streaming attention blocks
+        that need ``smem`` bytes and of which ``fit`` are resident per SM (``_blocks_per_sm``)
+        with: with ATTN_STREAM_PIN, padded so that nb = ceil(ATTN_STREAM_SM_BLOCKS) blocks fit an
+        SM where more would and the grid is one wave of at most nb per SM, else ``smem`` (a larger
+        grid, e.g. a batched step's rows, keeps every resident slot). The splits
+        (``_attn_stream_splits``) are sized as that wave; where more fit, the block scheduler may
+        stack a second block on one SM while another SM stays idle, the kernel's time that of
+        the stacked SM (H200, Qwen2.5-7B shapes at 32k cells, q4_0 / q4_0, whose block fits twice:
+        297 -> 326 tok/s; the tiers whose block fits once did not move, CUDA_NOTES session 28).
+        Never more than the device's per-block maximum."""
         nb = max(1, math.ceil(ATTN_STREAM_SM_BLOCKS))
-        if not ATTN_STREAM_PIN or fit <= nb:
+        if not ATTN_STREAM_PIN or fit <= nb or blocks > nb * self.n_sm:
             return smem
         # (nb + 1) (pad + reserved) > smem_per_sm >= nb (pad + reserved), pad a multiple of 128
         pad = -(-(self.smem_per_sm // (nb + 1) + 1 - self.smem_reserved) // 128) * 128
-        return max(smem, pad)
+        return max(smem, min(pad, self.smem_per_block))
 
     def _attn_stream_splits(self, n_cells: int, base: int, rows: int, fit: int = 1) -> int:
         """Split count of the streaming kernels when ``base`` blocks (rows x kv heads x head
