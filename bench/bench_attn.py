@@ -72,7 +72,7 @@ def main() -> None:
         if D in cu.AS_HEAD_DIMS:
             hn = cu._as_heads(H // nkv)
             smem = cu._as_smem(D, 2 * D, 2 * D, hn=hn)
-            fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}" + ("_h16" if hn == 16 else ""), smem),
+            fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}{cu._as_suffix(hn)}", smem),
                              nkv * -(-H // nkv // hn), smem)
         threads = {"partial": 128, "stream": 2 * cu._as_tile(D, 2 * D, 2 * D)}  # the stream's: 2 per tile cell
         merge = be._fn("a", "attn_merge")
@@ -165,7 +165,7 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
             gy = nkv * -(-H // nkv // hn)
             if t == "f16":
                 smem = cu._as_smem(D, rb, rb, hn=hn)
-                fn = be._big_smem_fn("a", f"attn_stream_d{D}" + ("_h16" if hn == 16 else ""), smem)
+                fn = be._big_smem_fn("a", f"attn_stream_d{D}{cu._as_suffix(hn)}", smem)
             else:
                 smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False),
                                    hn)

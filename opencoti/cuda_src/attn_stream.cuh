@@ -372,65 +372,47 @@ __device__ __forceinline__ void attn_stream_impl(
                     l[nh][e] += p;
                 }
             }
-        // O^T += V^T P^T (pt_frags: P^T's B fragments)
-        if constexpr (VP::PD) {  // the levels as they are, the block scales on P
-            using C = typename VP::C;            // (per block: P' = p d, hi + lo 2^11)
-            constexpr int NK = C::BS / 8;        // n8 tiles of a block's dims: NK / 2 m16 tiles
-            const u8* v0 = sv + (cw + 2 * tig) * L::SRBV;
+        // O^T += V^T P^T (pt_frags: P^T's B fragments). A tier's A fragments take their columns
+        // from the V rows of cells 2 tig, + 1 | + 8, + 9
+        const u8* v0 = sv + (cw + 2 * tig) * L::SRBV;
+        const u8* v1 = v0 + L::SRBV;
+        const u8* v2 = v0 + 8 * L::SRBV;
+        const u8* v3 = v0 + 9 * L::SRBV;
+        u32 ph[NH][2], pl[NH][2];  // P^T's B fragments where the block scales do not ride on P
+        if constexpr (!VP::PD) {
+#pragma unroll
+            for (int nh = 0; nh < NH; nh++) pt_frags<1>(s[nh], 1.f, 1.f, ph[nh], pl[nh]);
+        }
+        if constexpr (VP::CODES) {  // A = the codes of column gid of n8 tiles k, k + 1 (NK per block)
+            using C = typename VP::C;
+            constexpr int NK = C::BS / 8;
 #pragma unroll
             for (int b = 0; b < D / C::BS; b++) {
                 const int ob = b * C::BB;
                 const bool a4 = (C::BB * b + 2) % 4 == 0;
-                const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v0 + L::SRBV + ob, gid, a4);
-                const u32 r2 = C::vraw(v0 + 8 * L::SRBV + ob, gid, a4), r3 = C::vraw(v0 + 9 * L::SRBV + ob, gid, a4);
-                const float d0 = h2f(C::dh(sv + (cw + gid) * L::SRBV + ob));
-                const float d1 = h2f(C::dh(sv + (cw + 8 + gid) * L::SRBV + ob));
-                u32 qh[NH][2], ql[NH][2];
+                const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v1 + ob, gid, a4);
+                const u32 r2 = C::vraw(v2 + ob, gid, a4), r3 = C::vraw(v3 + ob, gid, a4);
+                if constexpr (VP::PD) {  // the levels as they are, the block scales on P (P' = p d,
+                                         // hi + lo 2^11; d of the rows gid | gid + 8 before the transpose)
+                    const float d0 = h2f(C::dh(sv + (cw + gid) * L::SRBV + ob));
+                    const float d1 = h2f(C::dh(sv + (cw + 8 + gid) * L::SRBV + ob));
+                    u32 qh[NH][2], ql[NH][2];
 #pragma unroll
-                for (int nh = 0; nh < NH; nh++) pt_frags<2048>(s[nh], d0, d1, qh[nh], ql[nh]);
+                    for (int nh = 0; nh < NH; nh++) pt_frags<2048>(s[nh], d0, d1, qh[nh], ql[nh]);
 #pragma unroll
-                for (int k = 0; k < NK; k += 2) {  // lo x (levels 2^-11): exact, the levels' test
-                    const u32 a0 = C::vcodes(r0, r1, k, s_tv), a1 = C::vcodes(r0, r1, k + 1, s_tv);
-                    const u32 a2 = C::vcodes(r2, r3, k, s_tv), a3 = C::vcodes(r2, r3, k + 1, s_tv);
-                    const u32 x0 = hmul2(a0, H2_2M11), x1 = hmul2(a1, H2_2M11);
-                    const u32 x2 = hmul2(a2, H2_2M11), x3 = hmul2(a3, H2_2M11);
+                    for (int k = 0; k < NK; k += 2) {  // lo x (levels 2^-11): exact, the levels' test
+                        const u32 a0 = C::vcodes(r0, r1, k, s_tv), a1 = C::vcodes(r0, r1, k + 1, s_tv);
+                        const u32 a2 = C::vcodes(r2, r3, k, s_tv), a3 = C::vcodes(r2, r3, k + 1, s_tv);
+                        const u32 x0 = hmul2(a0, H2_2M11), x1 = hmul2(a1, H2_2M11);
+                        const u32 x2 = hmul2(a2, H2_2M11), x3 = hmul2(a3, H2_2M11);
 #pragma unroll
-                    for (int nh = 0; nh < NH; nh++) {
-                        float* acc = o[(b * NK + k) / 2][nh];
-                        mma_m16n8k16(acc, a0, a1, a2, a3, qh[nh][0], qh[nh][1]);
-                        mma_m16n8k16(acc, x0, x1, x2, x3, ql[nh][0], ql[nh][1]);
+                        for (int nh = 0; nh < NH; nh++) {
+                            float* acc = o[(b * NK + k) / 2][nh];
+                            mma_m16n8k16(acc, a0, a1, a2, a3, qh[nh][0], qh[nh][1]);
+                            mma_m16n8k16(acc, x0, x1, x2, x3, ql[nh][0], ql[nh][1]);
+                        }
                     }
-                }
-            }
-        } else {
-            u32 ph[NH][2], pl[NH][2];
-#pragma unroll
-            for (int nh = 0; nh < NH; nh++) pt_frags<1>(s[nh], 1.f, 1.f, ph[nh], pl[nh]);
-            if constexpr (VP::F16) {
-                const u8* vr = sv + (cw + (lane & 7) + (lane >> 4) * 8) * L::SRBV + ((lane >> 3) & 1) * 16;
-#pragma unroll
-                for (int md = 0; md < MD; md++) {
-                    u32 a[4];
-                    ldsm4t(vr + md * 32, a);
-#pragma unroll
-                    for (int nh = 0; nh < NH; nh++) {
-                        mma_m16n8k16(o[md][nh], a[0], a[1], a[2], a[3], ph[nh][0], ph[nh][1]);
-                        mma_m16n8k16(o[md][nh], a[0], a[1], a[2], a[3], pl[nh][0], pl[nh][1]);
-                    }
-                }
-            } else if constexpr (VP::CODES) {  // A = the codes of column gid of n8 tiles k, k + 1 and
-                using C = typename VP::C;      // cells (2tig, 2tig + 1 | + 8, + 9) times their block
-                constexpr int NK = C::BS / 8;  // scales (hi + lo)
-                const u8* v0 = sv + (cw + 2 * tig) * L::SRBV;
-#pragma unroll
-                for (int b = 0; b < D / C::BS; b++) {
-                    const int ob = b * C::BB;
-                    const bool a4 = (C::BB * b + 2) % 4 == 0;
-                    const u8* v1 = v0 + L::SRBV;
-                    const u8* v2 = v0 + 8 * L::SRBV;
-                    const u8* v3 = v0 + 9 * L::SRBV;
-                    const u32 r0 = C::vraw(v0 + ob, gid, a4), r1 = C::vraw(v1 + ob, gid, a4);
-                    const u32 r2 = C::vraw(v2 + ob, gid, a4), r3 = C::vraw(v3 + ob, gid, a4);
+                } else {  // the codes times their cells' block scales (hi + lo)
                     const u32 d01 = (u32)C::dh(v0 + ob) | (u32)C::dh(v1 + ob) << 16;
                     const u32 d23 = (u32)C::dh(v2 + ob) | (u32)C::dh(v3 + ob) << 16;
 #pragma unroll
@@ -449,26 +431,35 @@ __device__ __forceinline__ void attn_stream_impl(
                         }
                     }
                 }
-            } else {  // A = V^T[dims md 16 + gid (+ 8)][cells 2tig, 2tig + 1 | + 8, + 9], decoded
-                const u32* w0 = (const u32*)(sv + (cw + 2 * tig) * L::SRBV);
-                const u32* w1 = (const u32*)(sv + (cw + 2 * tig + 1) * L::SRBV);
-                const u32* w2 = (const u32*)(sv + (cw + 2 * tig + 8) * L::SRBV);
-                const u32* w3 = (const u32*)(sv + (cw + 2 * tig + 9) * L::SRBV);
-                const float* tv = (const float*)s_tv;
+            }
+        } else if constexpr (VP::F16) {
+            const u8* vr = sv + (cw + (lane & 7) + (lane >> 4) * 8) * L::SRBV + ((lane >> 3) & 1) * 16;
 #pragma unroll
-                for (int md = 0; md < MD; md++) {
-                    const int i = md * 16 + gid;
-                    u32 ah[4], al[4];
-                    sp_split2(VP::dec(w0, i, tv), VP::dec(w1, i, tv), ah[0], al[0]);
-                    sp_split2(VP::dec(w0, i + 8, tv), VP::dec(w1, i + 8, tv), ah[1], al[1]);
-                    sp_split2(VP::dec(w2, i, tv), VP::dec(w3, i, tv), ah[2], al[2]);
-                    sp_split2(VP::dec(w2, i + 8, tv), VP::dec(w3, i + 8, tv), ah[3], al[3]);
+            for (int md = 0; md < MD; md++) {
+                u32 a[4];
+                ldsm4t(vr + md * 32, a);
 #pragma unroll
-                    for (int nh = 0; nh < NH; nh++) {
-                        mma_m16n8k16(o[md][nh], ah[0], ah[1], ah[2], ah[3], ph[nh][0], ph[nh][1]);
-                        mma_m16n8k16(o[md][nh], ah[0], ah[1], ah[2], ah[3], pl[nh][0], pl[nh][1]);
-                        mma_m16n8k16(o[md][nh], al[0], al[1], al[2], al[3], ph[nh][0], ph[nh][1]);
-                    }
+                for (int nh = 0; nh < NH; nh++) {
+                    mma_m16n8k16(o[md][nh], a[0], a[1], a[2], a[3], ph[nh][0], ph[nh][1]);
+                    mma_m16n8k16(o[md][nh], a[0], a[1], a[2], a[3], pl[nh][0], pl[nh][1]);
+                }
+            }
+        } else {  // A = V^T[dims md 16 + gid (+ 8)][cells 2tig, 2tig + 1 | + 8, + 9], decoded
+            const u32 *w0 = (const u32*)v0, *w1 = (const u32*)v1, *w2 = (const u32*)v2, *w3 = (const u32*)v3;
+            const float* tv = (const float*)s_tv;
+#pragma unroll
+            for (int md = 0; md < MD; md++) {
+                const int i = md * 16 + gid;
+                u32 ah[4], al[4];
+                sp_split2(VP::dec(w0, i, tv), VP::dec(w1, i, tv), ah[0], al[0]);
+                sp_split2(VP::dec(w0, i + 8, tv), VP::dec(w1, i + 8, tv), ah[1], al[1]);
+                sp_split2(VP::dec(w2, i, tv), VP::dec(w3, i, tv), ah[2], al[2]);
+                sp_split2(VP::dec(w2, i + 8, tv), VP::dec(w3, i + 8, tv), ah[3], al[3]);
+#pragma unroll
+                for (int nh = 0; nh < NH; nh++) {
+                    mma_m16n8k16(o[md][nh], ah[0], ah[1], ah[2], ah[3], ph[nh][0], ph[nh][1]);
+                    mma_m16n8k16(o[md][nh], ah[0], ah[1], ah[2], ah[3], pl[nh][0], pl[nh][1]);
+                    mma_m16n8k16(o[md][nh], al[0], al[1], al[2], al[3], ph[nh][0], ph[nh][1]);
                 }
             }
         }

@@ -51,29 +51,25 @@ __device__ __forceinline__ void ld_a_frag(const u16* p, int ld, u32 (&a)[4]) {
     a[0] = *(const u32*)p; a[1] = *(const u32*)(p + 8 * ld); a[2] = *(const u32*)(p + 8); a[3] = *(const u32*)(p + 8 * ld + 8);
 }
 
-// P's A fragments as hi + lo from the score fragments of two n8 tiles (16 cells: s0 the first 8);
-// LO as sp_split2's
-template <int LO = 1>
+// P's A fragments as hi + lo from the score fragments of two n8 tiles (16 cells: s0 the first 8)
 __device__ __forceinline__ void split_p(const float (&s0)[4], const float (&s1)[4], u32 (&ph)[4], u32 (&pl)[4]) {
-    sp_split2<LO>(s0[0], s0[1], ph[0], pl[0]);
-    sp_split2<LO>(s0[2], s0[3], ph[1], pl[1]);
-    sp_split2<LO>(s1[0], s1[1], ph[2], pl[2]);
-    sp_split2<LO>(s1[2], s1[3], ph[3], pl[3]);
+    sp_split2(s0[0], s0[1], ph[0], pl[0]);
+    sp_split2(s0[2], s0[3], ph[1], pl[1]);
+    sp_split2(s1[0], s1[1], ph[2], pl[2]);
+    sp_split2(s1[2], s1[3], ph[3], pl[3]);
 }
 
 // o += (ph + pl) V for 16 cells of f16 V rows in shared memory: vrow = row (lane & 15) of the 16,
-// column (lane >> 4) * 8; V's B fragments by ldmatrix .trans, two n8 tiles of dims each
+// column (lane >> 4) * 8; V's B fragments by ldmatrix .trans (ldsm4t), two n8 tiles of dims each
 template <int ND>
 __device__ __forceinline__ void pv_f16(float (&o)[ND][4], const u32 (&ph)[4], const u32 (&pl)[4], const u16* vrow) {
 #pragma unroll
     for (int nd = 0; nd < ND; nd += 2) {
-        u32 b0, b1, b2, b3;
-        const u32 addr = (u32)__cvta_generic_to_shared(vrow + nd * 8);
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
-        mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], b0, b1);
-        mma_m16n8k16(o[nd], pl[0], pl[1], pl[2], pl[3], b0, b1);
-        mma_m16n8k16(o[nd + 1], ph[0], ph[1], ph[2], ph[3], b2, b3);
-        mma_m16n8k16(o[nd + 1], pl[0], pl[1], pl[2], pl[3], b2, b3);
+        u32 b[4];
+        ldsm4t(vrow + nd * 8, b);
+        mma_m16n8k16(o[nd], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+        mma_m16n8k16(o[nd], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+        mma_m16n8k16(o[nd + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+        mma_m16n8k16(o[nd + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
     }
 }

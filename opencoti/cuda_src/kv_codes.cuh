@@ -12,7 +12,7 @@
 //     where lo stays a normal f16: code * d has at most 19 significant bits; scale_pair), three
 //     MMAs (P hi x hi, P lo x hi, P hi x lo). The turbo levels (PD) are the B registers as they
 //     are and the block scales ride on P instead: per block, P' = p d in float32, split into
-//     hi = f16(P') and lo = f16((P' - hi) 2^11) (f16_split.cuh split_p<2048>), two MMAs: hi x
+//     hi = f16(P') and lo = f16((P' - hi) 2^11) (attn_stream.cuh pt_frags<2048>), two MMAs: hi x
 //     levels, lo x levels 2^-11 (an f16 mul; exact: every turbo2/3/4 level times 2^-11 is an f16
 //     number, test_turbo_levels_scaled_are_f16). The scaled lo stays a normal f16 down to P' ~
 //     2^-13, where an unscaled one would leave the normal range below 2^-3 and, with P' = p d,

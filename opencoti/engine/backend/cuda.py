@@ -504,6 +504,12 @@ def _as_heads(g: int, d: int = 0, tiers: bool = False) -> int:
     return 16 if g > 8 and not (tiers and d > 128) else 8
 
 
+def _as_suffix(hn: int) -> str:
+    """The name suffix of a streaming kernel / tier module of ``hn`` query heads per block
+    (``_as_heads``): ``_h16`` for 16, none for 8."""
+    return "_h16" if hn == 16 else ""
+
+
 def _raise_smem(f, smem: int):
     """Kernel ``f`` with its dynamic shared memory limit raised to ``smem`` bytes where that
     exceeds the default 48 KiB; returns ``f``."""
@@ -2176,7 +2182,7 @@ class CUDABackend:
         m = self._kv_mods.get(key)
         if m is None:
             m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn),
-                                                 f"attn_{tk}_{tv}_d{d}" + ("_h16" if hn == 16 else ""))
+                                                 f"attn_{tk}_{tv}_d{d}{_as_suffix(hn)}")
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
         if f is None:
@@ -2239,7 +2245,7 @@ class CUDABackend:
             n_hg = -(-G // hn)
             threads = 2 * _as_tile(D, rb_k, rb_v)
             sfn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem, hn=hn) if quant else \
-                self._big_smem_fn("a", f"attn_stream_d{D}" + ("_h16" if hn == 16 else ""), smem)
+                self._big_smem_fn("a", f"attn_stream_d{D}{_as_suffix(hn)}", smem)
             fit = self._fits.get(sfn)
             if fit is None:  # once per kernel: num_regs is a driver query
                 fit = self._fits[sfn] = self._blocks_per_sm(threads, sfn.raw.num_regs, smem)
