@@ -1062,6 +1062,34 @@ def test_attention_cells(gpu, cpu, d, n_head, n_kv, n_swa, softcap, n_ctx):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (256, 8, 1), (512, 8, 2), (256, 16, 2)])
+@pytest.mark.parametrize("n_swa,softcap", [(0, 0.0), (37, 0.0), (0, 50.0)])
+@pytest.mark.parametrize("n_split", [1, 7, 0])
+def test_attention_lanes8(gpu, cpu, monkeypatch, d, n_head, n_kv, n_swa, softcap, n_split):
+    """f16 K/V through attn_partial's _l8 kernels (8 lanes per cell, tiles of 4 cells): one split
+    (every warp walks many tiles), seven, and the backend's own choice (0: at 64 cells the short
+    rows take 16-cell splits), against the CPU; head groups of 1 to 8 query heads."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(9)
+    cc, plan, ub_pos = _cache_with_two_seqs(n_kv, d, 64 if n_split == 0 else 1500, rng, np.zeros)
+    k_all = rng.standard_normal(cc.k[0].shape).astype(np.float16)
+    v_all = rng.standard_normal(cc.v[0].shape).astype(np.float16)
+    q = rng.standard_normal((5, n_head, d)).astype(np.float32)
+    scale = 1 / np.sqrt(d)
+    want = cpu.attention_cells(q, ub_pos, k_all, v_all, plan, scale, n_swa, softcap)
+    monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 0)
+    if n_split:
+        monkeypatch.setattr(gpu, "_attn_lanes8", lambda *a: (n_split, True))
+    names = []
+    orig = gpu._fn
+    monkeypatch.setattr(gpu, "_fn", lambda mod, name: names.append(name) or orig(mod, name))
+    got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(k_all), cp.asarray(v_all), plan,
+                                         scale, n_swa, softcap))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    assert [n for n in names if n.startswith("attn_partial")][0].endswith("_l8")
+
+
 @pytest.mark.parametrize("d,n_head,n_kv", [(256, 4, 1), (128, 28, 4), (64, 6, 6), (128, 16, 1), (64, 40, 2)])
 @pytest.mark.parametrize("n_swa,softcap", [(0, 0.0), (37, 0.0), (0, 50.0)])
 @pytest.mark.parametrize("n_split", [1, 3, 40])
@@ -1772,28 +1800,38 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
     want = cpu.attention_cells(q, ub_pos, kq, vq, plan, scale, n_swa, softcap, type_k=Tk, type_v=Tv)
     from opencoti.engine.backend import cuda as cu
 
-    # the three kernels: a lane per cell (no split short enough), several lanes per cell (every
-    # split), and the streaming one (every row long; one split and three) where the rows allow it
-    # (head size <= 256, rows of a multiple of 4 bytes, not f32 / bf16)
+    # the kernels: a lane per cell (no split short enough), several lanes per cell (every split),
+    # 8 lanes per cell (head sizes 256 / 512 where the K tier has them: one split and seven), and
+    # the streaming one (every row long; one split and three) where the rows allow it (head size
+    # <= 256, rows of a multiple of 4 bytes, not f32 / bf16)
     rb_ok = ((kq.shape[-1] * kq.dtype.itemsize) % 4 == 0 and (vq.shape[-1] * vq.dtype.itemsize) % 4 == 0
              and not {tk, tv} & {"f32", "bf16"})
-    for label, lanes_cells, stream_cells, n_split in (("a lane per cell", 0, 0, 0), ("lanes per cell", 1 << 30, 0, 0),
-                                                      ("stream", 0, 1, 1), ("stream, 3 splits", 0, 1, 3)):
-        streamed = []
+    cases = [("a lane per cell", 0, 0, 0, 0), ("lanes per cell", 1 << 30, 0, 0, 0), ("stream", 0, 1, 1, 0),
+             ("stream, 3 splits", 0, 1, 3, 0)]
+    l8_ok = d in cu.ATTN_L8_DIMS and cuda_kv.lanes8_ok(tk, d)
+    if l8_ok:
+        cases += [("8 lanes per cell", 0, 0, 0, 1), ("8 lanes per cell, 7 splits", 0, 0, 0, 7)]
+    for label, lanes_cells, stream_cells, n_split, l8_split in cases:
+        calls = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cu, "ATTN_KV_LANES_CELLS", lanes_cells)
             mp.setattr(cu, "ATTN_STREAM_CELLS", stream_cells)
             mp.setattr(cu, "ATTN_STREAM_BATCH_CELLS", stream_cells)
             if n_split:
                 mp.setattr(gpu, "_attn_stream_splits", lambda *a, n=n_split: n)
+            mp.setattr(gpu, "_attn_lanes8", (lambda *a, n=l8_split: (n, True)) if l8_split else
+                       (lambda *a: (gpu._attn_splits(*a[:2], 1, a[2]), False)))
             orig = gpu._kv_attn_fn
-            mp.setattr(gpu, "_kv_attn_fn", lambda *a, **kw: streamed.append(kw.get("smem", 0) > 0) or orig(*a, **kw))
+            mp.setattr(gpu, "_kv_attn_fn", lambda *a, **kw: calls.append(
+                "stream" if kw.get("smem", 0) > 0 else a[4] if len(a) > 4 else kw.get("lanes", False)) or orig(*a, **kw))
             got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan,
                                                  scale, n_swa, softcap, type_k=Tk, type_v=Tv))
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=KV_TOL["rtol"], atol=KV_TOL["atol"] * v_scale, err_msg=label)
-        if (tk, tv) != ("f16", "f16"):  # f16 / f16 takes the f16 kernels (test_stream_attention_matches)
-            assert streamed == [bool(stream_cells) and d <= 256 and rb_ok], label
+        if (tk, tv) != ("f16", "f16"):  # f16 / f16 takes the f16 kernels (test_attention_lanes8, test_stream_attention_matches)
+            streamed = bool(stream_cells) and d <= 256 and rb_ok
+            want_kind = "stream" if streamed else "l8" if l8_split else bool(lanes_cells)
+            assert calls == [want_kind], label
 
 
 @pytest.mark.parametrize("n_swa,softcap,n_ctx", _KV_MASKS)

@@ -14,6 +14,7 @@ class Device:
     """The backend's device figures and the methods under test (no CUDA context)."""
 
     _attn_splits = cu.CUDABackend._attn_splits
+    _attn_lanes8 = cu.CUDABackend._attn_lanes8
     _attn_stream_splits = cu.CUDABackend._attn_stream_splits
     _gemvi_warps = cu.CUDABackend._gemvi_warps
     _gemvi_warps_auto = cu.CUDABackend._gemvi_warps_auto
@@ -46,6 +47,23 @@ def test_attn_splits_long_single_sequence():
     assert splits(H200, 32768, 16, 1, 1) == 128
     assert splits(H200, 1 << 20, 16, 1, 1) == 256
     assert splits(H200, 64, 16, 1, 1) == 2
+
+
+def test_attn_lanes8_short_rows():
+    """The _l8 kernels take splits of <= 16 cells where the grid bound leaves them: gemma-3-270m's
+    sliding layers (1 kv head x 4 one-head blocks; 512 cells eager, a 1,024-cell bucket in a graph)
+    get 32 / 64 splits; rows the bound cuts to longer splits, other head sizes and pairs without
+    _l8 kernels keep the 4-lane kernels' split count."""
+    assert cu.ATTN_L8_CELLS == 16 and cu.ATTN_L8_DIMS == (256, 512)
+    assert H200._attn_lanes8(512, 4, 1, 256, True) == (32, True)
+    assert H200._attn_lanes8(1024, 4, 1, 256, True) == (64, True)
+    assert H200._attn_lanes8(520, 4, 1, 512, True) == (33, True)  # ceil(520 / 33) = 16
+    assert H200._attn_lanes8(512, 4, 1, 256, False) == (16, False)
+    assert H200._attn_lanes8(512, 4, 1, 128, True) == (16, False)
+    assert H200._attn_lanes8(8192, 4, 1, 256, True) == (66, False)  # 125-cell splits: two 4-lane tiles each
+    assert H200._attn_lanes8(1500, 10, 5, 256, True) == (27, False)
+    assert H200._attn_lanes8(27, 10, 5, 256, True) == (2, True)  # splits of 14 cells
+    assert H200._attn_lanes8(16, 10, 5, 256, True) == (1, True)
 
 
 def test_attn_splits_batched_graph_bucket():

@@ -111,7 +111,7 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[MAXG], bool ok, in
     }
 }
 
-template <int D, int MAXG>
+template <int D, int MAXG, int LPC = 4>
 __device__ __forceinline__ void attn_partial_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
@@ -144,14 +144,18 @@ __device__ __forceinline__ void attn_partial_impl(
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
     }
-    // tiles of 8 cells per warp: QK with 4 lanes per cell (each lane a quarter of the dims, the
-    // partial dot products summed over the 4 lanes), softmax across the warp, then PV with the
-    // lanes over dims (each cell's V row read coalesced by the whole warp). A tile is short so
-    // that a block's warps share a split's cells: a decode step is latency-bound, and a warp
-    // that walked 32 cells alone issued one instruction per ~8 cycles for ~20 us (H200, ncu).
-    constexpr int DQ = D / 4;  // dims per lane in QK
-    const int slot = lane >> 2, part = lane & 3;
-    for (int t0 = c0 + 8 * warp; t0 < c1; t0 += 8 * NWARP) {
+    // tiles of 32 / LPC cells per warp (8; 4 in the _l8 kernels): QK with LPC lanes per cell
+    // (each lane a 1 / LPC part of the dims, the partial dot products summed over the cell's
+    // lanes), softmax across the warp, then PV with the lanes over dims (each cell's V row read
+    // coalesced by the whole warp). A tile is short so that a block's warps share a split's
+    // cells: a decode step is latency-bound, and a warp that walked 32 cells alone issued one
+    // instruction per ~8 cycles for ~20 us (H200, ncu). The _l8 kernels halve a warp's tile for
+    // splits of 16 cells (cuda.py _attn_lanes8): each warp's serial QK and PV work halves.
+    static_assert(LPC == 4 || LPC == 8, "attn_partial_impl: 4 or 8 lanes per cell");
+    constexpr int DQ = D / LPC, TILE = 32 / LPC;  // dims per lane in QK, cells per tile
+    static_assert(DQ % 8 == 0, "attn_partial_impl: 16-byte K loads");
+    const int slot = lane / LPC, part = lane % LPC;
+    for (int t0 = c0 + TILE * warp; t0 < c1; t0 += TILE * NWARP) {
         const int i = t0 + slot;
         int cell = 0;
         bool ok = false;
@@ -182,19 +186,19 @@ __device__ __forceinline__ void attn_partial_impl(
             }
         }
         float p[MAXG];
-        softmax_tile<4, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
-        // PV over the tile's 8 cells (masked cells carry p = 0 and a valid cell index: 0 past
+        softmax_tile<LPC, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
+        // PV over the tile's cells (masked cells carry p = 0 and a valid cell index: 0 past
         // the list's end), all V loads issued before the FMAs
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int cj = __shfl_sync(0xffffffffu, cell, 4 * j);
+        for (int j = 0; j < TILE; j++) {
+            int cj = __shfl_sync(0xffffffffu, cell, LPC * j);
             const u16* vr = V + ((long long)cj * n_kv + kh) * D + lane * E;
             float vf[E];
             load_halves<E>(vr, vf);
 #pragma unroll
             for (int g = 0; g < MAXG; g++) {
                 if (g < Gb) {
-                    float pj = __shfl_sync(0xffffffffu, p[g], 4 * j);
+                    float pj = __shfl_sync(0xffffffffu, p[g], LPC * j);
 #pragma unroll
                     for (int e = 0; e < E; e++) acc[g][e] += pj * vf[e];
                 }
@@ -209,18 +213,21 @@ __device__ __forceinline__ void attn_partial_impl(
 }
 
 #ifndef KV_TK  // the f16 module (the tier modules below use its attn_merge)
-#define DEF_ATTN(D, G)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) attn_partial_d##D##_g##G(                               \
+#define DEF_ATTN1(D, G, NAME, LPC)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u16* K, const u16* V, int n_head, int n_kv, float scale, int n_swa,         \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();                             \
-        attn_partial_impl<D, G>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, scale,    \
-                                n_swa, softcap, n_split, out, part_acc, part_ml); }
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
+        attn_partial_impl<D, G, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, scale, \
+                                     n_swa, softcap, n_split, out, part_acc, part_ml); }
+#define DEF_ATTN(D, G) DEF_ATTN1(D, G, attn_partial_d##D##_g##G, 4)
+// head sizes 256 and 512 also with 8 lanes per cell (cuda.py ATTN_L8_DIMS)
+#define DEF_ATTN8(D, G) DEF_ATTN(D, G) DEF_ATTN1(D, G, attn_partial_d##D##_g##G##_l8, 8)
 DEF_ATTN(32, 1) DEF_ATTN(32, 2) DEF_ATTN(32, 4) DEF_ATTN(32, 8)
 DEF_ATTN(64, 1) DEF_ATTN(64, 2) DEF_ATTN(64, 4) DEF_ATTN(64, 8)
 DEF_ATTN(128, 1) DEF_ATTN(128, 2) DEF_ATTN(128, 4) DEF_ATTN(128, 8)
-DEF_ATTN(256, 1) DEF_ATTN(256, 2) DEF_ATTN(256, 4) DEF_ATTN(256, 8)
-DEF_ATTN(512, 1) DEF_ATTN(512, 2) DEF_ATTN(512, 4)
+DEF_ATTN8(256, 1) DEF_ATTN8(256, 2) DEF_ATTN8(256, 4) DEF_ATTN8(256, 8)
+DEF_ATTN8(512, 1) DEF_ATTN8(512, 2) DEF_ATTN8(512, 4)
 
 // row blockIdx.x's output merged (lse_merge.cuh) from attn_partial's n_split partials per head:
 // the block's window blockIdx.y
@@ -296,12 +303,43 @@ DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 
 __host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 : (nb & 7) == 0 ? 8 : (nb & 3) == 0 ? 4 : 2; }
 
-// s[g] += (q_g . k[o0, o0 + DL)) for the Gb queries sq[g] (shared, scaled): the DL values (whole
-// blocks) of a K row from value o0, whose bytes start at `row` (segments of SB bytes divide a
-// lane's part and a row's bytes, so kv_align(SB) is the alignment of every segment)
+// s[g] += (q_g . k[o0, o0 + DL)) for the Gb queries sq[g] (shared, scaled): the DL values of
+// the K row whose bytes start at `row`, from value o0 (a multiple of DL). Whole blocks (DL a
+// multiple of BS): segments of SB bytes divide a lane's part and a row's bytes, so kv_align(SB)
+// is the alignment of every segment. A part of one block (DL < BS, the turbo tiers' SUB parts:
+// the _l8 kernels at head size 256): its scale and code bytes only (TK::sub_words), decoded from
+// sub-block indices that are the same on every lane.
 template <class TK, int D, int DL, int MAXG>
 __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*sq)[D], int o0, int Gb,
                                       const float* tab, float* s) {
+    if constexpr (DL < TK::BS) {
+        static_assert(TK::SUB != 0 && TK::BS % DL == 0, "kv_qk: a part of a block needs the tier's sub-block decode");
+        const u8* b = row + (long long)(o0 / TK::BS) * TK::BB;
+        u32 w[TK::template SubWords<DL>::N];
+        TK::template sub_words<DL>(b, (o0 % TK::BS) / DL, w);
+        float sb[MAXG];
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) sb[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < DL; j += 4) {
+            const float c0 = TK::template sub_code<DL>(w, j, tab), c1 = TK::template sub_code<DL>(w, j + 1, tab);
+            const float c2 = TK::template sub_code<DL>(w, j + 2, tab), c3 = TK::template sub_code<DL>(w, j + 3, tab);
+#pragma unroll
+            for (int g = 0; g < MAXG; g++) {
+                if (g < Gb) {
+                    const float4 qq = *(const float4*)&sq[g][o0 + j];
+                    sb[g] += qq.x * c0 + qq.y * c1 + qq.z * c2 + qq.w * c3;
+                }
+            }
+        }
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) {
+            if (g < Gb) s[g] += d * sb[g];
+        }
+        return;
+    } else {
+    row += (long long)(o0 / TK::BS) * TK::BB;
     constexpr int SV = TK::SV < DL ? TK::SV : DL;  // values per register segment
     constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, A = kv_align(SB), NW = (SB + 3) / 4;
 #pragma unroll
@@ -334,6 +372,7 @@ __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*
             }
         }
     }
+    }
 }
 
 // the E values [lane * E, lane * E + E) of a V row
@@ -348,6 +387,9 @@ __device__ __forceinline__ void kv_pv_vals(const u8* __restrict__ row, int lane,
 
 // lanes per cell of the _l kernels: up to 4, each a whole number of K blocks
 #define KV_LPC (KV_D / KV_TK::BS >= 4 ? 4 : KV_D / KV_TK::BS)
+// the _l8 kernels (8 lanes per cell) where a lane's part is whole K blocks or a turbo block's
+// part (kv_qk); elsewhere they are empty and cuda.py does not launch them (cuda_kv.lanes8_ok)
+constexpr bool KV_L8_OK = KV_D % 256 == 0 && (KV_D / 8 >= KV_TK::BS || (KV_TK::SUB != 0 && KV_TK::BS % (KV_D / 8) == 0));
 
 template <int D, int MAXG, class TK, class TV, int LPC>
 __device__ __forceinline__ void attn_kv_impl(
@@ -357,7 +399,7 @@ __device__ __forceinline__ void attn_kv_impl(
     float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int E = D / 32;  // V dims per lane
     constexpr long long RBK = D / TK::BS * TK::BB, RBV = D / TV::BS * TV::BB;  // row bytes
-    constexpr int TILE = 32 / LPC, DL = D / LPC, PB = DL / TK::BS * TK::BB;  // cells per tile; a lane's K part
+    constexpr int TILE = 32 / LPC, DL = D / LPC;  // cells per tile; a lane's K values
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
     const int n_hg = (G + MAXG - 1) / MAXG;
@@ -418,7 +460,7 @@ __device__ __forceinline__ void attn_kv_impl(
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
-        if (ok) kv_qk<TK, D, DL, MAXG>(K + ((long long)cell * n_kv + kh) * RBK + part * PB, s_q, part * DL, Gb, s_tk, s);
+        if (ok) kv_qk<TK, D, DL, MAXG>(K + ((long long)cell * n_kv + kh) * RBK, s_q, part * DL, Gb, s_tk, s);
         float p[MAXG];
         softmax_tile<LPC, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
         // PV over the tile's cells in a fixed-count loop, as the f16 kernel (masked cells: p = 0
@@ -527,8 +569,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
         attn_kv_impl<KV_D, G, KV_TK, KV_TV, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head,  \
                                                  n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
 #define DEF_ATTN_KV(G) DEF_ATTN_KV1(G, attn_kv_g##G, 1) DEF_ATTN_KV1(G, attn_kv_g##G##_l, KV_LPC)
+#define DEF_ATTN_KV8(G)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) attn_kv_g##G##_l8(                                       \
+        const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
+        const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
+        if constexpr (KV_L8_OK)                                                                                \
+            attn_kv_impl<KV_D, G, KV_TK, KV_TV, 8>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, \
+                                                   n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
 DEF_ATTN_KV(1) DEF_ATTN_KV(2) DEF_ATTN_KV(4)
+DEF_ATTN_KV8(1) DEF_ATTN_KV8(2) DEF_ATTN_KV8(4)
 #if KV_D < 512
-DEF_ATTN_KV(8)
+DEF_ATTN_KV(8) DEF_ATTN_KV8(8)
 #endif
 #endif  // KV_TK

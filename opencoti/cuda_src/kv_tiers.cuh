@@ -83,7 +83,7 @@ __device__ __forceinline__ float code_f(u32 c, int off) { return __int_as_float(
 
 // ---- float tiers (native storage: the cache's float32 / float16 array; bf16 as 2 bytes)
 struct KF32 {
-    static constexpr int BS = 32, BB = 128, SV = 32, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static constexpr int BS = 32, BB = 128, SV = 32, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -98,7 +98,7 @@ struct KF32 {
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) { ((float*)dst)[lane] = v; }
 };
 struct KF16 {
-    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 1;
+    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 1, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -107,7 +107,7 @@ struct KF16 {
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) { ((u16*)dst)[lane] = f2h(v); }
 };
 struct KBF16 {
-    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -165,7 +165,7 @@ __device__ __forceinline__ void st_qh32(u8* qh, int q, int lane) {
 
 // ---- ggml scalar tiers (scalar.py)
 struct KQ8_0 {
-    static constexpr int BS = 32, BB = 34, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static constexpr int BS = 32, BB = 34, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 34 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -189,7 +189,7 @@ struct KQ8_0 {
     }
 };
 struct KQ6_0 {
-    static constexpr int BS = 32, BB = 26, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static constexpr int BS = 32, BB = 26, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 26 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -233,7 +233,7 @@ __device__ __forceinline__ u32 q5_code(u32 qs, u32 qhb, int j) {
     return (j < 16 ? (qs & 15u) : (qs >> 4)) | (((qhb >> (j & 7)) & 1u) << 4);
 }
 struct KQ5_1 {
-    static constexpr int BS = 32, BB = 24, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0;
+    static constexpr int BS = 32, BB = 24, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 24 * b)); }
     static __device__ __forceinline__ float mn(const u32* w, int b) { return h2f(wh(w, 24 * b + 2)); }
@@ -269,7 +269,7 @@ struct KQ5_1 {
     }
 };
 struct KQ5_0 {
-    static constexpr int BS = 32, BB = 22, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static constexpr int BS = 32, BB = 22, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 22 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -304,7 +304,7 @@ struct KQ5_0 {
     }
 };
 struct KQ4_0 {
-    static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0;
+    static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 18 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -355,7 +355,7 @@ __device__ __forceinline__ u32 turbo_idx_m(const u8* b, int bits, int j) {
 }
 template <int BITS>
 struct KTurbo {
-    static constexpr int BS = 64, BB = 2 + 64 * BITS / 8, SV = 128, ROT = 1, HASMIN = 0, NT = 1 << BITS, KBITS = BITS, PVF16 = 0;
+    static constexpr int BS = 64, BB = 2 + 64 * BITS / 8, SV = 128, ROT = 1, HASMIN = 0, NT = 1 << BITS, KBITS = BITS, PVF16 = 0, SUB = 1;
     static __device__ __forceinline__ const float* tab() {
         return BITS == 2 ? KV_LM2 : BITS == 3 ? KV_LM3 : BITS == 4 ? KV_LM4 : KV_LM8;
     }
@@ -365,6 +365,26 @@ struct KTurbo {
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, BB * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float* t) { return t[turbo_idx_w(w, BB * b, BITS, j)]; }
+    // part `sub` of NV values (NV | 64, NV >= 16) of the block at b (SUB: kv_qk's parts of a
+    // block): its low-bit payload bytes [2 + sub NV LB / 8, + NV LB / 8) as words, then (turbo3)
+    // its high bits [18 + sub NV / 8, + NV / 8); every offset even (2-byte loads)
+    static constexpr int LB = BITS == 3 ? 2 : BITS;  // bits of a value in the low payload
+    template <int NV> struct SubWords {
+        static constexpr int LO = NV * LB / 8, HI = BITS == 3 ? NV / 8 : 0, N = (LO + 3) / 4 + (HI + 3) / 4;
+    };
+    template <int NV> static __device__ __forceinline__ void sub_words(const u8* b, int sub, u32* w) {
+        using S = SubWords<NV>;
+        ldw<S::LO, 2>(b + 2 + sub * S::LO, w);
+        if constexpr (S::HI > 0) ldw<S::HI, 2>(b + 18 + sub * S::HI, w + (S::LO + 3) / 4);
+    }
+    // code j < NV of such a part (turbo_idx_w's bit order: value j's low bits at bit LB j of the
+    // low words, its high bit at bit j of the high words)
+    template <int NV> static __device__ __forceinline__ float sub_code(const u32* w, int j, const float* t) {
+        constexpr int PW = 32 / LB;  // values per low word
+        u32 ix = (w[j / PW] >> (LB * (j % PW))) & ((1u << LB) - 1u);
+        if constexpr (BITS == 3) ix |= ((w[(SubWords<NV>::LO + 3) / 4 + j / 32] >> (j % 32)) & 1u) << 2;
+        return t[ix];
+    }
     static __device__ __forceinline__ float val(const u8* row, int i, const float* t) {
         const u8* b = row + BB * (i >> 6);
         return h2f(ldh(b)) * t[turbo_idx_m(b, BITS, i & 63)];
@@ -402,7 +422,7 @@ typedef KTurbo<2> KTurbo2;
 // circular 64k-bit stream (bytes 2 .. 2+8k of the block)
 template <int K>
 struct KTcq {
-    static constexpr int BS = 64, BB = 2 + 8 * K, SV = 128, ROT = 1, HASMIN = 0, NT = 256, KBITS = K, PVF16 = 0;
+    static constexpr int BS = 64, BB = 2 + 8 * K, SV = 128, ROT = 1, HASMIN = 0, NT = 256, KBITS = K, PVF16 = 0, SUB = 0;
     static constexpr int NSB = 8 * K;  // stream bytes
     static __device__ __forceinline__ const float* tab() { return K == 2 ? KV_TCQ2 : KV_TCQ3; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, BB * b)); }

@@ -301,6 +301,12 @@ ATTN_MAX_SPLITS = int(os.environ.get("OPENCOTI_CUDA_ATTN_MAX_SPLITS", "256"))
 # cell (attn_kv_g<G>_l), longer ones a lane per cell: a lane-per-cell warp's tile is 32 cells,
 # so a short split left warps idle and each lane's row dot product long
 ATTN_KV_LANES_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_KV_LANES_CELLS", "256"))
+# head sizes 256 and 512: a split of at most ATTN_L8_CELLS cells takes the _l8 kernels (8 lanes per
+# cell: a warp's tile of 4 cells, its serial QK and PV half the _l kernels'), with as many splits as
+# that needs within _attn_splits' grid bound (gemma-3-270m's sliding layers at 512 cells: 32 splits
+# of 16, not 16 of 32); 0 turns them off
+ATTN_L8_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_L8_CELLS", "16"))
+ATTN_L8_DIMS = (256, 512)
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _NULL = np.uint64(0)
@@ -2172,10 +2178,11 @@ class CUDABackend:
         x = self.cp.ascontiguousarray(x, dtype=self.cp.float32)
         self._kv_quant(store, tier, x, self._flat_cells(store, stream, cells))
 
-    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int, lanes: bool = False, smem: int = 0, hn: int = 8):
+    def _kv_attn_fn(self, tk: str, tv: str, d: int, g: int, lanes: bool | str = False, smem: int = 0, hn: int = 8):
         """The tier attention kernel of (K tier, V tier, head size) for ``g`` query heads per
         block: ``attn_kv_g<g>`` (a lane per cell) or, ``lanes``, ``attn_kv_g<g>_l`` (up to 4
-        lanes per cell: short splits); with ``smem`` (its dynamic shared memory bytes) the
+        lanes per cell: short splits; ``lanes="l8"``: ``attn_kv_g<g>_l8``, 8 lanes per cell,
+        where ``cuda_kv.lanes8_ok``); with ``smem`` (its dynamic shared memory bytes) the
         streaming ``attn_kv_stream`` instead (long rows), of ``hn`` query heads per block (16:
         the pair's ``_h16`` module)."""
         key = ("kva", tk, tv, d, hn)
@@ -2187,7 +2194,8 @@ class CUDABackend:
         f = self._fns.get(fkey)
         if f is None:
             f = self._fns[fkey] = _raise_smem(
-                self._kernel(m, "attn_kv_stream" if smem else f"attn_kv_g{g}" + ("_l" if lanes else "")), smem)
+                self._kernel(m, "attn_kv_stream" if smem else f"attn_kv_g{g}" + ("_l8" if lanes == "l8" else
+                                                                                    "_l" if lanes else "")), smem)
         return f
 
     def attention_cells(self, q, q_pos, k_store, v_store, plan, scale: float, n_swa: int = 0,
@@ -2257,7 +2265,8 @@ class CUDABackend:
                     _raise_smem(sfn, pinned)
                 smem = pinned
         else:
-            n_split = self._attn_splits(meta["max_len"], T * n_kv * n_hg, 1, T)
+            n_split, l8 = self._attn_lanes8(meta["max_len"], T * n_kv * n_hg, T, D,
+                                            not quant or cuda_kv.lanes8_ok(tk.name, D))
         if n_split > 1:
             part_acc = cp.empty((T * H * n_split * D,), dtype=cp.float32)
             part_ml = cp.empty((T * H * n_split * 2,), dtype=cp.float32)
@@ -2271,7 +2280,8 @@ class CUDABackend:
         if stream:
             sfn((T, n_kv * n_hg, n_split), (threads,), args, shared_mem=smem)
         else:
-            fn = self._kv_attn_fn(tk.name, tv.name, D, g, lanes) if quant else self._fn("a", f"attn_partial_d{D}_g{g}")
+            fn = (self._kv_attn_fn(tk.name, tv.name, D, g, "l8" if l8 else lanes) if quant else
+                  self._fn("a", f"attn_partial_d{D}_g{g}" + ("_l8" if l8 else "")))
             fn((T, n_kv * n_hg, n_split), (128,), args)
         if n_split > 1:
             self._merge("a", "attn_merge", out, H, D, (part_acc, part_ml, out, np.int32(H), np.int32(D),
@@ -2353,19 +2363,34 @@ class CUDABackend:
             return g_all
         return next((x for x in groups if rows * n_kv * -(-G // x) <= ATTN_SMALL_GRID), g_all)
 
-    def _attn_splits(self, n_cells: int, base: int, lo: int, rows: int) -> int:
+    def _attn_splits(self, n_cells: int, base: int, lo: int, rows: int, tile: int = 32) -> int:
         """Split count of ``attn_partial`` when ``base`` blocks (rows x kv heads x head groups) are
         launched per split for ``rows`` query rows whose views hold up to ``n_cells`` cells (eager:
         the longest view; in a graph: the bucket of all views' cells together): ``lo`` if they
         already fill two blocks per SM, else enough splits for that and for splits of at most
         ATTN_SPLIT_CELLS of ``n_cells / rows`` cells (a block walks its split serially: a long
         context needs more of them; the mean, as a graph's bucket bounds the views' sum), at most
-        ``n_cells / 32`` (the f16 kernel's 4 warps take tiles of 8, the tier kernels' tiles of 8 or
-        16 on short splits) and ATTN_MAX_SPLITS, ``lo`` at least."""
+        ``n_cells / tile`` (32: the cells of one round of the block's 4 warps, the f16 kernel's
+        tiles of 8 and the tier kernels' of 8 or 16; ``_attn_lanes8`` bounds its own) and
+        ATTN_MAX_SPLITS, ``lo`` at least."""
         if base >= 2 * self.n_sm:
             return lo
         want = max(-(-2 * self.n_sm // base), -(-n_cells // (ATTN_SPLIT_CELLS * max(1, rows))))
-        return int(max(lo, min(n_cells // 32, want, ATTN_MAX_SPLITS)))
+        return int(max(lo, min(n_cells // tile, want, ATTN_MAX_SPLITS)))
+
+    def _attn_lanes8(self, n_cells: int, base: int, rows: int, d: int, ok: bool) -> tuple[int, bool]:
+        """``(n_split, l8)`` of the short-row attention kernels (``_attn_splits``' arguments; ``d`` the
+        head size, ``ok`` whether the kernel pair has _l8 kernels: f16, or ``cuda_kv.lanes8_ok``):
+        the _l8 kernels (8 lanes per cell) with splits of at most ATTN_L8_CELLS cells where the grid
+        bound leaves that many splits, at head sizes ATTN_L8_DIMS; else the 4-lane kernels' split
+        count. 8 lanes per cell make a warp's tile 4 cells (the 4-lane kernels' 8): with 16-cell
+        splits each warp reads one tile, so a block's serial work halves, where 32-cell splits
+        would leave each warp two tiles, as before."""
+        n_split = self._attn_splits(n_cells, base, 1, rows)
+        if ATTN_L8_CELLS <= 0 or d not in ATTN_L8_DIMS or not ok:
+            return n_split, False
+        n8 = min(self._attn_splits(n_cells, base, 1, rows, tile=1), -(-n_cells // ATTN_L8_CELLS))
+        return (n8, True) if -(-n_cells // max(1, n8)) <= ATTN_L8_CELLS else (n_split, False)
 
     @staticmethod
     def _stream_rows(n_cells: int, rows: int, heads: int) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from opencoti.engine.backend.cuda_kernels import read_source
+from opencoti.engine.kv_tiers import get_tier
 
 # tier name -> C struct in kv_tiers.cuh (every name of kv_tiers.TIER_NAMES)
 TIER_STRUCTS = {
@@ -119,6 +120,16 @@ def attention_source(type_k: str, type_v: str, d: int, hn: int = 8) -> str:
         raise ValueError(f"attn_kv_stream takes 8 or 16 query heads per block, not {hn}")
     return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n#define KV_HN %d\n"
             % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d, hn) + tables_prefix() + read_source("attention.cu"))
+
+
+def lanes8_ok(type_k: str, d: int) -> bool:
+    """Whether the tier attention module's ``attn_kv_g<G>_l8`` kernels (8 lanes per cell) run for
+    K tier ``type_k`` at head size ``d`` (attention.cu ``KV_L8_OK``): ``d`` a multiple of 256, and
+    each lane's eighth of a K row whole blocks, or a part of a turbo block (the tiers with a
+    sub-block decode, kv_tiers.cuh ``SUB``). Elsewhere those kernels are empty."""
+    t = get_tier(type_k)
+    bs = 32 if t.family == "float" else t.block_size  # kv_tiers.cuh: the float tiers' virtual blocks
+    return d % 256 == 0 and (d // 8 >= bs or (t.family == "turbo" and bs % (d // 8) == 0))
 
 
 def rope_store_source(type_k: str, type_v: str, d: int) -> str:
