@@ -977,8 +977,9 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T, sliced):
 def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv, T, norms, mode, n_rot, ff, sliced):
     """rope + a scalar- or turbo-tier KV store in one launch (rope_store.cu rope_kv_write_q, a module
     per tier pair) gives the bits of rope, rope and the tier quantize kernels launched one by one
-    (cpu.rope_kv_write's composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): rotated q and
-    the whole K / V stores (the planned cells are in the second stream of a split cache), for
+    (cpu.rope_kv_write's composition on the GPU, OPENCOTI_CUDA_ROPE_KV_TIERS=0): RoPE'd q (for a
+    rotated K tier a RotatedQ, equal to turbo.rotate of the composition's q bit for bit) and the
+    whole K / V stores (the planned cells are in the second stream of a split cache), for
     symmetric and mixed pairs, norm / neox, partial rotation, frequency factors, q / k norms,
     d_v < d_k, a rotated V at 256, a head size of a multiple of 32 that is no power of two (96:
     the rotated tiers refuse it, ValueError) and head sizes above the block's 256 threads (rope's
@@ -1018,7 +1019,11 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
         rot_d = d if rot_k or rot_v else 0
         assert [key for key in gpu._fns if key[0] == "rope_store"] == ([("rope_store", tk, tv, rot_d)]
                                                                        if fused and fusable else [])
-        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0]), cp.asnumpy(c.v[0])))
+        # a rotated K tier's fused store returns q already rotated into its domain (R q)
+        assert isinstance(y, cu.RotatedQ) == (fused and fusable and rot_k)
+        y = cp.asnumpy(y.q if isinstance(y, cu.RotatedQ) else y)
+        outs.append((turbo.rotate(y) if rot_k and fusable and not fused else y, cp.asnumpy(c.k[0]),
+                     cp.asnumpy(c.v[0])))
     assert np.abs(outs[0][1][1, plan.cell].view(np.uint8)).sum() > 0  # the cells were written
     for a, b in zip(*outs):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -1729,7 +1734,7 @@ def test_new_arch_weights_on_device(new_arch_file, gpu):
 # order and tie-breaking). Attention: the same bytes on both sides, so only float32 summation
 # order differs (and, for a rotated tier, the WHT in shared memory against the CPU's matmul
 # rotation): rtol 5e-4, atol 5e-5 of outputs of unit scale.
-from opencoti.engine.kv_tiers import TIER_NAMES, get_tier  # noqa: E402
+from opencoti.engine.kv_tiers import TIER_NAMES, get_tier, turbo  # noqa: E402
 
 KV_TOL = dict(rtol=5e-4, atol=5e-5)
 
@@ -1809,6 +1814,8 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
     cases = [("a lane per cell", 0, 0, 0, 0), ("lanes per cell", 1 << 30, 0, 0, 0), ("stream", 0, 1, 1, 0),
              ("stream, 3 splits", 0, 1, 3, 0)]
     l8_ok = d in cu.ATTN_L8_DIMS and cuda_kv.lanes8_ok(tk, d)
+    # a rotated K tier's queries also as the fused store hands them over: rotated (RotatedQ)
+    qs = [cp.asarray(q)] + ([cu.RotatedQ(cp.asarray(turbo.rotate(q)))] if tk in cuda_kv.ROPE_STORE_ROTATED else [])
     if l8_ok:
         cases += [("8 lanes per cell", 0, 0, 0, 1), ("8 lanes per cell, 7 splits", 0, 0, 0, 7)]
     for label, lanes_cells, stream_cells, n_split, l8_split in cases:
@@ -1824,14 +1831,30 @@ def _check_tier_attention(gpu, cpu, tk, tv, d, n_head, n_kv, n_swa, softcap, n_c
             orig = gpu._kv_attn_fn
             mp.setattr(gpu, "_kv_attn_fn", lambda *a, **kw: calls.append(
                 "stream" if kw.get("smem", 0) > 0 else a[4] if len(a) > 4 else kw.get("lanes", False)) or orig(*a, **kw))
-            got = cp.asnumpy(gpu.attention_cells(cp.asarray(q), ub_pos, cp.asarray(kq), cp.asarray(vq), plan,
-                                                 scale, n_swa, softcap, type_k=Tk, type_v=Tv))
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=KV_TOL["rtol"], atol=KV_TOL["atol"] * v_scale, err_msg=label)
+            for qi in qs:
+                got = cp.asnumpy(gpu.attention_cells(qi, ub_pos, cp.asarray(kq), cp.asarray(vq), plan,
+                                                     scale, n_swa, softcap, type_k=Tk, type_v=Tv))
+                assert got.shape == want.shape
+                np.testing.assert_allclose(got, want, rtol=KV_TOL["rtol"], atol=KV_TOL["atol"] * v_scale,
+                                           err_msg=f"{label}, {type(qi).__name__}")
         if (tk, tv) != ("f16", "f16"):  # f16 / f16 takes the f16 kernels (test_attention_lanes8, test_stream_attention_matches)
             streamed = bool(stream_cells) and d <= 256 and rb_ok
             want_kind = "stream" if streamed else "l8" if l8_split else bool(lanes_cells)
-            assert calls == [want_kind], label
+            assert calls == [want_kind] * len(qs), label
+
+
+def test_attention_rotated_q_needs_rotated_k(gpu):
+    """A RotatedQ (queries in a rotated K tier's domain) against K that is not rotated is refused
+    (ValueError), before any kernel runs."""
+    from opencoti.engine.backend import cuda as cu
+
+    rng = np.random.default_rng(3)
+    cc, plan, ub_pos = _cache_with_two_seqs(1, 128, 64, rng, np.zeros)
+    kq, vq = _tier_stores(rng, cc, "q8_0", "turbo3")
+    q = cu.RotatedQ(cp.asarray(rng.standard_normal((5, 4, 128)).astype(np.float32)))
+    with pytest.raises(ValueError, match="K is q8_0"):
+        gpu.attention_cells(q, ub_pos, cp.asarray(kq), cp.asarray(vq), plan, 0.1, type_k=get_tier("q8_0"),
+                            type_v=get_tier("turbo3"))
 
 
 @pytest.mark.parametrize("n_swa,softcap,n_ctx", _KV_MASKS)

@@ -29,14 +29,15 @@ from opencoti.engine.kv_tiers import TIER_NAMES
 MODULES = {
     "kernels.cu": (167, {"rope_kv_write", "rms_norm", "post_norm_add_norm", "gemv1r8_8", "gemv_gated_6", "gemv1_6",
                          "get_rows_8", "get_rows_t16_12", "dequant_f16_t16_14"}),
-    "attention.cu": (27, {"attn_partial_d256_g1", "attn_stream_d128", "attn_stream_d128_h16", "attn_merge_digits"}),
+    "attention.cu": (34, {"attn_partial_d256_g1", "attn_partial_d256_g1_l8", "attn_stream_d128", "attn_stream_d128_h16",
+                          "attn_merge_digits"}),
     "gemv_int.cu": (77, {"gemvi_12_n1_s2_r2_t16", "gemvi_14_n1_s2_t16", "gemvi_duo_12r2_14r1_t16", "xq_digits"}),
     "mmq.cu": (14, {"mmq_12", "mmq_14", "mmq_reduce"}),
     "shared_prefix.cu": (6, {"sp_attn_d128", "sp_attn_d256", "sp_merge_digits"}),
     "recurrent.cu": (5, {"ssm_conv", "gated_delta_net_r1"}),
     "kv_write": (88, {"kv_quant_KQ8_0", "kv_quant_KTurbo3_d128", "kv_dequant_KQ4_0_d256"}),
 }
-TIER_KERNELS = {"attn_kv_stream"} | {f"attn_kv_g{g}{lanes}" for g in (1, 2, 4) for lanes in ("", "_l")}
+TIER_KERNELS = {"attn_kv_stream"} | {f"attn_kv_g{g}{lanes}" for g in (1, 2, 4) for lanes in ("", "_l", "_l8")}
 
 
 def kernel_names(cubin: bytes) -> set:

@@ -131,9 +131,19 @@ __device__ __forceinline__ void attn_partial_impl(
     const int c0 = b0 + sp * chunk, c1 = min(b0 + len, c0 + chunk);
 
     __shared__ __align__(16) float s_q[MAXG][D];
-    for (int i = threadIdx.x; i < MAXG * D; i += blockDim.x) {
-        int g = i / D, d = i % D;
-        s_q[g][d] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + d] * scale : 0.f;
+    {  // every load first, then the stores (a loop of load -> store waits a round trip per value)
+        constexpr int NQ = (MAXG * D + 32 * NWARP - 1) / (32 * NWARP);
+        float x[NQ];
+#pragma unroll
+        for (int k = 0; k < NQ; k++) {
+            const int i = threadIdx.x + 32 * NWARP * k, g = i / D;
+            x[k] = i < MAXG * D && g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < NQ; k++) {
+            const int i = threadIdx.x + 32 * NWARP * k;
+            if (i < MAXG * D) s_q[i / D][i % D] = x[k] * scale;
+        }
     }
     __syncthreads();
 
@@ -277,7 +287,7 @@ struct AsF16 {
         float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
         attn_stream_impl<D, HN, AsF16<D>, AsF16<D>>(q, q_pos, row_view, view_off, cells, cell_pos, K, V,       \
                                                     n_head, n_kv, scale, n_swa, softcap, n_split, out,         \
-                                                    part_acc, part_ml); }
+                                                    part_acc, part_ml, false); }
 #define DEF_ATTN_STREAM(D) DEF_ATTN_STREAM1(D, 8, attn_stream_d##D) DEF_ATTN_STREAM1(D, 16, attn_stream_d##D##_h16)
 DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 
@@ -396,7 +406,8 @@ __device__ __forceinline__ void attn_kv_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
     const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
-    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    bool q_rot) {
     constexpr int E = D / 32;  // V dims per lane
     constexpr long long RBK = D / TK::BS * TK::BB, RBV = D / TV::BS * TV::BB;  // row bytes
     constexpr int TILE = 32 / LPC, DL = D / LPC;  // cells per tile; a lane's K values
@@ -415,24 +426,23 @@ __device__ __forceinline__ void attn_kv_impl(
     __shared__ __align__(16) float s_q[MAXG][D];
     __shared__ float s_tk[TK::NT > 0 ? TK::NT : 1], s_tv[TV::NT > 0 ? TV::NT : 1];
     __shared__ float s_acc[NWARP][MAXG][D];
-    constexpr int NV = (MAXG * D + 127) / 128;  // fwht_regs: a row's values per thread
-    if constexpr (TK::ROT) {  // q -> R q in registers (s_acc as the exchange buffer; the sync below frees it)
+    constexpr int NV = (MAXG * D + 127) / 128;  // a row's values per thread (fwht_regs)
+    {  // q * scale, every load first (a loop of load -> store waits a round trip per value); a rotated
+       // K tier's q -> R q in registers unless the fused store rotated it (q_rot; s_acc as the
+       // exchange buffer, freed by the sync below)
         float x[NV];
 #pragma unroll
         for (int k = 0; k < NV; k++) {
             const int i = threadIdx.x + 128 * k, g = i / D;
             x[k] = i < MAXG * D && g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] * scale : 0.f;
         }
-        fwht_regs<D, NV, MAXG * D>(x, &s_acc[0][0][0], false);
+        if constexpr (TK::ROT) {
+            if (!q_rot) fwht_regs<D, NV, MAXG * D>(x, &s_acc[0][0][0], false);
+        }
 #pragma unroll
         for (int k = 0; k < NV; k++) {
             const int i = threadIdx.x + 128 * k;
             if (i < MAXG * D) s_q[i / D][i % D] = x[k];
-        }
-    } else {
-        for (int i = threadIdx.x; i < MAXG * D; i += blockDim.x) {
-            int g = i / D, d = i % D;
-            s_q[g][d] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + d] * scale : 0.f;
         }
     }
     if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
@@ -555,28 +565,25 @@ constexpr bool AS_KV_OK = KV_D <= 256 && AsTier<KV_TK, KV_D>::RB % 4 == 0 && AsT
 extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
     const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,
     const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,
-    float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();
+    float softcap, int n_split, float* out, float* part_acc, float* part_ml, int q_rot) { GRID_DEP_WAIT();
     if constexpr (AS_KV_OK)
         attn_stream_impl<KV_D, KV_HN, AsTier<KV_TK, KV_D>, AsTier<KV_TV, KV_D>>(q, q_pos, row_view, view_off,
-            cells, cell_pos, K, V, n_head, n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml);
+            cells, cell_pos, K, V, n_head, n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml, q_rot != 0);
 }
 
-#define DEF_ATTN_KV1(G, NAME, LPC)                                                                             \
+// (the tier kernels' last parameter q_rot: 1 when q is already in a rotated K tier's domain, R q:
+// the fused rope + store rotated it, cuda.py RotatedQ; the kernels then skip their rotation)
+#define DEF_ATTN_KV1(G, NAME, LPC, OK)                                                                         \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
-        attn_kv_impl<KV_D, G, KV_TK, KV_TV, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head,  \
-                                                 n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
-#define DEF_ATTN_KV(G) DEF_ATTN_KV1(G, attn_kv_g##G, 1) DEF_ATTN_KV1(G, attn_kv_g##G##_l, KV_LPC)
-#define DEF_ATTN_KV8(G)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) attn_kv_g##G##_l8(                                       \
-        const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
-        const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
-        if constexpr (KV_L8_OK)                                                                                \
-            attn_kv_impl<KV_D, G, KV_TK, KV_TV, 8>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, \
-                                                   n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml); }
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml, int q_rot) { GRID_DEP_WAIT();  \
+        if constexpr (OK)                                                                                      \
+            attn_kv_impl<KV_D, G, KV_TK, KV_TV, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, \
+                                                     n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml, \
+                                                     q_rot != 0); }
+#define DEF_ATTN_KV(G) DEF_ATTN_KV1(G, attn_kv_g##G, 1, true) DEF_ATTN_KV1(G, attn_kv_g##G##_l, KV_LPC, true)
+#define DEF_ATTN_KV8(G) DEF_ATTN_KV1(G, attn_kv_g##G##_l8, 8, KV_L8_OK)
 DEF_ATTN_KV(1) DEF_ATTN_KV(2) DEF_ATTN_KV(4)
 DEF_ATTN_KV8(1) DEF_ATTN_KV8(2) DEF_ATTN_KV8(4)
 #if KV_D < 512

@@ -119,7 +119,8 @@ __device__ __forceinline__ void attn_stream_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
     const int* __restrict__ view_off, const int* __restrict__ cells, const int* __restrict__ cell_pos,
     const u8* __restrict__ K, const u8* __restrict__ V, int n_head, int n_kv, float scale, int n_swa,
-    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    float softcap, int n_split, float* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    bool q_rot) {
     static_assert(HN == 8 || HN == 16, "attn_stream_impl: 8 or 16 query heads per block");
     using L = AsLayout<D, HN, KP::RB, VP::RB, KP::TBK, VP::TBV>;
     constexpr int CT = L::CT, NW = L::NW, NS = L::NS, LDQ = L::LDQ, NH = HN / 8, MD = D / 16;
@@ -174,12 +175,21 @@ __device__ __forceinline__ void attn_stream_impl(
     // rest are zero) in the stages, free until the first fill; each head's staging factor from
     // those values; then the hi + lo split
     float* qf = (float*)s_st;
-    for (int i = threadIdx.x; i < HN * D; i += blockDim.x) {
-        const int g = i / D;
-        qf[i] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] * scale : 0.f;
+    {  // every load first, then the stores (a loop of load -> store waits a round trip per value)
+        constexpr int NQ = HN * D / (32 * NW);
+        float x[NQ];
+#pragma unroll
+        for (int k = 0; k < NQ; k++) {
+            const int i = threadIdx.x + 32 * NW * k, g = i / D;
+            x[k] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < NQ; k++) qf[threadIdx.x + 32 * NW * k] = x[k] * scale;
     }
     __syncthreads();
-    if constexpr (KP::ROT) KP::rotate(qf, Gb, false);
+    if constexpr (KP::ROT) {
+        if (!q_rot) KP::rotate(qf, Gb, false);  // (q_rot: the fused rope + store rotated q)
+    }
     for (int g = warp; g < HN; g += NW) {
         float mx = 0.f;
         for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qf[g * D + d]));

@@ -10,7 +10,9 @@
 // 0.7 for f16's rope_kv_write, gemma-3-270m, H200).
 //
 // rope_kv_write_q: grid T * (Hq + 2 Hk) blocks of blockDim (a multiple of 32) threads; blocks
-// [0, T * Hq) rotate q head rows (q_norm first) into q_out, the next T * Hk take one (token, kv
+// [0, T * Hq) rope q head rows (q_norm first) into q_out -- and for a rotated K tier rotate them
+// into its domain (R q, turbo.py's rotation: the attention kernels then skip theirs, cuda.py
+// RotatedQ) --, the next T * Hk take one (token, kv
 // head) each: its K row rotated (k_norm first) into shared memory and quantized to RS_TK, and the
 // last T * Hk its V row (dv values) quantized to RS_TV (apart, so that V's store runs beside K's
 // rope instead of after it), at the token's cell (flat index cell[t]; rows [n_kv][n / BS blocks of
@@ -38,6 +40,18 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) { GRID_DEP_
     extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
     __shared__ float sh[32];
     long long row;
+    float *kb = rbuf + D, *sc = rbuf + 2 * D;
+    if constexpr (RS_TK::ROT) {  // a rotated K tier: the q rows roped, then rotated into its domain (R q)
+        if (blockIdx.x < T * Hq) {
+            const int t = blockIdx.x / Hq, h = blockIdx.x - t * Hq;
+            rope_row(in.q + t * in.ldq + (long long)h * D, in.nsq, in.slq, in.bq ? in.bq + (long long)h * D : nullptr,
+                     pos[t], D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo, corr_hi, mscale,
+                     rbuf, sh, [&](int i, float x) { kb[i] = x; });
+            __syncthreads();
+            q_out[(long long)blockIdx.x * D + threadIdx.x] = fwht_thread<(RS_D > 0 ? RS_D : 64)>(kb[threadIdx.x], sc);
+            return;
+        }
+    }
     if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
                      corr_hi, mscale, rbuf, sh, row))
         return;
@@ -45,7 +59,6 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) { GRID_DEP_
     if (is_v) row -= (long long)T * Hk;
     const int t = (int)(row / Hk), h = (int)(row % Hk);
     const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
-    float *kb = rbuf + D, *sc = rbuf + 2 * D;
     if (is_v) {
         rs_store_row<RS_TV>(dv, V + c * (dv / RS_TV::BS * RS_TV::BB), sc, [&](int i) { return in.v_at(t, h, dv, i); });
         return;

@@ -564,6 +564,24 @@ def _warps_per_row(rows: int, cols: int) -> int:
     return wpr
 
 
+class RotatedQ:
+    """Queries ``q [T, n_head, d]`` float32 (RoPE applied) that the fused rope + KV store
+    (``CUDABackend.rope_kv_write``, rope_store.cu) has already rotated into its rotated K tier's
+    domain, R q (turbo.py's Walsh-Hadamard rotation, bit for bit): the attention kernels score
+    them against the stored rotated K rows as they are, where they would otherwise rotate q in
+    every block (once per split: 32 to 128 times a layer in a decode step). Only
+    ``CUDABackend.attention_cells`` takes one; ``shape`` is q's."""
+
+    __slots__ = ("q",)
+
+    def __init__(self, q):
+        self.q = q
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.q.shape)
+
+
 class QTensor:
     """A 2-D GGUF weight on the GPU in its block format.
 
@@ -1551,7 +1569,8 @@ class CUDABackend:
         free: column slices of one fused q / k / v product are read in place), or a ``SplitK``
         of such slices (``mul_mat_split_partials``: the kernels sum the slabs); ``bias``: the
         projections' biases ``(bq, bk, bv)`` (any None), added first, in the kernel. Returns the
-        rotated q ``[T, n_head, D]``."""
+        RoPE'd q ``[T, n_head, D]``; from the fused store of a rotated K tier a ``RotatedQ`` (q in
+        that tier's domain: ``attention_cells`` takes it as it is)."""
         cp = self.cp
         K, V = cache.k[il], cache.v[il]
         tk, tv = getattr(cache, "tier_k", None), getattr(cache, "tier_v", None)
@@ -1589,6 +1608,8 @@ class CUDABackend:
             rot = rot_k or rot_v
             self._rope_store_fn(nk, nv, D if rot else 0)((T * (Hq + 2 * Hk),), block, args,
                                                          shared_mem=(24 if rot else 8) * D)
+            if rot_k:
+                return RotatedQ(y)
         return y
 
     def _token_rows(self, a):
@@ -2209,10 +2230,17 @@ class CUDABackend:
         mean; ATTN_STREAM_BATCH_CELLS for several query rows, ``_stream_rows``) take the
         streaming kernel (attn_stream.cuh; head sizes 64-256, rows of a multiple of 4 bytes, not
         the f32 / bf16 tiers). Masks as ``CPUBackend.attention``. Returns
-        ``[T, n_head * d]`` float32. Raises ``ValueError`` for a tier without kernels."""
+        ``[T, n_head * d]`` float32. ``q`` may be a ``RotatedQ`` (``rope_kv_write``'s, for a rotated
+        K tier: the kernels skip their rotation of q). Raises ``ValueError`` for a tier without
+        kernels, or for a ``RotatedQ`` with a K tier that is not rotated."""
         cp = self.cp
         tk = self._kv_tier(type_k, k_store, "attention_cells")
         tv = self._kv_tier(type_v, v_store, "attention_cells")
+        q_rot = isinstance(q, RotatedQ)
+        if q_rot:
+            if tk.name not in cuda_kv.ROPE_STORE_ROTATED:
+                raise ValueError(f"attention_cells: queries rotated for a rotated K tier, but K is {tk.name}")
+            q = q.q
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         T, H, D = q.shape
         n_kv = k_store.shape[2]
@@ -2277,6 +2305,8 @@ class CUDABackend:
         args = (q, self._idx(q_pos), meta["row_view"], meta["view_off"], meta["cells"], meta["cell_pos"],
                 k_store, v_store, np.int32(H), np.int32(n_kv), np.float32(scale), np.int32(n_swa),
                 np.float32(softcap), np.int32(n_split), out, part_acc, part_ml)
+        if quant:  # the tier kernels' q_rot
+            args += (np.int32(q_rot),)
         if stream:
             sfn((T, n_kv * n_hg, n_split), (threads,), args, shared_mem=smem)
         else:
