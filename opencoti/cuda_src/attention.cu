@@ -10,7 +10,8 @@
 // attn_partial: grid (T, n_kv * ceil(G / MAXG), n_split), 4 warps; a block serves up
 // to MAXG query heads of one kv head (any G: larger groups take several blocks).
 // The block's (scaled) queries sit in shared memory. Each warp takes tiles of 8
-// cells: 4 lanes per cell compute the scores (each a quarter of the K row, 16-byte loads),
+// cells (4 in the _l8 kernels: short splits at head sizes 256 / 512): 4 lanes per cell (8)
+// compute the scores (each a quarter (an eighth) of the K row, 16-byte loads),
 // the tile's softmax update is one warp max + sum, then the lanes switch to
 // dims and accumulate p * V cell by cell (each V row read coalesced). Split s of a view covers an
 // equal slice of its cells; the online softmax is Milakov & Gimelshein 2018. Warps merge in shared memory; with n_split == 1 the
@@ -299,12 +300,14 @@ DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 // registers (no f16 copy of the cache). QK, LPC lanes per cell (each a 1 / LPC part of the row,
 // whole blocks): the part is read a segment at a time into registers with the widest loads its
 // alignment allows, and each block's dot product is scaled once (kv_tiers.cuh code()/scale()).
-// PV, the lanes over dims: vals(). Two kernels per group size: attn_kv_g<G> takes a lane per
+// PV, the lanes over dims: vals(). Three kernels per group size: attn_kv_g<G> takes a lane per
 // cell (tiles of 32 cells per warp: long splits), attn_kv_g<G>_l KV_LPC lanes (up to 4, whole
 // blocks each; tiles of 32 / KV_LPC cells: short splits keep all four warps busy and each
-// lane's serial QK short).
+// lane's serial QK short), attn_kv_g<G>_l8 8 lanes (KV_L8_OK: splits of up to 16 cells, one
+// tile of 4 cells per warp).
 // Rotated tiers (turbo*, *_tcq; turbo.py): q . k = (R q) . (R k), so a rotated K tier rotates
-// the block's queries once (fast WHT in shared memory) and scores against the stored rotated
+// the block's queries once (fast WHT in shared memory) -- or takes them rotated (q_rot: the
+// fused rope + store did it once for the layer) -- and scores against the stored rotated
 // rows; a rotated V tier accumulates P.V in the rotated domain and un-rotates the output (or
 // the split's partial: the rotation is linear, so attn_merge's log-sum-exp merge is unchanged)
 // once per head: o = R^T sum_c p_c y_c.

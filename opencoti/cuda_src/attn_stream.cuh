@@ -30,7 +30,8 @@
 // Row policy P (K and V each): RB bytes per (cell, kv head) row, copied in CA-byte chunks; F16
 // (raw f16 rows); CODES (kv_codes.cuh's operands: C = KvCodes<tier>; kperm / vperm map the MMA's
 // k / n index to the dim; PD: C's block scales ride on P); TBK / TBV table bytes (tab_k / tab_v fill them); ROT (a rotated tier:
-// the queries are rotated before the split, the output un-rotated after the merge). Only where
+// the queries are rotated before the split unless they come rotated, q_rot, the output
+// un-rotated after the merge). Only where
 // used: dec(w, i, tab) value i of a row whose bytes start at w (neither F16 nor CODES),
 // rotate(rows, n, inverse) (ROT). Decoded values must lie in f16's range (their hi term): cuda.py
 // keeps the f32 / bf16 tiers on attn_kv_g*.

@@ -20,7 +20,10 @@
 //   val(row, i, tab): value i of a row, scaled (from global memory);
 //   vals<E>(row, i0, tab, vf): the E values [i0, i0 + E) of a row (E even, <= 16, E | BS,
 //     i0 % E == 0: one block), its scale loaded once and its code bytes in few loads (PV; the
-//     trellis tiers call val() E times).
+//     trellis tiers call val() E times);
+//   SUB (the turbo tiers): a part of a block for QK (attention.cu kv_qk, the _l8 kernels):
+//     sub_words<NV>(block, sub, w) loads part `sub` of NV values' code bytes, sub_code<NV>(w, j,
+//     tab) gives its code j.
 #include "quants.cuh"
 
 // ---- exact IEEE float32 arithmetic for the encoders: PTX round-to-nearest without .ftz, so

@@ -113,8 +113,10 @@ def write_source() -> str:
 def attention_source(type_k: str, type_v: str, d: int, hn: int = 8) -> str:
     """Full source of the tier-generic attention module for one (K tier, V tier, head size):
     ``attention.cu`` compiled with ``KV_TK`` / ``KV_TV`` / ``KV_D`` (kernels
-    ``attn_kv_g{1,2,4,8}``, a lane per cell, and ``attn_kv_g{1,2,4,8}_l``, up to 4 lanes per
-    cell; 8 is left out at head size 512, as for f16) and ``KV_HN`` (``hn``, 8 or 16: the query
+    ``attn_kv_g{1,2,4,8}``, a lane per cell, ``attn_kv_g{1,2,4,8}_l``, up to 4 lanes per
+    cell, and ``attn_kv_g{1,2,4,8}_l8``, 8 (``lanes8_ok``; elsewhere empty); 8 is left out at
+    head size 512, as for f16; every kernel's last parameter ``q_rot``: q already rotated into a
+    rotated K tier's domain) and ``KV_HN`` (``hn``, 8 or 16: the query
     heads per block of its streaming kernel ``attn_kv_stream``)."""
     if hn not in (8, 16):
         raise ValueError(f"attn_kv_stream takes 8 or 16 query heads per block, not {hn}")
