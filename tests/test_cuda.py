@@ -886,7 +886,7 @@ def _qkv_inputs(q, k, v, rng, sliced: bool):
 def test_rope_kv_write_sums_split_k(gpu, tk, tv, norms, v_split):
     """q / k / v handed to rope_kv_write as split-K partials (``SplitK`` column slices of a fused
     product's 3 unsummed slabs, as ``mul_mat_split_partials`` returns them) give the bits of the
-    summed product's slices: rotated q and the K / V stores, with the projections' biases, q / k
+    summed product's slices: RoPE'd q (R q for the turbo K tier) and the K / V stores, with the projections' biases, q / k
     norms, f16, scalar and turbo tiers (kernels.cu rope_kv_write, rope_store.cu rope_kv_write_q); v
     also as a plain array (a product of its own)."""
     from opencoti.engine.backend import cuda as cu
@@ -914,7 +914,8 @@ def test_rope_kv_write_sums_split_k(gpu, tk, tv, norms, v_split):
         plan = c.prepare(seqs, pos)
         c.apply(plan, seqs, pos)
         y = gpu.rope_kv_write(*qkv, pos, c, 0, plan, qn, kn, bias, n_rot=d, base=1e4, mode="neox", eps=1e-6)
-        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0]), cp.asnumpy(c.v[0])))
+        assert isinstance(y, cu.RotatedQ) == (tk == "turbo3")  # a turbo K tier's store rotates q (R q)
+        outs.append((cp.asnumpy(y.q if isinstance(y, cu.RotatedQ) else y), cp.asnumpy(c.k[0]), cp.asnumpy(c.v[0])))
     assert np.abs(outs[0][1].view(np.uint8)).sum() > 0
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)

@@ -64,6 +64,22 @@ def test_attn_lanes8_short_rows():
     assert H200._attn_lanes8(1500, 10, 5, 256, True) == (27, False)
     assert H200._attn_lanes8(27, 10, 5, 256, True) == (2, True)  # splits of 14 cells
     assert H200._attn_lanes8(16, 10, 5, 256, True) == (1, True)
+    assert H200._attn_lanes8(0, 4, 1, 256, True) == (1, True)  # no cells: one empty split, as _attn_splits
+
+
+def test_lanes8_ok_tiers():
+    """Which tier modules have _l8 kernels (cuda_kv.lanes8_ok, attention.cu KV_L8_OK: a lane's eighth
+    of a K row whole blocks, or part of a turbo block): the float and 32-value scalar tiers and
+    turbo at head sizes 256 and 512, the trellis tiers at 512 only (their 64-value blocks have no
+    part decode), none below 256."""
+    from opencoti.engine.backend import cuda_kv
+
+    want = {t: (256, 512) for t in ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0", "turbo8", "turbo4",
+                                   "turbo3", "turbo2")}
+    want.update({"turbo3_tcq": (512,), "turbo2_tcq": (512,)})
+    assert set(want) == set(cuda_kv.TIER_STRUCTS)
+    for t, dims in want.items():
+        assert tuple(d for d in (64, 128, 256, 512) if cuda_kv.lanes8_ok(t, d)) == dims, t
 
 
 def test_attn_splits_batched_graph_bucket():

@@ -298,7 +298,7 @@ DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 // ---- the same kernel over the KV tiers (opencoti/engine/kv_tiers), one module per
 // (KV_TK, KV_TV, KV_D): K and V rows are read as the tier's blocks and dequantized in
 // registers (no f16 copy of the cache). QK, LPC lanes per cell (each a 1 / LPC part of the row,
-// whole blocks): the part is read a segment at a time into registers with the widest loads its
+// whole blocks, or in the _l8 kernels at head size 256 a turbo block's half): the part is read a segment at a time into registers with the widest loads its
 // alignment allows, and each block's dot product is scaled once (kv_tiers.cuh code()/scale()).
 // PV, the lanes over dims: vals(). Three kernels per group size: attn_kv_g<G> takes a lane per
 // cell (tiles of 32 cells per warp: long splits), attn_kv_g<G>_l KV_LPC lanes (up to 4, whole
@@ -584,7 +584,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
         if constexpr (OK)                                                                                      \
             attn_kv_impl<KV_D, G, KV_TK, KV_TV, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, \
                                                      n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml, \
-                                                     q_rot != 0); }
+                                                     q_rot != 0);                                               \
+        else                                                                                                   \
+            __trap(); /* an _l8 kernel without its lanes (cuda_kv.lanes8_ok launches none) */ }
 #define DEF_ATTN_KV(G) DEF_ATTN_KV1(G, attn_kv_g##G, 1, true) DEF_ATTN_KV1(G, attn_kv_g##G##_l, KV_LPC, true)
 #define DEF_ATTN_KV8(G) DEF_ATTN_KV1(G, attn_kv_g##G##_l8, 8, KV_L8_OK)
 DEF_ATTN_KV(1) DEF_ATTN_KV(2) DEF_ATTN_KV(4)

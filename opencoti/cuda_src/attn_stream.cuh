@@ -1,7 +1,7 @@
 // Decode attention over long rows, K / V streamed through shared memory (attention.cu's
 // attn_stream_d<D> for f16 rows, attn_kv_stream for a KV tier pair).
 //
-// attn_partial keeps one tile of 8 cells in flight per warp (cell index -> K row -> V row, three
+// attn_partial keeps one tile of 8 (_l8: 4) cells in flight per warp (cell index -> K row -> V row, three
 // dependent round trips per tile): at 32k cells a 7B layer took ~150 us for its 67 MB of K / V
 // (0.45 TB/s, H200). Here a block (one query row, one kv head, HN = 8 or 16 of its query heads,
 // one split of the row's cells: grid (T, n_kv * ceil(G / HN), n_split), 2 CT threads) walks its

@@ -18,8 +18,8 @@
 // rope instead of after it), at the token's cell (flat index cell[t]; rows [n_kv][n / BS blocks of
 // BB bytes]). A scalar tier's warp w quantizes the 32-value blocks w, w + n_warps, ... (the scalar
 // quantizers are warp-collective: lane = value), so the stored bytes are kv_quant_<T>'s; a rotated
-// tier's row takes all the block's threads (turbo_row: a rotated K needs blockDim == D == RS_D, a
-// rotated V blockDim == dv == RS_D, a power of two up to 256). Dynamic shared memory: 2 D floats,
+// tier's row takes all the block's threads (turbo_row: a rotated K needs blockDim == D == RS_D --
+// its q blocks' rotation too --, a rotated V blockDim == dv == RS_D, a power of two up to 256). Dynamic shared memory: 2 D floats,
 // 6 D with a rotated tier.
 #include "kv_store.cuh"
 #include "rope.cuh"

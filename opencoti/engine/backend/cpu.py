@@ -25,7 +25,8 @@ def rope_kv_write(B, q, k, v, pos, cache, il: int, plan, q_norm=None, k_norm=Non
     (flat, any None), added first. ``rope``: ``B.rope``'s keyword arguments (n_rot, base,
     freq_scale, mode, freq_factors, eps, yarn). The op set's ``rope_kv_write`` is this
     composition; a backend may fuse it into fewer launches (CUDA: one kernel) with the same
-    results."""
+    results -- except that CUDA's, for a rotated (turbo) K tier, returns q already rotated into
+    that tier's domain as a ``cuda.RotatedQ``, which only its ``attention_cells`` takes."""
     if bias is not None:
         q, k, v = (x if b is None else x + b.reshape(x.shape[1:]) for x, b in zip((q, k, v), bias))
     q = B.rope(q, pos, norm=q_norm, **rope)

@@ -581,6 +581,10 @@ class RotatedQ:
     def shape(self) -> tuple:
         return tuple(self.q.shape)
 
+    def __array__(self, *a, **kw):
+        raise TypeError("a RotatedQ holds queries in a rotated K tier's domain, for attention_cells only: "
+                        "take .q to read them")
+
 
 class QTensor:
     """A 2-D GGUF weight on the GPU in its block format.
@@ -2419,8 +2423,8 @@ class CUDABackend:
         n_split = self._attn_splits(n_cells, base, 1, rows)
         if ATTN_L8_CELLS <= 0 or d not in ATTN_L8_DIMS or not ok:
             return n_split, False
-        n8 = min(self._attn_splits(n_cells, base, 1, rows, tile=1), -(-n_cells // ATTN_L8_CELLS))
-        return (n8, True) if -(-n_cells // max(1, n8)) <= ATTN_L8_CELLS else (n_split, False)
+        n8 = max(1, min(self._attn_splits(n_cells, base, 1, rows, tile=1), -(-n_cells // ATTN_L8_CELLS)))
+        return (n8, True) if -(-n_cells // n8) <= ATTN_L8_CELLS else (n_split, False)
 
     @staticmethod
     def _stream_rows(n_cells: int, rows: int, heads: int) -> bool:
