@@ -132,19 +132,10 @@ __device__ __forceinline__ void attn_partial_impl(
     const int c0 = b0 + sp * chunk, c1 = min(b0 + len, c0 + chunk);
 
     __shared__ __align__(16) float s_q[MAXG][D];
-    {  // every load first, then the stores (a loop of load -> store waits a round trip per value)
-        constexpr int NQ = (MAXG * D + 32 * NWARP - 1) / (32 * NWARP);
-        float x[NQ];
-#pragma unroll
-        for (int k = 0; k < NQ; k++) {
-            const int i = threadIdx.x + 32 * NWARP * k, g = i / D;
-            x[k] = i < MAXG * D && g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < NQ; k++) {
-            const int i = threadIdx.x + 32 * NWARP * k;
-            if (i < MAXG * D) s_q[i / D][i % D] = x[k] * scale;
-        }
+    {
+        float x[QRows<MAXG, D, 32 * NWARP>::NV];
+        load_q_rows<MAXG, D, 32 * NWARP>(q, (long long)r * n_head + kh * G + g0, Gb, scale, x);
+        store_q_rows<MAXG, D, 32 * NWARP>(x, s_q);
     }
     __syncthreads();
 
@@ -322,69 +313,66 @@ __host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 
 // is the alignment of every segment. A part of one block (DL < BS, the turbo tiers' SUB parts:
 // the _l8 kernels at head size 256): its scale and code bytes only (TK::sub_words), decoded from
 // sub-block indices that are the same on every lane.
+// sb[g] += (q_g . c[0, N)) (sx[g] += the sum of q_g's values, q5_1's "+ m" term) for the Gb
+// queries sq[g] from value o, c[j] = code(j): a K block's (or part's) codes without their scale
+template <class TK, int N, int D, int MAXG, class Code>
+__device__ __forceinline__ void kv_dot(Code code, const float (*sq)[D], int o, int Gb, float (&sb)[MAXG],
+                                       float (&sx)[MAXG]) {
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) { sb[g] = 0.f; sx[g] = 0.f; }
+#pragma unroll
+    for (int j = 0; j < N; j += 4) {
+        const float c0 = code(j), c1 = code(j + 1), c2 = code(j + 2), c3 = code(j + 3);
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) {
+            if (g < Gb) {
+                const float4 qq = *(const float4*)&sq[g][o + j];
+                sb[g] += qq.x * c0 + qq.y * c1 + qq.z * c2 + qq.w * c3;
+                if constexpr (TK::HASMIN) sx[g] += (qq.x + qq.y) + (qq.z + qq.w);
+            }
+        }
+    }
+}
+
+// s[g] += (q_g . k[o0, o0 + DL)) for the Gb queries sq[g] (shared, scaled): the DL values of
+// the K row whose bytes start at `row`, from value o0 (a multiple of DL). Whole blocks (DL a
+// multiple of BS): segments of SB bytes divide a lane's part and a row's bytes, so kv_align(SB)
+// is the alignment of every segment. A part of one block (DL < BS, the turbo tiers' SUB parts:
+// the _l8 kernels at head size 256): its scale and code bytes only (TK::sub_words), decoded from
+// sub-block indices that are the same on every lane.
 template <class TK, int D, int DL, int MAXG>
 __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*sq)[D], int o0, int Gb,
                                       const float* tab, float* s) {
+    row += (long long)(o0 / TK::BS) * TK::BB;
+    float sb[MAXG], sx[MAXG];
     if constexpr (DL < TK::BS) {
         static_assert(TK::SUB != 0 && TK::BS % DL == 0, "kv_qk: a part of a block needs the tier's sub-block decode");
-        const u8* b = row + (long long)(o0 / TK::BS) * TK::BB;
         u32 w[TK::template SubWords<DL>::N];
-        TK::template sub_words<DL>(b, (o0 % TK::BS) / DL, w);
-        float sb[MAXG];
-#pragma unroll
-        for (int g = 0; g < MAXG; g++) sb[g] = 0.f;
-#pragma unroll
-        for (int j = 0; j < DL; j += 4) {
-            const float c0 = TK::template sub_code<DL>(w, j, tab), c1 = TK::template sub_code<DL>(w, j + 1, tab);
-            const float c2 = TK::template sub_code<DL>(w, j + 2, tab), c3 = TK::template sub_code<DL>(w, j + 3, tab);
-#pragma unroll
-            for (int g = 0; g < MAXG; g++) {
-                if (g < Gb) {
-                    const float4 qq = *(const float4*)&sq[g][o0 + j];
-                    sb[g] += qq.x * c0 + qq.y * c1 + qq.z * c2 + qq.w * c3;
-                }
-            }
-        }
-        const float d = h2f(ldh(b));
+        TK::template sub_words<DL>(row, (o0 % TK::BS) / DL, w);
+        kv_dot<TK, DL, D, MAXG>([&](int j) { return TK::template sub_code<DL>(w, j, tab); }, sq, o0, Gb, sb, sx);
+        const float d = h2f(ldh(row));
 #pragma unroll
         for (int g = 0; g < MAXG; g++) {
             if (g < Gb) s[g] += d * sb[g];
         }
-        return;
     } else {
-    row += (long long)(o0 / TK::BS) * TK::BB;
-    constexpr int SV = TK::SV < DL ? TK::SV : DL;  // values per register segment
-    constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, A = kv_align(SB), NW = (SB + 3) / 4;
+        constexpr int SV = TK::SV < DL ? TK::SV : DL;  // values per register segment
+        constexpr int NBL = SV / TK::BS, SB = NBL * TK::BB, A = kv_align(SB), NW = (SB + 3) / 4;
 #pragma unroll
-    for (int sg = 0; sg < DL / SV; sg++) {
-        u32 w[NW];
-        ldw<SB, A>(row + sg * SB, w);
+        for (int sg = 0; sg < DL / SV; sg++) {
+            u32 w[NW];
+            ldw<SB, A>(row + sg * SB, w);
 #pragma unroll
-        for (int b = 0; b < NBL; b++) {
-            float sb[MAXG], sx[MAXG];
-#pragma unroll
-            for (int g = 0; g < MAXG; g++) { sb[g] = 0.f; sx[g] = 0.f; }
-#pragma unroll
-            for (int j = 0; j < TK::BS; j += 4) {
-                const float c0 = TK::code(w, b, j, tab), c1 = TK::code(w, b, j + 1, tab);
-                const float c2 = TK::code(w, b, j + 2, tab), c3 = TK::code(w, b, j + 3, tab);
-                const int o = o0 + sg * SV + b * TK::BS + j;
+            for (int b = 0; b < NBL; b++) {
+                kv_dot<TK, TK::BS, D, MAXG>([&](int j) { return TK::code(w, b, j, tab); }, sq,
+                                            o0 + sg * SV + b * TK::BS, Gb, sb, sx);
+                const float d = TK::scale(w, b), m = TK::mn(w, b);
 #pragma unroll
                 for (int g = 0; g < MAXG; g++) {
-                    if (g < Gb) {
-                        const float4 qq = *(const float4*)&sq[g][o];
-                        sb[g] += qq.x * c0 + qq.y * c1 + qq.z * c2 + qq.w * c3;
-                        if constexpr (TK::HASMIN) sx[g] += (qq.x + qq.y) + (qq.z + qq.w);
-                    }
+                    if (g < Gb) s[g] += TK::HASMIN ? d * sb[g] + m * sx[g] : d * sb[g];
                 }
             }
-            const float d = TK::scale(w, b), m = TK::mn(w, b);
-#pragma unroll
-            for (int g = 0; g < MAXG; g++) {
-                if (g < Gb) s[g] += TK::HASMIN ? d * sb[g] + m * sx[g] : d * sb[g];
-            }
         }
-    }
     }
 }
 
@@ -429,24 +417,15 @@ __device__ __forceinline__ void attn_kv_impl(
     __shared__ __align__(16) float s_q[MAXG][D];
     __shared__ float s_tk[TK::NT > 0 ? TK::NT : 1], s_tv[TV::NT > 0 ? TV::NT : 1];
     __shared__ float s_acc[NWARP][MAXG][D];
-    constexpr int NV = (MAXG * D + 127) / 128;  // a row's values per thread (fwht_regs)
-    {  // q * scale, every load first (a loop of load -> store waits a round trip per value); a rotated
-       // K tier's q -> R q in registers unless the fused store rotated it (q_rot; s_acc as the
-       // exchange buffer, freed by the sync below)
+    constexpr int NV = QRows<MAXG, D, 32 * NWARP>::NV;  // a row's values per thread (fwht_regs)
+    {  // a rotated K tier's q -> R q in registers unless the fused store rotated it (q_rot; s_acc
+       // as the exchange buffer, freed by the sync below)
         float x[NV];
-#pragma unroll
-        for (int k = 0; k < NV; k++) {
-            const int i = threadIdx.x + 128 * k, g = i / D;
-            x[k] = i < MAXG * D && g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] * scale : 0.f;
-        }
+        load_q_rows<MAXG, D, 32 * NWARP>(q, (long long)r * n_head + kh * G + g0, Gb, scale, x);
         if constexpr (TK::ROT) {
             if (!q_rot) fwht_regs<D, NV, MAXG * D>(x, &s_acc[0][0][0], false);
         }
-#pragma unroll
-        for (int k = 0; k < NV; k++) {
-            const int i = threadIdx.x + 128 * k;
-            if (i < MAXG * D) s_q[i / D][i % D] = x[k];
-        }
+        store_q_rows<MAXG, D, 32 * NWARP>(x, s_q);
     }
     if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
     if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];

@@ -71,6 +71,33 @@ struct AsLayout {
     static constexpr int TABV = TAB + TBK, BYTES = TABV + TBV;
 };
 
+// A block's NH query rows staged: rows first .. first + Gb - 1 of q [.., D] (the block's heads of
+// its query row) times scale, zero past Gb, into s [NH][D] (shared memory). Thread t of the block's NT
+// holds values t + NT k in registers: every load is issued before the first store (a loop of load
+// -> shared store waited a round trip per value). load_q_rows fills x (a rotated K tier rotates
+// them there, fwht_regs), store_q_rows writes them to s.
+template <int NH, int D, int NT>
+struct QRows {
+    static constexpr int NV = (NH * D + NT - 1) / NT;
+};
+template <int NH, int D, int NT>
+__device__ __forceinline__ void load_q_rows(const float* __restrict__ q, long long first, int Gb, float scale,
+                                            float (&x)[QRows<NH, D, NT>::NV]) {
+#pragma unroll
+    for (int k = 0; k < QRows<NH, D, NT>::NV; k++) {
+        const int i = threadIdx.x + NT * k, g = i / D;
+        x[k] = i < NH * D && g < Gb ? q[(first + g) * D + i % D] * scale : 0.f;
+    }
+}
+template <int NH, int D, int NT>
+__device__ __forceinline__ void store_q_rows(const float (&x)[QRows<NH, D, NT>::NV], float (*s)[D]) {
+#pragma unroll
+    for (int k = 0; k < QRows<NH, D, NT>::NV; k++) {
+        const int i = threadIdx.x + NT * k;
+        if (i < NH * D) s[i / D][i % D] = x[k];
+    }
+}
+
 // One (row r, head h, dim d) of a block's result from its merged max M, sum L and unnormalised
 // value A: the normalized output when the row's cells are one split, else the split's partial
 // (acc at part_acc[((r * n_head + h) * n_split + sp) * D + d], (M, L) at part_ml[2 * that index]).
@@ -176,16 +203,10 @@ __device__ __forceinline__ void attn_stream_impl(
     // rest are zero) in the stages, free until the first fill; each head's staging factor from
     // those values; then the hi + lo split
     float* qf = (float*)s_st;
-    {  // every load first, then the stores (a loop of load -> store waits a round trip per value)
-        constexpr int NQ = HN * D / (32 * NW);
-        float x[NQ];
-#pragma unroll
-        for (int k = 0; k < NQ; k++) {
-            const int i = threadIdx.x + 32 * NW * k, g = i / D;
-            x[k] = g < Gb ? q[((long long)r * n_head + kh * G + g0 + g) * D + i % D] : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < NQ; k++) qf[threadIdx.x + 32 * NW * k] = x[k] * scale;
+    {
+        float x[QRows<HN, D, 32 * NW>::NV];
+        load_q_rows<HN, D, 32 * NW>(q, (long long)r * n_head + kh * G + g0, Gb, scale, x);
+        store_q_rows<HN, D, 32 * NW>(x, (float (*)[D])qf);
     }
     __syncthreads();
     if constexpr (KP::ROT) {

@@ -82,8 +82,21 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
 
 
 // Head row `row` of x (H head rows of D per token, a token's rows ldx floats after the last's;
-// bias: the projection's [H * D] bias or null) rotated into the same row of y [rows, D] (the rope
-// kernel; the q rows of the fused rope + KV store kernels).
+// bias: the projection's [H * D] bias or null) rotated, handed to store(i, value) (rope_row's), or
+// without a store written into the same row of y [rows, D] (the rope kernel; the q rows of the
+// fused rope + KV store kernels).
+template <class Store>
+__device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long long ldx, int ns, long long slab,
+                                              const float* __restrict__ bias, long long row, int H,
+                                              const int* __restrict__ pos, int D, int n_rot, float base,
+                                              float freq_scale, int mode, const float* __restrict__ ff,
+                                              const float* __restrict__ norm_w, float eps, float ext_factor,
+                                              float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
+                                              Store store) {
+    const long long t = row / H, h = row - t * H;
+    rope_row(x + t * ldx + h * D, ns, slab, bias ? bias + h * D : nullptr, pos[t], D, n_rot, base, freq_scale, mode, ff, norm_w,
+             eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, store);
+}
 __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long long ldx, int ns, long long slab,
                                               const float* __restrict__ bias, float* __restrict__ y, long long row, int H,
                                               const int* __restrict__ pos, int D, int n_rot, float base,
@@ -91,9 +104,8 @@ __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long 
                                               const float* __restrict__ norm_w, float eps, float ext_factor,
                                               float corr_lo, float corr_hi, float mscale, float* buf, float* sh) {
     float* yr = y + row * D;
-    const long long t = row / H, h = row - t * H;
-    rope_row(x + t * ldx + h * D, ns, slab, bias ? bias + h * D : nullptr, pos[t], D, n_rot, base, freq_scale, mode, ff, norm_w,
-             eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
+    rope_head_row(x, ldx, ns, slab, bias, row, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor,
+                  corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
 }
 
 // The inputs of the fused rope + KV store kernels: q [T, Hq, D], k [T, Hk, D], v [T, Hk, dv] with

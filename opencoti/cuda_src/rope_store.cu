@@ -43,10 +43,8 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) { GRID_DEP_
     float *kb = rbuf + D, *sc = rbuf + 2 * D;
     if constexpr (RS_TK::ROT) {  // a rotated K tier: the q rows roped, then rotated into its domain (R q)
         if (blockIdx.x < T * Hq) {
-            const int t = blockIdx.x / Hq, h = blockIdx.x - t * Hq;
-            rope_row(in.q + t * in.ldq + (long long)h * D, in.nsq, in.slq, in.bq ? in.bq + (long long)h * D : nullptr,
-                     pos[t], D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo, corr_hi, mscale,
-                     rbuf, sh, [&](int i, float x) { kb[i] = x; });
+            rope_head_row(in.q, in.ldq, in.nsq, in.slq, in.bq, blockIdx.x, Hq, pos, D, n_rot, base, freq_scale, mode, ff,
+                          q_norm, eps, ext_factor, corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
             __syncthreads();
             q_out[(long long)blockIdx.x * D + threadIdx.x] = fwht_thread<(RS_D > 0 ? RS_D : 64)>(kb[threadIdx.x], sc);
             return;
