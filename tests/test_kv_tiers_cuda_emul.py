@@ -245,21 +245,29 @@ def _emu_tree64(p):
     return p
 
 
-def _emu_fwht_thread(x):
-    """fwht_thread<D> (turbo_row's rotation) over rows ``x [R, D]``: thread t holds x_t, sign
-    flipped by xneg; stage h reads o = the value of thread t ^ h (a shuffle below 32, the shared
-    buffer above) and keeps x + o (xadd) where bit h of t is clear, o - x (xsub) where it is set;
-    then xmul(x, kv_isqrt(D))."""
+def _emu_fwht_column(x):
+    """fwht_column<D> (turbo_row's and the q rows' rotation) over rows ``x [R, D]``: thread t holds
+    x_t, sign flipped by xneg; stages h < 32 by shuffles: o = the value of lane t ^ h, keeping
+    x + o (xadd) where bit h of t is clear, o - x (xsub) where it is set; then column c's D / 32
+    values c + 32 k in registers, stage h = 32 s pairing entries (k, k + s): a + b into the lower,
+    a - b into the upper; then xmul(v, kv_isqrt(D)). Returns y [R, D] (y[c + 32 k] = column c's
+    entry k)."""
     v = np.array(x, dtype=np.float32)
     D = v.shape[1]
     v.view(np.uint32)[:, _TAB["neg"][:D]] ^= np.uint32(0x80000000)
     t = np.arange(D)
-    h = 1
-    while h < D:
+    for h in (1, 2, 4, 8, 16):
         o = v[:, t ^ h]
         v = np.where((t & h) == 0, v + o, o - v).astype(np.float32)
-        h *= 2
-    return v * _TAB["isqrt"][D]
+    col = v.reshape(len(v), D // 32, 32).copy()  # [R, k, c]
+    s = 1
+    while s < D // 32:
+        for k in range(D // 32):
+            if k & s == 0:
+                a, b = col[:, k].copy(), col[:, k + s].copy()
+                col[:, k], col[:, k + s] = a + b, a - b
+        s *= 2
+    return col.reshape(len(v), D) * _TAB["isqrt"][D]
 
 
 def _emu_shfl_down(v, h):
@@ -269,19 +277,16 @@ def _emu_shfl_down(v, h):
     return v[..., np.where((lane & 31) + h < 32, lane + h, lane)]
 
 
-def _emu_tree64_pair(p):
-    """tree64_pair's sums over rows ``p [R, n]`` (thread tid, j = tid & 63): the lower warp's
-    lanes add the upper warp's values (xadd, through sc), then a = a + shfl_down(a, h) for h = 16
-    .. 1 (lanes past the warp keep their own value: garbage only lanes j >= h hold); lane j = 0's
-    value is broadcast to its group. Returns the sums at ``[:, 64 b]`` (and repeated)."""
-    p = np.array(p, dtype=np.float32)
-    tid = np.arange(p.shape[1])
-    low = (tid & 63) < 32
-    a = p.copy()
-    a[:, low] = p[:, low] + p[:, tid[low] + 32]
+def _emu_tree64_warp(p):
+    """tree64_warp's sums over rows ``p [R, n]``: warp b holds 64-value block b, lane j its values
+    j and j + 32 -> a = lo + hi (xadd), then a = a + shfl_down(a, h) for h = 16 .. 1 (lanes past
+    the warp keep their own value: garbage only lanes j >= h hold); lane 0's value is broadcast.
+    Returns the sums repeated over each block's 64 positions."""
+    p = np.array(p, dtype=np.float32).reshape(len(p), -1, 2, 32)
+    a = (p[:, :, 0] + p[:, :, 1]).astype(np.float32)
     for h in (16, 8, 4, 2, 1):
         a = (a + _emu_shfl_down(a, h)).astype(np.float32)
-    return np.repeat(a[:, 0::64], 64, axis=1)
+    return np.repeat(a[:, :, 0], 64, axis=1)
 
 
 def _emu_f2h(v):
@@ -292,7 +297,7 @@ def _emu_f2h(v):
 
 def _emu_norm(y, tree=_emu_tree64):
     """n = xsqrt(tree(y * y)[b0]); u = 0 < n ? y * (8 / n) : 0 -> u [R, n] (tree: tree64, or
-    turbo_row's tree64_pair)."""
+    turbo_row's tree64_warp)."""
     p = tree(y * y)
     n = np.sqrt(np.repeat(p[:, 0::64], 64, axis=1))  # sqrt.rn (NumPy's float32 sqrt is IEEE)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -321,19 +326,19 @@ def _emu_search(u, th):
 
 
 def _emu_quant_turbo(bits, x):
-    """kv_quant_turbo<KTurbo<bits>, D> (turbo_row: fwht_thread, tree64_pair) over rows x [R, D]
+    """kv_quant_turbo<KTurbo<bits>, D> (turbo_row: fwht_column, tree64_warp) over rows x [R, D]
     -> bytes [R, D / 64 * BB]."""
     R, D = x.shape
-    y = _emu_fwht_thread(x)
-    u = _emu_norm(y, _emu_tree64_pair)
+    y = _emu_fwht_column(x)
+    u = _emu_norm(y, _emu_tree64_warp)
     idx = _emu_search(u, _TAB[f"KV_TH{bits}"])
     c = _TAB[f"KV_LM{bits}"][idx]
-    scale = _emu_scale(y, c, _emu_tree64_pair).reshape(-1)
+    scale = _emu_scale(y, c, _emu_tree64_warp).reshape(-1)
     BB = 2 + 64 * bits // 8
     idx = idx.reshape(-1, 64)
     out = np.zeros((len(idx), BB), np.uint8)
     out[:, :2] = _emu_f2h(scale)
-    for m in range(BB - 2):  # turbo_pack<BITS>(idx + b0, m), thread j = m
+    for m in range(BB - 2):  # turbo_pack<BITS>(idx, m), lane m % 32
         if bits == 8:
             v = idx[:, m]
         elif bits == 4:
@@ -506,17 +511,18 @@ def test_write_kernel_port_float32_intermediates(d):
 
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 def test_write_kernel_shuffle_orders_equal_shared(d):
-    """turbo_row's warp-shuffle rotation (fwht_thread) and 64-value sums (tree64_pair) round
-    exactly as the shared-memory fwht_shared / tree64 that the trellis tiers keep: the same
-    additions in the same pairs and order, bit for bit on random and adversarial rows (squares,
-    products and level-sized values as the sums' inputs)."""
+    """turbo_row's rotation (fwht_column: shuffles, then each thread's column in registers) and
+    64-value sums (tree64_warp: a warp per block, shuffles) round exactly as the shared-memory
+    fwht_shared / tree64 that the trellis tiers keep: the same additions in the same pairs and
+    order, bit for bit on random and adversarial rows (squares, products and level-sized values as
+    the sums' inputs)."""
     rng = np.random.default_rng(d)
     x = np.concatenate([rng.standard_normal((16, d)).astype(np.float32), _adversarial_rows(d, rng)])
-    y = _emu_fwht_thread(x)
+    y = _emu_fwht_column(x)
     np.testing.assert_array_equal(_bits(y), _bits(_emu_fwht_fwd(x)))
     with np.errstate(over="ignore", under="ignore"):
         for p in (y * y, y * np.float32(0.7), x):
-            np.testing.assert_array_equal(_bits(_emu_tree64_pair(p)[:, 0::64]), _bits(_emu_tree64(p)[:, 0::64]))
+            np.testing.assert_array_equal(_bits(_emu_tree64_warp(p)[:, 0::64]), _bits(_emu_tree64(p)[:, 0::64]))
     # control: the same butterflies with the stages in the other order (h = D / 2 .. 1) round
     # differently on these rows, so bit equality does pin the order
     v = np.array(x, dtype=np.float32)

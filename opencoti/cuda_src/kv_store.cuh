@@ -3,28 +3,14 @@
 // with turbo.py's float32 arithmetic (the bits of KVTier.quantize; see kv_write.cu's header).
 #include "kv_tiers.cuh"
 
-// tree64 of two quantities a, b held one value per thread of whole 64-thread groups (the block's
-// threads: value j = threadIdx.x & 63 of group base b0): the group sums (a_0 + .., b_0 + ..) in
-// tree64's order -- h = 32 through sc (the upper warp's values), h = 16 .. 1 by shuffles down (lane
-// j < h adds lane j + h) -- broadcast to every thread of the group. sc: 2 * blockDim floats, free
-// again after the block's next sync.
-__device__ __forceinline__ float2 tree64_pair(float a, float b, float* sc) {
-    const int tid = threadIdx.x, j = tid & 63, n = blockDim.x;
-    if (j >= 32) { sc[tid] = a; sc[n + tid] = b; }
-    __syncthreads();
-    if (j < 32) {  // a whole (lower) warp
-        a = xadd(a, sc[tid + 32]);
-        b = xadd(b, sc[n + tid + 32]);
+// tree64 (turbo.block_sum's order: p[j] += p[j + h], h = 32, ..., 1) of a 64-value block held
+// by one warp, lane j its values j and j + 32: the h = 32 stage inside the lane (lo + hi), the
+// others by shuffles down (lane j < h adds lane j + h); the sum broadcast to every lane.
+__device__ __forceinline__ float tree64_warp(float lo, float hi) {
+    float a = xadd(lo, hi);
 #pragma unroll
-        for (int h = 16; h > 0; h >>= 1) {
-            const float oa = __shfl_down_sync(0xffffffffu, a, h), ob = __shfl_down_sync(0xffffffffu, b, h);
-            a = xadd(a, oa);
-            b = xadd(b, ob);
-        }
-        if (j == 0) { sc[tid] = a; sc[n + tid] = b; }
-    }
-    __syncthreads();
-    return make_float2(sc[tid - j], sc[n + tid - j]);
+    for (int h = 16; h > 0; h >>= 1) a = xadd(a, __shfl_down_sync(0xffffffffu, a, h));
+    return __shfl_sync(0xffffffffu, a, 0);
 }
 
 // payload byte m of a turbo block from its 64 indices
@@ -40,36 +26,54 @@ __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
 }
 
 // One row of D values quantized to the turbo tier T at dst_row (its D / 64 blocks): thread tid
-// (of exactly D) holds value x = row[tid]; sc: 4 D floats of shared scratch, free again after the
-// block's next sync. turbo.py's arithmetic: the rotation (fwht_thread), per-64 norms and
-// least-squares scales summed in tree64's order (tree64_pair), the code search over the thresholds.
+// (of exactly D) holds value x = row[tid]; sc: 2 D floats of shared scratch, free again after the
+// block's next sync. turbo.py's arithmetic: the rotation (fwht_column: the block's one sync), then
+// warp b < D / 64 encodes 64-value block b, lane j its values j and j + 32 (both in the lane's
+// rotation column): per-64 norms and least-squares scales summed in tree64's order by shuffles
+// (tree64_warp), the code search over the thresholds. The other warps return after the rotation.
 template <class T, int D>
 __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* sc) {
-    const int tid = threadIdx.x, j = tid & 63, b0 = tid - j;
-    int* idx = (int*)sc;  // after the rotation's buffers are read (tree64_pair's syncs follow)
-    const float y = fwht_thread<D>(x, sc);
-    const float n = xsqrt(tree64_pair(xmul(y, y), 0.f, sc + 2 * D).x);
-    const float u = xlt(0.f, n) ? xmul(y, xdiv(8.f, n)) : 0.f;
-    const float* th = T::thr();
-    // searchsorted(thresholds, u, side="left"): the thresholds below u (th < u; a NaN u counts
-    // all, as NumPy sorts it last). Up to 15 thresholds by counting (every thread reads the same
-    // th[i]: one constant-cache broadcast each, no dependent chain), else a binary search.
-    int lo = 0;
-    if constexpr (T::NT <= 16) {
+    static_assert(D % 64 == 0, "turbo_row: whole 64-value blocks");
+    float v[D / 32];
+    fwht_column<D>(x, sc, v);
+    const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
+    if (b >= D / 64) return;
+    float y[2] = {v[0], v[1]};  // y_{64 b + j}, y_{64 b + j + 32}: column entries 2 b, 2 b + 1
 #pragma unroll
-        for (int i = 0; i < T::NT - 1; i++) lo += !xle(u, th[i]);
-    } else {
-        int hi = T::NT - 1;
-        while (lo < hi) {
-            int mid = (lo + hi) >> 1;
-            if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;
-        }
+    for (int k = 1; k < D / 64; k++) {
+        if (b == k) { y[0] = v[2 * k]; y[1] = v[2 * k + 1]; }
     }
-    const float c = T::tab()[lo];
-    idx[tid] = lo;
-    const float2 nd = tree64_pair(xmul(y, c), xmul(c, c), sc + 2 * D);  // its syncs publish idx
-    const float scale = xlt(0.f, nd.y) ? xdiv(nd.x, nd.y) : 0.f;
-    u8* dst = dst_row + (long long)(tid >> 6) * T::BB;
+    const float n = xsqrt(tree64_warp(xmul(y[0], y[0]), xmul(y[1], y[1])));
+    const float* th = T::thr();
+    int* idx = (int*)(sc + D) + 64 * b;  // the block's indices (sc[0, D) may still be read by other warps)
+    float yc[2], cc[2];
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const float u = xlt(0.f, n) ? xmul(y[p], xdiv(8.f, n)) : 0.f;
+        // searchsorted(thresholds, u, side="left"): the thresholds below u (th < u; a NaN u counts
+        // all, as NumPy sorts it last). Up to 15 thresholds by counting (every lane reads the same
+        // th[i]: one constant-cache broadcast each, no dependent chain), else a binary search.
+        int lo = 0;
+        if constexpr (T::NT <= 16) {
+#pragma unroll
+            for (int i = 0; i < T::NT - 1; i++) lo += !xle(u, th[i]);
+        } else {
+            int hi = T::NT - 1;
+            while (lo < hi) {
+                int mid = (lo + hi) >> 1;
+                if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;
+            }
+        }
+        const float c = T::tab()[lo];
+        idx[j + 32 * p] = lo;
+        yc[p] = xmul(y[p], c);
+        cc[p] = xmul(c, c);
+    }
+    const float num = tree64_warp(yc[0], yc[1]), den = tree64_warp(cc[0], cc[1]);  // (their shuffles sync the warp)
+    __syncwarp();  // idx written by the whole warp
+    const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
+    u8* dst = dst_row + (long long)b * T::BB;
     if (j == 0) st16(dst, f2h(scale));
-    if (j < T::BB - 2) dst[2 + j] = turbo_pack<T::KBITS>(idx + b0, j);
+#pragma unroll
+    for (int m = j; m < T::BB - 2; m += 32) dst[2 + m] = turbo_pack<T::KBITS>(idx, m);
 }

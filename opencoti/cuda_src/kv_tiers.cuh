@@ -490,15 +490,14 @@ __device__ __forceinline__ void fwht_shared(float* v, int n_rows, bool inverse, 
 // of shared memory). Stages h < 32 by warp shuffles (the thread with bit h clear keeps a + b, its
 // partner a - b: fwht_shared's roundings), 32 <= h < NT through buf's two NI-float halves in turn
 // (one sync each; buf is free again after the block's next sync), h >= NT inside a thread (values
-// k and k + h / NT). EXACT: PTX add / sub / mul and sign flips on the bits, as fwht_shared's exact.
-template <int D, int NV, int NI, int NT = 128, bool EXACT = false>
+// k and k + h / NT).
+template <int D, int NV, int NI, int NT = 128>
 __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inverse) {
     const int tid = threadIdx.x;
-    auto neg = [](float v) { return EXACT ? xneg(v) : -v; };
     auto valid = [&](int k) { return NI % NT == 0 || tid + NT * k < NI; };
     if (!inverse) {
 #pragma unroll
-        for (int k = 0; k < NV; k++) x[k] = kv_neg((tid + NT * k) & (D - 1)) ? neg(x[k]) : x[k];
+        for (int k = 0; k < NV; k++) x[k] = kv_neg((tid + NT * k) & (D - 1)) ? -x[k] : x[k];
     }
 #pragma unroll
     for (int h = 1, s = 0; h < D; h <<= 1) {
@@ -506,7 +505,7 @@ __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inver
 #pragma unroll
             for (int k = 0; k < NV; k++) {
                 const float o = __shfl_xor_sync(0xffffffffu, x[k], h);
-                x[k] = (tid & h) ? (EXACT ? xsub(o, x[k]) : o - x[k]) : (EXACT ? xadd(x[k], o) : x[k] + o);
+                x[k] = (tid & h) ? o - x[k] : x[k] + o;
             }
         } else if (h < NT) {
             float* b = buf + s * NI;
@@ -518,7 +517,7 @@ __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inver
             for (int k = 0; k < NV; k++) {
                 if (valid(k)) {
                     const float o = b[(tid ^ h) + NT * k];
-                    x[k] = (tid & h) ? (EXACT ? xsub(o, x[k]) : o - x[k]) : (EXACT ? xadd(x[k], o) : x[k] + o);
+                    x[k] = (tid & h) ? o - x[k] : x[k] + o;
                 }
             }
         } else {
@@ -526,24 +525,65 @@ __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inver
             for (int k = 0; k < NV; k++) {
                 if ((k & (h / NT)) == 0 && k + h / NT < NV) {
                     const float a = x[k], c = x[k + h / NT];
-                    x[k] = EXACT ? xadd(a, c) : a + c;
-                    x[k + h / NT] = EXACT ? xsub(a, c) : a - c;
+                    x[k] = a + c;
+                    x[k + h / NT] = a - c;
                 }
             }
         }
     }
 #pragma unroll
     for (int k = 0; k < NV; k++) {
-        const float y = EXACT ? xmul(x[k], kv_isqrt(D)) : x[k] * kv_isqrt(D);
-        x[k] = inverse && kv_neg((tid + NT * k) & (D - 1)) ? neg(y) : y;
+        const float y = x[k] * kv_isqrt(D);
+        x[k] = inverse && kv_neg((tid + NT * k) & (D - 1)) ? -y : y;
     }
 }
 
-// fwht_shared's exact forward transform of one row held one value per thread (the block's D
-// threads: thread t holds x_t; returns y_t): fwht_regs with one value per thread; sc: 2 D floats.
+// fwht_shared's exact forward transform of one row held one value per thread (the block's first D
+// threads, D a power of two 32 .. 512: thread t holds x_t) with one sync: the stages h < 32 by
+// warp shuffles (fwht_regs'), then each thread reads its column c = t % 32 -- the D / 32 values
+// c + 32 k -- from sc (D floats, free again after the block's next sync) and runs the stages
+// h >= 32 on it in registers: v[k] = y_{c + 32 k}. Every output takes fwht_shared's exact
+// operations in their order (y0 = a + b, y1 = a - b, a the lower index; the sign flips first, the
+// scaling last), so the bits are fwht_shared's. Three syncs fewer than fwht_regs at D = 256 (the
+// KV store's rotation is latency bound: a decode step's few dozen blocks).
+template <int D>
+__device__ __forceinline__ void fwht_column(float x, float* sc, float (&v)[D / 32]) {
+    static_assert(D == 32 || D == 64 || D == 128 || D == 256 || D == 512, "fwht_column: D a power of two, 32 .. 512");
+    constexpr int NK = D / 32;
+    const int tid = threadIdx.x;
+    x = kv_neg(tid & (D - 1)) ? xneg(x) : x;
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, x, h);
+        x = (tid & h) ? xsub(o, x) : xadd(x, o);
+    }
+    sc[tid] = x;
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < NK; k++) v[k] = sc[(tid & 31) + 32 * k];
+#pragma unroll
+    for (int s = 1; s < NK; s <<= 1) {  // stage h = 32 s: pairs (k, k + s), k with bit s clear
+#pragma unroll
+        for (int k = 0; k < NK; k++) {
+            if ((k & s) == 0) {
+                const float a = v[k], b = v[k + s];
+                v[k] = xadd(a, b);
+                v[k + s] = xsub(a, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NK; k++) v[k] = xmul(v[k], kv_isqrt(D));
+}
+
+// fwht_column's output y_t of thread t's own value (the q rows' rotation in the fused rope + KV
+// store); sc: D floats.
 template <int D>
 __device__ __forceinline__ float fwht_thread(float x, float* sc) {
-    float v[1] = {x};
-    fwht_regs<D, 1, D, D, true>(v, sc, false);
-    return v[0];
+    float v[D / 32];
+    fwht_column<D>(x, sc, v);
+    float y = v[0];
+#pragma unroll
+    for (int k = 1; k < D / 32; k++) y = (int)(threadIdx.x >> 5) == k ? v[k] : y;
+    return y;
 }

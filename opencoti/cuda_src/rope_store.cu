@@ -20,7 +20,7 @@
 // quantizers are warp-collective: lane = value), so the stored bytes are kv_quant_<T>'s; a rotated
 // tier's row takes all the block's threads (turbo_row: a rotated K needs blockDim == D == RS_D --
 // its q blocks' rotation too --, a rotated V blockDim == dv == RS_D, a power of two up to 256). Dynamic shared memory: 2 D floats,
-// 6 D with a rotated tier.
+// 4 D with a rotated tier.
 #include "kv_store.cuh"
 #include "rope.cuh"
 
@@ -37,16 +37,16 @@ __device__ __forceinline__ void rs_store_row(int n, u8* dst, float* sc, Val valu
 
 extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) { GRID_DEP_WAIT();
     const QKVIn in = ROPE_KV_WRITE_IN;
-    extern __shared__ float rbuf[];  // rope's normed input, the rotated K row, a rotated tier's scratch (4 D)
+    extern __shared__ float rbuf[];  // rope's normed input, the K row (scalar tiers), a rotated tier's scratch (2 D)
     __shared__ float sh[32];
     long long row;
     float *kb = rbuf + D, *sc = rbuf + 2 * D;
     if constexpr (RS_TK::ROT) {  // a rotated K tier: the q rows roped, then rotated into its domain (R q)
         if (blockIdx.x < T * Hq) {
+            float y = 0.f;  // thread i's value i (blockDim == D)
             rope_head_row(in.q, in.ldq, in.nsq, in.slq, in.bq, blockIdx.x, Hq, pos, D, n_rot, base, freq_scale, mode, ff,
-                          q_norm, eps, ext_factor, corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
-            __syncthreads();
-            q_out[(long long)blockIdx.x * D + threadIdx.x] = fwht_thread<(RS_D > 0 ? RS_D : 64)>(kb[threadIdx.x], sc);
+                          q_norm, eps, ext_factor, corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { y = x; });
+            q_out[(long long)blockIdx.x * D + threadIdx.x] = fwht_thread<(RS_D > 0 ? RS_D : 64)>(y, sc);
             return;
         }
     }
@@ -61,8 +61,14 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) { GRID_DEP_
         rs_store_row<RS_TV>(dv, V + c * (dv / RS_TV::BS * RS_TV::BB), sc, [&](int i) { return in.v_at(t, h, dv, i); });
         return;
     }
+    // a rotated K tier's thread i keeps value i (blockDim == D: turbo_row's one value per thread), a
+    // scalar tier's warps read the row from kb after the sync
+    float y = 0.f;
     rope_row(in.k_row(t, h, D), in.nsk, in.slk, in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
-             corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { kb[i] = x; });
-    __syncthreads();
-    rs_store_row<RS_TK>(D, K + c * (D / RS_TK::BS * RS_TK::BB), sc, [&](int i) { return kb[i]; });
+             corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) {
+                 if constexpr (RS_TK::ROT) y = x;
+                 else kb[i] = x;
+             });
+    if constexpr (!RS_TK::ROT) __syncthreads();
+    rs_store_row<RS_TK>(D, K + c * (D / RS_TK::BS * RS_TK::BB), sc, [&](int i) { return RS_TK::ROT ? y : kb[i]; });
 }

@@ -1611,7 +1611,7 @@ class CUDABackend:
         else:  # a block per q head row, per K row and per V row
             rot = rot_k or rot_v
             self._rope_store_fn(nk, nv, D if rot else 0)((T * (Hq + 2 * Hk),), block, args,
-                                                         shared_mem=(24 if rot else 8) * D)
+                                                         shared_mem=(16 if rot else 8) * D)
             if rot_k:
                 return RotatedQ(y)
         return y
