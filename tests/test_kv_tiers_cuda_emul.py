@@ -136,6 +136,101 @@ def test_kernel_value_decoder_matches_tier(name):
     np.testing.assert_array_equal(got, want)
 
 
+def _pair_level(bits, levels, e):
+    """KTurbo::pair_level: entry e of the level-pair table -> (level of value j, of value j + 1)."""
+    lb = 2 if bits == 3 else bits
+    m = (1 << lb) - 1
+    i0, i1 = e & m, (e >> lb) & m
+    if bits == 3:
+        i0, i1 = i0 | (((e >> 4) & 1) << 2), i1 | (((e >> 5) & 1) << 2)
+    return levels[i0], levels[i1]
+
+
+def _pair_block(bits, b32, o, j):
+    """KTurbo::pair(w, b, j): the pair index of values j, j + 1 of the block at byte o."""
+    if bits == 4:
+        return b32[:, o + 2 + (j >> 1)]
+    e = (b32[:, o + 2 + (j >> 2)] >> (2 * (j & 3))) & 15
+    if bits == 3:
+        e = e | (((b32[:, o + 18 + (j >> 3)] >> (j & 7)) & 3) << 4)
+    return e
+
+
+def _words(byts):
+    """ldw's little-endian u32 words of a byte run [R, n] (n a multiple of 2; zero padded)."""
+    pad = (-byts.shape[1]) % 4
+    byts = np.concatenate([byts, np.zeros((len(byts), pad), np.uint8)], axis=1)
+    return np.ascontiguousarray(byts).view("<u4").astype(np.int64)
+
+
+def _sub_pair(bits, b, o, nv, sub, j):
+    """KTurbo::sub_words<nv>(block, sub) then sub_pair<nv>(w, j): part `sub` of nv values."""
+    lb = 2 if bits == 3 else bits
+    lo_n, hi_n = nv * lb // 8, (nv // 8 if bits == 3 else 0)
+    w = _words(b[:, o + 2 + sub * lo_n: o + 2 + (sub + 1) * lo_n])
+    pw = 32 // lb
+    e = (w[:, j // pw] >> (lb * (j % pw))) & ((1 << (2 * lb)) - 1)
+    if bits == 3:
+        wh = _words(b[:, o + 18 + sub * hi_n: o + 18 + (sub + 1) * hi_n])
+        e = e | (((wh[:, j // 32] >> (j % 32)) & 3) << 4)
+    return e
+
+
+def _vals2(bits, levels, b, i0, n_e):
+    """KTurbo::vals2<E>(row, i0, tp): values [i0, i0 + E) through the pair table."""
+    lb = 2 if bits == 3 else bits
+    o, j0 = (2 + 64 * bits // 8) * (i0 >> 6), i0 & 63
+    nlb = n_e * lb // 8 if n_e * lb >= 16 else 1
+    if nlb == 1:
+        lo = [b[:, o + 2 + j0 * lb // 8].astype(np.int64) >> (lb * (j0 % (8 // lb)))]
+    else:
+        lo = list(_words(b[:, o + 2 + j0 * lb // 8: o + 2 + j0 * lb // 8 + nlb]).T)
+    hi = 0
+    if bits == 3:
+        hi = (b[:, o + 18 + (j0 >> 3)].astype(np.int64) | (b[:, o + 19 + (j0 >> 3)].astype(np.int64) << 8)
+              if n_e == 16 else b[:, o + 18 + (j0 >> 3)].astype(np.int64) >> (j0 & 7))
+    d = _h2f(b, o)
+    out = []
+    for e in range(0, n_e, 2):
+        ix = (lo[lb * e // 32] >> (lb * e % 32)) & ((1 << (2 * lb)) - 1)
+        if bits == 3:
+            ix = ix | (((hi >> e) & 3) << 4)
+        v0, v1 = _pair_level(bits, levels, ix)
+        out += [d * v0, d * v1]
+    return np.stack(out, axis=1)
+
+
+@pytest.mark.parametrize("name", ["turbo4", "turbo3", "turbo2"])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_kernel_pair_decoder_matches_tier(name, d):
+    """The short-row attention kernels' level-pair decode (kv_tiers.cuh KTurbo: pair_level's
+    table, the whole-block pair(), the _l8 parts' sub_pair<NV> and PV's vals2<E>, E = d / 32 per
+    lane) gives the tier's own levels and values, for every pair of every block."""
+    t = get_tier(name)
+    rng = np.random.default_rng(d + t.bits)
+    x = rng.standard_normal((12, d)).astype(np.float32)
+    q = t.quantize(x)
+    b = np.ascontiguousarray(q).view(np.uint8).reshape(len(x), -1)
+    want = t.dequantize_rotated(q)
+    bb = t.block_bytes
+    for blk in range(d // 64):
+        o = bb * blk
+        sc = _h2f(b, o)[:, None]
+        for j in range(0, 64, 2):
+            got = sc * np.stack(_pair_level(t.bits, t.levels, _pair_block(t.bits, b.astype(np.int64), o, j)), axis=1)
+            np.testing.assert_array_equal(got, want[:, 64 * blk + j: 64 * blk + j + 2])
+        for nv in (16, 32):  # the _l8 kernels' parts (d / 8 values per lane at head sizes 128 / 256)
+            for sub in range(64 // nv):
+                for j in range(0, nv, 2):
+                    e = _sub_pair(t.bits, b, o, nv, sub, j)
+                    got = sc * np.stack(_pair_level(t.bits, t.levels, e), axis=1)
+                    i = 64 * blk + sub * nv + j
+                    np.testing.assert_array_equal(got, want[:, i: i + 2])
+    n_e = d // 32
+    got = np.concatenate([_vals2(t.bits, t.levels, b, lane * n_e, n_e) for lane in range(32)], axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
 def _fwht(v: np.ndarray, inverse: bool) -> np.ndarray:
     """``fwht_shared`` (kv_tiers.cuh) over the last axis: forward y = H (s x) / sqrt(d),
     inverse x = s (H y) / sqrt(d)."""

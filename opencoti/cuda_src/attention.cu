@@ -314,20 +314,21 @@ __host__ __device__ constexpr int kv_align(int nb) { return (nb & 15) == 0 ? 16 
 // the _l8 kernels at head size 256): its scale and code bytes only (TK::sub_words), decoded from
 // sub-block indices that are the same on every lane.
 // sb[g] += (q_g . c[0, N)) (sx[g] += the sum of q_g's values, q5_1's "+ m" term) for the Gb
-// queries sq[g] from value o, c[j] = code(j): a K block's (or part's) codes without their scale
-template <class TK, int N, int D, int MAXG, class Code>
-__device__ __forceinline__ void kv_dot(Code code, const float (*sq)[D], int o, int Gb, float (&sb)[MAXG],
+// queries sq[g] from value o, (c[j], c[j + 1]) = code2(j) for even j: a K block's (or part's)
+// codes without their scale, two at a time (the turbo tiers' level pairs: one table load)
+template <class TK, int N, int D, int MAXG, class Code2>
+__device__ __forceinline__ void kv_dot(Code2 code2, const float (*sq)[D], int o, int Gb, float (&sb)[MAXG],
                                        float (&sx)[MAXG]) {
 #pragma unroll
     for (int g = 0; g < MAXG; g++) { sb[g] = 0.f; sx[g] = 0.f; }
 #pragma unroll
     for (int j = 0; j < N; j += 4) {
-        const float c0 = code(j), c1 = code(j + 1), c2 = code(j + 2), c3 = code(j + 3);
+        const float2 c01 = code2(j), c23 = code2(j + 2);
 #pragma unroll
         for (int g = 0; g < MAXG; g++) {
             if (g < Gb) {
                 const float4 qq = *(const float4*)&sq[g][o + j];
-                sb[g] += qq.x * c0 + qq.y * c1 + qq.z * c2 + qq.w * c3;
+                sb[g] += qq.x * c01.x + qq.y * c01.y + qq.z * c23.x + qq.w * c23.y;
                 if constexpr (TK::HASMIN) sx[g] += (qq.x + qq.y) + (qq.z + qq.w);
             }
         }
@@ -340,16 +341,20 @@ __device__ __forceinline__ void kv_dot(Code code, const float (*sq)[D], int o, i
 // is the alignment of every segment. A part of one block (DL < BS, the turbo tiers' SUB parts:
 // the _l8 kernels at head size 256): its scale and code bytes only (TK::sub_words), decoded from
 // sub-block indices that are the same on every lane.
+// tab: TK's levels, tp: its level pairs (TK::NP > 0)
 template <class TK, int D, int DL, int MAXG>
 __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*sq)[D], int o0, int Gb,
-                                      const float* tab, float* s) {
+                                      const float* tab, const float2* tp, float* s) {
     row += (long long)(o0 / TK::BS) * TK::BB;
     float sb[MAXG], sx[MAXG];
     if constexpr (DL < TK::BS) {
         static_assert(TK::SUB != 0 && TK::BS % DL == 0, "kv_qk: a part of a block needs the tier's sub-block decode");
         u32 w[TK::template SubWords<DL>::N];
         TK::template sub_words<DL>(row, (o0 % TK::BS) / DL, w);
-        kv_dot<TK, DL, D, MAXG>([&](int j) { return TK::template sub_code<DL>(w, j, tab); }, sq, o0, Gb, sb, sx);
+        kv_dot<TK, DL, D, MAXG>([&](int j) {
+            if constexpr (TK::NP > 0) return tp[TK::template sub_pair<DL>(w, j)];
+            else return make_float2(TK::template sub_code<DL>(w, j, tab), TK::template sub_code<DL>(w, j + 1, tab));
+        }, sq, o0, Gb, sb, sx);
         const float d = h2f(ldh(row));
 #pragma unroll
         for (int g = 0; g < MAXG; g++) {
@@ -364,8 +369,10 @@ __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*
             ldw<SB, A>(row + sg * SB, w);
 #pragma unroll
             for (int b = 0; b < NBL; b++) {
-                kv_dot<TK, TK::BS, D, MAXG>([&](int j) { return TK::code(w, b, j, tab); }, sq,
-                                            o0 + sg * SV + b * TK::BS, Gb, sb, sx);
+                kv_dot<TK, TK::BS, D, MAXG>([&](int j) {
+                    if constexpr (TK::NP > 0) return tp[TK::pair(w, b, j)];
+                    else return make_float2(TK::code(w, b, j, tab), TK::code(w, b, j + 1, tab));
+                }, sq, o0 + sg * SV + b * TK::BS, Gb, sb, sx);
                 const float d = TK::scale(w, b), m = TK::mn(w, b);
 #pragma unroll
                 for (int g = 0; g < MAXG; g++) {
@@ -376,11 +383,14 @@ __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*
     }
 }
 
-// the E values [lane * E, lane * E + E) of a V row
+// the E values [lane * E, lane * E + E) of a V row (tab: TV's levels, tp: its level pairs)
 template <class TV, int E>
-__device__ __forceinline__ void kv_pv_vals(const u8* __restrict__ row, int lane, const float* tab, float* vf) {
+__device__ __forceinline__ void kv_pv_vals(const u8* __restrict__ row, int lane, const float* tab, const float2* tp,
+                                           float* vf) {
     if constexpr (TV::PVF16) {
         load_halves<E>((const u16*)row + lane * E, vf);
+    } else if constexpr (TV::NP > 0) {
+        TV::template vals2<E>(row, lane * E, tp, vf);
     } else {
         TV::template vals<E>(row, lane * E, tab, vf);
     }
@@ -416,6 +426,7 @@ __device__ __forceinline__ void attn_kv_impl(
 
     __shared__ __align__(16) float s_q[MAXG][D];
     __shared__ float s_tk[TK::NT > 0 ? TK::NT : 1], s_tv[TV::NT > 0 ? TV::NT : 1];
+    __shared__ float2 s_pk[TK::NP > 0 ? TK::NP : 1], s_pv[TV::NP > 0 ? TV::NP : 1];  // level pairs (turbo2/3/4)
     __shared__ float s_acc[NWARP][MAXG][D];
     constexpr int NV = QRows<MAXG, D, 32 * NWARP>::NV;  // a row's values per thread (fwht_regs)
     {  // a rotated K tier's q -> R q in registers unless the fused store rotated it (q_rot; s_acc
@@ -427,8 +438,10 @@ __device__ __forceinline__ void attn_kv_impl(
         }
         store_q_rows<MAXG, D, 32 * NWARP>(x, s_q);
     }
-    if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
-    if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];
+    if constexpr (TK::NP > 0) for (int i = threadIdx.x; i < TK::NP; i += blockDim.x) s_pk[i] = TK::pair_level(i);
+    else if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
+    if constexpr (TV::NP > 0) for (int i = threadIdx.x; i < TV::NP; i += blockDim.x) s_pv[i] = TV::pair_level(i);
+    else if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];
     __syncthreads();
 
     float acc[MAXG][E], m[MAXG], l[MAXG];
@@ -452,7 +465,7 @@ __device__ __forceinline__ void attn_kv_impl(
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
-        if (ok) kv_qk<TK, D, DL, MAXG>(K + ((long long)cell * n_kv + kh) * RBK, s_q, part * DL, Gb, s_tk, s);
+        if (ok) kv_qk<TK, D, DL, MAXG>(K + ((long long)cell * n_kv + kh) * RBK, s_q, part * DL, Gb, s_tk, s_pk, s);
         float p[MAXG];
         softmax_tile<LPC, MAXG, E>(s, ok, Gb, softcap, m, l, acc, p);
         // PV over the tile's cells in a fixed-count loop, as the f16 kernel (masked cells: p = 0
@@ -461,7 +474,7 @@ __device__ __forceinline__ void attn_kv_impl(
         for (int j = 0; j < TILE; j++) {
             int cj = __shfl_sync(0xffffffffu, cell, LPC * j);
             float vf[E];
-            kv_pv_vals<TV, E>(V + ((long long)cj * n_kv + kh) * RBV, lane, s_tv, vf);
+            kv_pv_vals<TV, E>(V + ((long long)cj * n_kv + kh) * RBV, lane, s_tv, s_pv, vf);
 #pragma unroll
             for (int g = 0; g < MAXG; g++) {
                 if (g < Gb) {

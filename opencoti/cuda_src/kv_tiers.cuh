@@ -23,7 +23,11 @@
 //     trellis tiers call val() E times);
 //   SUB (the turbo tiers): a part of a block for QK (attention.cu kv_qk, the _l8 kernels):
 //     sub_words<NV>(block, sub, w) loads part `sub` of NV values' code bytes, sub_code<NV>(w, j,
-//     tab) gives its code j.
+//     tab) gives its code j;
+//   NP (turbo2/3/4; else 0): entries of a table of level pairs for the short-row attention
+//     kernels: values j, j + 1 (j even) as one index into it (pair(w, b, j), sub_pair<NV>(w, j)),
+//     one shared-memory load for both levels; pair_level(e) builds entry e, vals2<E> is vals<E>
+//     through it.
 #include "quants.cuh"
 
 // ---- exact IEEE float32 arithmetic for the encoders: PTX round-to-nearest without .ftz, so
@@ -86,7 +90,7 @@ __device__ __forceinline__ float code_f(u32 c, int off) { return __int_as_float(
 
 // ---- float tiers (native storage: the cache's float32 / float16 array; bf16 as 2 bytes)
 struct KF32 {
-    static constexpr int BS = 32, BB = 128, SV = 32, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 32, BB = 128, SV = 32, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -101,7 +105,7 @@ struct KF32 {
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) { ((float*)dst)[lane] = v; }
 };
 struct KF16 {
-    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 1, SUB = 0;
+    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 1, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -110,7 +114,7 @@ struct KF16 {
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) { ((u16*)dst)[lane] = f2h(v); }
 };
 struct KBF16 {
-    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 32, BB = 64, SV = 64, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32*, int) { return 1.f; }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -168,7 +172,7 @@ __device__ __forceinline__ void st_qh32(u8* qh, int q, int lane) {
 
 // ---- ggml scalar tiers (scalar.py)
 struct KQ8_0 {
-    static constexpr int BS = 32, BB = 34, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 32, BB = 34, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 34 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -192,7 +196,7 @@ struct KQ8_0 {
     }
 };
 struct KQ6_0 {
-    static constexpr int BS = 32, BB = 26, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 32, BB = 26, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 26 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -236,7 +240,7 @@ __device__ __forceinline__ u32 q5_code(u32 qs, u32 qhb, int j) {
     return (j < 16 ? (qs & 15u) : (qs >> 4)) | (((qhb >> (j & 7)) & 1u) << 4);
 }
 struct KQ5_1 {
-    static constexpr int BS = 32, BB = 24, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 32, BB = 24, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 24 * b)); }
     static __device__ __forceinline__ float mn(const u32* w, int b) { return h2f(wh(w, 24 * b + 2)); }
@@ -272,7 +276,7 @@ struct KQ5_1 {
     }
 };
 struct KQ5_0 {
-    static constexpr int BS = 32, BB = 22, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 32, BB = 22, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 22 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -307,7 +311,7 @@ struct KQ5_0 {
     }
 };
 struct KQ4_0 {
-    static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 18 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
@@ -392,6 +396,58 @@ struct KTurbo {
         const u8* b = row + BB * (i >> 6);
         return h2f(ldh(b)) * t[turbo_idx_m(b, BITS, i & 63)];
     }
+    // Level pairs: the index e of values j, j + 1 (j even) is their 2 LB low bits as stored (value
+    // j's first) | (turbo3) their two high bits << 4 -- contiguous in the payload, so e takes a
+    // shift and a mask (turbo3: two of each) where two single codes take twice that, and one
+    // shared-memory load (tp[e], a float2) gives both levels. turbo2: 16 entries, turbo3 64,
+    // turbo4 256 (2 KB); turbo8's 65,536 would not fit.
+    static constexpr int NP = BITS <= 4 ? NT * NT : 0;
+    static __device__ __forceinline__ float2 pair_level(u32 e) {
+        constexpr u32 M = (1u << LB) - 1u;
+        u32 i0 = e & M, i1 = (e >> LB) & M;
+        if constexpr (BITS == 3) {
+            i0 |= ((e >> 4) & 1u) << 2;
+            i1 |= ((e >> 5) & 1u) << 2;
+        }
+        return make_float2(tab()[i0], tab()[i1]);
+    }
+    static __device__ __forceinline__ u32 pair(const u32* w, int b, int j) {  // block b of a segment's words (code()'s)
+        const int o = BB * b;
+        if (BITS == 4) return wb(w, o + 2 + (j >> 1));
+        u32 e = (wb(w, o + 2 + (j >> 2)) >> (2 * (j & 3))) & 15u;
+        if (BITS == 3) e |= ((wb(w, o + 18 + (j >> 3)) >> (j & 7)) & 3u) << 4;
+        return e;
+    }
+    template <int NV> static __device__ __forceinline__ u32 sub_pair(const u32* w, int j) {  // a part's words (sub_words)
+        constexpr int PW = 32 / LB;
+        u32 e = (w[j / PW] >> (LB * (j % PW))) & ((1u << (2 * LB)) - 1u);
+        if constexpr (BITS == 3) e |= ((w[(SubWords<NV>::LO + 3) / 4 + j / 32] >> (j % 32)) & 3u) << 4;
+        return e;
+    }
+    // vals<E> through the pair table tp: the E values' low bits in one load where they fill 2
+    // bytes or more (2-aligned: lane parts of E LB / 8 bytes), else their byte
+    template <int E> static __device__ __forceinline__ void vals2(const u8* row, int i0, const float2* tp, float* vf) {
+        static_assert(E % 2 == 0 && E <= 16 && NP > 0, "vals2: pairs of one block's values");
+        const u8* b = row + BB * (i0 >> 6);
+        const int j0 = i0 & 63;
+        constexpr int NLB = E * LB >= 16 ? E * LB / 8 : 1;  // low payload bytes read
+        u32 lo[(NLB + 3) / 4], hi = 0;
+        if constexpr (NLB == 1) lo[0] = (u32)b[2 + j0 * LB / 8] >> (LB * (j0 % (8 / LB)));
+        else ldw<NLB, 2>(b + 2 + j0 * LB / 8, lo);
+        if constexpr (BITS == 3) {
+            if constexpr (E == 16) hi = ldh(b + 18 + (j0 >> 3));
+            else hi = (u32)b[18 + (j0 >> 3)] >> (j0 & 7);
+        }
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            u32 ix = (lo[LB * e / 32] >> (LB * e % 32)) & ((1u << (2 * LB)) - 1u);
+            if constexpr (BITS == 3) ix |= ((hi >> e) & 3u) << 4;
+            const float2 v = tp[ix];
+            vf[e] = d * v.x;
+            vf[e + 1] = d * v.y;
+        }
+    }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float* t, float* vf) {
         const u8* b = row + BB * (i0 >> 6);
         const int j0 = i0 & 63;
@@ -425,7 +481,7 @@ typedef KTurbo<2> KTurbo2;
 // circular 64k-bit stream (bytes 2 .. 2+8k of the block)
 template <int K>
 struct KTcq {
-    static constexpr int BS = 64, BB = 2 + 8 * K, SV = 128, ROT = 1, HASMIN = 0, NT = 256, KBITS = K, PVF16 = 0, SUB = 0;
+    static constexpr int BS = 64, BB = 2 + 8 * K, SV = 128, ROT = 1, HASMIN = 0, NT = 256, KBITS = K, PVF16 = 0, SUB = 0, NP = 0;
     static constexpr int NSB = 8 * K;  // stream bytes
     static __device__ __forceinline__ const float* tab() { return K == 2 ? KV_TCQ2 : KV_TCQ3; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, BB * b)); }
