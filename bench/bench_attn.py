@@ -114,11 +114,12 @@ def _kv_copies(cp, K, V, copies: int, l2: int, most: int) -> list:
 
 
 def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: list, H: int, nkv: int, D: int,
-                 ns: int, extra: tuple = ()):
+                 ns: int, extra: tuple = (), v_signs=np.uint64(0)):
     """A closure launching decode kernel ``fn`` (grid, threads, shared memory) with ``ns`` splits,
     plus ``attn_merge`` when it splits, into buffers of its own; call i reads ``inputs[i % len]``
     (each a tuple q, q_pos, row_view, view_off, cells, cell_pos, K, V: copies of one cache);
-    ``extra``: arguments after the output buffers (a tier kernel's q_rot)."""
+    ``extra``: arguments after the output buffers (a tier kernel's q_rot); ``v_signs``: the merge's
+    (a rotated V tier's sign words where the merge un-rotates, cuda_kv.merge_unrotates)."""
     from opencoti.engine.backend.cuda import merge_launch
 
     out = cp.empty((1, H * D), cp.float32)
@@ -131,7 +132,7 @@ def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: li
         fn(grid, (threads,), args + (np.int32(H), np.int32(nkv), np.float32(D ** -0.5), np.int32(0), np.float32(0),
                                      np.int32(ns), out, pa, pm) + extra, shared_mem=smem)
         if ns > 1:
-            merge(*merge_launch(1, H, D), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns)))
+            merge(*merge_launch(1, H, D), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns), v_signs))
 
     return call
 
@@ -179,7 +180,8 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
                 cu._raise_smem(fn, launch)
                 call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), threads, launch,
                                     [(q, qpos, rv, vo, cells, cpos, k, v) for k, v in kvs], H, nkv, D, ns,
-                                    () if t == "f16" else (np.int32(0),))
+                                    () if t == "f16" else (np.int32(0),),
+                                    be._kv_signs() if cuda_kv.merge_unrotates(t, D, ns) else np.uint64(0))
                 us = _graph_time(cp, call, a.reps)
                 key = "auto" if i == 0 else ns  # the backend's count against f16's own
                 if t == "f16":

@@ -2184,7 +2184,7 @@ def test_merge_digits_equal_xq_digits(gpu, monkeypatch, d, n_head, n_kv, rows, g
     if not groups:
         plan = CachePlan(plan.stream, plan.cell, plan.views, groups=[])
         monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 0)
-        monkeypatch.setattr(gpu, "_attn_splits", lambda *a: 3)
+        monkeypatch.setattr(gpu, "_attn_splits", lambda *a, **k: 3)  # (_attn_lanes8 passes tile=)
     if rows == 1:  # one sharer's row alone, over all its cells
         v = plan.views[0]
         r = int(v.rows[0])

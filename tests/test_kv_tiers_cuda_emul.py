@@ -666,6 +666,50 @@ def _emu_fwht_regs(rows, inverse):
     return x.reshape(-1)[:NI].reshape(maxg, D)
 
 
+def _emu_lse_unrotate(win, d):
+    """lse_merge.cuh lse_unrotate over merge windows ``win [R, 256]`` (thread i holds element i;
+    heads of d whole in the window): stages h < 32 with the shuffle partner i ^ h (x + o where bit h
+    of the lane is clear, o - x where set), then thread i's column (its head's values c + 32 k, c =
+    i % 32) through the stages h = 32 s in registers; its own entry times float32(1 / sqrt(d)),
+    negated where the sign bit of dim i % d is set."""
+    v = np.array(win, dtype=np.float32)
+    i = np.arange(256)
+    for h in (1, 2, 4, 8, 16):
+        o = v[:, i ^ h]
+        v = np.where((i & h) == 0, v + o, o - v).astype(np.float32)
+    dd = i % d
+    out = np.empty_like(v)
+    for t in range(256):
+        base, c = t - dd[t], dd[t] % 32
+        x = [v[:, base + c + 32 * k].copy() for k in range(d // 32)]
+        s = 1
+        while s < d // 32:
+            for k in range(d // 32):
+                if k & s == 0:
+                    x[k], x[k + s] = x[k] + x[k + s], x[k] - x[k + s]
+            s *= 2
+        out[:, t] = x[dd[t] // 32]
+    out = out * np.float32(1.0 / np.sqrt(d))
+    return np.where(_TAB["neg"][dd], -out, out).astype(np.float32)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_merge_unrotation_equals_fwht(d):
+    """attn_merge's un-rotation of a rotated V tier's merged heads (lse_unrotate: every head of a
+    256-element window at once) is fwht_shared's inverse bit for bit, and undoes the forward
+    rotation; the words it reads are KV_SIGNS (cuda_kv.sign_words, tables_prefix's)."""
+    rng = np.random.default_rng(d)
+    heads = rng.standard_normal((5 * (256 // d), d)).astype(np.float32)
+    got = _emu_lse_unrotate(heads.reshape(5, 256), d).reshape(-1, d)
+    np.testing.assert_array_equal(_bits(got), _bits(_fwht(heads, True)))
+    np.testing.assert_allclose(_emu_lse_unrotate(_fwht(heads, False).reshape(5, 256), d).reshape(-1, d), heads,
+                               rtol=1e-5, atol=1e-5)
+    words = cuda_kv.sign_words()
+    bits = (words[np.arange(512) // 32] >> (np.arange(512) % 32)) & 1
+    np.testing.assert_array_equal(bits.astype(bool), turbo.SIGNS[:512] < 0)
+    assert "0x%08xu" % words[0] in cuda_kv.tables_prefix()
+
+
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("maxg", [1, 2, 4, 8])
 def test_attention_register_rotation_equals_fwht(d, maxg):

@@ -241,12 +241,14 @@ __device__ __forceinline__ float attn_merge_window(const float* part_acc, const 
     }, n_head * D, D, blockIdx.y * 256);
 }
 // out[r, :] merged (lse_merge.cuh), 256 elements per block: grid (T, ceil(n_head * D / 256)),
-// LSE_THREADS threads.
+// LSE_THREADS threads. v_signs: a rotated V tier's sign bits (KV_SIGNS) when the partials are in
+// its rotated domain (merge_unrotates: the merge un-rotates each head once, lse_unrotate), else null.
 extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
-    int n_split) { GRID_DEP_WAIT();
+    int n_split, const unsigned int* __restrict__ v_signs) { GRID_DEP_WAIT();
     const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
-    const float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
+    float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
+    if (v_signs) v = lse_unrotate(v, D, v_signs);
     if (threadIdx.x < 256 && e < HD) out[(long long)r * HD + e] = v;
 }
 // attn_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
@@ -255,9 +257,11 @@ extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge(
 // attn_merge (bit for bit: the same merge).
 extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge_digits(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
-    int n_split, i8* __restrict__ xq, float* __restrict__ xs, i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
+    int n_split, const unsigned int* __restrict__ v_signs, i8* __restrict__ xq, float* __restrict__ xs,
+    i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
     const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
-    const float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
+    float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
+    if (v_signs) v = lse_unrotate(v, D, v_signs);
     if (threadIdx.x < 256) out[(long long)r * HD + e] = v;
     digits_block256(v, blockIdx.y, (long long)nd * r, ncp, nd, xq, xs, xm);
 }
@@ -299,9 +303,10 @@ DEF_ATTN_STREAM(64) DEF_ATTN_STREAM(128) DEF_ATTN_STREAM(256)
 // Rotated tiers (turbo*, *_tcq; turbo.py): q . k = (R q) . (R k), so a rotated K tier rotates
 // the block's queries once (fast WHT in shared memory) -- or takes them rotated (q_rot: the
 // fused rope + store did it once for the layer) -- and scores against the stored rotated
-// rows; a rotated V tier accumulates P.V in the rotated domain and un-rotates the output (or
-// the split's partial: the rotation is linear, so attn_merge's log-sum-exp merge is unchanged)
-// once per head: o = R^T sum_c p_c y_c.
+// rows; a rotated V tier accumulates P.V in the rotated domain and un-rotates the output once
+// per head, o = R^T sum_c p_c y_c: attn_merge does it after merging a row's splits (the rotation
+// is linear, so the log-sum-exp merge is unchanged) up to head size 256, the kernel itself for
+// one split or at 512 (merge_unrotates).
 #include "kv_tiers.cuh"
 #include "kv_codes.cuh"
 
@@ -486,12 +491,13 @@ __device__ __forceinline__ void attn_kv_impl(
         }
     }
     __shared__ float s_m[NWARP][MAXG], s_l[NWARP][MAXG];
+    const bool rot = TV::ROT && !merge_unrotates(D, n_split);  // else stored rotated, attn_merge un-rotates
     merge_warps<D, MAXG, E>(acc, m, l, Gb, warp, lane, s_acc, s_m, s_l, [&](int g, int d, float M, float L, float A) {
         const int h = kh * G + g0 + g;
-        if constexpr (TV::ROT) s_acc[0][g][d] = rot_head(part_ml, r, n_head, h, d, n_split, sp, M, L, A);  // only this thread reads s_acc[*][g][d]
+        if (rot) s_acc[0][g][d] = rot_head(part_ml, r, n_head, h, d, n_split, sp, M, L, A);  // only this thread reads s_acc[*][g][d]
         else store_head(out, part_acc, part_ml, r, n_head, h, D, d, n_split, sp, M, L, A);
     });
-    if constexpr (TV::ROT) {  // o = R^T y, once per head, in registers (s_acc[1..] as the exchange buffer)
+    if (rot) {  // o = R^T y, once per head, in registers (s_acc[1..] as the exchange buffer; n_split uniform: the syncs)
         __syncthreads();
         float x[NV];
 #pragma unroll

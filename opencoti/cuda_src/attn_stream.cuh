@@ -112,6 +112,11 @@ __device__ __forceinline__ void store_head(float* __restrict__ out, float* __res
         if (d == 0) { part_ml[2 * pi] = M; part_ml[2 * pi + 1] = L; }
     }
 }
+// A rotated V tier's split partials stay in its rotated domain where attn_merge un-rotates the
+// merged head (lse_unrotate, once per head: its 256-element window holds whole heads up to D =
+// 256; cuda.py passes it the signs on the same condition); else (one split, or D = 512) the
+// attention kernel un-rotates its block's result (rot_head / store_rot).
+__host__ __device__ constexpr bool merge_unrotates(int D, int n_split) { return n_split > 1 && D <= 256; }
 // store_head for a rotated V tier, whose row is un-rotated in between: rot_head stores the
 // partial's (M, L) and returns the value to un-rotate (the normalized output, or the partial's
 // acc); store_rot stores an un-rotated value where store_head would.
@@ -544,18 +549,20 @@ __device__ __forceinline__ void attn_stream_impl(
                 A += s_o[(w * HN + g) * D + d] * f;
             }
         }
-        if constexpr (VP::ROT) {  // un-rotated below; only this thread reads (., g, d)
+        if (VP::ROT && !merge_unrotates(D, n_split)) {  // un-rotated below; only this thread reads (., g, d)
             s_o[g * D + d] = rot_head(part_ml, r, n_head, kh * G + g0 + g, d, n_split, sp, M, Ls, A);
         } else {
             store_head(out, part_acc, part_ml, r, n_head, kh * G + g0 + g, D, d, n_split, sp, M, Ls, A);
         }
     }
-    if constexpr (VP::ROT) {  // o = R^T y, once per head
-        __syncthreads();
-        VP::rotate(s_o, Gb, true);
-        for (int i = threadIdx.x; i < Gb * D; i += blockDim.x) {
-            const int g = i / D, d = i % D;
-            store_rot(out, part_acc, r, n_head, kh * G + g0 + g, D, d, n_split, sp, s_o[g * D + d]);
+    if constexpr (VP::ROT) {
+        if (!merge_unrotates(D, n_split)) {  // o = R^T y, once per head (n_split uniform: the syncs)
+            __syncthreads();
+            VP::rotate(s_o, Gb, true);
+            for (int i = threadIdx.x; i < Gb * D; i += blockDim.x) {
+                const int g = i / D, d = i % D;
+                store_rot(out, part_acc, r, n_head, kh * G + g0 + g, D, d, n_split, sp, s_o[g * D + d]);
+            }
         }
     }
 }

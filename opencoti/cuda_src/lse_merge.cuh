@@ -92,3 +92,45 @@ __device__ __forceinline__ float lse_merge_window(Runs runs, int HD, int D, int 
     const float L = s_ml[h - h0][1];
     return L > 0.f ? A / L : 0.f;
 }
+
+// A rotated V tier's merged output un-rotated (turbo.py: x = s * (H y) / sqrt(D), the sign flips
+// s_i = -1 where bit i of signs[i / 32] is set; cuda_kv.tables_prefix's KV_SIGNS) once per head
+// in the merge instead of in every split's block: v is lse_merge_window's value of element
+// e0 + threadIdx.x (threads 0..255; the window's heads whole: D = 64, 128 or 256), the result
+// that element's un-rotated value (0 for threads 256..). Stages h < 32 by shuffles, one sync,
+// then each thread's column (its head's D / 32 values c + 32 k) in registers. Every thread of the
+// block calls it.
+__device__ __forceinline__ float lse_unrotate(float v, int D, const unsigned int* __restrict__ signs) {
+    __shared__ float s_r[256];
+    const int i = threadIdx.x & 255, lane = threadIdx.x & 31;
+    const bool act = threadIdx.x < 256;
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, h);
+        v = (lane & h) ? o - v : v + o;
+    }
+    if (act) s_r[i] = v;
+    __syncthreads();
+    if (!act) return 0.f;
+    const int nk = D >> 5, d = i & (D - 1), c = d & 31, kk = d >> 5;
+    const float* col = s_r + (i - d) + c;
+    float x[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) x[k] = k < nk ? col[32 * k] : 0.f;
+#pragma unroll
+    for (int s = 1; s < 8; s <<= 1) {  // stage h = 32 s: pairs (k, k + s)
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if ((k & s) == 0 && s < nk) {
+                const float a = x[k], b = x[k + s];
+                x[k] = a + b;
+                x[k + s] = a - b;
+            }
+        }
+    }
+    float y = x[0];
+#pragma unroll
+    for (int k = 1; k < 8; k++) y = k == kk ? x[k] : y;
+    y *= D == 64 ? 0.125f : D == 128 ? __int_as_float(0x3db504f3) : 0.0625f;  // float32(1 / sqrt(D))
+    return (signs[d >> 5] >> (d & 31)) & 1u ? -y : y;
+}

@@ -694,6 +694,8 @@ class CUDABackend:
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
         self._decode_rows = 0  # rows of the current ubatch when each is its own sequence's token, else 0
+        # the rotated tiers' sign words for attn_merge (uploaded here: never inside a graph capture)
+        self._kv_signs_dev = cp.asarray(cuda_kv.sign_words())
         self._dev: dict = {}
         self._meta: dict = {}
         self._staged = False
@@ -2317,10 +2319,15 @@ class CUDABackend:
             fn = (self._kv_attn_fn(tk.name, tv.name, D, g, "l8" if l8 else lanes) if quant else
                   self._fn("a", f"attn_partial_d{D}_g{g}" + ("_l8" if l8 else "")))
             fn((T, n_kv * n_hg, n_split), (128,), args)
-        if n_split > 1:
+        if n_split > 1:  # (a rotated V tier's partials un-rotated by the merge: cuda_kv.merge_unrotates)
+            signs = self._kv_signs() if cuda_kv.merge_unrotates(tv.name, D, n_split) else _NULL
             self._merge("a", "attn_merge", out, H, D, (part_acc, part_ml, out, np.int32(H), np.int32(D),
-                                                       np.int32(n_split)))
+                                                       np.int32(n_split), signs))
         return out
+
+    def _kv_signs(self):
+        """The rotated tiers' sign words on the device (``cuda_kv.sign_words``; uint32 [16])."""
+        return self._kv_signs_dev
 
     def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple) -> None:
         """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge; grid
