@@ -181,7 +181,7 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
                 call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), threads, launch,
                                     [(q, qpos, rv, vo, cells, cpos, k, v) for k, v in kvs], H, nkv, D, ns,
                                     () if t == "f16" else (np.int32(0),),
-                                    be._kv_signs() if cuda_kv.merge_unrotates(t, D, ns) else np.uint64(0))
+                                    be._merge_signs(t, D, ns))
                 us = _graph_time(cp, call, a.reps)
                 key = "auto" if i == 0 else ns  # the backend's count against f16's own
                 if t == "f16":

@@ -424,3 +424,25 @@ def test_stream_pin_smem(dev, monkeypatch):
     assert dev._blocks_per_sm(128, 64, padded) == 2
     monkeypatch.setattr(cu, "ATTN_STREAM_PIN", 0)
     assert dev._stream_pin_smem(smem, fit, dev.n_sm) == smem
+
+
+def test_merge_signs_where_the_merge_unrotates(monkeypatch):
+    """attn_merge gets the rotated tiers' sign words (``_merge_signs``) exactly where the tier
+    modules leave a rotated V tier's partials rotated: a turbo or trellis V tier, several splits,
+    head size up to 256 (attn_stream.cuh ``merge_unrotates``, built into each module as
+    ``KV_MERGE_UNROTATE``); a null pointer otherwise, and everywhere with MERGE_UNROTATE off."""
+    from opencoti.engine.backend import cuda_kv
+
+    class Backend:
+        _merge_signs = cu.CUDABackend._merge_signs
+        _kv_signs_dev = object()
+
+    be = Backend()
+    on = [(tv, d, n) for tv in ("turbo3", "turbo2_tcq", "q8_0", "f16") for d in (64, 256, 512) for n in (1, 5)
+          if be._merge_signs(tv, d, n) is be._kv_signs_dev]
+    assert on == [("turbo3", 64, 5), ("turbo3", 256, 5), ("turbo2_tcq", 64, 5), ("turbo2_tcq", 256, 5)]
+    assert be._merge_signs("q8_0", 256, 5) == cu._NULL
+    monkeypatch.setattr(cu, "MERGE_UNROTATE", False)
+    assert be._merge_signs("turbo3", 256, 5) == cu._NULL
+    assert "#define KV_MERGE_UNROTATE 0\n" in cuda_kv.attention_source("q8_0", "turbo3", 128, merge_unrotate=False)
+    assert "#define KV_MERGE_UNROTATE 1\n" in cuda_kv.attention_source("q8_0", "turbo3", 128)

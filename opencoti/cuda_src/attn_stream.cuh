@@ -116,7 +116,12 @@ __device__ __forceinline__ void store_head(float* __restrict__ out, float* __res
 // merged head (lse_unrotate, once per head: its 256-element window holds whole heads up to D =
 // 256; cuda.py passes it the signs on the same condition); else (one split, or D = 512) the
 // attention kernel un-rotates its block's result (rot_head / store_rot).
-__host__ __device__ constexpr bool merge_unrotates(int D, int n_split) { return n_split > 1 && D <= 256; }
+#ifndef KV_MERGE_UNROTATE
+#define KV_MERGE_UNROTATE 1  // 0: the kernels un-rotate every split's partial (cuda.py MERGE_UNROTATE)
+#endif
+__host__ __device__ constexpr bool merge_unrotates(int D, int n_split) {
+    return KV_MERGE_UNROTATE != 0 && n_split > 1 && D <= 256;
+}
 // store_head for a rotated V tier, whose row is un-rotated in between: rot_head stores the
 // partial's (M, L) and returns the value to un-rotate (the normalized output, or the partial's
 // acc); store_rot stores an un-rotated value where store_head would.

@@ -306,6 +306,9 @@ ATTN_KV_LANES_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_KV_LANES_CELLS", "2
 # that needs within _attn_splits' grid bound (gemma-3-270m's sliding layers at 512 cells: 32 splits
 # of 16, not 16 of 32); 0 turns them off
 ATTN_L8_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_L8_CELLS", "16"))
+# a rotated V tier's output un-rotated once per head by attn_merge where a row splits (head sizes up
+# to 256: cuda_kv.merge_unrotates) instead of by every split's block; 0: by the blocks
+MERGE_UNROTATE = os.environ.get("OPENCOTI_CUDA_MERGE_UNROTATE", "1") != "0"
 ATTN_L8_DIMS = (256, 512)
 QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -2212,10 +2215,10 @@ class CUDABackend:
         where ``cuda_kv.lanes8_ok``); with ``smem`` (its dynamic shared memory bytes) the
         streaming ``attn_kv_stream`` instead (long rows), of ``hn`` query heads per block (16:
         the pair's ``_h16`` module)."""
-        key = ("kva", tk, tv, d, hn)
+        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE)
         m = self._kv_mods.get(key)
         if m is None:
-            m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn),
+            m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn, MERGE_UNROTATE),
                                                  f"attn_{tk}_{tv}_d{d}{_as_suffix(hn)}")
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
@@ -2319,15 +2322,16 @@ class CUDABackend:
             fn = (self._kv_attn_fn(tk.name, tv.name, D, g, "l8" if l8 else lanes) if quant else
                   self._fn("a", f"attn_partial_d{D}_g{g}" + ("_l8" if l8 else "")))
             fn((T, n_kv * n_hg, n_split), (128,), args)
-        if n_split > 1:  # (a rotated V tier's partials un-rotated by the merge: cuda_kv.merge_unrotates)
-            signs = self._kv_signs() if cuda_kv.merge_unrotates(tv.name, D, n_split) else _NULL
+        if n_split > 1:
             self._merge("a", "attn_merge", out, H, D, (part_acc, part_ml, out, np.int32(H), np.int32(D),
-                                                       np.int32(n_split), signs))
+                                                       np.int32(n_split), self._merge_signs(tv.name, D, n_split)))
         return out
 
-    def _kv_signs(self):
-        """The rotated tiers' sign words on the device (``cuda_kv.sign_words``; uint32 [16])."""
-        return self._kv_signs_dev
+    def _merge_signs(self, type_v: str, d: int, n_split: int):
+        """attn_merge's ``v_signs`` for a row of ``n_split`` splits: the rotated tiers' sign words
+        on the device (``cuda_kv.sign_words``, uint32 [16]) where the merge un-rotates V tier
+        ``type_v``'s output (MERGE_UNROTATE and ``cuda_kv.merge_unrotates``), else a null pointer."""
+        return self._kv_signs_dev if MERGE_UNROTATE and cuda_kv.merge_unrotates(type_v, d, n_split) else _NULL
 
     def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple) -> None:
         """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge; grid

@@ -94,7 +94,8 @@ def sign_words() -> np.ndarray:
 def merge_unrotates(type_v: str, d: int, n_split: int) -> bool:
     """Whether ``attn_merge`` un-rotates a rotated V tier's output (the attention kernels then
     leave their split partials rotated): several splits and head size up to 256, so the merge's
-    256-element windows hold whole heads (attn_stream.cuh ``merge_unrotates``)."""
+    256-element windows hold whole heads (attn_stream.cuh ``merge_unrotates``; a module built
+    with ``merge_unrotate=False`` never does)."""
     from opencoti.engine.kv_tiers import get_tier
 
     return get_tier(type_v).family in ("turbo", "tcq") and n_split > 1 and d <= 256
@@ -127,18 +128,21 @@ def write_source() -> str:
     return tables_prefix() + read_source("kv_write.cu")
 
 
-def attention_source(type_k: str, type_v: str, d: int, hn: int = 8) -> str:
+def attention_source(type_k: str, type_v: str, d: int, hn: int = 8, merge_unrotate: bool = True) -> str:
     """Full source of the tier-generic attention module for one (K tier, V tier, head size):
     ``attention.cu`` compiled with ``KV_TK`` / ``KV_TV`` / ``KV_D`` (kernels
     ``attn_kv_g{1,2,4,8}``, a lane per cell, ``attn_kv_g{1,2,4,8}_l``, up to 4 lanes per
     cell, and ``attn_kv_g{1,2,4,8}_l8``, 8 (``lanes8_ok``; elsewhere empty); 8 is left out at
     head size 512, as for f16; every kernel's last parameter ``q_rot``: q already rotated into a
     rotated K tier's domain) and ``KV_HN`` (``hn``, 8 or 16: the query
-    heads per block of its streaming kernel ``attn_kv_stream``)."""
+    heads per block of its streaming kernel ``attn_kv_stream``), and ``KV_MERGE_UNROTATE``
+    (``merge_unrotate``: a rotated V tier's split partials are left rotated for attn_merge,
+    ``merge_unrotates``; False: the kernels un-rotate them)."""
     if hn not in (8, 16):
         raise ValueError(f"attn_kv_stream takes 8 or 16 query heads per block, not {hn}")
-    return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n#define KV_HN %d\n"
-            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d, hn) + tables_prefix() + read_source("attention.cu"))
+    return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n#define KV_HN %d\n#define KV_MERGE_UNROTATE %d\n"
+            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d, hn, int(merge_unrotate)) + tables_prefix()
+            + read_source("attention.cu"))
 
 
 def lanes8_ok(type_k: str, d: int) -> bool:
