@@ -430,8 +430,9 @@ __device__ __forceinline__ void attn_kv_impl(
     const int c0 = b0 + sp * chunk, c1 = min(b0 + len, c0 + chunk);
 
     __shared__ __align__(16) float s_q[MAXG][D];
-    __shared__ float s_tk[TK::NT > 0 ? TK::NT : 1], s_tv[TV::NT > 0 ? TV::NT : 1];
-    __shared__ float2 s_pk[TK::NP > 0 ? TK::NP : 1], s_pv[TV::NP > 0 ? TV::NP : 1];  // level pairs (turbo2/3/4)
+    // a tier's levels, or (turbo2/3/4) its level pairs instead
+    __shared__ float s_tk[TK::NT > 0 && TK::NP == 0 ? TK::NT : 1], s_tv[TV::NT > 0 && TV::NP == 0 ? TV::NT : 1];
+    __shared__ float2 s_pk[TK::NP > 0 ? TK::NP : 1], s_pv[TV::NP > 0 ? TV::NP : 1];
     __shared__ float s_acc[NWARP][MAXG][D];
     constexpr int NV = QRows<MAXG, D, 32 * NWARP>::NV;  // a row's values per thread (fwht_regs)
     {  // a rotated K tier's q -> R q in registers unless the fused store rotated it (q_rot; s_acc
