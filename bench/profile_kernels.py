@@ -14,6 +14,11 @@ replay; ncu's defaults flush the caches and lock the clocks, which inflates smal
 attention). ``--prefill N`` profiles one N-token prefill ubatch instead. ``-ctk`` / ``-ctv`` pick the KV
 cache tiers (default f16 / f16). ``--summarize`` aggregates such a
 CSV by kernel name and grid: calls, total and mean microseconds, largest first.
+``--graph``: the steps run as the server's do, the first capturing a CUDA graph and the fourth
+replaying it (ncu's default ``--graph-profiling node`` times each kernel node of the replay).
+A graph's launch shapes follow its cell buckets (a power of two, ``cuda._bucket``), not the
+step's exact lengths, so its split counts, and with them some kernels' times, differ from the
+eager step's.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def step(model_path: str, n_seq: int, depth: int, type_k: str = "f16", type_v: str = "f16", shared: int = 0) -> None:
+def step(model_path: str, n_seq: int, depth: int, type_k: str = "f16", type_v: str = "f16", shared: int = 0,
+         graph: bool = False) -> None:
     import cupy as cp
     from cupy.cuda import nvtx
 
@@ -40,7 +46,7 @@ def step(model_path: str, n_seq: int, depth: int, type_k: str = "f16", type_v: s
     model = load_model(model_path, with_tokenizer=False)
     r = ModelRunner(model, "cuda", n_ctx=n_seq * (depth + 64) + shared + 256, n_seq_max=n_seq + 1, n_ubatch=512,
                     type_k=type_k, type_v=type_v)
-    r.backend.graphs = False
+    r.backend.graphs = graph
     if shared:  # a pool's prefix (seq n_seq) that every sequence shares (PolyKV, unified cache)
         prefill(r, shared, seq=n_seq, seed=n_seq)
     for s in range(n_seq):
@@ -108,6 +114,7 @@ def main() -> None:
     ap.add_argument("-ctv", "--cache-type-v", default="f16")
     ap.add_argument("--shared", type=int, default=0, metavar="N",
                     help="every sequence shares an N-token pool prefix before its --depth tokens (PolyKV)")
+    ap.add_argument("--graph", action="store_true", help="profile a CUDA graph replay of the step (as served)")
     ap.add_argument("--summarize", metavar="CSV", default=None, help="aggregate an ncu --csv dump instead")
     a = ap.parse_args()
     if a.summarize:
@@ -115,7 +122,7 @@ def main() -> None:
     elif a.model and a.prefill:
         prefill_step(a.model, a.prefill)
     elif a.model:
-        step(a.model, a.seqs, a.depth, a.cache_type_k, a.cache_type_v, a.shared)
+        step(a.model, a.seqs, a.depth, a.cache_type_k, a.cache_type_v, a.shared, a.graph)
     else:
         ap.error("-m MODEL (run a step) or --summarize CSV")
 
