@@ -5,6 +5,8 @@ the one-token K-quant GEMV (``CUDABackend._gemvi_warps``), on an H200's figures 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from opencoti.engine.backend import cuda as cu
@@ -148,6 +150,15 @@ def test_stream_tile_and_shared_memory():
     assert cu._as_tile(256, 512, 512) == 64  # f16, gemma-3-270m heads
     assert cu._as_tile(256, 272, 272) == 64  # q8_0 at 256: 4 warps (splits of ~256 cells there)
     assert cu._as_tile(64, 68, 68) == 128
+    # a tier module built with AS_BIG_D 256 (ATTN_STREAM_BIG_D): turbo3 / q8_0 rows at 256 take
+    # 8 warps (two stages 57,344 / 139,264 bytes), f16's never (270,336)
+    assert cu._as_tile(256, 104, 104, 256) == 128 and cu._as_tile(256, 272, 272, 256) == 128
+    assert cu._as_tile(256, 512, 512, 256) == 64
+    assert cu._as_smem(256, 104, 104, 256, 256, big_d=256) == 8448 + 3 * 128 * 224 + 3 * 128 * 4 + 64 + 512
+    # ... which the tier module is built with (the backend's ATTN_STREAM_BIG_D, in its module key)
+    assert "#define AS_BIG_D 256\n" in cuda_kv.attention_source("turbo3", "turbo3", 256, big_d=256)
+    assert "#define AS_BIG_D 128\n" in cuda_kv.attention_source("turbo3", "turbo3", 256, big_d=128)
+    assert cu.ATTN_STREAM_BIG_D == 256 and cu.AS_BIG_D == 128
     # f16 / f16 at 128, 8 heads a block: queries 4,352 (hi + lo, 8 x 136 halves) + 2 stages of 128 x
     # (272 + 272) + positions 1,024 + 64; 16 heads a block: queries 8,704
     assert cu._as_smem(128, 256, 256) == 4352 + 2 * 128 * 544 + 2 * 128 * 4 + 64
@@ -173,10 +184,10 @@ def test_stream_tile_and_shared_memory():
             rb = x.shape[-1] * x.dtype.itemsize
             if rb % 4:
                 continue
-            for hn in (8, 16):
+            for hn, big_d in itertools.product((8, 16), (128, 256)):
                 smem = cu._as_smem(d, rb, rb, cuda_kv.stream_table_bytes(name, True),
-                                   cuda_kv.stream_table_bytes(name, False), hn)
-                assert smem <= H200.smem_per_block, (name, d, hn, smem)
+                                   cuda_kv.stream_table_bytes(name, False), hn, big_d)
+                assert smem <= H200.smem_per_block, (name, d, hn, big_d, smem)
 
 
 def test_gemvi_row_tiles(monkeypatch):

@@ -40,12 +40,18 @@
 #include "async_copy.cuh"
 #include "f16_split.cuh"
 
-// cells per tile: AS_CT_BIG (8 warps) up to head size 128 where two stages of them take at most
-// AS_BIG_BYTES of shared memory, else AS_CT (4 warps): at head size 256 (gemma-3-270m: one kv head,
-// splits of ~256 cells at 32k) the 8-warp block's prologue and merge cost more than its tiles gain
+// cells per tile: AS_CT_BIG (8 warps) up to head size AS_BIG_D where two stages of them take at
+// most AS_BIG_BYTES of shared memory, else AS_CT (4 warps). f16 keeps 128 (at head size 256 two
+// stages of its 128-cell tiles would not fit); a tier module takes cuda.py ATTN_STREAM_BIG_D, 256:
+// there a tier's block is issue bound on its decode with one warp per scheduler (turbo3, gemma-3-270m
+// at 32k: 10.8 K instructions a warp at 3 cycles each), and 8 warps halve each warp's tiles
+// (graph replay, H200: turbo3 18.6 -> 16.1 us a call, q8_0 19.7 -> 18.3)
 #define AS_CT 64
 #define AS_CT_BIG 128
 #define AS_BIG_BYTES 196608
+#ifndef AS_BIG_D
+#define AS_BIG_D 128  // (a tier module's: cuda_kv.attention_source's big_d)
+#endif
 #define AS_NEG_INF (-__int_as_float(0x7f800000))
 
 // shared-memory stride of a row of rb bytes: 16-byte aligned and an odd multiple of 16, so the 8
@@ -61,7 +67,7 @@ __host__ __device__ constexpr int as_srb(int rb) {
 template <int D, int HN, int RBK, int RBV, int TBK, int TBV>
 struct AsLayout {
     static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV);
-    static constexpr int CT = D <= 128 && 2 * AS_CT_BIG * (SRBK + SRBV) <= AS_BIG_BYTES ? AS_CT_BIG : AS_CT;
+    static constexpr int CT = D <= AS_BIG_D && 2 * AS_CT_BIG * (SRBK + SRBV) <= AS_BIG_BYTES ? AS_CT_BIG : AS_CT;
     static constexpr int NW = CT / 16;
     static constexpr int SB = CT * (SRBK + SRBV);
     static constexpr int NS = 3 * SB <= 110592 ? 3 : 2;

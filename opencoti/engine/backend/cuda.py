@@ -372,6 +372,12 @@ ATTN_STREAM_PIN = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_PIN", "1"))
 ATTN_STREAM_BATCH_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BATCH_CELLS", "256"))
 ATTN_STREAM_BATCH_BLOCKS = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BATCH_BLOCKS", "32"))
 AS_CT, AS_CT_BIG, AS_BIG_BYTES = 64, 128, 196608  # tiles (attn_stream.cuh AS_CT, AS_CT_BIG, AS_BIG_BYTES)
+AS_BIG_D = 128  # the f16 module's largest head size of AS_CT_BIG tiles (attn_stream.cuh AS_BIG_D)
+# ... and a KV tier pair's (cuda_kv.attention_source's big_d): 256, so gemma's head size 256 takes
+# 8-warp blocks of 128-cell tiles, whose decode is spread over twice the warps (attn_stream.cuh;
+# graph replay of the synthetic gemma-3-270m at 32k, H200: turbo3's streaming kernel 18.6 -> 16.1
+# us a call, q8_0's 19.7 -> 18.3); 128: 4 warps there, as f16
+ATTN_STREAM_BIG_D = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BIG_D", "256"))
 AS_HEAD_DIMS = (64, 128, 256)
 
 
@@ -482,20 +488,21 @@ def _as_srb(rb: int) -> int:
     return a + 16 if a % 32 == 0 else a
 
 
-def _as_tile(d: int, rb_k: int, rb_v: int) -> int:
+def _as_tile(d: int, rb_k: int, rb_v: int, big_d: int = AS_BIG_D) -> int:
     """Cells per tile of the streaming kernels at head size ``d`` for K / V rows of ``rb_k`` /
     ``rb_v`` bytes (attn_stream.cuh ``AsLayout::CT``; the block has ``2 * tile`` threads):
-    AS_CT_BIG up to head size 128 where two stages of it take at most AS_BIG_BYTES, else AS_CT."""
-    big = d <= 128 and 2 * AS_CT_BIG * (_as_srb(rb_k) + _as_srb(rb_v)) <= AS_BIG_BYTES
+    AS_CT_BIG up to head size ``big_d`` (the module's ``AS_BIG_D``) where two stages of it take
+    at most AS_BIG_BYTES, else AS_CT."""
+    big = d <= big_d and 2 * AS_CT_BIG * (_as_srb(rb_k) + _as_srb(rb_v)) <= AS_BIG_BYTES
     return AS_CT_BIG if big else AS_CT
 
 
-def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0, hn: int = 8) -> int:
+def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0, hn: int = 8, big_d: int = AS_BIG_D) -> int:
     """Dynamic shared memory bytes of attention.cu's streaming kernels at head size ``d`` for K /
     V rows of ``rb_k`` / ``rb_v`` bytes, K / V tables of ``tab_k`` / ``tab_v`` bytes
-    (``cuda_kv.stream_table_bytes``) and ``hn`` (8 or 16) query heads per block (attn_stream.cuh
-    ``AsLayout::BYTES``)."""
-    ct = _as_tile(d, rb_k, rb_v)
+    (``cuda_kv.stream_table_bytes``), ``hn`` (8 or 16) query heads per block and the module's
+    ``AS_BIG_D`` ``big_d`` (attn_stream.cuh ``AsLayout::BYTES``)."""
+    ct = _as_tile(d, rb_k, rb_v, big_d)
     nw = ct // 16
     sb = ct * (_as_srb(rb_k) + _as_srb(rb_v))
     ns = 3 if 3 * sb <= 110592 else 2
@@ -2215,10 +2222,11 @@ class CUDABackend:
         where ``cuda_kv.lanes8_ok``); with ``smem`` (its dynamic shared memory bytes) the
         streaming ``attn_kv_stream`` instead (long rows), of ``hn`` query heads per block (16:
         the pair's ``_h16`` module)."""
-        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE)
+        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE, ATTN_STREAM_BIG_D)
         m = self._kv_mods.get(key)
         if m is None:
-            m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn, MERGE_UNROTATE),
+            m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn, MERGE_UNROTATE,
+                                                                          ATTN_STREAM_BIG_D),
                                                  f"attn_{tk}_{tv}_d{d}{_as_suffix(hn)}")
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
@@ -2282,13 +2290,14 @@ class CUDABackend:
         hn = _as_heads(G, D, quant)
         stream = (D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0 and not {tk.name, tv.name} & {"f32", "bf16"}
                   and self._stream_rows(meta["max_len"], T, n_kv * -(-G // hn)))
+        big_d = ATTN_STREAM_BIG_D if quant else AS_BIG_D  # (the module's AS_BIG_D)
         if stream:
             smem = _as_smem(D, rb_k, rb_v, cuda_kv.stream_table_bytes(tk.name, True),
-                            cuda_kv.stream_table_bytes(tv.name, False), hn)
+                            cuda_kv.stream_table_bytes(tv.name, False), hn, big_d)
             stream = smem <= self.smem_per_block
         if stream:
             n_hg = -(-G // hn)
-            threads = 2 * _as_tile(D, rb_k, rb_v)
+            threads = 2 * _as_tile(D, rb_k, rb_v, big_d)
             sfn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem, hn=hn) if quant else \
                 self._big_smem_fn("a", f"attn_stream_d{D}{_as_suffix(hn)}", smem)
             fit = self._fits.get(sfn)

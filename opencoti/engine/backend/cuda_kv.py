@@ -128,7 +128,8 @@ def write_source() -> str:
     return tables_prefix() + read_source("kv_write.cu")
 
 
-def attention_source(type_k: str, type_v: str, d: int, hn: int = 8, merge_unrotate: bool = True) -> str:
+def attention_source(type_k: str, type_v: str, d: int, hn: int = 8, merge_unrotate: bool = True,
+                     big_d: int = 256) -> str:
     """Full source of the tier-generic attention module for one (K tier, V tier, head size):
     ``attention.cu`` compiled with ``KV_TK`` / ``KV_TV`` / ``KV_D`` (kernels
     ``attn_kv_g{1,2,4,8}``, a lane per cell, ``attn_kv_g{1,2,4,8}_l``, up to 4 lanes per
@@ -137,11 +138,14 @@ def attention_source(type_k: str, type_v: str, d: int, hn: int = 8, merge_unrota
     rotated K tier's domain) and ``KV_HN`` (``hn``, 8 or 16: the query
     heads per block of its streaming kernel ``attn_kv_stream``), and ``KV_MERGE_UNROTATE``
     (``merge_unrotate``: a rotated V tier's split partials are left rotated for attn_merge,
-    ``merge_unrotates``; False: the kernels un-rotate them)."""
+    ``merge_unrotates``; False: the kernels un-rotate them), and ``AS_BIG_D`` (``big_d``: the
+    largest head size at which ``attn_kv_stream`` takes 128-cell tiles of 8 warps where two
+    stages fit, attn_stream.cuh ``AsLayout::CT``; cuda.py ``_as_tile`` mirrors it)."""
     if hn not in (8, 16):
         raise ValueError(f"attn_kv_stream takes 8 or 16 query heads per block, not {hn}")
     return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n#define KV_HN %d\n#define KV_MERGE_UNROTATE %d\n"
-            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d, hn, int(merge_unrotate)) + tables_prefix()
+            "#define AS_BIG_D %d\n"
+            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d, hn, int(merge_unrotate), big_d) + tables_prefix()
             + read_source("attention.cu"))
 
 
