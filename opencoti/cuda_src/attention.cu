@@ -247,8 +247,9 @@ extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
     int n_split, const unsigned int* __restrict__ v_signs) { GRID_DEP_WAIT();
     const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
+    const unsigned int sw = v_signs ? lse_sign_word(D, v_signs) : 0u;
     float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
-    if (v_signs) v = lse_unrotate(v, D, v_signs);
+    if (v_signs) v = lse_unrotate(v, D, sw);
     if (threadIdx.x < 256 && e < HD) out[(long long)r * HD + e] = v;
 }
 // attn_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
@@ -260,8 +261,9 @@ extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge_digits(
     int n_split, const unsigned int* __restrict__ v_signs, i8* __restrict__ xq, float* __restrict__ xs,
     i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
     const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
+    const unsigned int sw = v_signs ? lse_sign_word(D, v_signs) : 0u;
     float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
-    if (v_signs) v = lse_unrotate(v, D, v_signs);
+    if (v_signs) v = lse_unrotate(v, D, sw);
     if (threadIdx.x < 256) out[(long long)r * HD + e] = v;
     digits_block256(v, blockIdx.y, (long long)nd * r, ncp, nd, xq, xs, xm);
 }

@@ -34,9 +34,14 @@ __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
 template <class T, int D>
 __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* sc) {
     static_assert(D % 64 == 0, "turbo_row: whole 64-value blocks");
+    const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
+    // up to 32 levels: lane j holds level j % NT, loaded before the rotation; a value's level is
+    // then one shuffle from lane `index` (a constant-memory load at per-lane indices would be
+    // serialized on the encode's path)
+    constexpr bool LSH = T::NT <= 32;
+    const float lane_lev = LSH ? T::tab()[j & (T::NT - 1)] : 0.f;
     float v[D / 32];
     fwht_column<D>(x, sc, v);
-    const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
     if (b >= D / 64) return;
     float y[2] = {v[0], v[1]};  // y_{64 b + j}, y_{64 b + j + 32}: column entries 2 b, 2 b + 1
 #pragma unroll
@@ -64,7 +69,7 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
                 if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;
             }
         }
-        const float c = T::tab()[lo];
+        const float c = LSH ? __shfl_sync(0xffffffffu, lane_lev, lo) : T::tab()[lo];
         idx[j + 32 * p] = lo;
         yc[p] = xmul(y[p], c);
         cc[p] = xmul(c, c);

@@ -99,8 +99,12 @@ __device__ __forceinline__ float lse_merge_window(Runs runs, int HD, int D, int 
 // e0 + threadIdx.x (threads 0..255; the window's heads whole: D = 64, 128 or 256), the result
 // that element's un-rotated value (0 for threads 256..). Stages h < 32 by shuffles, one sync,
 // then each thread's column (its head's D / 32 values c + 32 k) in registers. Every thread of the
-// block calls it.
-__device__ __forceinline__ float lse_unrotate(float v, int D, const unsigned int* __restrict__ signs) {
+// block calls it. sw: the thread's sign word (lse_sign_word, loaded before the merge, so that its
+// round trip is not on the merge's path).
+__device__ __forceinline__ unsigned int lse_sign_word(int D, const unsigned int* __restrict__ signs) {
+    return signs[((threadIdx.x & 255) & (D - 1)) >> 5];
+}
+__device__ __forceinline__ float lse_unrotate(float v, int D, unsigned int sw) {
     __shared__ float s_r[256];
     const int i = threadIdx.x & 255, lane = threadIdx.x & 31;
     const bool act = threadIdx.x < 256;
@@ -132,5 +136,5 @@ __device__ __forceinline__ float lse_unrotate(float v, int D, const unsigned int
 #pragma unroll
     for (int k = 1; k < 8; k++) y = k == kk ? x[k] : y;
     y *= D == 64 ? 0.125f : D == 128 ? __int_as_float(0x3db504f3) : 0.0625f;  // float32(1 / sqrt(D))
-    return (signs[d >> 5] >> (d & 31)) & 1u ? -y : y;
+    return (sw >> (d & 31)) & 1u ? -y : y;
 }
