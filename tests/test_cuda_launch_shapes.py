@@ -138,8 +138,8 @@ def test_attn_group_heads_per_block():
 
 def test_stream_tile_and_shared_memory():
     """The streaming attention kernel's tile (``_as_tile``, attn_stream.cuh ``AsLayout::CT``) and
-    shared memory (``_as_smem``): 128-cell tiles of 8 warps up to head size 128 where two stages
-    fit AS_BIG_BYTES, 64 cells otherwise; every stream-eligible tier pair's block fits an H200
+    shared memory (``_as_smem``): 128-cell tiles of 8 warps up to head size 128 (a tier module
+    built with ``AS_BIG_D`` 256: up to 256) where two stages fit AS_BIG_BYTES, 64 cells otherwise; every stream-eligible tier pair's block fits an H200
     block (so the kernel is taken), and the turbo tables add their bytes (kv_codes.cuh)."""
     import numpy as np
 
@@ -158,7 +158,7 @@ def test_stream_tile_and_shared_memory():
     # ... which the tier module is built with (the backend's ATTN_STREAM_BIG_D, in its module key)
     assert "#define AS_BIG_D 256\n" in cuda_kv.attention_source("turbo3", "turbo3", 256, big_d=256)
     assert "#define AS_BIG_D 128\n" in cuda_kv.attention_source("turbo3", "turbo3", 256, big_d=128)
-    assert cu.ATTN_STREAM_BIG_D == 256 and cu.AS_BIG_D == 128
+    assert cu.AS_BIG_D == 128
     # f16 / f16 at 128, 8 heads a block: queries 4,352 (hi + lo, 8 x 136 halves) + 2 stages of 128 x
     # (272 + 272) + positions 1,024 + 64; 16 heads a block: queries 8,704
     assert cu._as_smem(128, 256, 256) == 4352 + 2 * 128 * 544 + 2 * 128 * 4 + 64

@@ -5,7 +5,7 @@
 // dependent round trips per tile): at 32k cells a 7B layer took ~150 us for its 67 MB of K / V
 // (0.45 TB/s, H200). Here a block (one query row, one kv head, HN = 8 or 16 of its query heads,
 // one split of the row's cells: grid (T, n_kv * ceil(G / HN), n_split), 2 CT threads) walks its
-// cells in tiles of CT (AsLayout: 128 cells and 8 warps at head sizes up to 128, else 64 and 4).
+// cells in tiles of CT (AsLayout: 128 cells and 8 warps up to head size AS_BIG_D, else 64 and 4).
 // Each tile's K and V rows are copied, as their bytes, into a ring of NS shared-memory stages with
 // cp.async (two threads per row; zero-filled past the split), NS - 1 tiles in flight while the
 // block computes on the oldest; a thread's next cell index is loaded into a register one tile
