@@ -18,8 +18,8 @@ CSV by kernel name and grid: calls, total and mean microseconds, largest first.
 replaying it (ncu's default ``--graph-profiling node`` times each kernel node of the replay).
 A graph's launch shapes follow its cell buckets (a power of two, ``cuda._bucket``), not the
 step's exact lengths, so its split counts, and with them some kernels' times, differ from the
-eager step's. (The four steps' rows must stay in one bucket, else the fourth captures a graph of
-its own: a depth just below a power of two replays none.)
+eager step's. (The fourth step replays what an earlier step captured only if its rows are in that
+step's bucket: at ``--depth`` 2^k - 3 it crosses into the next one and captures instead.)
 """
 
 from __future__ import annotations
