@@ -165,15 +165,14 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
             rb = K.shape[-1] * K.dtype.itemsize
             hn = cu._as_heads(H // nkv, D, t != "f16")
             gy = nkv * -(-H // nkv // hn)
-            big_d = cu.AS_BIG_D if t == "f16" else cu.ATTN_STREAM_BIG_D  # (the module's AS_BIG_D)
             if t == "f16":
                 smem = cu._as_smem(D, rb, rb, hn=hn)
                 fn = be._big_smem_fn("a", f"attn_stream_d{D}{cu._as_suffix(hn)}", smem)
             else:
                 smem = cu._as_smem(D, rb, rb, cuda_kv.stream_table_bytes(t, True), cuda_kv.stream_table_bytes(t, False),
-                                   hn, big_d)
+                                   hn, True)
                 fn = be._kv_attn_fn(t, t, D, 0, smem=smem, hn=hn)
-            threads = 2 * cu._as_tile(D, rb, rb, big_d)
+            threads = 2 * cu._as_tile(D, rb, rb, t != "f16")
             fit = be._blocks_per_sm(threads, fn.raw.num_regs, smem)
             counts = [be._attn_stream_splits(L, gy, 1, fit)] + [max(1, L // int(c)) for c in a.split_cells.split(",") if c]
             for i, ns in enumerate(dict.fromkeys(counts)):

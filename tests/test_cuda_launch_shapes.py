@@ -136,7 +136,7 @@ def test_attn_group_heads_per_block():
     assert group(1, 2, 16, 512, 1 << 20) == 4
 
 
-def test_stream_tile_and_shared_memory():
+def test_stream_tile_and_shared_memory(monkeypatch):
     """The streaming attention kernel's tile (``_as_tile``, attn_stream.cuh ``AsLayout::CT``) and
     shared memory (``_as_smem``): 128-cell tiles of 8 warps up to head size 128 (a tier module
     built with ``AS_BIG_D`` 256: up to 256) where two stages fit AS_BIG_BYTES, 64 cells otherwise; every stream-eligible tier pair's block fits an H200
@@ -148,13 +148,14 @@ def test_stream_tile_and_shared_memory():
 
     assert cu._as_tile(128, 256, 256) == 128  # f16, 7B heads
     assert cu._as_tile(256, 512, 512) == 64  # f16, gemma-3-270m heads
-    assert cu._as_tile(256, 272, 272) == 64  # q8_0 at 256: 4 warps (splits of ~256 cells there)
+    assert cu._as_tile(256, 272, 272) == 64  # q8_0's rows under the f16 module's rule: 4 warps
     assert cu._as_tile(64, 68, 68) == 128
     # a tier module built with AS_BIG_D 256 (ATTN_STREAM_BIG_D): turbo3 / q8_0 rows at 256 take
     # 8 warps (two stages 57,344 / 139,264 bytes), f16's never (270,336)
-    assert cu._as_tile(256, 104, 104, 256) == 128 and cu._as_tile(256, 272, 272, 256) == 128
-    assert cu._as_tile(256, 512, 512, 256) == 64
-    assert cu._as_smem(256, 104, 104, 256, 256, big_d=256) == 8448 + 3 * 128 * 224 + 3 * 128 * 4 + 64 + 512
+    monkeypatch.setattr(cu, "ATTN_STREAM_BIG_D", 256)
+    assert cu._as_tile(256, 104, 104, True) == 128 and cu._as_tile(256, 272, 272, True) == 128
+    assert cu._as_tile(256, 512, 512, True) == 64
+    assert cu._as_smem(256, 104, 104, 256, 256, tiers=True) == 8448 + 3 * 128 * 224 + 3 * 128 * 4 + 64 + 512
     # ... which the tier module is built with (the backend's ATTN_STREAM_BIG_D, in its module key)
     assert "#define AS_BIG_D 256\n" in cuda_kv.attention_source("turbo3", "turbo3", 256, big_d=256)
     assert "#define AS_BIG_D 128\n" in cuda_kv.attention_source("turbo3", "turbo3", 256, big_d=128)
@@ -185,8 +186,9 @@ def test_stream_tile_and_shared_memory():
             if rb % 4:
                 continue
             for hn, big_d in itertools.product((8, 16), (128, 256)):
+                monkeypatch.setattr(cu, "ATTN_STREAM_BIG_D", big_d)
                 smem = cu._as_smem(d, rb, rb, cuda_kv.stream_table_bytes(name, True),
-                                   cuda_kv.stream_table_bytes(name, False), hn, big_d)
+                                   cuda_kv.stream_table_bytes(name, False), hn, True)
                 assert smem <= H200.smem_per_block, (name, d, hn, big_d, smem)
 
 

@@ -488,21 +488,28 @@ def _as_srb(rb: int) -> int:
     return a + 16 if a % 32 == 0 else a
 
 
-def _as_tile(d: int, rb_k: int, rb_v: int, big_d: int = AS_BIG_D) -> int:
+def _as_big_d(tiers: bool = False) -> int:
+    """The streaming module's ``AS_BIG_D`` (attn_stream.cuh): a KV tier pair's
+    ATTN_STREAM_BIG_D (``tiers``; read at call time, as ``_kv_attn_fn`` builds the module with
+    it), else f16's AS_BIG_D."""
+    return ATTN_STREAM_BIG_D if tiers else AS_BIG_D
+
+
+def _as_tile(d: int, rb_k: int, rb_v: int, tiers: bool = False) -> int:
     """Cells per tile of the streaming kernels at head size ``d`` for K / V rows of ``rb_k`` /
-    ``rb_v`` bytes (attn_stream.cuh ``AsLayout::CT``; the block has ``2 * tile`` threads):
-    AS_CT_BIG up to head size ``big_d`` (the module's ``AS_BIG_D``) where two stages of it take
-    at most AS_BIG_BYTES, else AS_CT."""
-    big = d <= big_d and 2 * AS_CT_BIG * (_as_srb(rb_k) + _as_srb(rb_v)) <= AS_BIG_BYTES
+    ``rb_v`` bytes (attn_stream.cuh ``AsLayout::CT``; the block has ``2 * tile`` threads) in f16's
+    module or (``tiers``) a tier pair's: AS_CT_BIG up to head size ``_as_big_d(tiers)`` where two
+    stages of it take at most AS_BIG_BYTES, else AS_CT."""
+    big = d <= _as_big_d(tiers) and 2 * AS_CT_BIG * (_as_srb(rb_k) + _as_srb(rb_v)) <= AS_BIG_BYTES
     return AS_CT_BIG if big else AS_CT
 
 
-def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0, hn: int = 8, big_d: int = AS_BIG_D) -> int:
+def _as_smem(d: int, rb_k: int, rb_v: int, tab_k: int = 0, tab_v: int = 0, hn: int = 8, tiers: bool = False) -> int:
     """Dynamic shared memory bytes of attention.cu's streaming kernels at head size ``d`` for K /
     V rows of ``rb_k`` / ``rb_v`` bytes, K / V tables of ``tab_k`` / ``tab_v`` bytes
-    (``cuda_kv.stream_table_bytes``), ``hn`` (8 or 16) query heads per block and the module's
-    ``AS_BIG_D`` ``big_d`` (attn_stream.cuh ``AsLayout::BYTES``)."""
-    ct = _as_tile(d, rb_k, rb_v, big_d)
+    (``cuda_kv.stream_table_bytes``) and ``hn`` (8 or 16) query heads per block, in f16's module
+    or (``tiers``) a tier pair's (attn_stream.cuh ``AsLayout::BYTES``)."""
+    ct = _as_tile(d, rb_k, rb_v, tiers)
     nw = ct // 16
     sb = ct * (_as_srb(rb_k) + _as_srb(rb_v))
     ns = 3 if 3 * sb <= 110592 else 2
@@ -2222,11 +2229,11 @@ class CUDABackend:
         where ``cuda_kv.lanes8_ok``); with ``smem`` (its dynamic shared memory bytes) the
         streaming ``attn_kv_stream`` instead (long rows), of ``hn`` query heads per block (16:
         the pair's ``_h16`` module)."""
-        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE, ATTN_STREAM_BIG_D)
+        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE, _as_big_d(True))
         m = self._kv_mods.get(key)
         if m is None:
             m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn, MERGE_UNROTATE,
-                                                                          ATTN_STREAM_BIG_D),
+                                                                          _as_big_d(True)),
                                                  f"attn_{tk}_{tv}_d{d}{_as_suffix(hn)}")
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
@@ -2290,14 +2297,13 @@ class CUDABackend:
         hn = _as_heads(G, D, quant)
         stream = (D in AS_HEAD_DIMS and rb_k % 4 == 0 and rb_v % 4 == 0 and not {tk.name, tv.name} & {"f32", "bf16"}
                   and self._stream_rows(meta["max_len"], T, n_kv * -(-G // hn)))
-        big_d = ATTN_STREAM_BIG_D if quant else AS_BIG_D  # (the module's AS_BIG_D)
         if stream:
             smem = _as_smem(D, rb_k, rb_v, cuda_kv.stream_table_bytes(tk.name, True),
-                            cuda_kv.stream_table_bytes(tv.name, False), hn, big_d)
+                            cuda_kv.stream_table_bytes(tv.name, False), hn, quant)
             stream = smem <= self.smem_per_block
         if stream:
             n_hg = -(-G // hn)
-            threads = 2 * _as_tile(D, rb_k, rb_v, big_d)
+            threads = 2 * _as_tile(D, rb_k, rb_v, quant)
             sfn = self._kv_attn_fn(tk.name, tv.name, D, 0, smem=smem, hn=hn) if quant else \
                 self._big_smem_fn("a", f"attn_stream_d{D}{_as_suffix(hn)}", smem)
             fit = self._fits.get(sfn)
