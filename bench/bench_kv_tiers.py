@@ -9,8 +9,11 @@ For each tier (``name`` = the same tier for K and V, ``k/v`` = a pair) one runne
 runner's sequence is prefilled once (random tokens, ubatches of 512) and decoded once as a
 warm-up, then ``-r`` rounds in which the tiers take turns, each run decoding ``-n`` tokens one per
 step (graph-replayed decode, logits to the host every step); after each run the decoded cells
-are removed again (``seq_rm``), so every run decodes at the same depth. Prints
-tok/s (mean ± stddev) and the ratio to f16 at the same depth. ``--synth PRESET`` writes
+are removed again (``seq_rm``), so every run decodes at the same depth. Each step is timed
+(it ends with its logits on the host); a cell prints tok/s as 1 / the median step over all of a
+tier's runs at that depth (a stall of the host, one step in a run, moves a run's mean but not
+the median), ± the stddev over runs of each run's 1 / median step, and the ratio to f16's
+median at the same depth. ``--synth PRESET`` writes
 ``opencoti.tools.synth_shapes``'s random-weight model with that preset's exact shapes (e.g. the
 7B-shaped ``qwen2.5-7b-q4_k_m``) to the cache dir first. Targets (issue 6): a quantized tier
 costs at most 10% at short context and is at least f16's speed at 32k.
@@ -105,13 +108,23 @@ def _label(spec: str, variant: str) -> str:
     return f"{spec} [{variant}]" if variant else spec
 
 
-def _decode(runner, depth: int, n: int) -> float:
-    t = time.perf_counter()
+def _decode(runner, depth: int, n: int) -> list[float]:
+    """Decodes ``n`` tokens one per step after ``depth`` cells and removes them again; returns
+    each step's seconds (host clock: a step returns with its logits on the host)."""
+    steps = []
     for i in range(n):
+        t = time.perf_counter()
         runner.decode(UBatch.build([1000 + i], [depth + i], [0], [0]))
-    dt = time.perf_counter() - t
+        steps.append(time.perf_counter() - t)
     runner.kv.seq_rm(0, depth, -1)
-    return n / dt
+    return steps
+
+
+def step_stats(runs: list[list[float]]) -> tuple[float, float]:
+    """``(tok/s, spread)`` of one tier at one depth from its runs' step seconds: 1 / the median
+    step over all runs, and the stddev over runs of 1 / each run's median step (0 for one run)."""
+    rates = [1.0 / statistics.median(r) for r in runs]
+    return 1.0 / statistics.median([t for r in runs for t in r]), (statistics.stdev(rates) if len(rates) > 1 else 0.0)
 
 
 def main() -> None:
@@ -162,7 +175,7 @@ def main() -> None:
                 with knobs_set(backend_mod, knobs):
                     res[(lb, d)].append(_decode(runner, d, a.steps))
         for lb in labels:
-            print(f"{lb} @ {d}: {statistics.mean(res[(lb, d)]):,.1f} tok/s", file=sys.stderr, flush=True)
+            print(f"{lb} @ {d}: {step_stats(res[(lb, d)])[0]:,.1f} tok/s", file=sys.stderr, flush=True)
 
     from opencoti.engine.backend import get_backend
 
@@ -178,12 +191,11 @@ def main() -> None:
             lb = _label(spec, vname)
             cells = []
             for d in depths:
-                v = res[(lb, d)]
-                m, sd = statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
+                m, sd = step_stats(res[(lb, d)])
                 ref = res.get((_label("f16", vname), d))
-                cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / statistics.mean(ref):.2f}" if ref else "")
+                cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / step_stats(ref)[0]:.2f}" if ref else "")
                 if extra:
-                    cell += f" | {m / statistics.mean(res[(spec, d)]):.2f}"
+                    cell += f" | {m / step_stats(res[(spec, d)])[0]:.2f}"
                 cells.append(cell)
             print(f"| {lb} | " + " | ".join(cells) + " |")
 

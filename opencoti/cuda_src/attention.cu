@@ -23,6 +23,9 @@
 #include "attn_stream.cuh"
 
 #define NWARP 4
+#ifndef ATTN_V_PREFETCH
+#define ATTN_V_PREFETCH 1  // cuda_kernels.ATTN_V_PREFETCH: 1 L1, 2 L2, 0 none
+#endif
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // E consecutive f16 values -> float (16-byte loads when E is a multiple of 8, 8-byte for 4)
@@ -112,6 +115,24 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[MAXG], bool ok, in
     }
 }
 
+// The row of RB bytes at `row` asked for ahead of its loads (ATTN_V_PREFETCH: into L1 or L2; 0:
+// nothing) by a warp: lane l the line of byte l RB / 32, so every line of a row of up to 4 KB.
+// The short-row kernels ask for a tile's V rows before its QK: a decode step's tile is one
+// dependent chain (cell index -> K row -> dot products -> softmax -> V row), and the V rows'
+// memory latency then overlaps the K rows' and the dot products instead of following them.
+template <int RB>
+__device__ __forceinline__ void prefetch_row(const void* row, int lane) {
+    static_assert(RB <= 4096, "prefetch_row: a lane's line per 128 bytes");
+    const char* a = (const char*)row + lane * RB / 32;
+#if ATTN_V_PREFETCH == 1
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
+#elif ATTN_V_PREFETCH == 2
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+#else
+    (void)a;
+#endif
+}
+
 template <int D, int MAXG, int LPC = 4>
 __device__ __forceinline__ void attn_partial_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
@@ -167,6 +188,12 @@ __device__ __forceinline__ void attn_partial_impl(
             cell = cells[i];
         }
         if (!__any_sync(0xffffffffu, ok)) continue;
+        int cjs[TILE];  // the tile's cells (masked: a valid index, 0 past the list's end)
+#pragma unroll
+        for (int j = 0; j < TILE; j++) {
+            cjs[j] = __shfl_sync(0xffffffffu, cell, LPC * j);
+            prefetch_row<2 * D>(V + ((long long)cjs[j] * n_kv + kh) * D, lane);
+        }
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
@@ -193,8 +220,7 @@ __device__ __forceinline__ void attn_partial_impl(
         // the list's end), all V loads issued before the FMAs
 #pragma unroll
         for (int j = 0; j < TILE; j++) {
-            int cj = __shfl_sync(0xffffffffu, cell, LPC * j);
-            const u16* vr = V + ((long long)cj * n_kv + kh) * D + lane * E;
+            const u16* vr = V + ((long long)cjs[j] * n_kv + kh) * D + lane * E;
             float vf[E];
             load_halves<E>(vr, vf);
 #pragma unroll
@@ -390,17 +416,20 @@ __device__ __forceinline__ void kv_qk(const u8* __restrict__ row, const float (*
     }
 }
 
-// the E values [lane * E, lane * E + E) of a V row (tab: TV's levels, tp: its level pairs)
+// the E values [lane * E, lane * E + E) of a V row (tab: TV's levels, tp: its level pairs) are
+// the returned scale times vf: the level-pair tiers leave their block's scale out of vf (one
+// multiply per query head into p instead of one per value), the others return 1
 template <class TV, int E>
-__device__ __forceinline__ void kv_pv_vals(const u8* __restrict__ row, int lane, const float* tab, const float2* tp,
-                                           float* vf) {
+__device__ __forceinline__ float kv_pv_vals(const u8* __restrict__ row, int lane, const float* tab, const float2* tp,
+                                            float* vf) {
     if constexpr (TV::PVF16) {
         load_halves<E>((const u16*)row + lane * E, vf);
     } else if constexpr (TV::NP > 0) {
-        TV::template vals2<E>(row, lane * E, tp, vf);
+        return TV::template vals2<E>(row, lane * E, tp, vf);
     } else {
         TV::template vals<E>(row, lane * E, tab, vf);
     }
+    return 1.f;
 }
 
 // lanes per cell of the _l kernels: up to 4, each a whole number of K blocks
@@ -470,6 +499,17 @@ __device__ __forceinline__ void attn_kv_impl(
             cell = cells[i];
         }
         if (!__any_sync(0xffffffffu, ok)) continue;
+        // short tiles (up to 8 cells): the cells held, their V rows asked for before the QK
+        // (prefetch_row); a lane per cell (32-cell tiles, long splits) leaves both out
+        constexpr bool PF = TILE <= 8;
+        int cjs[PF ? TILE : 1];
+        if constexpr (PF) {
+#pragma unroll
+            for (int j = 0; j < TILE; j++) {
+                cjs[j] = __shfl_sync(0xffffffffu, cell, LPC * j);
+                prefetch_row<RBV>(V + ((long long)cjs[j] * n_kv + kh) * RBV, lane);
+            }
+        }
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
@@ -480,13 +520,15 @@ __device__ __forceinline__ void attn_kv_impl(
         // and a valid cell index, 0 past the list's end)
 #pragma unroll 8
         for (int j = 0; j < TILE; j++) {
-            int cj = __shfl_sync(0xffffffffu, cell, LPC * j);
+            int cj;
+            if constexpr (PF) cj = cjs[j];
+            else cj = __shfl_sync(0xffffffffu, cell, LPC * j);
             float vf[E];
-            kv_pv_vals<TV, E>(V + ((long long)cj * n_kv + kh) * RBV, lane, s_tv, s_pv, vf);
+            const float dv = kv_pv_vals<TV, E>(V + ((long long)cj * n_kv + kh) * RBV, lane, s_tv, s_pv, vf);
 #pragma unroll
             for (int g = 0; g < MAXG; g++) {
                 if (g < Gb) {
-                    float pj = __shfl_sync(0xffffffffu, p[g], LPC * j);
+                    const float pj = __shfl_sync(0xffffffffu, p[g], LPC * j) * dv;
 #pragma unroll
                     for (int e = 0; e < E; e++) acc[g][e] += pj * vf[e];
                 }

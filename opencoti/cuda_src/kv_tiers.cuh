@@ -27,7 +27,7 @@
 //   NP (turbo2/3/4; else 0): entries of a table of level pairs for the short-row attention
 //     kernels: values j, j + 1 (j even) as one index into it (pair(w, b, j), sub_pair<NV>(w, j)),
 //     one shared-memory load for both levels; pair_level(e) builds entry e, vals2<E> is vals<E>
-//     through it.
+//     through it without the scale (returned: the caller folds it into p).
 #include "quants.cuh"
 
 // ---- exact IEEE float32 arithmetic for the encoders: PTX round-to-nearest without .ftz, so
@@ -424,9 +424,10 @@ struct KTurbo {
         if constexpr (BITS == 3) e |= ((w[(SubWords<NV>::LO + 3) / 4 + j / 32] >> (j % 32)) & 3u) << 4;
         return e;
     }
-    // vals<E> through the pair table tp: the E values' low bits in one load where they fill 2
-    // bytes or more (2-aligned: lane parts of E LB / 8 bytes), else their byte
-    template <int E> static __device__ __forceinline__ void vals2(const u8* row, int i0, const float2* tp, float* vf) {
+    // vals<E> through the pair table tp, without the block's scale: returns it (the caller
+    // multiplies once per use, not per value); the E values' low bits in one load where they fill
+    // 2 bytes or more (2-aligned: lane parts of E LB / 8 bytes), else their byte
+    template <int E> static __device__ __forceinline__ float vals2(const u8* row, int i0, const float2* tp, float* vf) {
         static_assert(E % 2 == 0 && E <= 16 && NP > 0, "vals2: pairs of one block's values");
         const u8* b = row + BB * (i0 >> 6);
         const int j0 = i0 & 63;
@@ -444,9 +445,10 @@ struct KTurbo {
             u32 ix = (lo[LB * e / 32] >> (LB * e % 32)) & ((1u << (2 * LB)) - 1u);
             if constexpr (BITS == 3) ix |= ((hi >> e) & 3u) << 4;
             const float2 v = tp[ix];
-            vf[e] = d * v.x;
-            vf[e + 1] = d * v.y;
+            vf[e] = v.x;
+            vf[e + 1] = v.y;
         }
+        return d;
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float* t, float* vf) {
         const u8* b = row + BB * (i0 >> 6);

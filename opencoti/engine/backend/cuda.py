@@ -379,6 +379,10 @@ AS_BIG_D = 128  # the f16 module's largest head size of AS_CT_BIG tiles (attn_st
 # us a call, q8_0's 19.7 -> 18.3); 128: 4 warps there, as f16
 ATTN_STREAM_BIG_D = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BIG_D", "256"))
 AS_HEAD_DIMS = (64, 128, 256)
+# the short-row attention kernels (attn_partial*, attn_kv_g*: the sliding layers, short contexts)
+# ask for a tile's V rows before its QK (attention.cu prefetch_row): 1 into L1, 2 into L2, 0 not
+# (OPENCOTI_CUDA_ATTN_V_PREFETCH; read as the modules build: the f16 module at the backend's start)
+ATTN_V_PREFETCH = int(os.environ.get("OPENCOTI_CUDA_ATTN_V_PREFETCH", "1"))
 
 
 def imma_digits(n: int, decode: bool) -> int:
@@ -702,7 +706,8 @@ class CUDABackend:
         self.xp = cp
         self.device = cp.cuda.Device(device)
         self.device.use()
-        self._mods = {"k": load_module("kernels.cu"), "a": load_module("attention.cu"),
+        self._mods = {"k": load_module("kernels.cu"),
+                      "a": load_source(cuda_kv.f16_attention_source(ATTN_V_PREFETCH), "attention"),
                       "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"),
                       "m": load_module("mmq.cu"), "i": load_module("gemv_int.cu")}
         self._fns: dict = {}
@@ -2229,11 +2234,11 @@ class CUDABackend:
         where ``cuda_kv.lanes8_ok``); with ``smem`` (its dynamic shared memory bytes) the
         streaming ``attn_kv_stream`` instead (long rows), of ``hn`` query heads per block (16:
         the pair's ``_h16`` module)."""
-        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE, _as_big_d(True))
+        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE, _as_big_d(True), ATTN_V_PREFETCH)
         m = self._kv_mods.get(key)
         if m is None:
             m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn, MERGE_UNROTATE,
-                                                                          _as_big_d(True)),
+                                                                          _as_big_d(True), ATTN_V_PREFETCH),
                                                  f"attn_{tk}_{tv}_d{d}{_as_suffix(hn)}")
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)
