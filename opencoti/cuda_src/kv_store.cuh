@@ -5,12 +5,14 @@
 
 // tree64 (turbo.block_sum's order: p[j] += p[j + h], h = 32, ..., 1) of a 64-value block held
 // by one warp, lane j its values j and j + 32: the h = 32 stage inside the lane (lo + hi), the
-// others by shuffles down (lane j < h adds lane j + h); the sum broadcast to every lane.
+// others by xor shuffles, every lane's sum the same bits as lane 0's: a lane j < h adds lane
+// j ^ h = j + h, tree64's operands, and lanes j and j ^ h add the same two values (IEEE addition
+// commutes), so after each stage the lanes of each group of 2 h agree (no broadcast at the end).
 __device__ __forceinline__ float tree64_warp(float lo, float hi) {
     float a = xadd(lo, hi);
 #pragma unroll
-    for (int h = 16; h > 0; h >>= 1) a = xadd(a, __shfl_down_sync(0xffffffffu, a, h));
-    return __shfl_sync(0xffffffffu, a, 0);
+    for (int h = 16; h > 0; h >>= 1) a = xadd(a, __shfl_xor_sync(0xffffffffu, a, h));
+    return a;
 }
 
 // payload byte m of a turbo block from its 64 indices
