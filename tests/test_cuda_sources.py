@@ -105,3 +105,15 @@ def test_rope_store_source_defines_the_pair():
         cuda_kv.rope_store_source("turbo3_tcq", "q8_0", 128)
     with pytest.raises(ValueError, match="head size 64, 128 or 256, not 512"):
         cuda_kv.rope_store_source("q8_0", "turbo4", 512)
+
+
+def test_attention_sources_define_the_v_prefetch():
+    """The f16 attention module and every tier module state ATTN_V_PREFETCH (attention.cu
+    prefetch_row) first, from their argument (default 1, L1); another value than 0 / 1 / 2 is a
+    ValueError, not a module that silently prefetches nothing."""
+    assert cuda_kv.f16_attention_source().startswith("#define ATTN_V_PREFETCH 1\n")
+    assert cuda_kv.f16_attention_source(2).startswith("#define ATTN_V_PREFETCH 2\n")
+    src = cuda_kv.attention_source("turbo3", "q8_0", 256, v_prefetch=0)
+    assert "#define ATTN_V_PREFETCH 0\n" in src and "#define ATTN_V_PREFETCH 1\n" not in src
+    with pytest.raises(ValueError, match="0, 1 or 2, not 3"):
+        cuda_kv.f16_attention_source(3)
