@@ -108,9 +108,10 @@ def test_rope_store_source_defines_the_pair():
 
 
 def test_attention_sources_define_the_v_prefetch():
-    """The f16 attention module and every tier module state ATTN_V_PREFETCH (attention.cu
-    prefetch_row) first, from their argument (default 1, L1); another value than 0 / 1 / 2 is a
-    ValueError, not a module that silently prefetches nothing."""
+    """The f16 attention module (first) and every tier module (after its KV_* defines and
+    tables) define ATTN_V_PREFETCH (attention.cu prefetch_row) from their argument (default 1,
+    L1); another value than 0 / 1 / 2 is a ValueError, not a module that silently prefetches
+    nothing."""
     assert cuda_kv.f16_attention_source().startswith("#define ATTN_V_PREFETCH 1\n")
     assert cuda_kv.f16_attention_source(2).startswith("#define ATTN_V_PREFETCH 2\n")
     src = cuda_kv.attention_source("turbo3", "q8_0", 256, v_prefetch=0)

@@ -177,7 +177,8 @@ def _sub_pair(bits, b, o, nv, sub, j):
 
 
 def _vals2(bits, levels, b, i0, n_e):
-    """KTurbo::vals2<E>(row, i0, tp): values [i0, i0 + E) through the pair table."""
+    """KTurbo::vals2<E>(row, i0, tp): values [i0, i0 + E) through the pair table, without the
+    block's scale, and that scale: ``(d [rows], levels [rows, E])``."""
     lb = 2 if bits == 3 else bits
     o, j0 = (2 + 64 * bits // 8) * (i0 >> 6), i0 & 63
     nlb = n_e * lb // 8 if n_e * lb >= 16 else 1
@@ -196,8 +197,8 @@ def _vals2(bits, levels, b, i0, n_e):
         if bits == 3:
             ix = ix | (((hi >> e) & 3) << 4)
         v0, v1 = _pair_level(bits, levels, ix)
-        out += [d * v0, d * v1]
-    return np.stack(out, axis=1)
+        out += [v0, v1]
+    return d, np.stack(out, axis=1)
 
 
 @pytest.mark.parametrize("name", ["turbo4", "turbo3", "turbo2"])
@@ -227,7 +228,8 @@ def test_kernel_pair_decoder_matches_tier(name, d):
                     i = 64 * blk + sub * nv + j
                     np.testing.assert_array_equal(got, want[:, i: i + 2])
     n_e = d // 32
-    got = np.concatenate([_vals2(t.bits, t.levels, b, lane * n_e, n_e) for lane in range(32)], axis=1)
+    parts = [_vals2(t.bits, t.levels, b, lane * n_e, n_e) for lane in range(32)]
+    got = np.concatenate([d[:, None] * v for d, v in parts], axis=1)  # the PV loop's p * d, then * v
     np.testing.assert_array_equal(got, want)
 
 

@@ -24,7 +24,7 @@
 
 #define NWARP 4
 #ifndef ATTN_V_PREFETCH
-#define ATTN_V_PREFETCH 1  // cuda_kernels.ATTN_V_PREFETCH: 1 L1, 2 L2, 0 none
+#define ATTN_V_PREFETCH 1  // cuda.py ATTN_V_PREFETCH: 1 L1, 2 L2, 0 none
 #endif
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -116,14 +116,15 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[MAXG], bool ok, in
 }
 
 // The row of RB bytes at `row` asked for ahead of its loads (ATTN_V_PREFETCH: into L1 or L2; 0:
-// nothing) by a warp: lane l the line of byte l RB / 32, so every line of a row of up to 4 KB.
-// The short-row kernels ask for a tile's V rows before its QK: a decode step's tile is one
-// dependent chain (cell index -> K row -> dot products -> softmax -> V row), and the V rows'
-// memory latency then overlaps the K rows' and the dot products instead of following them.
+// nothing) by a warp: lane l the line of byte l (RB - 1) / 31 (lane 31 the row's last byte; steps
+// of at most 128 bytes), so every line of the row. The short-row kernels with tiles of up to 8
+// cells ask for a tile's V rows before its QK: a decode step's tile is one dependent chain (cell
+// index -> K row -> dot products -> softmax -> V row), and the V rows' memory latency then
+// overlaps the K rows' and the dot products instead of following them.
 template <int RB>
 __device__ __forceinline__ void prefetch_row(const void* row, int lane) {
-    static_assert(RB <= 4096, "prefetch_row: a lane's line per 128 bytes");
-    const char* a = (const char*)row + lane * RB / 32;
+    static_assert(RB >= 1 && (RB - 1 + 30) / 31 <= 128, "prefetch_row: a lane's step of at most a line");
+    const char* a = (const char*)row + lane * (RB - 1) / 31;
 #if ATTN_V_PREFETCH == 1
     asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
 #elif ATTN_V_PREFETCH == 2
@@ -499,8 +500,9 @@ __device__ __forceinline__ void attn_kv_impl(
             cell = cells[i];
         }
         if (!__any_sync(0xffffffffu, ok)) continue;
-        // short tiles (up to 8 cells): the cells held, their V rows asked for before the QK
-        // (prefetch_row); a lane per cell (32-cell tiles, long splits) leaves both out
+        // short tiles (up to 8 cells: 4 or 8 lanes per cell): the cells held, their V rows asked
+        // for before the QK (prefetch_row); 16- and 32-cell tiles (2 lanes or 1 per cell: the
+        // K tiers of 64-value blocks at head size 128, long splits) leave both out
         constexpr bool PF = TILE <= 8;
         int cjs[PF ? TILE : 1];
         if constexpr (PF) {

@@ -5,9 +5,10 @@
 
 // tree64 (turbo.block_sum's order: p[j] += p[j + h], h = 32, ..., 1) of a 64-value block held
 // by one warp, lane j its values j and j + 32: the h = 32 stage inside the lane (lo + hi), the
-// others by xor shuffles, every lane's sum the same bits as lane 0's: a lane j < h adds lane
-// j ^ h = j + h, tree64's operands, and lanes j and j ^ h add the same two values (IEEE addition
-// commutes), so after each stage the lanes of each group of 2 h agree (no broadcast at the end).
+// others by xor shuffles, every lane's sum the same bits as lane 0's (no broadcast at the end):
+// a lane j < h adds lane j ^ h = j + h, tree64's operands in its order, and lanes j and j ^ h add
+// the same two values (IEEE addition commutes; a NaN result is the one canonical NaN), so after
+// stage h a lane's value depends only on j mod h, and after h = 1 every lane holds lane 0's.
 __device__ __forceinline__ float tree64_warp(float lo, float hi) {
     float a = xadd(lo, hi);
 #pragma unroll

@@ -379,10 +379,15 @@ AS_BIG_D = 128  # the f16 module's largest head size of AS_CT_BIG tiles (attn_st
 # us a call, q8_0's 19.7 -> 18.3); 128: 4 warps there, as f16
 ATTN_STREAM_BIG_D = int(os.environ.get("OPENCOTI_CUDA_ATTN_STREAM_BIG_D", "256"))
 AS_HEAD_DIMS = (64, 128, 256)
-# the short-row attention kernels (attn_partial*, attn_kv_g*: the sliding layers, short contexts)
-# ask for a tile's V rows before its QK (attention.cu prefetch_row): 1 into L1, 2 into L2, 0 not
-# (OPENCOTI_CUDA_ATTN_V_PREFETCH; read as the modules build: the f16 module at the backend's start)
-ATTN_V_PREFETCH = int(os.environ.get("OPENCOTI_CUDA_ATTN_V_PREFETCH", "1"))
+# the short-row attention kernels with tiles of up to 8 cells (attn_partial*, and attn_kv_g*_l /
+# _l8 with 4 or 8 lanes per cell: the sliding layers, short contexts) ask for a tile's V rows
+# before its QK (attention.cu prefetch_row): 1 into L1, 2 into L2, 0 not
+# (OPENCOTI_CUDA_ATTN_V_PREFETCH). The f16 module takes the value at the backend's start, a tier
+# module when it builds (so a bench_kv_tiers --variant of it changes the tiers' rows, not f16's).
+_V_PREFETCH_ENV = os.environ.get("OPENCOTI_CUDA_ATTN_V_PREFETCH", "1")
+if _V_PREFETCH_ENV not in ("0", "1", "2"):
+    raise ValueError(f"OPENCOTI_CUDA_ATTN_V_PREFETCH={_V_PREFETCH_ENV!r}: expected 0, 1 or 2")
+ATTN_V_PREFETCH = int(_V_PREFETCH_ENV)
 
 
 def imma_digits(n: int, decode: bool) -> int:
