@@ -183,6 +183,7 @@ def main() -> None:
     print(f"\nopencoti KV tiers: backend {b.name} ({getattr(b, 'device_name', 'host')}), model {model.name}, "
           f"decode {a.steps} tokens x {a.repetitions}\n")
     extra = len(variants) > 1
+    stats = {key: step_stats(runs) for key, runs in res.items()}  # (label, depth) -> (tok/s, spread)
     print("| -ctk/-ctv | " + " | ".join(f"tg @ d{d} t/s | vs f16" + (" | vs default" if extra else "")
                                         for d in depths) + " |")
     print("| --- |" + (" ---: | ---: | ---: |" if extra else " ---: | ---: |") * len(depths))
@@ -191,11 +192,11 @@ def main() -> None:
             lb = _label(spec, vname)
             cells = []
             for d in depths:
-                m, sd = step_stats(res[(lb, d)])
-                ref = res.get((_label("f16", vname), d))
-                cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / step_stats(ref)[0]:.2f}" if ref else "")
+                m, sd = stats[(lb, d)]
+                ref = stats.get((_label("f16", vname), d))
+                cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / ref[0]:.2f}" if ref else "")
                 if extra:
-                    cell += f" | {m / step_stats(res[(spec, d)])[0]:.2f}"
+                    cell += f" | {m / stats[(spec, d)][0]:.2f}"
                 cells.append(cell)
             print(f"| {lb} | " + " | ".join(cells) + " |")
 

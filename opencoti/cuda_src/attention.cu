@@ -134,6 +134,17 @@ __device__ __forceinline__ void prefetch_row(const void* row, int lane) {
 #endif
 }
 
+// A tile's cells (cell: each lane's, the tile's cell j at lane LPC j) into cjs, and their V rows
+// (RB bytes each, kv head kh of n_kv, from V) asked for (prefetch_row). Every lane of the warp.
+template <int TILE, int LPC, int RB>
+__device__ __forceinline__ void tile_cells(int cell, const void* V, int n_kv, int kh, int lane, int (&cjs)[TILE]) {
+#pragma unroll
+    for (int j = 0; j < TILE; j++) {
+        cjs[j] = __shfl_sync(0xffffffffu, cell, LPC * j);
+        prefetch_row<RB>((const u8*)V + ((long long)cjs[j] * n_kv + kh) * RB, lane);
+    }
+}
+
 template <int D, int MAXG, int LPC = 4>
 __device__ __forceinline__ void attn_partial_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
@@ -190,11 +201,7 @@ __device__ __forceinline__ void attn_partial_impl(
         }
         if (!__any_sync(0xffffffffu, ok)) continue;
         int cjs[TILE];  // the tile's cells (masked: a valid index, 0 past the list's end)
-#pragma unroll
-        for (int j = 0; j < TILE; j++) {
-            cjs[j] = __shfl_sync(0xffffffffu, cell, LPC * j);
-            prefetch_row<2 * D>(V + ((long long)cjs[j] * n_kv + kh) * D, lane);
-        }
+        tile_cells<TILE, LPC, 2 * D>(cell, V, n_kv, kh, lane, cjs);
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
@@ -505,13 +512,7 @@ __device__ __forceinline__ void attn_kv_impl(
         // K tiers of 64-value blocks at head size 128, long splits) leave both out
         constexpr bool PF = TILE <= 8;
         int cjs[PF ? TILE : 1];
-        if constexpr (PF) {
-#pragma unroll
-            for (int j = 0; j < TILE; j++) {
-                cjs[j] = __shfl_sync(0xffffffffu, cell, LPC * j);
-                prefetch_row<RBV>(V + ((long long)cjs[j] * n_kv + kh) * RBV, lane);
-            }
-        }
+        if constexpr (PF) tile_cells<TILE, LPC, RBV>(cell, V, n_kv, kh, lane, cjs);
         float s[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; g++) s[g] = 0.f;
