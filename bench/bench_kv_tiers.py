@@ -108,16 +108,41 @@ def _label(spec: str, variant: str) -> str:
     return f"{spec} [{variant}]" if variant else spec
 
 
-def _decode(runner, depth: int, n: int) -> list[float]:
+def _decode(runner, depth: int, n: int, replay: int = 0) -> tuple[list[float], float | None]:
     """Decodes ``n`` tokens one per step after ``depth`` cells and removes them again; returns
-    each step's seconds (host clock: a step returns with its logits on the host)."""
+    each step's seconds (host clock: a step returns with its logits on the host) and, with
+    ``replay`` > 0, the GPU's seconds a step (``replay_step``'s) of the last step, else None."""
     steps = []
     for i in range(n):
         t = time.perf_counter()
         runner.decode(UBatch.build([1000 + i], [depth + i], [0], [0]))
         steps.append(time.perf_counter() - t)
+    gpu = replay_step(runner, replay) if replay else None
     runner.kv.seq_rm(0, depth, -1)
-    return steps
+    return steps, gpu
+
+
+def replay_step(runner, n: int) -> float:
+    """The GPU's seconds a decode step: the runner's last captured graph (its last step's, as a
+    step's graph follows its cell bucket and the buckets only grow in a run) replayed ``n`` times
+    back to back between two CUDA events, divided by ``n``. A replay re-runs that step on the same
+    inputs (its K / V store writes the same bytes to the same cell), so the cache is unchanged;
+    the host's share of a step (planning, staging, the logits' copy) is not in it. Raises
+    RuntimeError when the runner has no graph (a backend without graphs)."""
+    import cupy as cp
+
+    if not runner.graphs:
+        raise RuntimeError("replay_step: the runner captured no graph (--replay needs a graph backend)")
+    g = runner.graphs[list(runner.graphs)[-1]]
+    st = cp.cuda.get_current_stream()
+    g["graph"].launch(stream=st)  # the graph's first replay after others' may find colder caches
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record(st)
+    for _ in range(n):
+        g["graph"].launch(stream=st)
+    e1.record(st)
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / n
 
 
 def step_stats(runs: list[list[float]]) -> tuple[float, float]:
@@ -136,6 +161,8 @@ def main() -> None:
     ap.add_argument("--depths", default="0,8192,32768")
     ap.add_argument("-n", "--steps", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--replay", type=int, default=0, metavar="N",
+                    help="after each run, its last step's graph replayed N times: a second table of GPU time a step")
     ap.add_argument("--variant", action="append", default=[], type=parse_variant,
                     help="NAME:KNOB=VALUE[,...]: every tier also with the backend module's knobs set (repeatable)")
     a = ap.parse_args()
@@ -161,19 +188,23 @@ def main() -> None:
                 runners[_label(spec, vname)] = (runner, knobs)
     labels = list(runners)
     res: dict = {(lb, d): [] for lb in labels for d in depths}
+    gpu: dict = {(lb, d): [] for lb in labels for d in depths}  # --replay: each run's GPU seconds a step
     for d in depths:
         for runner, knobs in runners.values():
             with knobs_set(backend_mod, knobs):
                 runner.kv.clear()
                 if d:
                     prefill(runner, d)
-                _decode(runner, d, a.steps)  # warm-up: graph capture, module compile
+                _decode(runner, d, a.steps, a.replay)  # warm-up: graph capture, module compile
         # the tiers take turns, run by run: a drift of the device's clocks over the call (the
         # first tier's rows measured low in earlier one-tier-after-another runs) hits them alike
         for _ in range(a.repetitions):
             for lb, (runner, knobs) in runners.items():
                 with knobs_set(backend_mod, knobs):
-                    res[(lb, d)].append(_decode(runner, d, a.steps))
+                    steps, g = _decode(runner, d, a.steps, a.replay)
+                    res[(lb, d)].append(steps)
+                    if g is not None:
+                        gpu[(lb, d)].append(g)
         for lb in labels:
             print(f"{lb} @ {d}: {step_stats(res[(lb, d)])[0]:,.1f} tok/s", file=sys.stderr, flush=True)
 
@@ -182,9 +213,21 @@ def main() -> None:
     b = get_backend(a.backend)
     print(f"\nopencoti KV tiers: backend {b.name} ({getattr(b, 'device_name', 'host')}), model {model.name}, "
           f"decode {a.steps} tokens x {a.repetitions}\n")
+    print_table(depths, specs, variants, {key: step_stats(runs) for key, runs in res.items()}, "tg")
+    if a.replay:
+        print(f"\nGPU time a step (the last step's graph replayed {a.replay} times after each run; "
+              f"1 / the median over runs, ± the stddev over runs):\n")
+        print_table(depths, specs, variants, {key: (1.0 / statistics.median(v), statistics.stdev([1.0 / x for x in v])
+                                                    if len(v) > 1 else 0.0) for key, v in gpu.items()}, "GPU", 3)
+
+
+def print_table(depths: list[int], specs: list[str], variants: list, stats: dict, what: str, digits: int = 2) -> None:
+    """One markdown table: a row per (variant, tier spec), per depth ``stats[(label, depth)]`` =
+    (tok/s, spread) and its ratio to the same variant's f16 (and, with variants, to the same tier
+    without one) to ``digits`` decimals; ``what`` heads the columns (``tg``: decode, ``GPU``:
+    replayed steps)."""
     extra = len(variants) > 1
-    stats = {key: step_stats(runs) for key, runs in res.items()}  # (label, depth) -> (tok/s, spread)
-    print("| -ctk/-ctv | " + " | ".join(f"tg @ d{d} t/s | vs f16" + (" | vs default" if extra else "")
+    print("| -ctk/-ctv | " + " | ".join(f"{what} @ d{d} t/s | vs f16" + (" | vs default" if extra else "")
                                         for d in depths) + " |")
     print("| --- |" + (" ---: | ---: | ---: |" if extra else " ---: | ---: |") * len(depths))
     for vname, _ in variants:
@@ -194,9 +237,9 @@ def main() -> None:
             for d in depths:
                 m, sd = stats[(lb, d)]
                 ref = stats.get((_label("f16", vname), d))
-                cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / ref[0]:.2f}" if ref else "")
+                cell = f"{m:,.1f} ± {sd:,.1f} | " + (f"{m / ref[0]:.{digits}f}" if ref else "")
                 if extra:
-                    cell += f" | {m / stats[(spec, d)][0]:.2f}"
+                    cell += f" | {m / stats[(spec, d)][0]:.{digits}f}"
                 cells.append(cell)
             print(f"| {lb} | " + " | ".join(cells) + " |")
 

@@ -1297,13 +1297,13 @@ def test_real_model_greedy_decode_matches_reference(real_runner, refs):
             lg = r.decode(UBatch.build([tok], [n + i], [0], [0]))[0]
 
 
-def _tiny_gemma3(tmp_path, qtype: str, seed: int):
-    """A random-weight gemma3 (hidden 256, head_dim 64) of weight type ``qtype``, loaded."""
+def _tiny_gemma3(tmp_path, qtype: str, seed: int, head_dim: int = 64):
+    """A random-weight gemma3 (hidden 256, head_dim 64 unless given) of weight type ``qtype``, loaded."""
     from opencoti.model.loader import load_model
     from opencoti.tools import synth_gguf as sg
 
-    path = tmp_path / f"g{seed}.gguf"
-    sg.write_random_model("gemma3", path, qtype, seed=seed, hidden_size=256, intermediate_size=512, head_dim=64)
+    path = tmp_path / f"g{seed}_{head_dim}.gguf"
+    sg.write_random_model("gemma3", path, qtype, seed=seed, hidden_size=256, intermediate_size=512, head_dim=head_dim)
     return load_model(str(path), with_tokenizer=False)
 
 
@@ -1343,25 +1343,43 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
-def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch):
+@pytest.mark.parametrize("tk, tv, stream", [("f16", "f16", False), ("f16", "f16", True), ("turbo3", "turbo3", False),
+                                           ("turbo3", "turbo3", True), ("q8_0", "turbo2", True)])
+def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch, tk, tv, stream):
     """Decode graphs captured with programmatic dependent launches (sm_90+: every kernel waits
-    on GRID_DEP_WAIT before touching memory) give bit-identical logits to graphs of plain
-    launches, and the capture really launched our kernels that way."""
+    on GRID_DEP_WAIT before touching memory; the tier attention kernels fill their level tables
+    before it) give bit-identical logits to graphs of plain launches, and the capture really
+    launched our kernels that way: f16 and KV tier caches, the short-row attention kernels and
+    (``stream``: ATTN_STREAM_CELLS 64) the streaming ones (head size 128: the turbo rows at 64
+    are 26 / 18 bytes, not the streaming kernel's multiple of 4)."""
+    from opencoti.engine.backend import cuda as cuda_mod
     from opencoti.engine.backend import cuda_kernels as ck
 
     assert gpu._pdl == (int(gpu.device.compute_capability) >= 90 and ck.PDL)
-    model = _tiny_gemma3(tmp_path, "Q4_K", 6)
-    n_pdl = []
+    if stream:
+        monkeypatch.setattr(cuda_mod, "ATTN_STREAM_CELLS", 64)
+    model = _tiny_gemma3(tmp_path, "Q4_K", 6, 128)
+    n_pdl, names = [], set()
     launch = ck.Kernel._launch_pdl
-    monkeypatch.setattr(ck.Kernel, "_launch_pdl", lambda *a: n_pdl.append(launch(*a)) or n_pdl[-1])
+
+    def counted(k, *a):
+        n_pdl.append(launch(k, *a))
+        names.add(k.raw.name)
+        return n_pdl[-1]
+
+    monkeypatch.setattr(ck.Kernel, "_launch_pdl", counted)
     outs = {}
     saved = gpu._pdl
     for pdl in (False, saved):
         monkeypatch.setattr(gpu, "_pdl", pdl)  # restored after the test
-        r = ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512)
+        r = ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512, type_k=tk, type_v=tv)
         outs[pdl] = np.concatenate([r.decode(make()) for make in _graph_steps()])
     assert sum(n_pdl) > 50 if saved else not n_pdl  # launches that went through cuLaunchKernelEx
     np.testing.assert_array_equal(outs[saved], outs[False])
+    if saved:  # the attention kernels under test were among them
+        want = ("attn_stream_d128" if stream else "attn_partial_d128_") if tk == "f16" else (
+            "attn_kv_stream" if stream else "attn_kv_g")
+        assert any(n.startswith(want) for n in names), sorted(names)
 
 
 def test_decode_argmax_on_device(tmp_path, gpu):

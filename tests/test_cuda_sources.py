@@ -22,11 +22,13 @@ _KERNEL = re.compile(r'__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\
 MODULES = sorted(p.name for p in resources.files("opencoti.cuda_src").iterdir() if p.name.endswith(".cu"))
 
 
-def kernel_first_statements(src: str) -> dict[str, str]:
-    """``{kernel name: its body's first statement}`` for every ``__global__`` function of the
-    CUDA text ``src`` (macro-defined kernels by their ``##`` pattern, line continuations
-    removed; a name defined twice keeps the last)."""
-    out = {}
+def kernel_first_statements(src: str) -> list[tuple[str, str]]:
+    """``[(kernel name, its body's first statement)]`` for every ``__global__`` function of the
+    CUDA text ``src`` in order (macro-defined kernels by their ``##`` pattern or macro parameter,
+    line continuations, comments and whitespace removed; a name defined twice, in two macros or
+    two ``#if`` branches, is listed twice)."""
+    src = re.sub(r"/\*.*?\*/|//[^\n]*", "", src, flags=re.S)
+    out = []
     for m in _KERNEL.finditer(src):
         depth, i = 0, m.end() - 1
         while True:  # the parameter list's closing parenthesis
@@ -35,7 +37,7 @@ def kernel_first_statements(src: str) -> dict[str, str]:
                 break
             i += 1
         body = src[src.index("{", i) + 1:]
-        out[m.group(1)] = re.sub(r"[\s\\]+", "", body[:body.index(";") + 1])
+        out.append((m.group(1), re.sub(r"[\s\\]+", "", body[:body.index(";") + 1])))
     return out
 
 
@@ -49,38 +51,65 @@ def _sources() -> dict[str, str]:
     return srcs
 
 
-# kernels that call a device function which waits itself, after reading only constants: the
-# one-column-tile GEMV (gemv_int.cu gemvi_ring_at: its weights' first ring slots and an L2
-# prefetch before the wait, pdl.cuh OPENCOTI_PDL_EARLY; gemvi_impl waits first), alone or two
-# weights' in one grid (gemvi_duo: either branch is gemvi_ring_at)
-_WAIT_INSIDE = {"gemvi_12_##SUFFIX": "F12(", "gemvi_14_##SUFFIX": "F14(",
-                "gemvi_duo_##A##r##RA##_##B##r##RB##SFX": "if(blockIdx.y<ny1)gemvi_ring_at<"}
+# kernels that call a device function which waits itself, after reading only constants (name,
+# first statement's start): the one-column-tile GEMV (gemv_int.cu gemvi_ring_at: its weights'
+# first ring slots and an L2 prefetch before the wait, pdl.cuh OPENCOTI_PDL_EARLY; gemvi_impl
+# waits first), alone or two weights' in one grid (gemvi_duo: either branch is gemvi_ring_at);
+# the attention kernels over KV tiers (attention.cu attn_kv_impl, attn_stream.cuh
+# attn_stream_impl: their shared-memory tables from __constant__ levels before the wait), the f16
+# streaming kernel through the same attn_stream_impl
+_WAIT_INSIDE = {("gemvi_12_##SUFFIX", "F12("), ("gemvi_14_##SUFFIX", "F14("),
+                ("gemvi_duo_##A##r##RA##_##B##r##RB##SFX", "if(blockIdx.y<ny1)gemvi_ring_at<"),
+                ("NAME", "ifconstexpr(OK)attn_kv_impl<"), ("attn_kv_stream", "ifconstexpr(AS_KV_OK)attn_stream_impl<"),
+                ("NAME", "attn_stream_impl<D,HN,AsF16<D>,AsF16<D>>(")}
+# the device functions those kernels call, which wait themselves: (source, function) -> waits
+_IMPL_WAITS = {("gemv_int.cu", "gemvi_ring_at("): 2, ("gemv_int.cu", "gemvi_impl("): 1,
+               ("attention.cu", "attn_kv_impl("): 1, ("attn_stream.cuh", "attn_stream_impl("): 1}
+# what an attention kernel's implementation may not name before its wait: its pointer parameters
+_ATTN_MEMORY = re.compile(r"\b(q|q_pos|row_view|view_off|cells|cell_pos|K|V|out|part_acc|part_ml)\b")
+
+
+def _function_body(src: str, fn: str) -> str:
+    """The text of device function ``fn``'s body in ``src`` (from its parameter list's end to the
+    first line that closes it: a "}" in column 0)."""
+    body = src[src.index(f"void {fn}"):]
+    body = body[:body.index("\n}\n")]
+    return body[body.index(") {") + 3:]
 
 
 @pytest.mark.parametrize("module", list(_sources()))
 def test_every_kernel_waits_first(module):
     """Every kernel of every module (the generated tier modules included) starts with
     GRID_DEP_WAIT() (GRID_DEP_WAIT_LATE() for gemv_int.cu's gemmi, the only ones): nothing is read
-    or written before it; the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, which each
-    wait once, before their first read of the activations."""
+    or written before it; the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, and the
+    attention kernels over KV tiers (and f16's streaming one) to attn_kv_impl / attn_stream_impl,
+    which each wait once (the ring once per #if branch), before their first read of the
+    activations / of any memory a kernel writes."""
     src = _sources()[module]
     first = kernel_first_statements(src)
     assert first, module
     waits = ("GRID_DEP_WAIT();", "GRID_DEP_WAIT_LATE();")
-    late = {name: stmt for name, stmt in first.items()
-            if stmt not in waits and not stmt.startswith(_WAIT_INSIDE.get(name, "GRID_DEP_WAIT();"))}
+    late = [(name, stmt) for name, stmt in first
+            if stmt not in waits and not any(name == n and stmt.startswith(p) for n, p in _WAIT_INSIDE)]
     assert not late, (module, late)
-    assert {name for name, stmt in first.items() if stmt == waits[1]} == (
+    assert {name for name, stmt in first if stmt == waits[1]} == (
         {f"gemmi_{t}_{v}_n##NT##SFX" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
-    if "gemvi_12_##SUFFIX" in first:  # every pair's functions are the two that wait inside
+    names = {name for name, _ in first}
+    if "gemvi_12_##SUFFIX" in names:  # every pair's functions are the two that wait inside
         pairs = re.findall(r"^GEMVI_PAIR\(\w+, \((\w+)<[^)]*\), \((\w+)<[^)]*\)\)$", src, re.M)
         assert len(pairs) == src.count("\nGEMVI_PAIR(") >= 5
         assert {f for p in pairs for f in p} == {"gemvi_ring", "gemvi_impl"}, pairs
-        for fn, waits in (("gemvi_ring_at(", 2), ("gemvi_impl(", 1)):  # the ring's: one per #if branch
-            body = src[src.index(f"void {fn}"):]
-            body = body[:body.index("\n}\n")]
+    for (name, fn), n in _IMPL_WAITS.items():
+        if name == module or (name == "attn_stream.cuh" and "attn_stream_impl<" in src):
+            body = _function_body(src if name == module else cuda_kernels.read_source("attention.cu"), fn)
             at = [m.start() for m in re.finditer(r"GRID_DEP_WAIT\(\);", body)]
-            assert len(at) == waits and max(at) < body.index("superblock"), fn  # before the activations
+            assert len(at) == n, (fn, at)
+            if fn.startswith("gemvi"):
+                assert max(at) < body.index("superblock"), fn  # before the activations
+            else:
+                pre = re.sub(r"/\*.*?\*/|//[^\n]*", "", body[:at[0]], flags=re.S)
+                assert not _ATTN_MEMORY.findall(pre), (fn, _ATTN_MEMORY.findall(pre))
+                assert "tab" in pre, fn  # (what it moved before the wait)
 
 
 def test_kernel_scan_finds_the_kernels():
@@ -89,7 +118,11 @@ def test_kernel_scan_finds_the_kernels():
            'extern "C" __global__ void __launch_bounds__(128, 2) b(const float* __restrict__ y,\n'
            '                                                       int (*z)[4]) {\n    GRID_DEP_WAIT();\n}\n'
            '#define K(T) extern "C" __global__ void k_##T(T* p) {  \\\n        p[0] = 0; GRID_DEP_WAIT(); }\n')
-    assert kernel_first_statements(src) == {"a": "GRID_DEP_WAIT();", "b": "GRID_DEP_WAIT();", "k_##T": "p[0]=0;"}
+    assert kernel_first_statements(src) == [("a", "GRID_DEP_WAIT();"), ("b", "GRID_DEP_WAIT();"), ("k_##T", "p[0]=0;")]
+    # comments are not statements; a name defined twice is listed twice
+    src2 = ('extern "C" __global__ void c(int* x) { /* x; */ GRID_DEP_WAIT(); }\n'
+            'extern "C" __global__ void c(int* x) {  // x[0] = 1;\n    x[1] = 2; GRID_DEP_WAIT(); }\n')
+    assert kernel_first_statements(src2) == [("c", "GRID_DEP_WAIT();"), ("c", "x[1]=2;")]
     assert len(kernel_first_statements(cuda_kernels.read_source("kernels.cu"))) >= 20
 
 

@@ -316,7 +316,7 @@ struct AsF16 {
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                    \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { /* (waits inside) */         \
         attn_stream_impl<D, HN, AsF16<D>, AsF16<D>>(q, q_pos, row_view, view_off, cells, cell_pos, K, V,       \
                                                     n_head, n_kv, scale, n_swa, softcap, n_split, out,         \
                                                     part_acc, part_ml, false); }
@@ -456,6 +456,17 @@ __device__ __forceinline__ void attn_kv_impl(
     constexpr int E = D / 32;  // V dims per lane
     constexpr long long RBK = D / TK::BS * TK::BB, RBV = D / TV::BS * TV::BB;  // row bytes
     constexpr int TILE = 32 / LPC, DL = D / LPC;  // cells per tile; a lane's K values
+    // a tier's levels, or (turbo2/3/4) its level pairs instead, filled from the __constant__
+    // tables before the kernel waits on its predecessor (pdl.cuh): in a decode graph the fill
+    // runs while the kernel before it (the layer's store) still does. Nothing before the wait
+    // reads or writes memory that a kernel touches.
+    __shared__ float s_tk[TK::NT > 0 && TK::NP == 0 ? TK::NT : 1], s_tv[TV::NT > 0 && TV::NP == 0 ? TV::NT : 1];
+    __shared__ float2 s_pk[TK::NP > 0 ? TK::NP : 1], s_pv[TV::NP > 0 ? TV::NP : 1];
+    if constexpr (TK::NP > 0) for (int i = threadIdx.x; i < TK::NP; i += blockDim.x) s_pk[i] = TK::pair_level(i);
+    else if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
+    if constexpr (TV::NP > 0) for (int i = threadIdx.x; i < TV::NP; i += blockDim.x) s_pv[i] = TV::pair_level(i);
+    else if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];
+    GRID_DEP_WAIT();
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
     const int n_hg = (G + MAXG - 1) / MAXG;
@@ -469,9 +480,6 @@ __device__ __forceinline__ void attn_kv_impl(
     const int c0 = b0 + sp * chunk, c1 = min(b0 + len, c0 + chunk);
 
     __shared__ __align__(16) float s_q[MAXG][D];
-    // a tier's levels, or (turbo2/3/4) its level pairs instead
-    __shared__ float s_tk[TK::NT > 0 && TK::NP == 0 ? TK::NT : 1], s_tv[TV::NT > 0 && TV::NP == 0 ? TV::NT : 1];
-    __shared__ float2 s_pk[TK::NP > 0 ? TK::NP : 1], s_pv[TV::NP > 0 ? TV::NP : 1];
     __shared__ float s_acc[NWARP][MAXG][D];
     constexpr int NV = QRows<MAXG, D, 32 * NWARP>::NV;  // a row's values per thread (fwht_regs)
     {  // a rotated K tier's q -> R q in registers unless the fused store rotated it (q_rot; s_acc
@@ -483,10 +491,6 @@ __device__ __forceinline__ void attn_kv_impl(
         }
         store_q_rows<MAXG, D, 32 * NWARP>(x, s_q);
     }
-    if constexpr (TK::NP > 0) for (int i = threadIdx.x; i < TK::NP; i += blockDim.x) s_pk[i] = TK::pair_level(i);
-    else if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
-    if constexpr (TV::NP > 0) for (int i = threadIdx.x; i < TV::NP; i += blockDim.x) s_pv[i] = TV::pair_level(i);
-    else if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];
     __syncthreads();
 
     float acc[MAXG][E], m[MAXG], l[MAXG];
@@ -614,8 +618,8 @@ constexpr bool AS_KV_OK = KV_D <= 256 && AsTier<KV_TK, KV_D>::RB % 4 == 0 && AsT
 extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
     const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,
     const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,
-    float softcap, int n_split, float* out, float* part_acc, float* part_ml, int q_rot) { GRID_DEP_WAIT();
-    if constexpr (AS_KV_OK)
+    float softcap, int n_split, float* out, float* part_acc, float* part_ml, int q_rot) {
+    if constexpr (AS_KV_OK)  // (waits after its tables)
         attn_stream_impl<KV_D, KV_HN, AsTier<KV_TK, KV_D>, AsTier<KV_TV, KV_D>>(q, q_pos, row_view, view_off,
             cells, cell_pos, K, V, n_head, n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml, q_rot != 0);
 }
@@ -626,8 +630,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_kv_stream(
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u8* K, const u8* V, int n_head, int n_kv, float scale, int n_swa,           \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml, int q_rot) { GRID_DEP_WAIT();  \
-        if constexpr (OK)                                                                                      \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml, int q_rot) {                   \
+        if constexpr (OK) /* waits after its tables */                                                         \
             attn_kv_impl<KV_D, G, KV_TK, KV_TV, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, \
                                                      n_kv, scale, n_swa, softcap, n_split, out, part_acc, part_ml, \
                                                      q_rot != 0);                                               \

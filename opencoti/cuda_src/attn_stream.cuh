@@ -177,6 +177,12 @@ __device__ __forceinline__ void attn_stream_impl(
     float* s_up = (float*)(as_smem + L::UP);
     u8* s_tk = as_smem + L::TAB;
     u8* s_tv = as_smem + L::TABV;
+    // the tables (from __constant__ levels) before the wait on the kernel's predecessor (pdl.cuh):
+    // in a decode graph they fill while the layer's store still runs. Nothing before the wait
+    // reads or writes memory that a kernel touches.
+    if constexpr (KP::TBK > 0) KP::tab_k(s_tk);
+    if constexpr (VP::TBV > 0) VP::tab_v(s_tv);
+    GRID_DEP_WAIT();
 
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv, n_hg = (G + HN - 1) / HN;
@@ -212,9 +218,7 @@ __device__ __forceinline__ void attn_stream_impl(
         for (int u = ch; u < NCV; u += 2) cp_async_z<VP::CA>(dv + u * VP::CA, vr + u * VP::CA, ok);
     };
 
-    // tables, then the heads' scaled queries (rows g >= Gb zero) as f16 hi + lo
-    if constexpr (KP::TBK > 0) KP::tab_k(s_tk);
-    if constexpr (VP::TBV > 0) VP::tab_v(s_tv);
+    // the heads' scaled queries (rows g >= Gb zero) as f16 hi + lo:
     // q * scale in float32 (rotated for a rotated K tier: q -> R q; only the Gb heads' rows, the
     // rest are zero) in the stages, free until the first fill; each head's staging factor from
     // those values; then the hi + lo split
