@@ -2,7 +2,7 @@
 
     python bench/bench_kv_tiers.py [-m model.gguf | --synth qwen2.5-7b-q4_k_m] \
         [--tiers f16,q8_0,q4_0,turbo3,turbo2] [--depths 0,8192,32768] [-n 64] [-r 3] \
-        [--variant NAME:KNOB=VALUE[,KNOB=VALUE...]]...
+        [--replay N] [--variant NAME:KNOB=VALUE[,KNOB=VALUE...]]...
 
 For each tier (``name`` = the same tier for K and V, ``k/v`` = a pair) one runner with
 ``n_ctx`` = the largest depth + 512 cells is built, all of them up front; per depth each
@@ -17,6 +17,13 @@ median at the same depth. ``--synth PRESET`` writes
 ``opencoti.tools.synth_shapes``'s random-weight model with that preset's exact shapes (e.g. the
 7B-shaped ``qwen2.5-7b-q4_k_m``) to the cache dir first. Targets (issue 6): a quantized tier
 costs at most 10% at short context and is at least f16's speed at 32k.
+
+``--replay N``: after each run its last step's graph is replayed N times back to back between
+two CUDA events, and a second table gives 1 / that GPU time a step (median over runs, ± stddev
+over runs, ratios to three decimals). It leaves out the host's share of a step (planning,
+staging, the logits' copy and sampling: on the synthetic gemma-3-270m at 32k about 0.55 of
+~1.2 ms, and most of the tok/s spread), so it resolves the kernels' differences (± 0.1 %
+where the tok/s cells spread ± 8 %).
 
 ``--variant`` (repeatable) adds, for every tier, a runner that runs with the backend module's
 knobs set to other values (e.g. ``sb2:ATTN_STREAM_SM_BLOCKS=2,ATTN_STREAM_MIN_SPLIT=128``; the
