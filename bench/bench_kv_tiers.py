@@ -120,9 +120,10 @@ def _decode(runner, depth: int, n: int, replay: int = 0) -> tuple[list[float], f
     each step's seconds (host clock: a step returns with its logits on the host) and, with
     ``replay`` > 0, the GPU's seconds a step (``replay_step``'s) of the last step, else None."""
     steps = []
+    n_vocab = runner.model.hparams.n_vocab
     for i in range(n):
         t = time.perf_counter()
-        runner.decode(UBatch.build([1000 + i], [depth + i], [0], [0]))
+        runner.decode(UBatch.build([(1000 + i) % n_vocab], [depth + i], [0], [0]))
         steps.append(time.perf_counter() - t)
     gpu = replay_step(runner, replay) if replay else None
     runner.kv.seq_rm(0, depth, -1)
@@ -130,17 +131,20 @@ def _decode(runner, depth: int, n: int, replay: int = 0) -> tuple[list[float], f
 
 
 def replay_step(runner, n: int) -> float:
-    """The GPU's seconds a decode step: the runner's last captured graph (its last step's, as a
-    step's graph follows its cell bucket and the buckets only grow in a run) replayed ``n`` times
-    back to back between two CUDA events, divided by ``n``. A replay re-runs that step on the same
-    inputs (its K / V store writes the same bytes to the same cell), so the cache is unchanged;
-    the host's share of a step (planning, staging, the logits' copy) is not in it. Raises
-    RuntimeError when the runner has no graph (a backend without graphs)."""
+    """The GPU's seconds a decode step: the graph that the runner's last step ran (the backend's
+    ``last_graph_key``) replayed ``n`` times back to back between two CUDA events, divided by ``n``.
+    A replay re-runs that step on the same staged inputs: its K / V store writes the same bytes to
+    the same cell, so a KV cache is unchanged (a recurrent layer's state would advance: a model
+    with recurrent layers decodes its later runs from another state). The host's share of a step
+    (planning, staging, the logits' copy) is not in it. Raises RuntimeError when the graph that
+    the backend ran last is not this runner's (a backend without graphs; the bench's one-token
+    decode steps always run as graphs on CUDA)."""
+    store, key = getattr(runner.backend, "last_graph_key", None) or (None, None)
+    if store != id(runner.graphs) or key not in runner.graphs:
+        raise RuntimeError("replay_step: the runner's last step ran no graph (--replay needs a graph backend)")
+    g = runner.graphs[key]
     import cupy as cp
 
-    if not runner.graphs:
-        raise RuntimeError("replay_step: the runner captured no graph (--replay needs a graph backend)")
-    g = runner.graphs[list(runner.graphs)[-1]]
     st = cp.cuda.get_current_stream()
     g["graph"].launch(stream=st)  # the graph's first replay after others' may find colder caches
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -150,6 +154,17 @@ def replay_step(runner, n: int) -> float:
     e1.record(st)
     e1.synchronize()
     return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / n
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0 (ArgumentTypeError otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
+    return n
 
 
 def step_stats(runs: list[list[float]]) -> tuple[float, float]:
@@ -168,7 +183,7 @@ def main() -> None:
     ap.add_argument("--depths", default="0,8192,32768")
     ap.add_argument("-n", "--steps", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
-    ap.add_argument("--replay", type=int, default=0, metavar="N",
+    ap.add_argument("--replay", type=_count, default=0, metavar="N",
                     help="after each run, its last step's graph replayed N times: a second table of GPU time a step")
     ap.add_argument("--variant", action="append", default=[], type=parse_variant,
                     help="NAME:KNOB=VALUE[,...]: every tier also with the backend module's knobs set (repeatable)")
@@ -194,6 +209,8 @@ def main() -> None:
                 runner = ModelRunner(model, a.backend, n_ctx=max(depths) + 512, n_ubatch=512, type_k=tk, type_v=tv)
                 runners[_label(spec, vname)] = (runner, knobs)
     labels = list(runners)
+    if a.replay and not getattr(runners[labels[0]][0].backend, "graphs", False):
+        ap.error(f"--replay: the {a.backend} backend replays no graphs")
     res: dict = {(lb, d): [] for lb in labels for d in depths}
     gpu: dict = {(lb, d): [] for lb in labels for d in depths}  # --replay: each run's GPU seconds a step
     for d in depths:

@@ -731,6 +731,8 @@ class CUDABackend:
         self._pdl = pdl_supported(self.device.compute_capability, cp.cuda.runtime.driverGetVersion())
         self._side = None  # second stream of forked launches (_fork), made on first use
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
+        # (id of the caller's graph store, key) of the graph that run_graph last ran (benchmarks replay it)
+        self.last_graph_key = None
         self._w16 = None  # f16 scratch of _gemm_f16
         self._digits_of = (None, None)  # (array, its gemv_int.cu digits): _digits
         self._digit_cols: set = set()  # row lengths of the loaded K-quant matrices (_row_digits)
@@ -2055,6 +2057,7 @@ class CUDABackend:
                     buf[int(o[0]):int(o[0]) + T] = after.ids_dev[:T]
                 g["uploaded"].record(st)
                 g["graph"].launch(stream=st)
+                self.last_graph_key = (id(graphs), key)
                 # the argmax pair is queued before on_launch wakes the threads of the previous
                 # step's events, so its few launches do not wait for the interpreter behind them
                 pending = self._argmax_async(g["out"], st) if argmax and not wait else None
@@ -2107,6 +2110,7 @@ class CUDABackend:
             self._capturing = False
             graphs[key] = {"buf": buf, "stage": stage, "graph": graph, "out": out, "pool": pool, "stream": stream,
                            "slots": slots, "uploaded": cp.cuda.Event(disable_timing=True)}
+            self.last_graph_key = (id(graphs), key)
             if not wait:
                 return StepResult.done(self._rows_argmax(warm))
             return self._rows_argmax(warm) if argmax else self._pinned_host(warm)
