@@ -241,8 +241,8 @@ def main() -> None:
     if a.replay:
         print(f"\nGPU time a step (the last step's graph replayed {a.replay} times after each run; "
               f"1 / the median over runs, ± the stddev over runs):\n")
-        print_table(depths, specs, variants, {key: (1.0 / statistics.median(v), statistics.stdev([1.0 / x for x in v])
-                                                    if len(v) > 1 else 0.0) for key, v in gpu.items()}, "GPU", 3)
+        # (one GPU time a run: step_stats of one-step runs)
+        print_table(depths, specs, variants, {key: step_stats([[x] for x in v]) for key, v in gpu.items()}, "GPU", 3)
 
 
 def print_table(depths: list[int], specs: list[str], variants: list, stats: dict, what: str, digits: int = 2) -> None:

@@ -19,6 +19,7 @@ from opencoti.engine.backend import cuda_kernels, cuda_kv
 from opencoti.engine.kv_tiers import TIER_NAMES
 
 _KERNEL = re.compile(r'__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)\s*\(')
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 MODULES = sorted(p.name for p in resources.files("opencoti.cuda_src").iterdir() if p.name.endswith(".cu"))
 
 
@@ -27,7 +28,7 @@ def kernel_first_statements(src: str) -> list[tuple[str, str]]:
     CUDA text ``src`` in order (macro-defined kernels by their ``##`` pattern or macro parameter,
     line continuations, comments and whitespace removed; a name defined twice, in two macros or
     two ``#if`` branches, is listed twice)."""
-    src = re.sub(r"/\*.*?\*/|//[^\n]*", "", src, flags=re.S)
+    src = _COMMENT.sub("", src)
     out = []
     for m in _KERNEL.finditer(src):
         depth, i = 0, m.end() - 1
@@ -102,7 +103,7 @@ def test_every_kernel_waits_first(module):
     for (name, fn), n in _IMPL_WAITS.items():
         if name == module or (name == "attn_stream.cuh" and "attn_stream_impl<" in src):
             body = _function_body(src if name == module else cuda_kernels.read_source("attention.cu"), fn)
-            body = re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: " " * len(m.group()), body, flags=re.S)  # (offsets kept)
+            body = _COMMENT.sub(lambda m: " " * len(m.group()), body)  # (offsets kept)
             at = [m.start() for m in re.finditer(r"GRID_DEP_WAIT\(\);", body)]
             assert len(at) == n, (fn, at)
             if fn.startswith("gemvi"):
