@@ -150,13 +150,15 @@ class Tracer:
 
 
 def exposed(recs: list[tuple[int, int, str]]) -> list[tuple[str, float, float]]:
-    """(name, duration us, exposed us) of each record in start order: exposed = its end minus the
-    previous record's end (the first record: its duration); the exposed times add up to the span
-    from the first start to the last end when every kernel ends after its predecessor, as the
-    kernels of a decode graph do (each waits for the one before it)."""
+    """(name, duration us, exposed us) of each record in start order: exposed = how far its end
+    moves the latest end so far (the first record: its duration; a gap before a kernel counts as
+    its own; a kernel that ends inside an earlier one's run exposes 0), so the exposed times add up
+    to the span from the first start to the last end. In a decode graph every kernel waits for the
+    one before it and ends after it: there, its end minus the previous kernel's end."""
     out, prev = [], None
     for s, e, name in recs:
-        out.append((name, (e - s) / 1e3, (e - (s if prev is None else prev)) / 1e3))
+        base = s if prev is None else prev
+        out.append((name, (e - s) / 1e3, max(0, e - base) / 1e3))
         prev = e if prev is None else max(prev, e)
     return out
 
