@@ -193,9 +193,8 @@ def main() -> None:
         r = ModelRunner(model, "cuda", n_ctx=a.depth + 512, n_seq_max=1, n_ubatch=512, type_k=tk, type_v=tv or tk)
         if a.depth:
             prefill(r, a.depth)
-        _decode(r, a.depth, 8)  # graph capture
-        _decode(r, a.depth, 8)
-        # the last step again, then its graph replayed under the tracer
+        _decode(r, a.depth, 8)  # module compiles, graph capture
+        # one step at the depth, then its graph replayed: timed by events, then under the tracer
         r.decode(UBatch.build([1000], [a.depth], [0], [0]))
         t_ev = replay_step(r, a.replays)
         tracer.mark()
@@ -206,28 +205,28 @@ def main() -> None:
         n_steps = a.replays + 1
         rows = exposed(recs)
         span = (max(e for _, e, _ in recs) - min(s for s, _, _ in recs)) / 1e3 / n_steps
-        res[spec] = (t_ev * 1e6, span, len(recs) / n_steps, per_step(rows, n_steps, role),
-                     per_step(rows, n_steps, lambda n: n))
+        res[spec] = {"events": t_ev * 1e6, "span": span, "kernels": len(recs) / n_steps,
+                     "roles": per_step(rows, n_steps, role), "names": per_step(rows, n_steps, lambda n: n)}
         del r
     specs = list(res)
-    print(f"\nopencoti decode step timeline: {model.name if hasattr(model, 'name') else a.model}, depth {a.depth}, "
+    print(f"\nopencoti decode step timeline: {model.name}, depth {a.depth}, "
           f"{a.replays} replays traced (CUPTI; us a step)\n")
     print("| | " + " | ".join(specs) + " |")
     print("| --- |" + " ---: |" * len(specs))
-    print("| step (events) | " + " | ".join(f"{res[s][0]:.1f}" for s in specs) + " |")
-    print("| step (traced span) | " + " | ".join(f"{res[s][1]:.1f}" for s in specs) + " |")
-    print("| kernels a step | " + " | ".join(f"{res[s][2]:.0f}" for s in specs) + " |")
+    print("| step (events) | " + " | ".join(f"{res[s]['events']:.1f}" for s in specs) + " |")
+    print("| step (traced span) | " + " | ".join(f"{res[s]['span']:.1f}" for s in specs) + " |")
+    print("| kernels a step | " + " | ".join(f"{res[s]['kernels']:.0f}" for s in specs) + " |")
     for rl, _ in ROLES:
         cells = []
         for s in specs:
-            v = res[s][3].get(rl)
+            v = res[s]['roles'].get(rl)
             cells.append(f"{v[2]:.1f} ({v[0]:.0f} x {v[1]:.2f})" if v else "-")
         print(f"| {rl}: exposed (calls x mean duration) | " + " | ".join(cells) + " |")
     if a.verbose:
         for s in specs:
             print(f"\n{s}: kernels by exposed time a step\n\n| kernel | calls a step | mean duration us | exposed us a step |\n"
                   "| --- | ---: | ---: | ---: |")
-            for name, (c, d, x) in sorted(res[s][4].items(), key=lambda kv: -kv[1][2]):
+            for name, (c, d, x) in sorted(res[s]['names'].items(), key=lambda kv: -kv[1][2]):
                 print(f"| {name} | {c:.0f} | {d:.2f} | {x:.1f} |")
 
 
