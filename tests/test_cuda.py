@@ -2231,6 +2231,93 @@ def test_merge_digits_equal_xq_digits(gpu, monkeypatch, d, n_head, n_kv, rows, g
         np.testing.assert_array_equal(a, b)
 
 
+def _merge_partials(rng, rows: int, n_head: int, n_split: int, d: int):
+    """Split partials for attn_merge: acc [rows * n_head * n_split * d], (m, l) pairs; about a
+    tenth of the partials see no cell (m = -inf) with non-finite acc, which the merge drops."""
+    n = rows * n_head * n_split
+    acc = (3 * rng.standard_normal((n, d))).astype(np.float32)
+    ml = np.stack([2 * rng.standard_normal(n), rng.uniform(0.5, 50.0, n)], axis=1).astype(np.float32)
+    empty = rng.random(n) < 0.1
+    ml[empty, 0] = -np.inf
+    acc[empty] = np.where(rng.random((int(empty.sum()), d)) < 0.5, np.nan, np.inf)
+    return cp.asarray(acc.ravel()), cp.asarray(ml.ravel())
+
+
+@pytest.mark.parametrize("d,n_head", [(32, 28), (64, 12), (96, 5), (128, 28), (256, 4), (512, 8)])
+@pytest.mark.parametrize("rows,n_split", [(1, 132), (1, 5), (12, 37)])
+def test_cluster_merge_bit_identical(gpu, monkeypatch, d, n_head, rows, n_split):
+    """The cluster merge (attn_merge_c / attn_merge_digits_c: the window's four summation chains
+    in four 256-thread blocks of a thread-block cluster, block 0 adding them) == the one-block
+    merge (attn_merge / attn_merge_digits, 1,024 threads) bit for bit: the output, un-rotated by
+    a rotated V tier's sign words (head sizes 64-256) or not, and the output projection's digits
+    where the row width takes them; over head sizes 32-512 (a window of 8 heads to half a head),
+    1 and 12 rows, partials with no visible cell among them."""
+    from opencoti.engine.backend import cuda as cu
+
+    if not gpu._clusters:
+        pytest.fail(f"{gpu.device_name}: no thread-block clusters (sm_90+): the cluster merge is not used here")
+    rng = np.random.default_rng(d + n_split)
+    acc, ml = _merge_partials(rng, rows, n_head, n_split, d)
+    width = n_head * d
+    signs = [cu._NULL] + ([gpu._kv_signs_dev] if d in (64, 128, 256) else [])
+    digits = [False] + ([True] if width % 256 == 0 and rows in (1, 12) else [])
+    for v_signs in signs:
+        for dg in digits:
+            cols = gpu._digit_cols | {width} if dg else gpu._digit_cols - {width}
+            monkeypatch.setattr(gpu, "_digit_cols", cols)
+            got = []
+            for cluster in (False, True):
+                out = cp.full((rows, width), np.nan, dtype=np.float32)
+                gpu._digits_of = (None, None)
+                gpu._merge("a", "attn_merge", out, n_head, d, (acc, ml, out, np.int32(n_head), np.int32(d),
+                                                              np.int32(n_split), v_signs), cluster=cluster)
+                wrote = gpu._digits_of[0] is out
+                assert wrote == dg, "digits written" if wrote else "no digits written"
+                got.append((cp.asnumpy(out), _one_token_digits(gpu._digits_of[1]) if dg else []))
+            (one, one_dg), (clu, clu_dg) = got
+            assert np.isfinite(one).all() and np.abs(one).max() > 0.1
+            np.testing.assert_array_equal(clu, one)
+            for a, b in zip(clu_dg, one_dg):
+                np.testing.assert_array_equal(a, b)
+    gpu._digits_of = (None, None)
+
+
+@pytest.mark.parametrize("n_split", [2, 130])
+def test_merge_takes_clusters_by_merge_cluster(gpu, monkeypatch, n_split):
+    """attention_cells merges a row of n_split splits by the cluster kernel on sm_90+
+    (MERGE_CLUSTER, the default), by the one-block kernel with the knob off; the output the same
+    bits either way."""
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.engine.kv_cache import CachePlan, SeqView
+
+    rng = np.random.default_rng(n_split)
+    d, n_head, n_kv = 128, 8, 2
+    cc, plan, ub_pos = _shared_prefix_plan(n_kv, d, 300, 10, 1, rng)
+    v = plan.views[0]
+    r = int(v.rows[0])
+    plan = CachePlan(plan.stream[r:r + 1], plan.cell[r:r + 1],
+                     [SeqView(np.array([0]), v.stream, v.cells, v.cell_pos, v.seq_id)], groups=[])
+    monkeypatch.setattr(cu, "ATTN_STREAM_CELLS", 0)
+    monkeypatch.setattr(gpu, "_attn_splits", lambda *a, **k: n_split)
+    monkeypatch.setattr(gpu, "_decode_rows", 1)
+    k_all = cp.asarray(rng.standard_normal(cc.k[0].shape).astype(np.float16))
+    v_all = cp.asarray(rng.standard_normal(cc.v[0].shape).astype(np.float16))
+    q = cp.asarray(rng.standard_normal((1, n_head, d)).astype(np.float32))
+    names, fn = [], gpu._fn
+    monkeypatch.setattr(gpu, "_fn", lambda mod, name: (names.append(name), fn(mod, name))[1])
+    outs = {}
+    for knob in (True, False):
+        monkeypatch.setattr(cu, "MERGE_CLUSTER", knob)
+        names.clear()
+        gpu._meta, gpu._digits_of = {}, (None, None)
+        outs[knob] = cp.asnumpy(gpu.attention_cells(q, ub_pos[r:r + 1], k_all, v_all, plan, 1 / np.sqrt(d)))
+        merges = [x for x in names if x.startswith("attn_merge")]
+        assert len(merges) == 1 and merges[0].endswith("_c") == (knob and gpu._clusters), merges
+    assert gpu._clusters, f"{gpu.device_name}: no thread-block clusters (sm_90+)"
+    assert np.isfinite(outs[False]).all() and np.abs(outs[False]).max() > 0.01
+    np.testing.assert_array_equal(outs[True], outs[False])
+
+
 def test_shared_prefix_two_groups_and_large_query(gpu, cpu):
     """Two pools in one ubatch (two groups, one launch each), a prefix longer than a split,
     query values large enough that an f16 Q alone would be off by ~1e-3 (the hi/lo split

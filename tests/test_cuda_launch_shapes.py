@@ -356,6 +356,10 @@ def test_merge_launch_windows():
     assert cu.merge_launch(1, 12, 64) == ((1, 3), (1024,))
     assert cu.merge_launch(2, 28, 32) == ((2, 4), (1024,))
     assert cu.merge_launch(1, 5, 96) == ((1, 2), (1024,))  # 96: a window touches 3 heads
+    # the cluster kernels: the window's four chains as four 256-thread blocks along z
+    assert cu.merge_launch(1, 4, 256, cluster=True) == ((1, 4, cu.MERGE_GROUPS), (256,))
+    assert cu.merge_launch(12, 28, 128, cluster=True) == ((12, 14, 4), (256,))
+    assert "__cluster_dims__(1, 1, LSE_GROUPS)" in src
     for d in (0, 16, 33, 80):  # a head size below 32 or off its multiples could touch a 9th head
         with pytest.raises(ValueError, match="multiple of 32"):
             cu.merge_launch(1, 8, d)

@@ -266,41 +266,62 @@ DEF_ATTN8(256, 1) DEF_ATTN8(256, 2) DEF_ATTN8(256, 4) DEF_ATTN8(256, 8)
 DEF_ATTN8(512, 1) DEF_ATTN8(512, 2) DEF_ATTN8(512, 4)
 
 // row blockIdx.x's output merged (lse_merge.cuh) from attn_partial's n_split partials per head:
-// the block's window blockIdx.y
+// the block's window blockIdx.y (CL: as one block of the window's cluster)
+template <bool CL>
 __device__ __forceinline__ float attn_merge_window(const float* part_acc, const float* part_ml, int n_head, int D,
                                                    int n_split) {
     const int r = blockIdx.x;
-    return lse_merge_window<1>([&](int h, int) {
+    return lse_merge_window<1, CL>([&](int h, int) {
         return LseRun{part_acc, part_ml, ((long long)r * n_head + h) * n_split, n_split};
     }, n_head * D, D, blockIdx.y * 256);
 }
-// out[r, :] merged (lse_merge.cuh), 256 elements per block: grid (T, ceil(n_head * D / 256)),
-// LSE_THREADS threads. v_signs: a rotated V tier's sign bits (KV_SIGNS) when the partials are in
-// its rotated domain (merge_unrotates: the merge un-rotates each head once, lse_unrotate), else null.
+// out[r, :] merged (lse_merge.cuh), 256 elements per block (CL: per cluster of LSE_GROUPS
+// blocks, block 0 writing them). v_signs: a rotated V tier's sign bits (KV_SIGNS) when the
+// partials are in its rotated domain (merge_unrotates: the merge un-rotates each head once,
+// lse_unrotate), else null. xq: null, or the rows' digit columns for gemv_int.cu written as well
+// (digits.cuh; row t's from column nd t of ncp), for an integer GEMV that reads the output next
+// (the attention output projection).
+template <bool CL>
+__device__ __forceinline__ void attn_merge_impl(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                                float* __restrict__ out, int n_head, int D, int n_split,
+                                                const unsigned int* __restrict__ v_signs, i8* __restrict__ xq,
+                                                float* __restrict__ xs, i8* __restrict__ xm, int ncp, int nd) {
+    const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
+    const unsigned int sw = v_signs ? lse_sign_word(D, v_signs) : 0u;
+    float v = attn_merge_window<CL>(part_acc, part_ml, n_head, D, n_split);
+    if (CL && blockIdx.z) return;
+    if (v_signs) v = lse_unrotate(v, D, sw);
+    if (threadIdx.x < 256 && e < HD) out[(long long)r * HD + e] = v;
+    if (xq) digits_block256(v, blockIdx.y, (long long)nd * r, ncp, nd, xq, xs, xm);
+}
+// attn_merge: grid (T, ceil(n_head * D / 256)), LSE_THREADS threads. attn_merge_digits writes the
+// digits as well (n_head * D a multiple of 256; bit for bit the same merge).
 extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
     int n_split, const unsigned int* __restrict__ v_signs) { GRID_DEP_WAIT();
-    const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
-    const unsigned int sw = v_signs ? lse_sign_word(D, v_signs) : 0u;
-    float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
-    if (v_signs) v = lse_unrotate(v, D, sw);
-    if (threadIdx.x < 256 && e < HD) out[(long long)r * HD + e] = v;
+    attn_merge_impl<false>(part_acc, part_ml, out, n_head, D, n_split, v_signs, nullptr, nullptr, nullptr, 0, 0);
 }
-// attn_merge writing the rows' digit columns for gemv_int.cu as well (digits.cuh; row t's from
-// column nd t of ncp), for an integer GEMV that reads the output next (the attention output
-// projection): grid (T, n_head * D / 256), LSE_THREADS threads, the block's element i that of
-// attn_merge (bit for bit: the same merge).
 extern "C" __global__ void __launch_bounds__(LSE_THREADS) attn_merge_digits(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
     int n_split, const unsigned int* __restrict__ v_signs, i8* __restrict__ xq, float* __restrict__ xs,
     i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
-    const int r = blockIdx.x, HD = n_head * D, e = blockIdx.y * 256 + threadIdx.x;
-    const unsigned int sw = v_signs ? lse_sign_word(D, v_signs) : 0u;
-    float v = attn_merge_window(part_acc, part_ml, n_head, D, n_split);
-    if (v_signs) v = lse_unrotate(v, D, sw);
-    if (threadIdx.x < 256) out[(long long)r * HD + e] = v;
-    digits_block256(v, blockIdx.y, (long long)nd * r, ncp, nd, xq, xs, xm);
+    attn_merge_impl<false>(part_acc, part_ml, out, n_head, D, n_split, v_signs, xq, xs, xm, ncp, nd);
 }
+#if LSE_CLUSTER
+// attn_merge / attn_merge_digits by clusters (sm_90+): grid (T, ceil(n_head * D / 256),
+// LSE_GROUPS), 256 threads, a cluster per window (cuda.py merge_launch with cluster=True)
+extern "C" __global__ void __launch_bounds__(256) LSE_CLUSTER_DIMS attn_merge_c(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
+    int n_split, const unsigned int* __restrict__ v_signs) { GRID_DEP_WAIT();
+    attn_merge_impl<true>(part_acc, part_ml, out, n_head, D, n_split, v_signs, nullptr, nullptr, nullptr, 0, 0);
+}
+extern "C" __global__ void __launch_bounds__(256) LSE_CLUSTER_DIMS attn_merge_digits_c(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, float* __restrict__ out, int n_head, int D,
+    int n_split, const unsigned int* __restrict__ v_signs, i8* __restrict__ xq, float* __restrict__ xs,
+    i8* __restrict__ xm, int ncp, int nd) { GRID_DEP_WAIT();
+    attn_merge_impl<true>(part_acc, part_ml, out, n_head, D, n_split, v_signs, xq, xs, xm, ncp, nd);
+}
+#endif
 // attn_stream_d<D>: attn_partial's partials for long rows, K / V streamed through shared memory
 // (attn_stream.cuh) from f16 rows
 template <int D>

@@ -12,6 +12,14 @@
 // reduces (M, L) over the splits, 32 splits per load, and (2) LSE_GROUPS groups of 256 threads
 // each sum every LSE_GROUPS-th split of the values, summed in a fixed order at the end (the
 // result is deterministic, and the same for every kernel that merges through it).
+// lse_merge_window<NR, true> (sm_90+) runs the LSE_GROUPS groups as the blocks of a thread-block
+// cluster of LSE_GROUPS 256-thread blocks instead (CUDA Programming Guide, "Thread Block
+// Clusters" / "Distributed Shared Memory"; PTX ISA mapa, st.shared::cluster, barrier.cluster):
+// block z of the cluster sums the chain that group z sums in one block, the other blocks store
+// their sums into block 0's shared memory, and block 0 adds them in the same order: the same
+// bits. A 256-thread block fits on an SM beside a KV tier's 8-warp streaming block, where the
+// 1,024-thread one waits for it to finish (CUDA_NOTES session 34), and the chains' loads spread
+// over four SMs.
 
 #define LSE_NEG_INF (-__int_as_float(0x7f800000))
 #define LSE_GROUPS 4
@@ -30,15 +38,43 @@ struct LseRun {
     int n;
 };
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LSE_CLUSTER 1
+// the cluster merges' shape: LSE_GROUPS blocks along z (their cluster ranks are blockIdx.z)
+#define LSE_CLUSTER_DIMS __cluster_dims__(1, 1, LSE_GROUPS)
+// the cluster barrier: every thread of every block of the cluster arrives, then waits for the
+// rest (release / acquire: shared-memory stores before it, remote ones included, are visible
+// after it). arrive.relaxed + wait alone: every block of the cluster has started (a block's
+// shared memory may be written remotely only then).
+#define LSE_CLUSTER_ARRIVE() asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory")
+#define LSE_CLUSTER_WAIT() asm volatile("barrier.cluster.wait.aligned;" ::: "memory")
+#define LSE_CLUSTER_SYNC() \
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory")
+// v stored at shared address s of block rank of this block's cluster
+__device__ __forceinline__ void lse_cluster_put(float* s, unsigned int rank, float v) {
+    unsigned int a = (unsigned int)__cvta_generic_to_shared(s), r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(r), "f"(v) : "memory");
+}
+#else
+#define LSE_CLUSTER 0
+#endif
+
 // The merged value of element e0 + threadIdx.x of a row of HD = n_head * D values, for threads
 // 0..255 of the block (the others return 0): runs(h, k) gives run k < NR of head h (the runs
 // of a head merge as one list of partials). Every thread of the LSE_THREADS-thread block calls
-// it, once per kernel. Window elements at or past HD return 0.
-template <int NR, class Runs>
+// it, once per kernel. Window elements at or past HD return 0. CL (LSE_CLUSTER only): every
+// thread of each 256-thread block of an LSE_GROUPS-block cluster (LSE_CLUSTER_DIMS) calls it;
+// block 0's threads get the values, the other blocks' 0.
+template <int NR, bool CL = false, class Runs>
 __device__ __forceinline__ float lse_merge_window(Runs runs, int HD, int D, int e0) {
     __shared__ float s_ml[256 / 32][2];  // (M, L) of the window's heads: at most 8 for D a multiple of 32 (merge_launch)
     __shared__ float s_a[LSE_GROUPS - 1][256];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = threadIdx.x >> 8, i = threadIdx.x & 255;
+#if LSE_CLUSTER
+    if (CL) LSE_CLUSTER_ARRIVE();  // this block has started (waited for before the remote stores)
+#endif
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, i = threadIdx.x & 255;
+    const int grp = CL ? (int)blockIdx.z : threadIdx.x >> 8;
     const int e1 = min(HD, e0 + 256), h0 = e0 / D, nh = (e1 - 1) / D - h0 + 1;
     if (warp < nh) {
         float M = LSE_NEG_INF, L = 0.f;
@@ -84,8 +120,17 @@ __device__ __forceinline__ float lse_merge_window(Runs runs, int HD, int D, int 
             }
         }
     }
-    if (grp > 0) s_a[grp - 1][i] = A;
-    __syncthreads();
+#if LSE_CLUSTER
+    if (CL) {  // the chains' sums into block 0's s_a
+        LSE_CLUSTER_WAIT();
+        if (grp > 0) lse_cluster_put(&s_a[grp - 1][i], 0u, A);
+        LSE_CLUSTER_SYNC();
+    } else
+#endif
+    {
+        if (grp > 0) s_a[grp - 1][i] = A;
+        __syncthreads();
+    }
     if (grp > 0) return 0.f;
 #pragma unroll
     for (int g = 0; g < LSE_GROUPS - 1; g++) A += s_a[g][i];

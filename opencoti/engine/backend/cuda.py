@@ -478,15 +478,27 @@ def _sp_smem(d: int) -> int:
 
 
 MERGE_GROUPS = 4  # lse_merge.cuh LSE_GROUPS: 256-thread groups of a merge block
+# on sm_90+ the attention merges of split rows run as thread-block clusters (attn_merge_c /
+# attn_merge_digits_c: a 256-element window's four summation chains in four 256-thread blocks of
+# a cluster instead of one 1,024-thread block; the same bits). Such a block fits on an SM beside a
+# KV tier's 8-warp streaming block, where the 1,024-thread one waits for that kernel to end, and
+# the chains' loads spread over four SMs. H200, synthetic gemma-3-270m, GPU time a step, on / off
+# in one process (CUDA_NOTES session 35): depth 0 f16 1.003, q8_0 1.000, turbo3 1.010; depth
+# 32,768 f16 1.007, q8_0 1.020, turbo3 1.019. OPENCOTI_CUDA_MERGE_CLUSTER=0: one block a window.
+MERGE_CLUSTER = os.environ.get("OPENCOTI_CUDA_MERGE_CLUSTER", "1") != "0"
 
 
-def merge_launch(T: int, H: int, D: int) -> tuple:
+def merge_launch(T: int, H: int, D: int, cluster: bool = False) -> tuple:
     """``(grid, block)`` of the attention merges (attn_merge, sp_merge and their ``_digits``
     forms; lse_merge.cuh) for ``T`` rows of ``H`` heads of size ``D``: a block per 256-element
-    window of a row, ``256 * MERGE_GROUPS`` threads. Raises ValueError unless ``D`` is a multiple
-    of 32 (a window then touches at most 8 heads, the kernel's per-head slots)."""
+    window of a row, ``256 * MERGE_GROUPS`` threads; ``cluster``: the cluster kernels' (attn_merge_c,
+    attn_merge_digits_c), ``MERGE_GROUPS`` blocks of 256 threads along z per window. Raises
+    ValueError unless ``D`` is a multiple of 32 (a window then touches at most 8 heads, the
+    kernel's per-head slots)."""
     if D <= 0 or D % 32:
         raise ValueError(f"attention merge: head size {D} is not a multiple of 32")
+    if cluster:
+        return (T, -(-H * D // 256), MERGE_GROUPS), (256,)
     return (T, -(-H * D // 256)), (256 * MERGE_GROUPS,)
 
 
@@ -729,6 +741,7 @@ class CUDABackend:
         self._capturing = False
         # programmatic dependent launches inside graph captures (cuda_kernels.Kernel)
         self._pdl = pdl_supported(self.device.compute_capability, cp.cuda.runtime.driverGetVersion())
+        self._clusters = int(self.device.compute_capability) >= 90  # thread-block clusters (the merges)
         self._side = None  # second stream of forked launches (_fork), made on first use
         self.graphs = os.environ.get("OPENCOTI_CUDA_GRAPHS", "1") != "0"
         # (id of the caller's graph store, key) of the graph that run_graph last ran (benchmarks replay it)
@@ -2353,7 +2366,8 @@ class CUDABackend:
             fn((T, n_kv * n_hg, n_split), (128,), args)
         if n_split > 1:
             self._merge("a", "attn_merge", out, H, D, (part_acc, part_ml, out, np.int32(H), np.int32(D),
-                                                       np.int32(n_split), self._merge_signs(tv.name, D, n_split)))
+                                                       np.int32(n_split), self._merge_signs(tv.name, D, n_split)),
+                        cluster=self._clusters and MERGE_CLUSTER)
         return out
 
     def _merge_signs(self, type_v: str, d: int, n_split: int):
@@ -2362,15 +2376,18 @@ class CUDABackend:
         ``type_v``'s output (MERGE_UNROTATE and ``cuda_kv.merge_unrotates``), else a null pointer."""
         return self._kv_signs_dev if MERGE_UNROTATE and cuda_kv.merge_unrotates(type_v, d, n_split) else _NULL
 
-    def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple) -> None:
+    def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple, cluster: bool = False) -> None:
         """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge; grid
         and block: ``merge_launch``) into ``out [T, H * D]``, or its ``_digits`` form that also
-        writes the output projection's digits (``_row_digits``; MERGE_DIGITS)."""
+        writes the output projection's digits (``_row_digits``; MERGE_DIGITS); ``cluster``: the
+        kernel's cluster form (``name`` + ``_c``: attn_merge only, sm_90+; MERGE_CLUSTER)."""
         dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS
+        launch = merge_launch(out.shape[0], H, D, cluster)
+        suffix = "_c" if cluster else ""
         if dg[0] is not _NULL:
-            self._fn(mod, name + "_digits")(*merge_launch(out.shape[0], H, D), args + dg)
+            self._fn(mod, name + "_digits" + suffix)(*launch, args + dg)
         else:
-            self._fn(mod, name)(*merge_launch(out.shape[0], H, D), args)
+            self._fn(mod, name + suffix)(*launch, args)
 
     def _attention_prefill(self, q, q_pos, k_store, v_store, plan, meta: dict, scale: float, n_swa: int,
                            softcap: float):
