@@ -70,6 +70,7 @@ template <int NR, bool CL = false, class Runs>
 __device__ __forceinline__ float lse_merge_window(Runs runs, int HD, int D, int e0) {
     __shared__ float s_ml[256 / 32][2];  // (M, L) of the window's heads: at most 8 for D a multiple of 32 (merge_launch)
     __shared__ float s_a[LSE_GROUPS - 1][256];
+    static_assert(!CL || LSE_CLUSTER, "lse_merge_window: clusters need sm_90+");
 #if LSE_CLUSTER
     if (CL) LSE_CLUSTER_ARRIVE();  // this block has started (waited for before the remote stores)
 #endif
