@@ -75,7 +75,6 @@ def main() -> None:
             fns["stream"] = (be._big_smem_fn("a", f"attn_stream_d{D}{cu._as_suffix(hn)}", smem),
                              nkv * -(-H // nkv // hn), smem)
         threads = {"partial": 128, "stream": 2 * cu._as_tile(D, 2 * D, 2 * D)}  # the stream's: 2 per tile cell
-        merge = be._fn("a", "attn_merge")
         for L in (int(v) for v in a.cells.split(",")):
             q = cp.random.standard_normal((1, H, D), dtype=cp.float32)
             K = (cp.random.standard_normal((L, nkv, D), dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint16)
@@ -89,7 +88,7 @@ def main() -> None:
                     if ns > max(1, L // 8):
                         row.append("")
                         continue
-                    call = _decode_call(cp, fn, merge, (1, gy, ns), threads[kname], smem,
+                    call = _decode_call(cp, be, fn, (1, gy, ns), threads[kname], smem,
                                         [(q, qpos, rv, vo, cells, cpos, k, v) for k, v in kvs], H, nkv, D, ns)
                     us = _graph_time(cp, call, a.reps)
                     best = us if best is None else min(best, us)
@@ -113,15 +112,14 @@ def _kv_copies(cp, K, V, copies: int, l2: int, most: int) -> list:
     return [(K, V)] + [(K.copy(), V.copy()) for _ in range(n - 1)]
 
 
-def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: list, H: int, nkv: int, D: int,
+def _decode_call(cp, be, fn, grid: tuple, threads: int, smem: int, inputs: list, H: int, nkv: int, D: int,
                  ns: int, extra: tuple = (), v_signs=np.uint64(0)):
     """A closure launching decode kernel ``fn`` (grid, threads, shared memory) with ``ns`` splits,
-    plus ``attn_merge`` when it splits, into buffers of its own; call i reads ``inputs[i % len]``
+    plus backend ``be``'s ``attn_merge`` when it splits (its cluster form where the backend takes
+    it), into buffers of its own; call i reads ``inputs[i % len]``
     (each a tuple q, q_pos, row_view, view_off, cells, cell_pos, K, V: copies of one cache);
     ``extra``: arguments after the output buffers (a tier kernel's q_rot); ``v_signs``: the merge's
     (a rotated V tier's sign words where the merge un-rotates, cuda_kv.merge_unrotates)."""
-    from opencoti.engine.backend.cuda import merge_launch
-
     out = cp.empty((1, H * D), cp.float32)
     pa, pm = cp.empty((H * ns * D,), cp.float32), cp.empty((H * ns * 2,), cp.float32)
     turn = [0]
@@ -132,7 +130,8 @@ def _decode_call(cp, fn, merge, grid: tuple, threads: int, smem: int, inputs: li
         fn(grid, (threads,), args + (np.int32(H), np.int32(nkv), np.float32(D ** -0.5), np.int32(0), np.float32(0),
                                      np.int32(ns), out, pa, pm) + extra, shared_mem=smem)
         if ns > 1:
-            merge(*merge_launch(1, H, D), (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns), v_signs))
+            be._merge("a", "attn_merge", out, H, D, (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns), v_signs),
+                      cluster=be._merge_clusters())
 
     return call
 
@@ -178,7 +177,7 @@ def _tier_table(be, cp, cu, a, H: int, nkv: int, D: int, l2: int) -> None:
             for i, ns in enumerate(dict.fromkeys(counts)):
                 launch = be._stream_pin_smem(smem, fit, gy * ns)  # as attention_cells launches it
                 cu._raise_smem(fn, launch)
-                call = _decode_call(cp, fn, be._fn("a", "attn_merge"), (1, gy, ns), threads, launch,
+                call = _decode_call(cp, be, fn, (1, gy, ns), threads, launch,
                                     [(q, qpos, rv, vo, cells, cpos, k, v) for k, v in kvs], H, nkv, D, ns,
                                     () if t == "f16" else (np.int32(0),),
                                     be._merge_signs(t, D, ns))

@@ -2367,7 +2367,7 @@ class CUDABackend:
         if n_split > 1:
             self._merge("a", "attn_merge", out, H, D, (part_acc, part_ml, out, np.int32(H), np.int32(D),
                                                        np.int32(n_split), self._merge_signs(tv.name, D, n_split)),
-                        cluster=self._clusters and MERGE_CLUSTER)
+                        cluster=self._merge_clusters())
         return out
 
     def _merge_signs(self, type_v: str, d: int, n_split: int):
@@ -2375,6 +2375,11 @@ class CUDABackend:
         on the device (``cuda_kv.sign_words``, uint32 [16]) where the merge un-rotates V tier
         ``type_v``'s output (MERGE_UNROTATE and ``cuda_kv.merge_unrotates``), else a null pointer."""
         return self._kv_signs_dev if MERGE_UNROTATE and cuda_kv.merge_unrotates(type_v, d, n_split) else _NULL
+
+    def _merge_clusters(self) -> bool:
+        """Whether attn_merge runs as thread-block clusters (``_merge``'s ``cluster``): sm_90+ and
+        MERGE_CLUSTER."""
+        return self._clusters and MERGE_CLUSTER
 
     def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple, cluster: bool = False) -> None:
         """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge; grid
