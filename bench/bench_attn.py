@@ -130,8 +130,7 @@ def _decode_call(cp, be, fn, grid: tuple, threads: int, smem: int, inputs: list,
         fn(grid, (threads,), args + (np.int32(H), np.int32(nkv), np.float32(D ** -0.5), np.int32(0), np.float32(0),
                                      np.int32(ns), out, pa, pm) + extra, shared_mem=smem)
         if ns > 1:
-            be._merge("a", "attn_merge", out, H, D, (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns), v_signs),
-                      cluster=be._merge_clusters())
+            be._merge("a", "attn_merge", out, H, D, (pa, pm, out, np.int32(H), np.int32(D), np.int32(ns), v_signs))
 
     return call
 

@@ -2277,10 +2277,11 @@ def test_cluster_merge_bit_identical(gpu, monkeypatch, d, n_head, rows, n_split)
             monkeypatch.setattr(gpu, "_digit_cols", cols)
             got = []
             for cluster in (False, True):
+                monkeypatch.setattr(cu, "MERGE_CLUSTER", cluster)
                 out = cp.full((rows, width), np.nan, dtype=np.float32)
                 gpu._digits_of = (None, None)
                 gpu._merge("a", "attn_merge", out, n_head, d, (acc, ml, out, np.int32(n_head), np.int32(d),
-                                                              np.int32(n_split), v_signs), cluster=cluster)
+                                                              np.int32(n_split), v_signs))
                 wrote = gpu._digits_of[0] is out
                 assert wrote == dg, "digits written" if wrote else "no digits written"
                 got.append((cp.asnumpy(out), _one_token_digits(gpu._digits_of[1]) if dg else []))

@@ -486,6 +486,7 @@ MERGE_GROUPS = 4  # lse_merge.cuh LSE_GROUPS: 256-thread groups of a merge block
 # in one process (CUDA_NOTES session 35): depth 0 f16 1.003, q8_0 1.000, turbo3 1.010; depth
 # 32,768 f16 1.007, q8_0 1.020, turbo3 1.019. OPENCOTI_CUDA_MERGE_CLUSTER=0: one block a window.
 MERGE_CLUSTER = os.environ.get("OPENCOTI_CUDA_MERGE_CLUSTER", "1") != "0"
+CLUSTER_MERGES = {"attn_merge"}  # the merge kernels with a cluster form (``name`` + ``_c``)
 
 
 def merge_launch(T: int, H: int, D: int, cluster: bool = False) -> tuple:
@@ -2366,8 +2367,7 @@ class CUDABackend:
             fn((T, n_kv * n_hg, n_split), (128,), args)
         if n_split > 1:
             self._merge("a", "attn_merge", out, H, D, (part_acc, part_ml, out, np.int32(H), np.int32(D),
-                                                       np.int32(n_split), self._merge_signs(tv.name, D, n_split)),
-                        cluster=self._merge_clusters())
+                                                       np.int32(n_split), self._merge_signs(tv.name, D, n_split)))
         return out
 
     def _merge_signs(self, type_v: str, d: int, n_split: int):
@@ -2376,16 +2376,12 @@ class CUDABackend:
         ``type_v``'s output (MERGE_UNROTATE and ``cuda_kv.merge_unrotates``), else a null pointer."""
         return self._kv_signs_dev if MERGE_UNROTATE and cuda_kv.merge_unrotates(type_v, d, n_split) else _NULL
 
-    def _merge_clusters(self) -> bool:
-        """Whether attn_merge runs as thread-block clusters (``_merge``'s ``cluster``): sm_90+ and
-        MERGE_CLUSTER."""
-        return self._clusters and MERGE_CLUSTER
-
-    def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple, cluster: bool = False) -> None:
+    def _merge(self, mod: str, name: str, out, H: int, D: int, args: tuple) -> None:
         """Launch attention merge kernel ``name`` of module ``mod`` (attn_merge, sp_merge; grid
         and block: ``merge_launch``) into ``out [T, H * D]``, or its ``_digits`` form that also
-        writes the output projection's digits (``_row_digits``; MERGE_DIGITS); ``cluster``: the
-        kernel's cluster form (``name`` + ``_c``: attn_merge only, sm_90+; MERGE_CLUSTER)."""
+        writes the output projection's digits (``_row_digits``; MERGE_DIGITS); on sm_90+ with
+        MERGE_CLUSTER, a kernel of CLUSTER_MERGES as its cluster form (``name`` + ``_c``)."""
+        cluster = self._clusters and MERGE_CLUSTER and name in CLUSTER_MERGES
         dg = self._row_digits(out) if MERGE_DIGITS else _NO_DIGITS
         launch = merge_launch(out.shape[0], H, D, cluster)
         suffix = "_c" if cluster else ""
