@@ -63,6 +63,11 @@ _WAIT_INSIDE = {("gemvi_12_##SUFFIX", "F12("), ("gemvi_14_##SUFFIX", "F14("),
                 ("gemvi_duo_##A##r##RA##_##B##r##RB##SFX", "if(blockIdx.y<ny1)gemvi_ring_at<"),
                 ("NAME", "ifconstexpr(OK)attn_kv_impl<"), ("attn_kv_stream", "ifconstexpr(AS_KV_OK)attn_stream_impl<"),
                 ("NAME", "attn_stream_impl<D,HN,AsF16<D>,AsF16<D>>(")}
+# the fused rope + KV store kernels compute their rope angle (rope.cuh rope_cs_pre: pos, the
+# host-staged positions, and ff, a weight) before the wait: (name, first statement, what follows
+# it up to the wait)
+_ANGLE_FIRST = {("rope_kv_write", "float2cs;"), ("rope_kv_write_q", "float2cs;")}
+_ANGLE_PREAMBLE = "float2cs;constfloat2*pcs=ROPE_CS_PRE(cs);GRID_DEP_WAIT();"
 # the device functions those kernels call, which wait themselves: (source, function) -> waits
 _IMPL_WAITS = {("gemv_int.cu", "gemvi_ring_at("): 2, ("gemv_int.cu", "gemvi_impl("): 1,
                ("attention.cu", "attn_kv_impl("): 1, ("attn_stream.cuh", "attn_stream_impl("): 1}
@@ -91,8 +96,14 @@ def test_every_kernel_waits_first(module):
     assert first, module
     waits = ("GRID_DEP_WAIT();", "GRID_DEP_WAIT_LATE();")
     late = [(name, stmt) for name, stmt in first
-            if stmt not in waits and not any(name == n and stmt.startswith(p) for n, p in _WAIT_INSIDE)]
+            if stmt not in waits and not any(name == n and stmt.startswith(p) for n, p in _WAIT_INSIDE)
+            and (name, stmt) not in _ANGLE_FIRST]
     assert not late, (module, late)
+    for name, stmt in first:
+        if (name, stmt) in _ANGLE_FIRST:  # the angle, then the wait, nothing else
+            body = _COMMENT.sub("", src)
+            body = body[body.index("{", body.index(f"void {name}(")) + 1:]
+            assert re.sub(r"\s+", "", body)[:len(_ANGLE_PREAMBLE)] == _ANGLE_PREAMBLE, (module, name)
     assert {name for name, stmt in first if stmt == waits[1]} == (
         {f"gemmi_{t}_{v}_n##NT##SFX" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
     names = {name for name, _ in first}
@@ -153,3 +164,17 @@ def test_attention_sources_define_the_v_prefetch():
     assert "#define ATTN_V_PREFETCH 0\n" in src and "#define ATTN_V_PREFETCH 1\n" not in src
     with pytest.raises(ValueError, match="0, 1 or 2, not 3"):
         cuda_kv.f16_attention_source(3)
+
+
+def test_rope_angle_before_the_wait_reads_no_kernel_output():
+    """rope_cs_pre (rope.cuh), which the fused rope + KV store kernels run before their PDL wait,
+    reads only pos and ff (and the scalars): not q / k / v, the cells or the caches, which the
+    kernels before it write; rope_cs, which it calls, takes no pointer but ff."""
+    src = _COMMENT.sub("", cuda_kernels.read_source("rope_store.cu"))
+    body = src[src.index("rope_cs_pre(float2& cs"):]
+    body = body[body.index("{"):body.index("\n}\n")]
+    assert re.findall(r"\b(pos|ff)\[", body) == ["pos"]  # pos[t]; ff goes to rope_cs
+    assert not re.findall(r"(?<![.\w])(q|k|v|in|cell|K|V|q_out|x|xr|buf)\b", body)  # (not blockIdx.x)
+    cs = src[src.index("float2 rope_cs(int i"):]
+    cs = cs[:cs.index("\n}\n")]
+    assert re.findall(r"const float\* __restrict__ (\w+)", cs) == ["ff"]

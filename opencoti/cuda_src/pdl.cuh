@@ -7,7 +7,9 @@
 // it depends on has completed and its memory writes are visible. Nothing that an earlier kernel
 // writes is read or written before it, so a kernel sees exactly what a serialized launch would
 // show it. A kernel launched without the attribute returns from the wait at once; before sm_90
-// the wait and the trigger compile to nothing.
+// the wait and the trigger compile to nothing. (Memory no kernel writes may be read before the wait:
+// the fused rope + KV stores compute rope's angles from the host-staged positions there, rope.cuh
+// ROPE_ANGLE_PRE.)
 // OPENCOTI_PDL_EARLY (default 1; cuda_kernels.PDL_EARLY, OPENCOTI_CUDA_PDL_EARLY=0 builds it 0):
 // once past its wait a kernel lets the next one launch (griddepcontrol.launch_dependents), so
 // the next kernel's blocks are resident while this one works instead of only its launch latency

@@ -34,9 +34,31 @@ __device__ __forceinline__ float slab_sum(const float* __restrict__ h, long long
     return v;
 }
 
+// The cos and sin (times mscale) of rope's angle for value i < n_rot of a row at position p:
+// theta = p * base^(-2k / n_rot) / ff[k] (k: i's pair), YaRN's blend when ext_factor != 0
+// (ggml_rope_ext / rope_yarn's formula), in double precision.
+__device__ __forceinline__ float2 rope_cs(int i, int p, int n_rot, float base, float freq_scale, int mode,
+                                          const float* __restrict__ ff, float ext_factor, float corr_lo,
+                                          float corr_hi, float mscale) {
+    const int half = n_rot / 2, k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
+    double inv = pow((double)base, -2.0 * k / n_rot);
+    if (ff) inv /= (double)ff[k];
+    double th_e = (double)p * inv, th = th_e * (double)freq_scale;
+    if (ext_factor != 0.f) {
+        double ramp = ((double)k - (double)corr_lo) / fmax(0.001, (double)corr_hi - (double)corr_lo);
+        double mix = (1.0 - fmin(1.0, fmax(0.0, ramp))) * (double)ext_factor;
+        th = th * (1.0 - mix) + th_e * mix;
+    }
+    double sn, cs;
+    sincos(th, &sn, &cs);
+    return make_float2((float)(cs * (double)mscale), (float)(sn * (double)mscale));
+}
+
 // One row of D values (a head) of rope: xr (ns partial slabs, slab floats apart: slab_sum; plus its
 // projection's bias row br, when not null) normed (norm_w != null), rotated at position p, and
-// handed to store(i, value) for every i < D.
+// handed to store(i, value) for every i < D. cs_pre (null: computed here): this thread's value's
+// (cos, sin), rope_cs of value threadIdx.x, computed before (rope_cs_pre; only where
+// blockDim >= D, one value a thread).
 // buf: D floats of shared memory; all threads of the block take part (block_sum, __syncthreads).
 template <class Store>
 __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, long long slab,
@@ -44,7 +66,7 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
                                          int n_rot, float base, float freq_scale, int mode,
                                          const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
                                          float ext_factor, float corr_lo, float corr_hi, float mscale, float* buf,
-                                         float* sh, Store store) {
+                                         float* sh, Store store, const float2* cs_pre = nullptr) {
     for (int i = threadIdx.x; i < D; i += blockDim.x) {  // the row (+ bias), once
         const float x = slab_sum(xr, i, ns, slab);
         buf[i] = br ? x + br[i] : x;
@@ -59,24 +81,13 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
     for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = buf[i] * r * (norm_w ? norm_w[i] : 1.f);
     __syncthreads();
     int half = n_rot / 2;
-    double p = (double)pos;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         if (i >= n_rot) { store(i, buf[i]); continue; }
         int k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
-        double inv = pow((double)base, -2.0 * k / n_rot);
-        if (ff) inv /= (double)ff[k];
-        double th_e = p * inv, th = th_e * (double)freq_scale;
-        if (ext_factor != 0.f) {
-            double ramp = ((double)k - (double)corr_lo) / fmax(0.001, (double)corr_hi - (double)corr_lo);
-            double mix = (1.0 - fmin(1.0, fmax(0.0, ramp))) * (double)ext_factor;
-            th = th * (1.0 - mix) + th_e * mix;
-        }
-        double sn, cs;
-        sincos(th, &sn, &cs);
-        float c = (float)(cs * (double)mscale), s = (float)(sn * (double)mscale);
+        const float2 cs = cs_pre ? *cs_pre : rope_cs(i, pos, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale);
         int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
         float x0 = buf[i0], x1 = buf[i1];
-        store(i, (i == i0) ? x0 * c - x1 * s : x0 * s + x1 * c);
+        store(i, (i == i0) ? x0 * cs.x - x1 * cs.y : x0 * cs.y + x1 * cs.x);
     }
 }
 
@@ -92,20 +103,21 @@ __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long 
                                               float freq_scale, int mode, const float* __restrict__ ff,
                                               const float* __restrict__ norm_w, float eps, float ext_factor,
                                               float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
-                                              Store store) {
+                                              Store store, const float2* cs_pre = nullptr) {
     const long long t = row / H, h = row - t * H;
     rope_row(x + t * ldx + h * D, ns, slab, bias ? bias + h * D : nullptr, pos[t], D, n_rot, base, freq_scale, mode, ff, norm_w,
-             eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, store);
+             eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, store, cs_pre);
 }
 __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long long ldx, int ns, long long slab,
                                               const float* __restrict__ bias, float* __restrict__ y, long long row, int H,
                                               const int* __restrict__ pos, int D, int n_rot, float base,
                                               float freq_scale, int mode, const float* __restrict__ ff,
                                               const float* __restrict__ norm_w, float eps, float ext_factor,
-                                              float corr_lo, float corr_hi, float mscale, float* buf, float* sh) {
+                                              float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
+                                              const float2* cs_pre = nullptr) {
     float* yr = y + row * D;
     rope_head_row(x, ldx, ns, slab, bias, row, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor,
-                  corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; });
+                  corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; }, cs_pre);
 }
 
 // The inputs of the fused rope + KV store kernels: q [T, Hq, D], k [T, Hk, D], v [T, Hk, dv] with
@@ -143,19 +155,47 @@ struct QKVIn {
 // q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the others return
 // false with kv_row = blockIdx.x - T * Hq (f16's rope_kv_write, grid T * (Hq + Hk): their
 // (token, kv head) row, token kv_row / Hk; rope_store.cu's rope_kv_write_q, grid T * (Hq + 2 Hk):
-// the K rows, then the V rows).
+// the K rows, then the V rows). cs_pre: rope_row's.
 __device__ __forceinline__ bool rope_q_block(const QKVIn& in, float* __restrict__ q_out, int T, int Hq,
                                              const int* __restrict__ pos, int D, int n_rot, float base,
                                              float freq_scale, int mode, const float* __restrict__ ff,
                                              const float* __restrict__ q_norm, float eps, float ext_factor,
                                              float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
-                                             long long& kv_row) {
+                                             long long& kv_row, const float2* cs_pre = nullptr) {
     const long long row = blockIdx.x;
     if (row < (long long)T * Hq) {
         rope_head_row(in.q, in.ldq, in.nsq, in.slq, in.bq, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps,
-                      ext_factor, corr_lo, corr_hi, mscale, buf, sh);
+                      ext_factor, corr_lo, corr_hi, mscale, buf, sh, cs_pre);
         return true;
     }
     kv_row = row - (long long)T * Hq;
     return false;
 }
+
+// ROPE_ANGLE_PRE (default 1; OPENCOTI_CUDA_ROPE_ANGLE_PRE=0 builds 0): the fused rope + KV store
+// kernels compute each thread's rope angle (rope_cs: a double-precision pow and sincos, the longest
+// dependent chain of a head's rope) before their PDL wait, while the kernel before them (the
+// q / k / v product) still runs, instead of after the row's load and norm. It reads only pos (the
+// ubatch's positions, which the host stages: no kernel writes them) and ff (a model weight), and
+// computes what rope_row would: the same bits. 0: rope_row computes it.
+#ifndef ROPE_ANGLE_PRE
+#define ROPE_ANGLE_PRE 1
+#endif
+
+// A fused rope + KV store kernel's first statement (before GRID_DEP_WAIT): block r < T * Hq a q
+// row (token r / Hq), the next T * Hk the K rows (token (r - T * Hq) / Hk): cs = rope_cs of this
+// thread's value i = threadIdx.x of the block's row (1, 0 for i >= n_rot), returning &cs; null
+// (rope_row computes it) for the other blocks (V rows), a block of fewer threads than D (rope's
+// strided loop) and ROPE_ANGLE_PRE 0.
+__device__ __forceinline__ const float2* rope_cs_pre(float2& cs, int T, int Hq, int Hk, const int* __restrict__ pos,
+                                                     int D, int n_rot, float base, float freq_scale, int mode,
+                                                     const float* __restrict__ ff, float ext_factor, float corr_lo,
+                                                     float corr_hi, float mscale) {
+    const long long r = blockIdx.x, kq = (long long)T * Hq;
+    if (!ROPE_ANGLE_PRE || (int)blockDim.x < D || r >= kq + (long long)T * Hk) return nullptr;
+    const int t = (int)(r < kq ? r / Hq : (r - kq) / Hk), i = threadIdx.x;
+    cs = i < n_rot ? rope_cs(i, pos[t], n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale)
+                   : make_float2(1.f, 0.f);
+    return &cs;
+}
+#define ROPE_CS_PRE(cs) rope_cs_pre(cs, T, Hq, Hk, pos, D, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale)

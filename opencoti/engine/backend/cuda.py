@@ -61,7 +61,7 @@ import numpy as np
 
 from opencoti.engine.backend import cuda_kv
 from opencoti.engine.backend.cpu import rope_kv_write, yarn_corr_dims
-from opencoti.engine.backend.cuda_kernels import Kernel, load_module, load_source, pdl_supported
+from opencoti.engine.backend.cuda_kernels import Kernel, load_module, load_source, pdl_supported, read_source
 from opencoti.engine.backend.experts import ExpertRows
 from opencoti.engine.batch import StepResult
 from opencoti.engine.sampling import rows_argmax
@@ -293,6 +293,12 @@ ATTN_GROUP_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_GROUP_CELLS", "4096"))
 # rope + a scalar- or turbo-tier KV store in one launch (rope_kv_write -> rope_store.cu rope_kv_write_q);
 # OPENCOTI_CUDA_ROPE_KV_TIERS=0: rope, rope and the quantize kernels one by one
 ROPE_KV_TIERS = os.environ.get("OPENCOTI_CUDA_ROPE_KV_TIERS", "1") != "0"
+# the fused rope + KV stores compute rope's angles before their PDL wait (rope.cuh ROPE_ANGLE_PRE: the
+# same bits; 270m at 32,768 +2.8 % f16 / +2.4 % turbo3 GPU time, CUDA_NOTES session 36);
+# OPENCOTI_CUDA_ROPE_ANGLE_PRE=0: after the row's load and norm, as before. Read at the backend's
+# start for the f16 kernels (kernels.cu), when a tier pair's module is built for the others
+# (bench_kv_tiers --variant)
+ROPE_ANGLE_PRE = os.environ.get("OPENCOTI_CUDA_ROPE_ANGLE_PRE", "1") != "0"
 # decode attention's splits (_attn_splits): at most ATTN_SPLIT_CELLS cells each while the grid is
 # small, ATTN_MAX_SPLITS in all
 ATTN_SPLIT_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_SPLIT_CELLS", "256"))
@@ -724,7 +730,8 @@ class CUDABackend:
         self.xp = cp
         self.device = cp.cuda.Device(device)
         self.device.use()
-        self._mods = {"k": load_module("kernels.cu"),
+        self._mods = {"k": load_source(("" if ROPE_ANGLE_PRE else "#define ROPE_ANGLE_PRE 0\n") + read_source("kernels.cu"),
+                                       "kernels"),
                       "a": load_source(cuda_kv.f16_attention_source(ATTN_V_PREFETCH), "attention"),
                       "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"),
                       "m": load_module("mmq.cu"), "i": load_module("gemv_int.cu")}
@@ -2197,10 +2204,11 @@ class CUDABackend:
         """``rope_kv_write_q`` of the (K tier, V tier) pair's rope_store module, compiled on first
         use: ``d_rot`` the head size of a rotated tier, 0 for a pair without one
         (``cuda_kv.rope_store_source``)."""
-        key = ("rope_store", type_k, type_v, d_rot)
+        key = ("rope_store", type_k, type_v, d_rot, ROPE_ANGLE_PRE)
         f = self._fns.get(key)
         if f is None:
-            m = load_source(cuda_kv.rope_store_source(type_k, type_v, d_rot), f"rope_store_{type_k}_{type_v}_d{d_rot}")
+            m = load_source(cuda_kv.rope_store_source(type_k, type_v, d_rot, ROPE_ANGLE_PRE),
+                            f"rope_store_{type_k}_{type_v}_d{d_rot}")
             f = self._fns[key] = self._kernel(m, "rope_kv_write_q")
         return f
 
