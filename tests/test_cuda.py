@@ -1031,6 +1031,51 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("tk,tv", [("f16", "f16"), ("q8_0", "q8_0"), ("turbo3", "turbo3")])
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+def test_rope_kv_write_fused_yarn(gpu, monkeypatch, tk, tv, mode):
+    """YaRN (ext_factor 1, freq_scale 0.25, attn_factor 0.7) through the fused rope + KV stores
+    (kernels.cu rope_kv_write for f16, rope_store.cu rope_kv_write_q for the tiers), whose q and K
+    blocks take rope's angle from rope_cs_pre before their PDL wait: q and the stored K / V bits
+    equal rope, rope and the stores launched one by one (OPENCOTI_CUDA_ROPE_KV_TIERS=0; f16:
+    cpu.rope_kv_write's composition on the GPU), at positions past 30,000 with q / k norms and a
+    partial rotation."""
+    from opencoti.engine.backend import cuda as cu
+    from opencoti.engine.backend.cpu import rope_kv_write
+    from opencoti.model.hparams import RopeYarn
+
+    d, n_head, n_kv, T = 128, 4, 2, 3
+    rng = np.random.default_rng(23)
+    q = rng.standard_normal((T, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    pos = np.array([5, 30001, 40000], np.int32)
+    qn, kn = (cp.asarray(rng.uniform(0.5, 2, d).astype(np.float32)) for _ in range(2))
+    yarn = RopeYarn(ext_factor=1.0, attn_factor=0.7, beta_fast=32.0, beta_slow=1.0, n_ctx_orig=4096)
+    rope = dict(n_rot=96, base=1e6, freq_scale=0.25, mode=mode, freq_factors=None, eps=1e-6, yarn=yarn)
+    seqs = np.ones(T, np.int64)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(cu, "ROPE_KV_TIERS", fused)
+        c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=d, type_k=tk, type_v=tv, zeros=gpu.zeros)
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+        # the tiers' composition by the knob; f16's kernel is always fused: cpu.rope_kv_write's composition
+        f = gpu.rope_kv_write if fused or tk != "f16" else (lambda *a, **kw: rope_kv_write(gpu, *a, **kw))
+        y = f(cp.asarray(q), cp.asarray(k), cp.asarray(v), pos, c, 0, plan, qn, kn, None, **rope)
+        y = cp.asnumpy(y.q if isinstance(y, cu.RotatedQ) else y)
+        if tk.startswith("turbo") and not fused:
+            y = turbo.rotate(y)  # the fused store returns q rotated into the K tier's domain
+        outs.append((y, cp.asnumpy(c.k[0][1, plan.cell]), cp.asnumpy(c.v[0][1, plan.cell])))
+    plain = cp.asnumpy(gpu.rope(cp.asarray(q), pos, 96, 1e6, 0.25, mode, None, norm=qn, eps=1e-6))
+    if tk.startswith("turbo"):
+        plain = turbo.rotate(plain)
+    assert np.abs(plain - outs[0][0]).max() > 0.05  # YaRN changed q: the comparison is not vacuous
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------
 # attention over cells
 # ---------------------------------------------------------------------------------------

@@ -87,7 +87,8 @@ def _function_body(src: str, fn: str) -> str:
 def test_every_kernel_waits_first(module):
     """Every kernel of every module (the generated tier modules included) starts with
     GRID_DEP_WAIT() (GRID_DEP_WAIT_LATE() for gemv_int.cu's gemmi, the only ones): nothing is read
-    or written before it; the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, and the
+    or written before it but for the fused rope + KV stores' rope angle (ROPE_CS_PRE, then the
+    wait: test_rope_angle_before_the_wait_reads_no_kernel_output); the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, and the
     attention kernels over KV tiers (and f16's streaming one) to attn_kv_impl / attn_stream_impl,
     which each wait once (the ring once per #if branch), before their first read of the
     activations / of any memory a kernel writes."""
@@ -167,14 +168,20 @@ def test_attention_sources_define_the_v_prefetch():
 
 
 def test_rope_angle_before_the_wait_reads_no_kernel_output():
-    """rope_cs_pre (rope.cuh), which the fused rope + KV store kernels run before their PDL wait,
-    reads only pos and ff (and the scalars): not q / k / v, the cells or the caches, which the
-    kernels before it write; rope_cs, which it calls, takes no pointer but ff."""
+    """rope_cs_pre (rope.cuh), which the fused rope + KV store kernels run before their PDL wait
+    (ROPE_CS_PRE), reads only pos[t] and, through rope_cs, ff[k] (and the scalars): not q / k / v,
+    the cells or the caches, which the kernels before it write. The macro hands it exactly the
+    kernel parameters of those names; its only pointers are pos and ff."""
     src = _COMMENT.sub("", cuda_kernels.read_source("rope_store.cu"))
-    body = src[src.index("rope_cs_pre(float2& cs"):]
-    body = body[body.index("{"):body.index("\n}\n")]
-    assert re.findall(r"\b(pos|ff)\[", body) == ["pos"]  # pos[t]; ff goes to rope_cs
+    macro = re.search(r"#define ROPE_CS_PRE\(cs\) rope_cs_pre\(([^)]*)\)", src)
+    assert macro and re.sub(r"\s+", "", macro.group(1)) == (
+        "cs,T,Hq,Hk,pos,D,n_rot,base,freq_scale,mode,ff,ext_factor,corr_lo,corr_hi,mscale")
+    head = src[src.index("rope_cs_pre(float2& cs"):]
+    body = head[head.index("{"):head.index("\n}\n")]
+    assert re.findall(r"[\w:]+\*\s*(?:__restrict__\s*)?(\w+)", head[:head.index("{")]) == ["pos", "ff"]
+    assert re.findall(r"(?<![.\w])(?:pos|ff)\b\W*", body) == ["pos[", "ff, "]  # pos[t]; ff handed to rope_cs
     assert not re.findall(r"(?<![.\w])(q|k|v|in|cell|K|V|q_out|x|xr|buf)\b", body)  # (not blockIdx.x)
     cs = src[src.index("float2 rope_cs(int i"):]
     cs = cs[:cs.index("\n}\n")]
     assert re.findall(r"const float\* __restrict__ (\w+)", cs) == ["ff"]
+    assert re.findall(r"(?<![.\w])(?:ff)\b\W*", cs) == ["ff, ", "ff) ", "ff["]  # the parameter, if (ff), ff[k]
