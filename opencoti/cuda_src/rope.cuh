@@ -34,13 +34,20 @@ __device__ __forceinline__ float slab_sum(const float* __restrict__ h, long long
     return v;
 }
 
+// Rope's pair index k of value i < n_rot: mode 2 (neox) pairs i and i + n_rot / 2, mode 0 pairs
+// 2 k and 2 k + 1.
+__device__ __forceinline__ int rope_pair(int i, int n_rot, int mode) {
+    const int half = n_rot / 2;
+    return mode == 2 ? (i < half ? i : i - half) : (i >> 1);
+}
+
 // The cos and sin (times mscale) of rope's angle for value i < n_rot of a row at position p:
 // theta = p * base^(-2k / n_rot) / ff[k] (k: i's pair), YaRN's blend when ext_factor != 0
 // (ggml_rope_ext / rope_yarn's formula), in double precision.
 __device__ __forceinline__ float2 rope_cs(int i, int p, int n_rot, float base, float freq_scale, int mode,
                                           const float* __restrict__ ff, float ext_factor, float corr_lo,
                                           float corr_hi, float mscale) {
-    const int half = n_rot / 2, k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
+    const int k = rope_pair(i, n_rot, mode);
     double inv = pow((double)base, -2.0 * k / n_rot);
     if (ff) inv /= (double)ff[k];
     double th_e = (double)p * inv, th = th_e * (double)freq_scale;
@@ -83,7 +90,7 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
     int half = n_rot / 2;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         if (i >= n_rot) { store(i, buf[i]); continue; }
-        int k = mode == 2 ? (i < half ? i : i - half) : (i >> 1);
+        int k = rope_pair(i, n_rot, mode);
         const float2 cs = cs_pre ? *cs_pre : rope_cs(i, pos, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale);
         int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
         float x0 = buf[i0], x1 = buf[i1];

@@ -175,8 +175,8 @@ def rope_store_source(type_k: str, type_v: str, d: int, angle_pre: bool = True) 
     (``rope_store.cu``'s ``rope_kv_write_q`` compiled with ``RS_TK`` / ``RS_TV`` / ``RS_D``):
     ``d`` is the head size of a rotated K or V tier (64, 128 or 256); a pair of float and scalar
     tiers gets one module for every head size (``RS_D`` 0). ``angle_pre``: the module's
-    ``ROPE_ANGLE_PRE`` (rope.cuh: rope's angles before the kernel's PDL wait). ``ValueError`` for a tier outside ``ROPE_STORE_TIERS`` or
-    a rotated tier at another head size."""
+    ``ROPE_ANGLE_PRE`` (rope.cuh: rope's angles before the kernel's PDL wait). ``ValueError``
+    for a tier outside ``ROPE_STORE_TIERS`` or a rotated tier at another head size."""
     for name in (type_k, type_v):
         if name not in ROPE_STORE_TIERS:
             raise ValueError(f"no fused rope + KV store for KV cache type {name}")
