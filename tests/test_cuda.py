@@ -1036,8 +1036,8 @@ def test_rope_kv_write_tiers_fused(gpu, monkeypatch, tk, tv, d, dv, n_head, n_kv
 def test_rope_kv_write_fused_yarn(gpu, monkeypatch, tk, tv, mode):
     """YaRN (ext_factor 1, freq_scale 0.25, attn_factor 0.7) through the fused rope + KV stores
     (kernels.cu rope_kv_write for f16, rope_store.cu rope_kv_write_q for the tiers), whose q and K
-    blocks take rope's angle from rope_cs_pre before their PDL wait: q and the stored K / V bits
-    equal rope, rope and the stores launched one by one (OPENCOTI_CUDA_ROPE_KV_TIERS=0; f16:
+    blocks take rope's angle and weights from rope_pre before their PDL wait: q and the stored
+    K / V bits equal rope, rope and the stores launched one by one (OPENCOTI_CUDA_ROPE_KV_TIERS=0; f16:
     cpu.rope_kv_write's composition on the GPU), at positions past 30,000 with q / k norms and a
     partial rotation."""
     from opencoti.engine.backend import cuda as cu

@@ -63,11 +63,11 @@ _WAIT_INSIDE = {("gemvi_12_##SUFFIX", "F12("), ("gemvi_14_##SUFFIX", "F14("),
                 ("gemvi_duo_##A##r##RA##_##B##r##RB##SFX", "if(blockIdx.y<ny1)gemvi_ring_at<"),
                 ("NAME", "ifconstexpr(OK)attn_kv_impl<"), ("attn_kv_stream", "ifconstexpr(AS_KV_OK)attn_stream_impl<"),
                 ("NAME", "attn_stream_impl<D,HN,AsF16<D>,AsF16<D>>(")}
-# the fused rope + KV store kernels compute their rope angle (rope.cuh rope_cs_pre: pos, the
-# host-staged positions, and ff, a weight) before the wait: (name, first statement, what follows
-# it up to the wait)
-_ANGLE_FIRST = {("rope_kv_write", "float2cs;"), ("rope_kv_write_q", "float2cs;")}
-_ANGLE_PREAMBLE = "float2cs;constfloat2*pcs=ROPE_CS_PRE(cs);GRID_DEP_WAIT();"
+# the fused rope + KV store kernels compute their rope angle and read their norm weights and
+# biases (rope.cuh rope_pre: pos, the host-staged positions, and weights) before the wait: (name,
+# first statement), and what follows it up to the wait
+_ANGLE_FIRST = {("rope_kv_write", "constRopePrepre=ROPE_PRE();"), ("rope_kv_write_q", "constRopePrepre=ROPE_PRE();")}
+_ANGLE_PREAMBLE = "constRopePrepre=ROPE_PRE();GRID_DEP_WAIT();"
 # the device functions those kernels call, which wait themselves: (source, function) -> waits
 _IMPL_WAITS = {("gemv_int.cu", "gemvi_ring_at("): 2, ("gemv_int.cu", "gemvi_impl("): 1,
                ("attention.cu", "attn_kv_impl("): 1, ("attn_stream.cuh", "attn_stream_impl("): 1}
@@ -87,7 +87,7 @@ def _function_body(src: str, fn: str) -> str:
 def test_every_kernel_waits_first(module):
     """Every kernel of every module (the generated tier modules included) starts with
     GRID_DEP_WAIT() (GRID_DEP_WAIT_LATE() for gemv_int.cu's gemmi, the only ones): nothing is read
-    or written before it but for the fused rope + KV stores' rope angle (ROPE_CS_PRE, then the
+    or written before it but for the fused rope + KV stores' rope inputs (ROPE_PRE, then the
     wait: test_rope_angle_before_the_wait_reads_no_kernel_output); the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, and the
     attention kernels over KV tiers (and f16's streaming one) to attn_kv_impl / attn_stream_impl,
     which each wait once (the ring once per #if branch), before their first read of the
@@ -168,18 +168,22 @@ def test_attention_sources_define_the_v_prefetch():
 
 
 def test_rope_angle_before_the_wait_reads_no_kernel_output():
-    """rope_cs_pre (rope.cuh), which the fused rope + KV store kernels run before their PDL wait
-    (ROPE_CS_PRE), reads only pos[t] and, through rope_cs, ff[k] (and the scalars): not q / k / v,
-    the cells or the caches, which the kernels before it write. The macro hands it exactly the
-    kernel parameters of those names; its only pointers are pos and ff."""
+    """rope_pre (rope.cuh), which the fused rope + KV store kernels run before their PDL wait
+    (ROPE_PRE), reads only pos[t], the norm weights and biases (q_norm / k_norm, bq / bk: model
+    weights) and, through rope_cs, ff[k] (and the scalars): not q / k / v, the cells or the caches,
+    which the kernels before it write. The macro hands it exactly the kernel parameters of those
+    names; its only pointers are pos, ff and the weights."""
     src = _COMMENT.sub("", cuda_kernels.read_source("rope_store.cu"))
-    macro = re.search(r"#define ROPE_CS_PRE\(cs\) rope_cs_pre\(([^)]*)\)", src)
+    macro = re.search(r"#define ROPE_PRE\(\) \\\s*rope_pre\(([^)]*)\)", src)
     assert macro and re.sub(r"\s+", "", macro.group(1)) == (
-        "cs,T,Hq,Hk,pos,D,n_rot,base,freq_scale,mode,ff,ext_factor,corr_lo,corr_hi,mscale")
-    head = src[src.index("rope_cs_pre(float2& cs"):]
+        "T,Hq,Hk,pos,D,n_rot,base,freq_scale,mode,ff,ext_factor,corr_lo,corr_hi,mscale,q_norm,k_norm,bq,bk")
+    head = src[src.index("RopePre rope_pre(int T"):]
     body = head[head.index("{"):head.index("\n}\n")]
-    assert re.findall(r"[\w:]+\*\s*(?:__restrict__\s*)?(\w+)", head[:head.index("{")]) == ["pos", "ff"]
-    assert re.findall(r"(?<![.\w])(?:pos|ff)\b\W*", body) == ["pos[", "ff, "]  # pos[t]; ff handed to rope_cs
+    assert re.findall(r"[\w:]+\*\s*(?:__restrict__\s*)?(\w+)", head[:head.index("{")]) == [
+        "pos", "ff", "q_norm", "k_norm", "bq", "bk"]
+    # pos[t]; ff handed to rope_cs; the weights chosen by the block's role, read through nw / bias
+    assert re.findall(r"(?<![.\w])(?:pos|ff|q_norm|k_norm|bq|bk|nw|bias)\b ?[^\w\s]", body) == [
+        "nw =", "q_norm :", "k_norm;", "bias =", "bq :", "bk;", "nw)", "nw[", "nw[", "bias)", "bias[", "pos[", "ff,"]
     assert not re.findall(r"(?<![.\w])(q|k|v|in|cell|K|V|q_out|x|xr|buf)\b", body)  # (not blockIdx.x)
     cs = src[src.index("float2 rope_cs(int i"):]
     cs = cs[:cs.index("\n}\n")]

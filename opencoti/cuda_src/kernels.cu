@@ -429,22 +429,21 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
 // (flat index cell[t]; row layout [n_kv][D]), with the same head's V row (dv values) into V:
 // the bits of rope + rope + kv_write.
 extern "C" __global__ void rope_kv_write(ROPE_KV_WRITE_PARAMS(u16)) {
-    float2 cs;
-    const float2* pcs = ROPE_CS_PRE(cs);  // (before the wait: rope.cuh ROPE_ANGLE_PRE)
+    const RopePre pre = ROPE_PRE();  // (before the wait: rope.cuh ROPE_ANGLE_PRE)
     GRID_DEP_WAIT();
     const QKVIn in = ROPE_KV_WRITE_IN;
     extern __shared__ float buf[];  // D floats
     __shared__ float sh[32];
     long long row;
     if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                     corr_hi, mscale, buf, sh, row, pcs))
+                     corr_hi, mscale, buf, sh, row, pre))
         return;
     const int t = (int)(row / Hk), h = (int)(row % Hk);
     const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
     for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(in.v_at(t, h, dv, i));
     u16* kr = K + c * D;
     rope_row(in.k_row(t, h, D), in.nsk, in.slk, in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
-             corr_lo, corr_hi, mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); }, pcs);
+             corr_lo, corr_hi, mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); }, pre);
 }
 
 extern "C" __global__ void gelu_tanh(const float* __restrict__ x, float* __restrict__ y, long long n) { GRID_DEP_WAIT();

@@ -54,10 +54,12 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
     const float n = xsqrt(tree64_warp(xmul(y[0], y[0]), xmul(y[1], y[1])));
     const float* th = T::thr();
     int* idx = (int*)(sc + D) + 64 * b;  // the block's indices (sc[0, D) may still be read by other warps)
+    const bool pos = xlt(0.f, n);
+    const float s8 = pos ? xdiv(8.f, n) : 0.f;  // (once for both values: their searches run side by side)
     float yc[2], cc[2];
 #pragma unroll
     for (int p = 0; p < 2; p++) {
-        const float u = xlt(0.f, n) ? xmul(y[p], xdiv(8.f, n)) : 0.f;
+        const float u = pos ? xmul(y[p], s8) : 0.f;
         // searchsorted(thresholds, u, side="left"): the thresholds below u (th < u; a NaN u counts
         // all, as NumPy sorts it last). Up to 15 thresholds by counting (every lane reads the same
         // th[i]: one constant-cache broadcast each, no dependent chain), else a binary search.
@@ -77,11 +79,13 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
         yc[p] = xmul(y[p], c);
         cc[p] = xmul(c, c);
     }
-    const float num = tree64_warp(yc[0], yc[1]), den = tree64_warp(cc[0], cc[1]);  // (their shuffles sync the warp)
-    __syncwarp();  // idx written by the whole warp
-    const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
+    // the payload first: it needs only the indices (written by the whole warp), so its loads and
+    // stores overlap the two sums' shuffles below
+    __syncwarp();
     u8* dst = dst_row + (long long)b * T::BB;
-    if (j == 0) st16(dst, f2h(scale));
 #pragma unroll
     for (int m = j; m < T::BB - 2; m += 32) dst[2 + m] = turbo_pack<T::KBITS>(idx, m);
+    const float num = tree64_warp(yc[0], yc[1]), den = tree64_warp(cc[0], cc[1]);
+    const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
+    if (j == 0) st16(dst, f2h(scale));
 }

@@ -41,6 +41,12 @@ __device__ __forceinline__ int rope_pair(int i, int n_rot, int mode) {
     return mode == 2 ? (i < half ? i : i - half) : (i >> 1);
 }
 
+// The value that value i < n_rot is rotated with (rope_pair's other member).
+__device__ __forceinline__ int rope_partner(int i, int n_rot, int mode) {
+    const int half = n_rot / 2;
+    return mode == 2 ? (i < half ? i + half : i - half) : (i ^ 1);
+}
+
 // The cos and sin (times mscale) of rope's angle for value i < n_rot of a row at position p:
 // theta = p * base^(-2k / n_rot) / ff[k] (k: i's pair), YaRN's blend when ext_factor != 0
 // (ggml_rope_ext / rope_yarn's formula), in double precision.
@@ -61,11 +67,25 @@ __device__ __forceinline__ float2 rope_cs(int i, int p, int n_rot, float base, f
     return make_float2((float)(cs * (double)mscale), (float)(sn * (double)mscale));
 }
 
+// What a thread of a fused rope + KV store's q or K block reads before its PDL wait (rope_pre):
+// the (cos, sin) of its value i = threadIdx.x (rope_cs; 1, 0 for i >= n_rot), the norm weight of
+// value i and of its rope partner (1 without a norm) and value i's projection bias (0 without
+// one). on: false where rope_row reads them itself (RopePre{}: V rows, blocks of fewer threads
+// than D, ROPE_ANGLE_PRE 0). By value, so it stays in registers across the wait (a pointer to it,
+// null or not, had put it in local memory, read back from L2 after the wait).
+struct RopePre {
+    float2 cs = {1.f, 0.f};
+    float w = 1.f, wp = 1.f, b = 0.f;
+    bool on = false;
+};
+
 // One row of D values (a head) of rope: xr (ns partial slabs, slab floats apart: slab_sum; plus its
 // projection's bias row br, when not null) normed (norm_w != null), rotated at position p, and
-// handed to store(i, value) for every i < D. cs_pre (null: computed here): this thread's value's
-// (cos, sin), rope_cs of value threadIdx.x, computed before (rope_cs_pre; only where
-// blockDim >= D, one value a thread).
+// handed to store(i, value) for every i < D. pre.on (rope_pre, only where blockDim >= D): thread
+// i < D takes value i alone, with its angle and weights from pre, and reads its rope partner's
+// unnormed value from buf after the norm's barriers (normed as the partner's thread does: the same
+// bits), so the row takes block_sum's two barriers (one without a norm) and no weight loads;
+// else the strided loops, reading the weights and computing the angles here.
 // buf: D floats of shared memory; all threads of the block take part (block_sum, __syncthreads).
 template <class Store>
 __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, long long slab,
@@ -73,7 +93,38 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
                                          int n_rot, float base, float freq_scale, int mode,
                                          const float* __restrict__ ff, const float* __restrict__ norm_w, float eps,
                                          float ext_factor, float corr_lo, float corr_hi, float mscale, float* buf,
-                                         float* sh, Store store, const float2* cs_pre = nullptr) {
+                                         float* sh, Store store, const RopePre pre = RopePre{}) {
+    if (pre.on) {
+        const int i = threadIdx.x;
+        float x = 0.f;
+        if (i < D) {
+            x = slab_sum(xr, i, ns, slab);
+            if (br) x = x + pre.b;
+            buf[i] = x;
+        }
+        float r = 1.f;
+        if (norm_w) {
+            float s = 0.f;
+            if (i < D) s += x * x;
+            s = block_sum(s, sh);  // (its barriers order buf's writes before the partner's read)
+            r = rsqrtf(s / D + eps);
+        } else {
+            __syncthreads();
+        }
+        if (i < D) {
+            const float xn = x * r * (norm_w ? pre.w : 1.f);
+            if (i >= n_rot) {
+                store(i, xn);
+            } else {
+                const int ip = rope_partner(i, n_rot, mode);
+                const float xp = buf[ip] * r * (norm_w ? pre.wp : 1.f);
+                const bool first = mode == 2 ? i < n_rot / 2 : (i & 1) == 0;  // i is its pair's i0
+                const float x0 = first ? xn : xp, x1 = first ? xp : xn;
+                store(i, first ? x0 * pre.cs.x - x1 * pre.cs.y : x0 * pre.cs.y + x1 * pre.cs.x);
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < D; i += blockDim.x) {  // the row (+ bias), once
         const float x = slab_sum(xr, i, ns, slab);
         buf[i] = br ? x + br[i] : x;
@@ -91,7 +142,7 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         if (i >= n_rot) { store(i, buf[i]); continue; }
         int k = rope_pair(i, n_rot, mode);
-        const float2 cs = cs_pre ? *cs_pre : rope_cs(i, pos, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale);
+        const float2 cs = rope_cs(i, pos, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale);
         int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
         float x0 = buf[i0], x1 = buf[i1];
         store(i, (i == i0) ? x0 * cs.x - x1 * cs.y : x0 * cs.y + x1 * cs.x);
@@ -110,10 +161,10 @@ __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long 
                                               float freq_scale, int mode, const float* __restrict__ ff,
                                               const float* __restrict__ norm_w, float eps, float ext_factor,
                                               float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
-                                              Store store, const float2* cs_pre = nullptr) {
+                                              Store store, const RopePre pre = RopePre{}) {
     const long long t = row / H, h = row - t * H;
     rope_row(x + t * ldx + h * D, ns, slab, bias ? bias + h * D : nullptr, pos[t], D, n_rot, base, freq_scale, mode, ff, norm_w,
-             eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, store, cs_pre);
+             eps, ext_factor, corr_lo, corr_hi, mscale, buf, sh, store, pre);
 }
 __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long long ldx, int ns, long long slab,
                                               const float* __restrict__ bias, float* __restrict__ y, long long row, int H,
@@ -121,10 +172,10 @@ __device__ __forceinline__ void rope_head_row(const float* __restrict__ x, long 
                                               float freq_scale, int mode, const float* __restrict__ ff,
                                               const float* __restrict__ norm_w, float eps, float ext_factor,
                                               float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
-                                              const float2* cs_pre = nullptr) {
+                                              const RopePre pre = RopePre{}) {
     float* yr = y + row * D;
     rope_head_row(x, ldx, ns, slab, bias, row, H, pos, D, n_rot, base, freq_scale, mode, ff, norm_w, eps, ext_factor,
-                  corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; }, cs_pre);
+                  corr_lo, corr_hi, mscale, buf, sh, [&](int i, float v) { yr[i] = v; }, pre);
 }
 
 // The inputs of the fused rope + KV store kernels: q [T, Hq, D], k [T, Hk, D], v [T, Hk, dv] with
@@ -162,17 +213,17 @@ struct QKVIn {
 // q_out [T * Hq, D] (rope_head_row, bias and q_norm first) and return true; the others return
 // false with kv_row = blockIdx.x - T * Hq (f16's rope_kv_write, grid T * (Hq + Hk): their
 // (token, kv head) row, token kv_row / Hk; rope_store.cu's rope_kv_write_q, grid T * (Hq + 2 Hk):
-// the K rows, then the V rows). cs_pre: rope_row's.
+// the K rows, then the V rows). pre: rope_row's.
 __device__ __forceinline__ bool rope_q_block(const QKVIn& in, float* __restrict__ q_out, int T, int Hq,
                                              const int* __restrict__ pos, int D, int n_rot, float base,
                                              float freq_scale, int mode, const float* __restrict__ ff,
                                              const float* __restrict__ q_norm, float eps, float ext_factor,
                                              float corr_lo, float corr_hi, float mscale, float* buf, float* sh,
-                                             long long& kv_row, const float2* cs_pre = nullptr) {
+                                             long long& kv_row, const RopePre pre = RopePre{}) {
     const long long row = blockIdx.x;
     if (row < (long long)T * Hq) {
         rope_head_row(in.q, in.ldq, in.nsq, in.slq, in.bq, q_out, row, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps,
-                      ext_factor, corr_lo, corr_hi, mscale, buf, sh, cs_pre);
+                      ext_factor, corr_lo, corr_hi, mscale, buf, sh, pre);
         return true;
     }
     kv_row = row - (long long)T * Hq;
@@ -180,29 +231,46 @@ __device__ __forceinline__ bool rope_q_block(const QKVIn& in, float* __restrict_
 }
 
 // ROPE_ANGLE_PRE (default 1; OPENCOTI_CUDA_ROPE_ANGLE_PRE=0 builds 0): the fused rope + KV store
-// kernels compute each thread's rope angle (rope_cs: a double-precision pow and sincos, the longest
-// dependent chain of a head's rope) before their PDL wait, while the kernel before them (the
-// q / k / v product) still runs, instead of after the row's load and norm. It reads only pos (the
-// ubatch's positions, which the host stages: no kernel writes them) and ff (a model weight), and
-// computes what rope_row would: the same bits. 0: rope_row computes it.
+// kernels read what their q and K rows' rope needs besides the rows before their PDL wait, while
+// the kernel before them (the q / k / v product) still runs (rope_pre): each thread's rope angle
+// (rope_cs: a double-precision pow and sincos, the longest dependent chain of a head's rope) and
+// its value's norm weights and bias, which rope_row would otherwise load after the wait (a round
+// trip to L2 on the store's critical path). It reads only pos (the ubatch's positions, which the
+// host stages: no kernel writes them), ff, the q / k norms' weights and the q / k projections'
+// biases (model weights), and rope_row computes with them what it would compute itself: the same
+// bits. 0: rope_row computes and loads them.
 #ifndef ROPE_ANGLE_PRE
 #define ROPE_ANGLE_PRE 1
 #endif
 
 // A fused rope + KV store kernel's first statement (before GRID_DEP_WAIT): block r < T * Hq a q
-// row (token r / Hq), the next T * Hk the K rows (token (r - T * Hq) / Hk): cs = rope_cs of this
-// thread's value i = threadIdx.x of the block's row (1, 0 for i >= n_rot), returning &cs; null
-// (rope_row computes it) for the other blocks (V rows), a block of fewer threads than D (rope's
-// strided loop) and ROPE_ANGLE_PRE 0.
-__device__ __forceinline__ const float2* rope_cs_pre(float2& cs, int T, int Hq, int Hk, const int* __restrict__ pos,
-                                                     int D, int n_rot, float base, float freq_scale, int mode,
-                                                     const float* __restrict__ ff, float ext_factor, float corr_lo,
-                                                     float corr_hi, float mscale) {
+// row (token r / Hq, head r % Hq: q_norm, bq), the next T * Hk the K rows (r' = r - T * Hq: token
+// r' / Hk, kv head r' % Hk: k_norm, bk): thread i's RopePre (value i, where i < D). RopePre{} (off)
+// for the other blocks (V rows), a block of fewer threads than D (rope's strided loops) and
+// ROPE_ANGLE_PRE 0.
+__device__ __forceinline__ RopePre rope_pre(int T, int Hq, int Hk, const int* __restrict__ pos, int D, int n_rot,
+                                            float base, float freq_scale, int mode, const float* __restrict__ ff,
+                                            float ext_factor, float corr_lo, float corr_hi, float mscale,
+                                            const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                            const float* __restrict__ bq, const float* __restrict__ bk) {
+    RopePre p;
     const long long r = blockIdx.x, kq = (long long)T * Hq;
-    if (!ROPE_ANGLE_PRE || (int)blockDim.x < D || r >= kq + (long long)T * Hk) return nullptr;
-    const int t = (int)(r < kq ? r / Hq : (r - kq) / Hk), i = threadIdx.x;
-    cs = i < n_rot ? rope_cs(i, pos[t], n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale)
-                   : make_float2(1.f, 0.f);
-    return &cs;
+    if (!ROPE_ANGLE_PRE || (int)blockDim.x < D || r >= kq + (long long)T * Hk) return p;
+    const bool is_q = r < kq;
+    const long long rr = is_q ? r : r - kq;
+    const int H = is_q ? Hq : Hk, t = (int)(rr / H), h = (int)(rr % H), i = threadIdx.x;
+    const float* nw = is_q ? q_norm : k_norm;
+    const float* bias = is_q ? bq : bk;
+    p.on = true;
+    if (i < D) {
+        if (nw) {
+            p.w = nw[i];
+            if (i < n_rot) p.wp = nw[rope_partner(i, n_rot, mode)];
+        }
+        if (bias) p.b = bias[(long long)h * D + i];
+    }
+    if (i < n_rot) p.cs = rope_cs(i, pos[t], n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale);
+    return p;
 }
-#define ROPE_CS_PRE(cs) rope_cs_pre(cs, T, Hq, Hk, pos, D, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale)
+#define ROPE_PRE() \
+    rope_pre(T, Hq, Hk, pos, D, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale, q_norm, k_norm, bq, bk)

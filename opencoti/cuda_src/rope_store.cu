@@ -36,8 +36,7 @@ __device__ __forceinline__ void rs_store_row(int n, u8* dst, float* sc, Val valu
 }
 
 extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
-    float2 cs;
-    const float2* pcs = ROPE_CS_PRE(cs);  // (before the wait: rope.cuh ROPE_ANGLE_PRE)
+    const RopePre pre = ROPE_PRE();  // (before the wait: rope.cuh ROPE_ANGLE_PRE)
     GRID_DEP_WAIT();
     const QKVIn in = ROPE_KV_WRITE_IN;
     extern __shared__ float rbuf[];  // rope's normed input, the K row (scalar tiers), a rotated tier's scratch (2 D)
@@ -48,13 +47,13 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
         if (blockIdx.x < T * Hq) {
             float y = 0.f;  // thread i's value i (blockDim == D)
             rope_head_row(in.q, in.ldq, in.nsq, in.slq, in.bq, blockIdx.x, Hq, pos, D, n_rot, base, freq_scale, mode, ff,
-                          q_norm, eps, ext_factor, corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { y = x; }, pcs);
+                          q_norm, eps, ext_factor, corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { y = x; }, pre);
             q_out[(long long)blockIdx.x * D + threadIdx.x] = fwht_thread<(RS_D > 0 ? RS_D : 64)>(y, sc);
             return;
         }
     }
     if (rope_q_block(in, q_out, T, Hq, pos, D, n_rot, base, freq_scale, mode, ff, q_norm, eps, ext_factor, corr_lo,
-                     corr_hi, mscale, rbuf, sh, row, pcs))
+                     corr_hi, mscale, rbuf, sh, row, pre))
         return;
     const bool is_v = row >= (long long)T * Hk;
     if (is_v) row -= (long long)T * Hk;
@@ -71,7 +70,7 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
              corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) {
                  if constexpr (RS_TK::ROT) y = x;
                  else kb[i] = x;
-             }, pcs);
+             }, pre);
     if constexpr (!RS_TK::ROT) __syncthreads();
     rs_store_row<RS_TK>(D, K + c * (D / RS_TK::BS * RS_TK::BB), sc, [&](int i) { return RS_TK::ROT ? y : kb[i]; });
 }

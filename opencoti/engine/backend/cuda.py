@@ -293,9 +293,9 @@ ATTN_GROUP_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_GROUP_CELLS", "4096"))
 # rope + a scalar- or turbo-tier KV store in one launch (rope_kv_write -> rope_store.cu rope_kv_write_q);
 # OPENCOTI_CUDA_ROPE_KV_TIERS=0: rope, rope and the quantize kernels one by one
 ROPE_KV_TIERS = os.environ.get("OPENCOTI_CUDA_ROPE_KV_TIERS", "1") != "0"
-# the fused rope + KV stores compute rope's angles before their PDL wait (rope.cuh ROPE_ANGLE_PRE: the
-# same bits; 270m at 32,768 +2.8 % f16 / +2.4 % turbo3 GPU time, CUDA_NOTES session 36);
-# OPENCOTI_CUDA_ROPE_ANGLE_PRE=0: after the row's load and norm, as before. Read at the backend's
+# the fused rope + KV stores compute rope's angles and read the q / k norms' weights and biases
+# before their PDL wait (rope.cuh ROPE_ANGLE_PRE, rope_pre: the same bits; CUDA_NOTES sessions 36,
+# 37); OPENCOTI_CUDA_ROPE_ANGLE_PRE=0: after the row's load and norm, as before. Read at the backend's
 # start for the f16 kernels (kernels.cu), when a tier pair's module is built for the others
 # (bench_kv_tiers --variant)
 ROPE_ANGLE_PRE = os.environ.get("OPENCOTI_CUDA_ROPE_ANGLE_PRE", "1") != "0"
