@@ -440,10 +440,20 @@ extern "C" __global__ void rope_kv_write(ROPE_KV_WRITE_PARAMS(u16)) {
         return;
     const int t = (int)(row / Hk), h = (int)(row % Hk);
     const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
-    for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(in.v_at(t, h, dv, i));
+    // a value of V a thread (pre.on: blockDim >= D; dv <= blockDim): loaded before K's row and
+    // stored after its rope, so both rows' loads are in flight together (stored first, V's loads
+    // and K's were two round trips in turn)
+    const bool v_reg = pre.on && dv <= (int)blockDim.x;
+    float vx = 0.f;
+    if (v_reg) {
+        if ((int)threadIdx.x < dv) vx = in.v_at(t, h, dv, threadIdx.x);
+    } else {
+        for (int i = threadIdx.x; i < dv; i += blockDim.x) V[c * dv + i] = f2h(in.v_at(t, h, dv, i));
+    }
     u16* kr = K + c * D;
     rope_row(in.k_row(t, h, D), in.nsk, in.slk, in.k_bias(h, D), pos[t], D, n_rot, base, freq_scale, mode, ff, k_norm, eps, ext_factor,
              corr_lo, corr_hi, mscale, buf, sh, [&](int i, float x) { kr[i] = f2h(x); }, pre);
+    if (v_reg && (int)threadIdx.x < dv) V[c * dv + threadIdx.x] = f2h(vx);
 }
 
 extern "C" __global__ void gelu_tanh(const float* __restrict__ x, float* __restrict__ y, long long n) { GRID_DEP_WAIT();
