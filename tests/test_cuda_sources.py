@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
+from pathlib import Path
 from importlib import resources
 
 import pytest
@@ -189,3 +191,22 @@ def test_rope_angle_before_the_wait_reads_no_kernel_output():
     cs = cs[:cs.index("\n}\n")]
     assert re.findall(r"const float\* __restrict__ (\w+)", cs) == ["ff"]
     assert re.findall(r"(?<![.\w])(?:ff)\b\W*", cs) == ["ff, ", "ff) ", "ff["]  # the parameter, if (ff), ff[k]
+
+
+def test_store_phases_stamps_the_current_sources():
+    """bench/store_phases.py's stamps find each of their anchors exactly once in the fused rope +
+    KV store modules as they are (f16's kernels.cu, a turbo pair's and a scalar pair's
+    rope_store.cu), so the tool stamps the phases it names; an anchor that moved fails it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import store_phases
+
+    def probes(src):  # stamps: PROBE_DEFS defines the two macros; the first stamp inserts two
+        return src.count("PROBE(") + src.count("PROBE_V(") - 3
+
+    f16 = store_phases.stamped(cuda_kernels.read_source("kernels.cu"), "f16")
+    assert probes(f16) == sum(w in ("both", "f16") for w, *_ in store_phases.STAMPS)
+    for tk, d in (("turbo3", 256), ("q8_0", 0)):
+        tier = store_phases.stamped(cuda_kv.rope_store_source(tk, tk, d), "tier")
+        assert probes(tier) == sum(w in ("both", "tier") for w, *_ in store_phases.STAMPS)
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        store_phases.stamped("", "f16")

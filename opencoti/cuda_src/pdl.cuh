@@ -1,7 +1,7 @@
 // Programmatic dependent launch (PDL, sm_90+; CUDA Programming Guide, "Programmatic Dependent
 // Launch and Synchronization"). Every kernel of opencoti/cuda_src starts with GRID_DEP_WAIT()
 // (test_cuda_sources; gemv_int.cu's gemvi_ring first fetches its weights, constants, see below;
-// the fused rope + KV stores first compute rope's angles from the positions, below):
+// the fused rope + KV stores first compute rope's angles and read their norm weights, below):
 // inside a captured decode graph the backend launches its kernels with the programmatic stream
 // serialization attribute (cuda_kernels.Kernel), so a kernel's blocks may be scheduled while the
 // kernel before it in the stream still runs; griddepcontrol.wait then blocks until every kernel
@@ -10,7 +10,8 @@
 // show it. A kernel launched without the attribute returns from the wait at once; before sm_90
 // the wait and the trigger compile to nothing. Memory that no kernel writes may be read before the
 // wait: the fused rope + KV stores compute rope's angles there from the positions, which the host
-// stages, and the frequency factors, a weight (rope.cuh ROPE_ANGLE_PRE).
+// stages, and the frequency factors, and read the q / k norms' weights and biases: weights
+// (rope.cuh ROPE_ANGLE_PRE, rope_pre).
 // OPENCOTI_PDL_EARLY (default 1; cuda_kernels.PDL_EARLY, OPENCOTI_CUDA_PDL_EARLY=0 builds it 0):
 // once past its wait a kernel lets the next one launch (griddepcontrol.launch_dependents), so
 // the next kernel's blocks are resident while this one works instead of only its launch latency
