@@ -967,6 +967,44 @@ def test_rope_kv_write_fused(gpu, cpu, mode, norms, d, n_head, n_kv, T, sliced):
     np.testing.assert_array_equal(outs[0][2], cc.v[0][1, plan.cell])
 
 
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("norms", [False, True])
+def test_rope_kv_write_fused_odd_shapes(gpu, mode, norms):
+    """kernels.cu rope_kv_write (f16 caches) where its one-value-a-thread path (rope.cuh rope_pre,
+    pre.on) meets the shapes the other fused tests leave out: a head size of no multiple of 32
+    (80: a block of 96 threads, 16 idle in the norm's sums and barriers), a partial rotation with
+    and without norms, frequency factors, a K bias (two tokens: _qkv_inputs leaves the V bias out)
+    and d_v != d_k (48: the V value held in a register across K's rope). The bits of rope, rope and
+    kv_write launched one by one (cpu.rope_kv_write's composition on the GPU)."""
+    from opencoti.engine.backend.cpu import rope_kv_write
+
+    d, dv, n_head, n_kv, T, n_rot = 80, 48, 4, 2, 2, 48
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((T, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, dv)).astype(np.float32)
+    pos = np.array([7, 3001], np.int32)
+    qn, kn = (cp.asarray(rng.uniform(0.5, 2, d).astype(np.float32)) for _ in range(2)) if norms else (None, None)
+    ff = cp.asarray(rng.uniform(1, 4, n_rot // 2).astype(np.float32))
+    rope = dict(n_rot=n_rot, base=1e4, freq_scale=1.0, mode=mode, freq_factors=ff, eps=1e-6)
+    dq, bias, _ = _qkv_inputs(q, k, v, rng, True)
+    assert bias[1] is not None and bias[2] is None
+    seqs = np.ones(T, np.int64)
+    outs = []
+    for fused in (True, False):
+        c = KVCache([0], T + 8, 2, 2, n_head_kv=n_kv, d_k=d, d_v=dv, zeros=gpu.zeros)
+        plan = c.prepare(seqs, pos)
+        c.apply(plan, seqs, pos)
+        f = gpu.rope_kv_write if fused else (lambda *a, **kw: rope_kv_write(gpu, *a, **kw))
+        y = f(*dq, pos, c, 0, plan, qn, kn, bias, **rope)
+        outs.append((cp.asnumpy(y), cp.asnumpy(c.k[0][1, plan.cell]), cp.asnumpy(c.v[0][1, plan.cell])))
+    assert np.abs(outs[0][1].astype(np.float32)).sum() > 0 and np.abs(outs[0][2].astype(np.float32)).sum() > 0
+    assert np.abs(outs[0][0] - q).max() > 0.05  # q was rotated: the comparison is not vacuous
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0"),
                                    ("q5_1", "q6_0"), ("bf16", "q5_0"), ("f32", "q8_0"), ("turbo3", "turbo3"),
                                    ("turbo2", "q8_0"), ("q4_0", "turbo4"), ("turbo8", "turbo2")])
