@@ -47,6 +47,12 @@ __device__ __forceinline__ int rope_partner(int i, int n_rot, int mode) {
     return mode == 2 ? (i < half ? i + half : i - half) : (i ^ 1);
 }
 
+// Rope's rotation of a pair (x0, x1) by the angle's (cos, sin): the pair's first value when first,
+// else its second.
+__device__ __forceinline__ float rope_rotate(float x0, float x1, float2 cs, bool first) {
+    return first ? x0 * cs.x - x1 * cs.y : x0 * cs.y + x1 * cs.x;
+}
+
 // The cos and sin (times mscale) of rope's angle for value i < n_rot of a row at position p:
 // theta = p * base^(-2k / n_rot) / ff[k] (k: i's pair), YaRN's blend when ext_factor != 0
 // (ggml_rope_ext / rope_yarn's formula), in double precision.
@@ -112,15 +118,14 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
             __syncthreads();
         }
         if (i < D) {
-            const float xn = x * r * (norm_w ? pre.w : 1.f);
+            const float xn = x * r * pre.w;  // (pre's weights are 1 without a norm)
             if (i >= n_rot) {
                 store(i, xn);
             } else {
                 const int ip = rope_partner(i, n_rot, mode);
-                const float xp = buf[ip] * r * (norm_w ? pre.wp : 1.f);
-                const bool first = mode == 2 ? i < n_rot / 2 : (i & 1) == 0;  // i is its pair's i0
-                const float x0 = first ? xn : xp, x1 = first ? xp : xn;
-                store(i, first ? x0 * pre.cs.x - x1 * pre.cs.y : x0 * pre.cs.y + x1 * pre.cs.x);
+                const float xp = buf[ip] * r * pre.wp;
+                const bool first = i < ip;  // i is its pair's first value
+                store(i, rope_rotate(first ? xn : xp, first ? xp : xn, pre.cs, first));
             }
         }
         return;
@@ -144,8 +149,7 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
         int k = rope_pair(i, n_rot, mode);
         const float2 cs = rope_cs(i, pos, n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale);
         int i0 = mode == 2 ? k : 2 * k, i1 = mode == 2 ? k + half : 2 * k + 1;
-        float x0 = buf[i0], x1 = buf[i1];
-        store(i, (i == i0) ? x0 * cs.x - x1 * cs.y : x0 * cs.y + x1 * cs.x);
+        store(i, rope_rotate(buf[i0], buf[i1], cs, i == i0));
     }
 }
 
