@@ -313,3 +313,24 @@ def test_shared_len_counts_cells_shared_by_membership():
     s.apply(s.prepare(np.zeros(4, np.int64), p4), np.zeros(4, np.int64), p4)
     s.seq_cp(0, 1, 0, 4)  # a physical copy into stream 1
     assert s.shared_len(1, 0, 4) == 0
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_member_at_a_negative_position_is_not_reused(fast):
+    """A token written at a negative position stays its sequence's member: its cell is not handed
+    out again as free (it was, by its position alone: the next token then overwrote it and its
+    sequence's view listed the cell twice, once amid the old cells, which broke CachePlan.flat's
+    order, the ubatch's new cells last). Decode steps (the fast path) and multi-row ubatches."""
+    c = _cache(n_cells=8)
+    c.fast = fast
+    _put(c, 0, [0, 1])
+    neg = _put(c, 0, [-1]).cell[0]
+    plan = _put(c, 0, [2])  # one row: the decode path
+    assert plan.cell[0] != neg
+    plan2 = _put(c, 1, [0, 1])  # two rows of another sequence
+    assert neg not in plan2.cell.tolist()
+    (view,) = _put(c, 0, [3]).views
+    assert sorted(view.cells.tolist()) == sorted(set(view.cells.tolist()))  # no cell twice
+    assert sorted(view.cell_pos.tolist()) == [-1, 0, 1, 2, 3]
+    c.seq_rm(0)  # removed (from the first position: the negative one too): free again
+    assert neg in _put(c, 2, list(range(6))).cell.tolist()

@@ -18,7 +18,23 @@ def _pair(n_cells, n_stream, n_seq, n_swa):
     return fast, ref
 
 
+def _new_cells_end_each_view(plan, n_cells):
+    """The ubatch's new cells end each view's list (``CachePlan.flat``): view v's last cells are
+    the cells its rows write, in row order, and none of its other cells is written by any row.
+    The CUDA short-row attention kernels read a view's first len - T cells before their PDL wait
+    (attention.cu ``early_rows``), while the store of those new cells may still run."""
+    write, row_view, off, cells, _ = plan.flat(n_cells)
+    new = set(write.tolist())
+    for v in range(len(off) - 1):
+        rows = np.flatnonzero(row_view == v)
+        end = int(off[v + 1])
+        assert cells[end - len(rows):end].tolist() == write[rows].tolist()
+        assert not new & set(cells[off[v]:end - len(rows)].tolist())
+
+
 def _same_plan(a, b, n_cells):
+    _new_cells_end_each_view(a, n_cells)
+    _new_cells_end_each_view(b, n_cells)
     assert a.stream.tolist() == b.stream.tolist()
     assert a.cell.tolist() == b.cell.tolist()
     assert a.n_views == b.n_views

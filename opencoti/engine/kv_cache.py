@@ -72,7 +72,8 @@ class SeqView:
     rows: ubatch token rows of this sequence, int ``[T_s]``.
     stream: the stream the sequence lives in.
     cells: the sequence's cell indices in that stream after the ubatch's
-        writes, int ``[C_s]`` (any order; attention masks by position).
+        writes, int ``[C_s]`` (attention masks by position), the ubatch's new cells
+        (``rows``' cells, in row order) last and nowhere else.
     cell_pos: ``pos`` of those cells, int ``[C_s]``.
     """
 
@@ -234,7 +235,11 @@ class CachePlan:
         ``stream * n_cells + cell``): ``write [T]`` (the cell each token row writes),
         ``row_view [T]`` (the view of each row), ``view_off [n_views + 1]`` (view i's cells are
         ``cells[view_off[i]:view_off[i + 1]]``), ``cells`` and ``cell_pos`` (all views' cell
-        lists and their positions, in view order). ``cap``: pad ``cells`` / ``cell_pos`` with
+        lists and their positions, in view order). Each view's list ends with the cells its rows
+        write (one a row) and holds no other written cell, so a view's first ``len - T`` cells
+        are not written by this ubatch: the CUDA short-row attention kernels ask for them before
+        their PDL wait, while the KV store may still run (attention.cu ``early_rows``).
+        ``cap``: pad ``cells`` / ``cell_pos`` with
         zeros to this length (a captured graph's fixed buffer). Raises ``ValueError`` when the
         cell lists are longer than ``cap``."""
         if self.arrays is not None and len(self.arrays.seq):
@@ -412,7 +417,7 @@ class KVCache:
     # -- sequence operations (llama.cpp names) ----------------------------------------
     def _range(self, seq_id: int, p0: int, p1: int):
         st = self.stream_of(seq_id)
-        p0 = 0 if p0 < 0 else p0
+        p0 = np.iinfo(np.int32).min if p0 < 0 else p0  # (from the first: a negative position too)
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
         pos = self.pos[st]
         m = self.seq[st, seq_id] & (pos >= p0) & (pos < p1)
@@ -507,7 +512,7 @@ class KVCache:
             self._set_cells(dst, None)
             return
         src_cells = np.nonzero(m)[0]
-        free = np.nonzero(self.pos[st_d] < 0)[0]
+        free = np.nonzero(self._free_mask(st_d))[0]
         if len(free) < len(src_cells):
             raise KVCacheFullError(f"seq_cp: stream {st_d} has {len(free)} free cells, need {len(src_cells)}")
         dst_cells = free[: len(src_cells)]
@@ -722,7 +727,7 @@ class KVCache:
             if self.fast:
                 cell[rows] = self._free(int(st), len(rows))
                 continue
-            free = np.nonzero(self.pos[st] < 0)[0]
+            free = np.nonzero(self._free_mask(int(st)))[0]
             if len(free) < len(rows):
                 raise KVCacheFullError(
                     f"KV cache full: stream {st} has {len(free)} free cells, ubatch needs {len(rows)}"
@@ -730,15 +735,26 @@ class KVCache:
             cell[rows] = free[: len(rows)]
         return CachePlan(stream=stream, cell=cell)
 
+    def _free_mask(self, st: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Which cells ``[lo, hi)`` of stream ``st`` are free (bool): a negative position and,
+        once a negative position was written (``_neg``), no member sequence either (such a
+        cell holds that token; reusing it would list it twice in its sequence's view and
+        break ``CachePlan.flat``'s order: the ubatch's new cells end each view)."""
+        f = self.pos[st, lo:hi] < 0
+        if self._neg:
+            f &= ~self.seq[st, :, lo:hi].any(axis=0)
+        return f
+
     def _free(self, st: int, n: int) -> np.ndarray:
-        """The first ``n`` free cells of stream ``st`` (int64, ascending), searched from
-        ``_lo[st]`` (a window of the next ``max(4n, 256)`` cells first, then the rest), which
-        moves up to the first free cell found. ``KVCacheFullError`` when fewer are free."""
-        p, lo = self.pos[st], self._lo[st]
+        """The first ``n`` free cells of stream ``st`` (int64, ascending; ``_free_mask``),
+        searched from ``_lo[st]`` (a window of the next ``max(4n, 256)`` cells first, then the
+        rest), which moves up to the first free cell found. ``KVCacheFullError`` when fewer
+        are free."""
+        lo = self._lo[st]
         hi = lo + max(4 * n, 256)
-        f = np.flatnonzero(p[lo:hi] < 0)
-        if len(f) < n and hi < len(p):
-            f = np.flatnonzero(p[lo:] < 0)
+        f = np.flatnonzero(self._free_mask(st, lo, hi))
+        if len(f) < n and hi < self.n_cells:
+            f = np.flatnonzero(self._free_mask(st, lo))
         if len(f) < n:
             raise KVCacheFullError(f"KV cache full: stream {st} has {len(f)} free cells, ubatch needs {n}")
         if len(f):
@@ -752,6 +768,8 @@ class KVCache:
         ``share_src`` (seq -> pool seq) names sharers, ``plan.groups``."""
         self.pos[plan.stream, plan.cell] = pos
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        if not self._neg and len(plan.cell) and int(np.min(pos)) < 0:
+            self._neg_pos()
         if not self.fast:
             self._apply_general(plan, seq_ids, share_src)
             return
@@ -760,8 +778,6 @@ class KVCache:
             if share_src and not share_src.keys().isdisjoint(seq_ids.tolist()):
                 plan.groups = self._shared_groups(plan.views, share_src, plan.arrays)
             return
-        if not self._neg and len(plan.cell) and int(self.pos[plan.stream, plan.cell].min()) < 0:
-            self._neg_pos()
         self._apply_general(plan, seq_ids, share_src)
 
     def _neg_pos(self) -> None:
@@ -806,8 +822,6 @@ class KVCache:
         streams = np.asarray(plan.stream, dtype=np.int64)[order]
         new = np.asarray(plan.cell, dtype=np.int64)[order]
         new_pos = self.pos[streams, new].astype(np.int64)
-        if not self._neg and int(new_pos.min()) < 0:
-            self._neg_pos()
         lay = self._lay
         held = lay is not None and (order is lay.rows or lay.holds(seqs))
         lists = None if held else [self.cells_of(s) for s in seqs.tolist()]  # before membership changes
