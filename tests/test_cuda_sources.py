@@ -60,11 +60,12 @@ def _sources() -> dict[str, str]:
 # waits first), alone or two weights' in one grid (gemvi_duo: either branch is gemvi_ring_at);
 # the attention kernels over KV tiers (attention.cu attn_kv_impl, attn_stream.cuh
 # attn_stream_impl: their shared-memory tables from __constant__ levels before the wait), the f16
-# streaming kernel through the same attn_stream_impl
+# streaming kernel through the same attn_stream_impl, and the short-row kernels (attn_kv_impl,
+# f16's attn_partial_impl: early_rows, their first tile's old cells asked for before the wait)
 _WAIT_INSIDE = {("gemvi_12_##SUFFIX", "F12("), ("gemvi_14_##SUFFIX", "F14("),
                 ("gemvi_duo_##A##r##RA##_##B##r##RB##SFX", "if(blockIdx.y<ny1)gemvi_ring_at<"),
                 ("NAME", "ifconstexpr(OK)attn_kv_impl<"), ("attn_kv_stream", "ifconstexpr(AS_KV_OK)attn_stream_impl<"),
-                ("NAME", "attn_stream_impl<D,HN,AsF16<D>,AsF16<D>>(")}
+                ("NAME", "attn_stream_impl<D,HN,AsF16<D>,AsF16<D>>("), ("NAME", "attn_partial_impl<D,G,LPC>(")}
 # the fused rope + KV store kernels compute their rope angle and read their norm weights and
 # biases (rope.cuh rope_pre: pos, the host-staged positions, and weights) before the wait: (name,
 # first statement), and what follows it up to the wait
@@ -72,7 +73,11 @@ _ANGLE_FIRST = {("rope_kv_write", "constRopePrepre=ROPE_PRE();"), ("rope_kv_writ
 _ANGLE_PREAMBLE = "constRopePrepre=ROPE_PRE();GRID_DEP_WAIT();"
 # the device functions those kernels call, which wait themselves: (source, function) -> waits
 _IMPL_WAITS = {("gemv_int.cu", "gemvi_ring_at("): 2, ("gemv_int.cu", "gemvi_impl("): 1,
-               ("attention.cu", "attn_kv_impl("): 1, ("attn_stream.cuh", "attn_stream_impl("): 1}
+               ("attention.cu", "attn_kv_impl("): 1, ("attention.cu", "attn_partial_impl("): 1,
+               ("attn_stream.cuh", "attn_stream_impl("): 1}
+# the one call before an attention kernel's wait that may name its memory: early_rows, handed the
+# plan's row_view / view_off / cells and the K / V stores (test_early_rows_reads_only_the_plan)
+_EARLY_CALL = re.compile(r"early_rows<[^;]*>\(row_view, view_off, cells, K, V, n_kv, kh, n_split, warp, lane\);")
 # what an attention kernel's implementation may not name before its wait: its pointer parameters
 _ATTN_MEMORY = re.compile(r"\b(q|q_pos|row_view|view_off|cells|cell_pos|K|V|out|part_acc|part_ml)\b")
 
@@ -124,8 +129,13 @@ def test_every_kernel_waits_first(module):
                 assert max(at) < body.index("superblock"), fn  # before the activations
             else:
                 pre = body[:at[0]]
+                if fn in ("attn_kv_impl(", "attn_partial_impl("):  # the early_rows call, then the wait
+                    assert len(_EARLY_CALL.findall(pre)) == 1, fn
+                    assert _EARLY_CALL.search(pre).end() == len(pre.rstrip()), fn
+                    pre = _EARLY_CALL.sub("", pre)
                 assert not _ATTN_MEMORY.findall(pre), (fn, _ATTN_MEMORY.findall(pre))
-                assert "tab" in pre, fn  # (what it moved before the wait)
+                if fn != "attn_partial_impl(":
+                    assert "tab" in pre, fn  # (what it moved before the wait)
 
 
 def test_kernel_scan_finds_the_kernels():
@@ -167,6 +177,35 @@ def test_attention_sources_define_the_v_prefetch():
     assert "#define ATTN_V_PREFETCH 0\n" in src and "#define ATTN_V_PREFETCH 1\n" not in src
     with pytest.raises(ValueError, match="0, 1 or 2, not 3"):
         cuda_kv.f16_attention_source(3)
+
+
+def test_early_rows_reads_only_the_plan():
+    """early_rows (attention.cu), which the short-row attention kernels run before their PDL wait,
+    reads only the plan's row_view, view_off and cells (host-staged) and names the K / V stores
+    only in prefetch addresses (no load of a cache value), and only for a split's cells below
+    the view's length less the ubatch's rows (gridDim.x): a ubatch's new cells, which the store
+    before it writes, end each view (test_kv_fastpath's new_cells_end_each_view). ATTN_EARLY 0
+    (``early=False``) defines it away."""
+    src = _COMMENT.sub("", cuda_kernels.read_source("attention.cu"))
+    head = src[src.index("void early_rows("):]
+    body = head[head.index("{"):head.index("\n}\n")]
+    on = body[:body.index("#else")]
+    assert re.findall(r"(?<![.\w])(?:row_view|view_off|cells)\[", on) == ["row_view[", "view_off[", "view_off[", "cells["]
+    assert not re.findall(r"(?<![.\w])(q|q_pos|cell_pos|out|part_acc|part_ml)\b", on)
+    # K and V: each once, in a prefetch's address (K's through the row pointer `row`, used in
+    # the prefetch alone): no load of a cache value
+    stmts = [re.sub(r"\s+", " ", x).strip() for x in re.split(r"[;{}]", on.replace('[%0];"', '[%0]"'))]
+    kv = [x for x in stmts if re.search(r"(?<![.\w])(K|V|row)\b", x)]
+    assert len(kv) == 3 and kv[0].startswith("const char* row = (const char*)K +"), kv
+    for x in kv[1:]:  # (a loop's header may lead the statement)
+        at = x.index('asm volatile("prefetch.global.L1 [%0]" ::"l"(')
+        assert all(m.start() > at for m in re.finditer(r"(?<![.\w])(K|V|row)\b", x)), x
+    assert "(const char*)V +" in kv[2] and "row +" in kv[1]
+    assert on.count("prefetch.global.L1") == 2 and "ld." not in on
+    assert "min(c0 + chunk, b0 + len - (int)gridDim.x)" in re.sub(r"\s+", " ", on)
+    assert "cells[" not in on.replace("i < c1 ? cells[i]", "")  # the one index read, of a cell below c1
+    assert "#define ATTN_EARLY 0\n" in cuda_kv.attention_source("turbo3", "q8_0", 256, early=False)
+    assert "ATTN_EARLY 0" not in cuda_kv.f16_attention_source() + cuda_kv.attention_source("turbo3", "q8_0", 256)
 
 
 def test_rope_angle_before_the_wait_reads_no_kernel_output():

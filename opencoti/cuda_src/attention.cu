@@ -145,6 +145,48 @@ __device__ __forceinline__ void tile_cells(int cell, const void* V, int n_kv, in
     }
 }
 
+// ATTN_EARLY (default 1; cuda.py ATTN_EARLY, OPENCOTI_CUDA_ATTN_EARLY=0 builds 0): the short-row
+// kernels ask for their first tile's K and V rows (RBK / RBV bytes, kv head kh of n_kv) into L1
+// before their PDL wait, while the kernel before them (the layer's KV store) still runs, so that
+// after the wait the tile's loads hit L1 instead of going to memory. Only cells the store cannot
+// be writing: a ubatch's new cells are the last ones of each view's list, at most one a row
+// (kv_cache.py CachePlan.flat), so the first len - T of a view (T = gridDim.x, the ubatch's
+// rows) were written by kernels that have completed (pdl.cuh: when this kernel starts, every
+// kernel before the store has). It reads only the plan's row_view / view_off / cells, which the
+// host stages. A prefetch changes no value: the same bits with 0. The whole warp calls it.
+#ifndef ATTN_EARLY
+#define ATTN_EARLY 1
+#endif
+template <int TILE, int LPC, int RBK, int RBV>
+__device__ __forceinline__ void early_rows(const int* __restrict__ row_view, const int* __restrict__ view_off,
+                                           const int* __restrict__ cells, const void* K, const void* V, int n_kv,
+                                           int kh, int n_split, int warp, int lane) {
+#if ATTN_EARLY
+    static_assert(RBV >= 1 && (RBV - 1 + 30) / 31 <= 128, "early_rows: a lane's step of at most a line");
+    const int vw = row_view[blockIdx.x];
+    const int b0 = view_off[vw], len = view_off[vw + 1] - b0;
+    const int chunk = (len + n_split - 1) / n_split, c0 = b0 + (int)blockIdx.z * chunk;
+    const int c1 = min(c0 + chunk, b0 + len - (int)gridDim.x);  // the split's cells that are not new
+    const int i = c0 + TILE * warp + lane / LPC;                 // (the warp's first tile, as the loop)
+    const int cell = i < c1 ? cells[i] : -1;
+    if (cell >= 0) {  // K: the cell's LPC lanes take the row's lines in turn (bytes 0, 128, ..., RBK - 1)
+        const char* row = (const char*)K + ((long long)cell * n_kv + kh) * RBK;
+        for (int k = lane % LPC; k <= (RBK - 1 + 127) / 128; k += LPC)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(row + min(128 * k, RBK - 1)));
+    }
+#pragma unroll
+    for (int j = 0; j < TILE; j++) {  // V: the whole warp each row (lane l byte l (RBV - 1) / 31)
+        const int cj = __shfl_sync(0xffffffffu, cell, LPC * j);
+        if (cj >= 0)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"((const char*)V + ((long long)cj * n_kv + kh) * RBV +
+                                                          lane * (RBV - 1) / 31));
+    }
+#else
+    (void)row_view; (void)view_off; (void)cells; (void)K; (void)V; (void)n_kv; (void)kh; (void)n_split;
+    (void)warp; (void)lane;
+#endif
+}
+
 template <int D, int MAXG, int LPC = 4>
 __device__ __forceinline__ void attn_partial_impl(
     const float* __restrict__ q, const int* __restrict__ q_pos, const int* __restrict__ row_view,
@@ -158,6 +200,8 @@ __device__ __forceinline__ void attn_partial_impl(
     const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * MAXG;
     const int Gb = min(MAXG, G - g0);        // query heads of this block: kh * G + g0 + [0, Gb)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    early_rows<32 / LPC, LPC, 2 * D, 2 * D>(row_view, view_off, cells, K, V, n_kv, kh, n_split, warp, lane);
+    GRID_DEP_WAIT();
     const int qp = q_pos[r];
     const int vw = row_view[r];
     const int b0 = view_off[vw], len = view_off[vw + 1] - b0;
@@ -253,7 +297,7 @@ __device__ __forceinline__ void attn_partial_impl(
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
         const float* q, const int* q_pos, const int* row_view, const int* view_off, const int* cells,          \
         const int* cell_pos, const u16* K, const u16* V, int n_head, int n_kv, float scale, int n_swa,         \
-        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { GRID_DEP_WAIT();             \
+        float softcap, int n_split, float* out, float* part_acc, float* part_ml) { /* (waits inside) */         \
         attn_partial_impl<D, G, LPC>(q, q_pos, row_view, view_off, cells, cell_pos, K, V, n_head, n_kv, scale, \
                                      n_swa, softcap, n_split, out, part_acc, part_ml); }
 #define DEF_ATTN(D, G) DEF_ATTN1(D, G, attn_partial_d##D##_g##G, 4)
@@ -479,21 +523,22 @@ __device__ __forceinline__ void attn_kv_impl(
     constexpr int TILE = 32 / LPC, DL = D / LPC;  // cells per tile; a lane's K values
     // a tier's levels, or (turbo2/3/4) its level pairs instead, filled from the __constant__
     // tables before the kernel waits on its predecessor (pdl.cuh): in a decode graph the fill
-    // runs while the kernel before it (the layer's store) still does. Nothing before the wait
-    // reads or writes memory that a kernel touches.
+    // runs while the kernel before it (the layer's store) still does, as does early_rows. Nothing
+    // before the wait writes memory or reads what a running kernel writes.
     __shared__ float s_tk[TK::NT > 0 && TK::NP == 0 ? TK::NT : 1], s_tv[TV::NT > 0 && TV::NP == 0 ? TV::NT : 1];
     __shared__ float2 s_pk[TK::NP > 0 ? TK::NP : 1], s_pv[TV::NP > 0 ? TV::NP : 1];
     if constexpr (TK::NP > 0) for (int i = threadIdx.x; i < TK::NP; i += blockDim.x) s_pk[i] = TK::pair_level(i);
     else if constexpr (TK::NT > 0) for (int i = threadIdx.x; i < TK::NT; i += blockDim.x) s_tk[i] = TK::tab()[i];
     if constexpr (TV::NP > 0) for (int i = threadIdx.x; i < TV::NP; i += blockDim.x) s_pv[i] = TV::pair_level(i);
     else if constexpr (TV::NT > 0) for (int i = threadIdx.x; i < TV::NT; i += blockDim.x) s_tv[i] = TV::tab()[i];
-    GRID_DEP_WAIT();
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv;
     const int n_hg = (G + MAXG - 1) / MAXG;
     const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * MAXG;
     const int Gb = min(MAXG, G - g0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    early_rows<32 / LPC, LPC, (int)RBK, (int)RBV>(row_view, view_off, cells, K, V, n_kv, kh, n_split, warp, lane);
+    GRID_DEP_WAIT();
     const int qp = q_pos[r];
     const int vw = row_view[r];
     const int b0 = view_off[vw], len = view_off[vw + 1] - b0;

@@ -394,6 +394,11 @@ _V_PREFETCH_ENV = os.environ.get("OPENCOTI_CUDA_ATTN_V_PREFETCH", "1")
 if _V_PREFETCH_ENV not in ("0", "1", "2"):
     raise ValueError(f"OPENCOTI_CUDA_ATTN_V_PREFETCH={_V_PREFETCH_ENV!r}: expected 0, 1 or 2")
 ATTN_V_PREFETCH = int(_V_PREFETCH_ENV)
+# the short-row attention kernels (attn_partial*, attn_kv_g*) ask for their first tile's K and V
+# rows into L1 before their PDL wait, while the layer's KV store still runs (attention.cu
+# early_rows: only cells no running kernel writes; the same bits); OPENCOTI_CUDA_ATTN_EARLY=0: after
+# the wait, as before. Read as ATTN_V_PREFETCH is.
+ATTN_EARLY = os.environ.get("OPENCOTI_CUDA_ATTN_EARLY", "1") != "0"
 
 
 def imma_digits(n: int, decode: bool) -> int:
@@ -732,7 +737,7 @@ class CUDABackend:
         self.device.use()
         self._mods = {"k": load_source(("" if ROPE_ANGLE_PRE else "#define ROPE_ANGLE_PRE 0\n") + read_source("kernels.cu"),
                                        "kernels"),
-                      "a": load_source(cuda_kv.f16_attention_source(ATTN_V_PREFETCH), "attention"),
+                      "a": load_source(cuda_kv.f16_attention_source(ATTN_V_PREFETCH, ATTN_EARLY), "attention"),
                       "r": load_module("recurrent.cu"), "s": load_module("shared_prefix.cu"),
                       "m": load_module("mmq.cu"), "i": load_module("gemv_int.cu")}
         self._fns: dict = {}
@@ -2265,11 +2270,12 @@ class CUDABackend:
         where ``cuda_kv.lanes8_ok``); with ``smem`` (its dynamic shared memory bytes) the
         streaming ``attn_kv_stream`` instead (long rows), of ``hn`` query heads per block (16:
         the pair's ``_h16`` module)."""
-        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE, _as_big_d(True), ATTN_V_PREFETCH)
+        key = ("kva", tk, tv, d, hn, MERGE_UNROTATE, _as_big_d(True), ATTN_V_PREFETCH, ATTN_EARLY)
         m = self._kv_mods.get(key)
         if m is None:
             m = self._kv_mods[key] = load_source(cuda_kv.attention_source(tk, tv, d, hn, MERGE_UNROTATE,
-                                                                          _as_big_d(True), ATTN_V_PREFETCH),
+                                                                          _as_big_d(True), ATTN_V_PREFETCH,
+                                                                          ATTN_EARLY),
                                                  f"attn_{tk}_{tv}_d{d}{_as_suffix(hn)}")
         fkey = key + ((-1, smem) if smem else (g, lanes))
         f = self._fns.get(fkey)

@@ -129,7 +129,7 @@ def write_source() -> str:
 
 
 def attention_source(type_k: str, type_v: str, d: int, hn: int = 8, merge_unrotate: bool = True,
-                     big_d: int = 256, v_prefetch: int = 1) -> str:
+                     big_d: int = 256, v_prefetch: int = 1, early: bool = True) -> str:
     """Full source of the tier-generic attention module for one (K tier, V tier, head size):
     ``attention.cu`` compiled with ``KV_TK`` / ``KV_TV`` / ``KV_D`` (kernels
     ``attn_kv_g{1,2,4,8}``, a lane per cell, ``attn_kv_g{1,2,4,8}_l``, up to 4 lanes per
@@ -142,22 +142,26 @@ def attention_source(type_k: str, type_v: str, d: int, hn: int = 8, merge_unrota
     largest head size at which ``attn_kv_stream`` takes 128-cell tiles of 8 warps where two
     stages fit, attn_stream.cuh ``AsLayout::CT``; cuda.py ``_as_tile`` mirrors it), and
     ``ATTN_V_PREFETCH`` (``v_prefetch``: where the short-row kernels ask for a tile's V rows
-    before its QK, attention.cu ``prefetch_row``: 1 L1, 2 L2, 0 not at all)."""
+    before its QK, attention.cu ``prefetch_row``: 1 L1, 2 L2, 0 not at all) and ``ATTN_EARLY``
+    (``early``: the short-row kernels ask for their first tile's K / V rows before their PDL
+    wait, attention.cu ``early_rows``)."""
     if hn not in (8, 16):
         raise ValueError(f"attn_kv_stream takes 8 or 16 query heads per block, not {hn}")
     return ("#define KV_TK %s\n#define KV_TV %s\n#define KV_D %d\n#define KV_HN %d\n#define KV_MERGE_UNROTATE %d\n"
             "#define AS_BIG_D %d\n"
             % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d, hn, int(merge_unrotate), big_d) + tables_prefix()
-            + f16_attention_source(v_prefetch))
+            + f16_attention_source(v_prefetch, early))
 
 
-def f16_attention_source(v_prefetch: int = 1) -> str:
+def f16_attention_source(v_prefetch: int = 1, early: bool = True) -> str:
     """``attention.cu`` as the f16 module (and the tail of every tier module): its kernels with
-    ``ATTN_V_PREFETCH`` ``v_prefetch`` (1 L1, 2 L2, 0 none; ``attention_source``). Raises
-    ``ValueError`` for another value."""
+    ``ATTN_V_PREFETCH`` ``v_prefetch`` (1 L1, 2 L2, 0 none; ``attention_source``) and, where
+    ``early`` is False, ``ATTN_EARLY`` 0 (``early_rows`` asks for nothing). Raises
+    ``ValueError`` for another ``v_prefetch``."""
     if v_prefetch not in (0, 1, 2):
         raise ValueError(f"ATTN_V_PREFETCH is 0, 1 or 2, not {v_prefetch}")
-    return f"#define ATTN_V_PREFETCH {v_prefetch}\n" + read_source("attention.cu")
+    return (f"#define ATTN_V_PREFETCH {v_prefetch}\n" + ("" if early else "#define ATTN_EARLY 0\n")
+            + read_source("attention.cu"))
 
 
 def lanes8_ok(type_k: str, d: int) -> bool:
