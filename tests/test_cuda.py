@@ -1426,13 +1426,17 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
     np.testing.assert_allclose(outs[True], outs[False], rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("tk, tv, stream", [("f16", "f16", False), ("f16", "f16", True), ("turbo3", "turbo3", False),
-                                           ("turbo3", "turbo3", True), ("q8_0", "turbo2", True)])
-def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch, tk, tv, stream):
+@pytest.mark.parametrize("tk, tv, stream, d", [("f16", "f16", False, 128), ("f16", "f16", True, 128),
+                                              ("turbo3", "turbo3", False, 128), ("turbo3", "turbo3", True, 128),
+                                              ("q8_0", "turbo2", True, 128), ("f16", "f16", False, 256),
+                                              ("turbo3", "turbo3", False, 256), ("q8_0", "q4_0", False, 256)])
+def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch, tk, tv, stream, d):
     """Decode graphs captured with programmatic dependent launches (sm_90+: every kernel waits
-    on GRID_DEP_WAIT before touching memory; the tier attention kernels fill their level tables
-    before it) give bit-identical logits to graphs of plain launches, and the capture really
-    launched our kernels that way: f16 and KV tier caches, the short-row attention kernels and
+    on GRID_DEP_WAIT before touching memory but for what it may read early: the tier attention
+    kernels' level tables, the short-row kernels' first tile of old cells, early_rows) give
+    bit-identical logits to graphs of plain launches, and the capture really launched our
+    kernels that way: f16 and KV tier caches, the short-row attention kernels (head size 256:
+    the _l8 kernels, 8 lanes a cell) and
     (``stream``: ATTN_STREAM_CELLS 64) the streaming ones (head size 128: the turbo rows at 64
     are 26 / 18 bytes, not the streaming kernel's multiple of 4)."""
     from opencoti.engine.backend import cuda as cuda_mod
@@ -1441,7 +1445,7 @@ def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch, tk, tv, st
     assert gpu._pdl == (int(gpu.device.compute_capability) >= 90 and ck.PDL)
     if stream:
         monkeypatch.setattr(cuda_mod, "ATTN_STREAM_CELLS", 64)
-    model = _tiny_gemma3(tmp_path, "Q4_K", 6, 128)
+    model = _tiny_gemma3(tmp_path, "Q4_K", 6, d)
     n_pdl, names = [], set()
     launch = ck.Kernel._launch_pdl
 
@@ -1460,7 +1464,7 @@ def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch, tk, tv, st
     assert sum(n_pdl) > 50 if saved else not n_pdl  # launches that went through cuLaunchKernelEx
     np.testing.assert_array_equal(outs[saved], outs[False])
     if saved:  # the attention kernels under test were among them
-        want = ("attn_stream_d128" if stream else "attn_partial_d128_") if tk == "f16" else (
+        want = ("attn_stream_d128" if stream else f"attn_partial_d{d}_") if tk == "f16" else (
             "attn_kv_stream" if stream else "attn_kv_g")
         assert any(n.startswith(want) for n in names), sorted(names)
 

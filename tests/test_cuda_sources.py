@@ -76,8 +76,9 @@ _IMPL_WAITS = {("gemv_int.cu", "gemvi_ring_at("): 2, ("gemv_int.cu", "gemvi_impl
                ("attention.cu", "attn_kv_impl("): 1, ("attention.cu", "attn_partial_impl("): 1,
                ("attn_stream.cuh", "attn_stream_impl("): 1}
 # the one call before an attention kernel's wait that may name its memory: early_rows, handed the
-# plan's row_view / view_off / cells and the K / V stores (test_early_rows_reads_only_the_plan)
-_EARLY_CALL = re.compile(r"early_rows<[^;]*>\(row_view, view_off, cells, K, V, n_kv, kh, n_split, warp, lane\);")
+# plan's arrays and the K / V stores (test_early_rows_reads_only_the_plan)
+_EARLY_CALL = re.compile(r"early_rows<[^;]*>\(q_pos, row_view, view_off, cells, cell_pos, K, V, n_kv, kh,\s*n_split,"
+                         r"\s*warp,\s*lane\);")
 # what an attention kernel's implementation may not name before its wait: its pointer parameters
 _ATTN_MEMORY = re.compile(r"\b(q|q_pos|row_view|view_off|cells|cell_pos|K|V|out|part_acc|part_ml)\b")
 
@@ -181,8 +182,9 @@ def test_attention_sources_define_the_v_prefetch():
 
 def test_early_rows_reads_only_the_plan():
     """early_rows (attention.cu), which the short-row attention kernels run before their PDL wait,
-    reads only the plan's row_view, view_off and cells (host-staged) and names the K / V stores
-    only in prefetch addresses (no load of a cache value), and only for a split's cells below
+    reads only the plan's row_view, view_off and cells (host-staged), asks for its q_pos /
+    cell_pos, and names the K / V stores only in prefetch addresses (no load of a cache value),
+    and only for a split's cells below
     the view's length less the ubatch's rows (gridDim.x): a ubatch's new cells, which the store
     before it writes, end each view (test_kv_fastpath's new_cells_end_each_view). ATTN_EARLY 0
     (``early=False``) defines it away."""
@@ -191,7 +193,10 @@ def test_early_rows_reads_only_the_plan():
     body = head[head.index("{"):head.index("\n}\n")]
     on = body[:body.index("#else")]
     assert re.findall(r"(?<![.\w])(?:row_view|view_off|cells)\[", on) == ["row_view[", "view_off[", "view_off[", "cells["]
-    assert not re.findall(r"(?<![.\w])(q|q_pos|cell_pos|out|part_acc|part_ml)\b", on)
+    assert not re.findall(r"(?<![.\w])(q|out|part_acc|part_ml)\b", on)
+    # q_pos / cell_pos (host-staged): only asked for
+    assert [x.group() for x in re.finditer(r"(?<![.\w])(q_pos|cell_pos)\b.{0,12}", on)] == [
+        "q_pos + blockIdx.", "cell_pos + i));"]
     # K and V: each once, in a prefetch's address (K's through the row pointer `row`, used in
     # the prefetch alone): no load of a cache value
     stmts = [re.sub(r"\s+", " ", x).strip() for x in re.split(r"[;{}]", on.replace('[%0];"', '[%0]"'))]
@@ -201,7 +206,7 @@ def test_early_rows_reads_only_the_plan():
         at = x.index('asm volatile("prefetch.global.L1 [%0]" ::"l"(')
         assert all(m.start() > at for m in re.finditer(r"(?<![.\w])(K|V|row)\b", x)), x
     assert "(const char*)V +" in kv[2] and "row +" in kv[1]
-    assert on.count("prefetch.global.L1") == 2 and "ld." not in on
+    assert on.count("prefetch.global.L1") == 4 and "ld." not in on
     assert "min(c0 + chunk, b0 + len - (int)gridDim.x)" in re.sub(r"\s+", " ", on)
     assert "cells[" not in on.replace("i < c1 ? cells[i]", "")  # the one index read, of a cell below c1
     assert "#define ATTN_EARLY 0\n" in cuda_kv.attention_source("turbo3", "q8_0", 256, early=False)

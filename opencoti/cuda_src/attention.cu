@@ -152,14 +152,16 @@ __device__ __forceinline__ void tile_cells(int cell, const void* V, int n_kv, in
 // be writing: a ubatch's new cells are the last ones of each view's list, at most one a row
 // (kv_cache.py CachePlan.flat), so the first len - T of a view (T = gridDim.x, the ubatch's
 // rows) were written by kernels that have completed (pdl.cuh: when this kernel starts, every
-// kernel before the store has). It reads only the plan's row_view / view_off / cells, which the
-// host stages. A prefetch changes no value: the same bits with 0. The whole warp calls it.
+// kernel before the store has). It reads only the plan's row_view / view_off / cells and asks for
+// its q_pos / cell_pos (all host-staged: every one of them). A prefetch changes no value: the
+// same bits with 0. The whole warp calls it.
 #ifndef ATTN_EARLY
 #define ATTN_EARLY 1
 #endif
 template <int TILE, int LPC, int RBK, int RBV>
-__device__ __forceinline__ void early_rows(const int* __restrict__ row_view, const int* __restrict__ view_off,
-                                           const int* __restrict__ cells, const void* K, const void* V, int n_kv,
+__device__ __forceinline__ void early_rows(const int* __restrict__ q_pos, const int* __restrict__ row_view,
+                                           const int* __restrict__ view_off, const int* __restrict__ cells,
+                                           const int* __restrict__ cell_pos, const void* K, const void* V, int n_kv,
                                            int kh, int n_split, int warp, int lane) {
 #if ATTN_EARLY
     static_assert(RBV >= 1 && (RBV - 1 + 30) / 31 <= 128, "early_rows: a lane's step of at most a line");
@@ -169,6 +171,8 @@ __device__ __forceinline__ void early_rows(const int* __restrict__ row_view, con
     const int c1 = min(c0 + chunk, b0 + len - (int)gridDim.x);  // the split's cells that are not new
     const int i = c0 + TILE * warp + lane / LPC;                 // (the warp's first tile, as the loop)
     const int cell = i < c1 ? cells[i] : -1;
+    if (lane == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(q_pos + blockIdx.x));
+    if (lane % LPC == 0 && i < b0 + len) asm volatile("prefetch.global.L1 [%0];" ::"l"(cell_pos + i));
     if (cell >= 0) {  // K: the cell's LPC lanes take the row's lines in turn (bytes 0, 128, ..., RBK - 1)
         const char* row = (const char*)K + ((long long)cell * n_kv + kh) * RBK;
         for (int k = lane % LPC; k <= (RBK - 1 + 127) / 128; k += LPC)
@@ -182,7 +186,8 @@ __device__ __forceinline__ void early_rows(const int* __restrict__ row_view, con
                                                           lane * (RBV - 1) / 31));
     }
 #else
-    (void)row_view; (void)view_off; (void)cells; (void)K; (void)V; (void)n_kv; (void)kh; (void)n_split;
+    (void)q_pos; (void)row_view; (void)view_off; (void)cells; (void)cell_pos; (void)K; (void)V; (void)n_kv; (void)kh;
+    (void)n_split;
     (void)warp; (void)lane;
 #endif
 }
@@ -200,7 +205,8 @@ __device__ __forceinline__ void attn_partial_impl(
     const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * MAXG;
     const int Gb = min(MAXG, G - g0);        // query heads of this block: kh * G + g0 + [0, Gb)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    early_rows<32 / LPC, LPC, 2 * D, 2 * D>(row_view, view_off, cells, K, V, n_kv, kh, n_split, warp, lane);
+    early_rows<32 / LPC, LPC, 2 * D, 2 * D>(q_pos, row_view, view_off, cells, cell_pos, K, V, n_kv, kh, n_split, warp,
+                                            lane);
     GRID_DEP_WAIT();
     const int qp = q_pos[r];
     const int vw = row_view[r];
@@ -537,7 +543,8 @@ __device__ __forceinline__ void attn_kv_impl(
     const int kh = blockIdx.y / n_hg, g0 = (blockIdx.y % n_hg) * MAXG;
     const int Gb = min(MAXG, G - g0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    early_rows<32 / LPC, LPC, (int)RBK, (int)RBV>(row_view, view_off, cells, K, V, n_kv, kh, n_split, warp, lane);
+    early_rows<32 / LPC, LPC, (int)RBK, (int)RBV>(q_pos, row_view, view_off, cells, cell_pos, K, V, n_kv, kh, n_split,
+                                                  warp, lane);
     GRID_DEP_WAIT();
     const int qp = q_pos[r];
     const int vw = row_view[r];
