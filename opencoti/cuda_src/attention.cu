@@ -186,9 +186,8 @@ __device__ __forceinline__ void early_rows(const int* __restrict__ q_pos, const 
                                                           lane * (RBV - 1) / 31));
     }
 #else
-    (void)q_pos; (void)row_view; (void)view_off; (void)cells; (void)cell_pos; (void)K; (void)V; (void)n_kv; (void)kh;
-    (void)n_split;
-    (void)warp; (void)lane;
+    (void)q_pos; (void)row_view; (void)view_off; (void)cells; (void)cell_pos; (void)K; (void)V;
+    (void)n_kv; (void)kh; (void)n_split; (void)warp; (void)lane;
 #endif
 }
 
