@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -329,6 +330,26 @@ def test_engine_auto_tier_reads_back_from_the_live_cache(synth, capsys):
     e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget,
                              cache_type_k="f16"))
     assert (e.runner.kv.type_k, e.runner.kv.type_v) == ("f16", "q4_0")  # K held; V alone cannot fit
+
+
+def test_a_tail_type_wider_than_its_cache_type_is_warned_about(synth, caplog):
+    """-ctkt / -ctvt name the spilled tail's type: one that stores more bits a value than the
+    cache's own type (q4_0 -> f16, turbo2 -> q8_0) is taken as given, with one warning per half at
+    boot; a narrower tail, or none, gives none."""
+    with caplog.at_level(logging.WARNING, logger="opencoti"):
+        e = Engine(synth, Params(n_ctx=256, n_parallel=1, n_ubatch=64, cache_type_k="q4_0", cache_type_k_tail="f16",
+                                 cache_type_v="turbo2", cache_type_v_tail="q8_0"))
+    said = [r.getMessage() for r in caplog.records if "spilled tail" in r.getMessage()]
+    assert said == ["-ctkt f16 stores 16.00 bits a value, more than -ctk q4_0 (4.50): a spilled tail would take "
+                    "more memory than the cells it replaces",
+                    "-ctvt q8_0 stores 8.50 bits a value, more than -ctv turbo2 (2.25): a spilled tail would take "
+                    "more memory than the cells it replaces"]
+    assert (e.runner.kv.caches[0].tier_k_tail.name, e.runner.kv.caches[0].tier_v_tail.name) == ("f16", "q8_0")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opencoti"):
+        Engine(synth, Params(n_ctx=256, n_parallel=1, n_ubatch=64, cache_type_k="q8_0", cache_type_k_tail="q4_0"))
+        Engine(synth, Params(n_ctx=256, n_parallel=1, n_ubatch=64))
+    assert not [r for r in caplog.records if "spilled tail" in r.getMessage()]
 
 
 def test_backend_without_kernels_refuses_a_tier():

@@ -234,3 +234,29 @@ def test_decode_bytes_of_a_written_moe_file(tmp_path, key):
     assert d.experts == exps * ov["n_expert_used"] // ov["n_expert"] and d.embd_rows == row
     assert d.output == (emb if tied else nb["output.weight"])
     assert d.total == sum(nb.values()) - exps + d.experts - emb + row + (emb if tied else 0)
+
+
+def test_heads_narrower_than_n_embd_over_n_head(tmp_path, monkeypatch):
+    """A llama-shaped file whose heads are 96 wide where n_embd / n_head is 128: synth_shapes
+    writes its attention.key_length / value_length, so it loads and decodes; the same file
+    without them contradicts itself and fails at load, with a GGUFError naming the q projection's
+    shape and the expected one when its network is built (DecoderModel.check_attention_shapes),
+    not at the first decode."""
+    import gguf
+
+    from opencoti.engine.backend import get_backend
+    from opencoti.model.gguf_file import GGUFError
+
+    kw = dict(SMALL, n_embd=512, n_head=4, n_head_kv=2, head_dim=96)
+    p = S.write_model("llama-3-8b-q4_k_m", tmp_path / "hd96.gguf", **kw)
+    md = GGUFFile(str(p)).metadata
+    assert md["llama.attention.key_length"] == 96 and md["llama.attention.value_length"] == 96
+    lg = eval_logits(load_model(str(p), with_tokenizer=False), list(range(5, 20)))
+    assert lg.shape == (15, 3000) and np.isfinite(lg).all() and float(lg.std()) > 0.05
+    for m in ("add_key_length", "add_value_length"):
+        monkeypatch.setattr(gguf.GGUFWriter, m, lambda self, n: None)
+    bad = S.write_model("llama-3-8b-q4_k_m", tmp_path / "hd96-nokl.gguf", **kw)
+    assert "llama.attention.key_length" not in GGUFFile(str(bad)).metadata
+    model = load_model(str(bad), with_tokenizer=False)  # (the header alone reads fine)
+    with pytest.raises(GGUFError, match=r"'blk\.0\.attn_q\.weight' has shape \(384, 512\), expected \(512, 512\)"):
+        model.network(get_backend("cpu"))

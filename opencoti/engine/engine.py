@@ -165,6 +165,7 @@ class Engine:
                 print(f"opencoti: {self.kv_decision.reason}", file=sys.stderr)  # a boot line, as the others
             else:
                 log.warning("%s", self.kv_decision.reason)
+        self._say_tail_tiers()
         self.n_ctx = n_ctx
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own
@@ -191,6 +192,19 @@ class Engine:
                              and self.runner.chains_steps)
         self._inflight: Optional[_Inflight] = None
         self.n_steps_ahead = 0  # steps queued by _run_ahead
+
+    def _say_tail_tiers(self) -> None:
+        """Warn (once, at boot) where a spilled tail's type (-ctkt / -ctvt) stores more bits per
+        value than the cache's own type: a tail exists to take less memory than the cells it came
+        from (the types are accepted as given)."""
+        if not self.runner.kv.caches:
+            return
+        c = self.runner.kv.caches[0]
+        for flag, t, tail in (("-ctk", c.tier_k, c.tier_k_tail), ("-ctv", c.tier_v, c.tier_v_tail)):
+            if tail.bits_per_value > t.bits_per_value:
+                log.warning("%st %s stores %.2f bits a value, more than %s %s (%.2f): a spilled tail would take "
+                            "more memory than the cells it replaces", flag, tail.name, tail.bits_per_value, flag,
+                            t.name, t.bits_per_value)
 
     def _say_offload(self, n_gpu_layers: int) -> None:
         """llama.cpp's boot line ``offloaded N/M layers to GPU`` on stderr: on a GPU backend

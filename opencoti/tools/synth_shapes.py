@@ -495,6 +495,9 @@ def _write_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
     else:
         w.add_vocab_size(shape.n_vocab)
         w.add_rope_dimension_count(shape.head_dim)
+        if shape.head_dim * shape.n_head != shape.n_embd:  # (else the reader's default, n_embd / n_head)
+            w.add_key_length(shape.head_dim)
+            w.add_value_length(shape.head_dim)
     if a in ("gemma3", "gemma4"):
         make_vocab("spm", shape.n_vocab, a).write(w)
     else:

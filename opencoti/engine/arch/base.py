@@ -115,6 +115,7 @@ class DecoderModel:
         for il in range(hp.n_layer):
             p = f"blk.{il}."
             bq, bk, bv = (opt(p + f"attn_{n}.bias") for n in "qkv")
+            self.check_attention_shapes(il)
             wq, wk, wv = self.require_rows([p + f"attn_{n}.weight" for n in "qkv"])
             ffn_gate, ffn_up = self.require_rows([p + "ffn_gate.weight", p + "ffn_up.weight"])
             self.layers.append(
@@ -138,6 +139,26 @@ class DecoderModel:
                     post_ffw_norm=opt(p + "post_ffw_norm.weight"),
                 )
             )
+
+    def check_attention_shapes(self, il: int) -> None:
+        """Layer ``il``'s q / k / v / output projections against the header's head counts and
+        sizes (llama.cpp's load-time tensor shape check, llama-model.cpp ``create_tensor``):
+        q ``[n_head * n_embd_head_k, n_embd]``, k ``[n_head_kv * n_embd_head_k, n_embd]``, v
+        ``[n_head_kv * n_embd_head_v, n_embd]``, output ``[n_embd, n_head * n_embd_head_v]``
+        (NumPy order: rows, columns). Raises ``GGUFError`` naming the first tensor whose shape
+        differs (e.g. a file whose heads are not ``n_embd / n_head`` wide and that lacks
+        ``attention.key_length``), which would otherwise fail at the first decode; a missing tensor
+        is left to ``require``."""
+        hp, p = self.hp, f"blk.{il}."
+        want = {"attn_q": (hp.n_head * hp.n_embd_head_k, hp.n_embd), "attn_k": (hp.n_head_kv * hp.n_embd_head_k, hp.n_embd),
+                "attn_v": (hp.n_head_kv * hp.n_embd_head_v, hp.n_embd),
+                "attn_output": (hp.n_embd, hp.n_head * hp.n_embd_head_v)}
+        for n, shape in want.items():
+            t = self.gguf.tensors.get(p + n + ".weight")
+            if t is not None and tuple(t.shape) != shape:
+                raise GGUFError(f"{self.gguf.path}: tensor {p + n + '.weight'!r} has shape {tuple(t.shape)}, expected "
+                                f"{shape} (n_embd {hp.n_embd}, n_head {hp.n_head}, n_head_kv {hp.n_head_kv}, head size "
+                                f"k {hp.n_embd_head_k} / v {hp.n_embd_head_v})")
 
     # -- placement (partial offload, -ngl) --------------------------------------------
     def place(self, backend) -> None:
