@@ -290,6 +290,12 @@ def test_health_props_models(server, port):
 
     status, _, slots = call(port, "GET", "/slots")
     assert status == 200 and [s["id"] for s in slots] == [0, 1]
+    # a slot that has served nothing: llama.cpp's fields all there, the server's default settings
+    fresh = [s for s in slots if s["opencoti"]["n_cached_tokens"] == 0 and not s["is_processing"]]
+    assert fresh, slots
+    for s in fresh:
+        assert s["params"] == props["default_generation_settings"]["params"]
+        assert s["next_token"] == [{"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0}]
 
     # opencoti's own object: the KV layout as the engine built it, and the feature switches
     oc = props["opencoti"]

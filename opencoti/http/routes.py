@@ -304,8 +304,7 @@ def get_props(state: ServerState, req: Request) -> Response:
     tok = state.tokenizer
     params = state.params
     engine = state.engine
-    dummy = CompletionRequest(prompt_tokens=[], n_predict=params.n_predict,
-                              sampling=replace(params.sampling))
+    dummy = default_request(state)
     tmpl = state.chat_template
     engine_props: dict = {}
     if hasattr(engine, "props"):
@@ -418,9 +417,18 @@ def get_models(state: ServerState, req: Request) -> Response:
     })
 
 
+def default_request(state: ServerState) -> CompletionRequest:
+    """A request of the server's default settings (``-n``, the sampling flags) and no prompt:
+    what ``/props`` reports as ``default_generation_settings`` and ``/slots`` for a slot that has
+    served nothing yet."""
+    return CompletionRequest(prompt_tokens=[], n_predict=state.params.n_predict,
+                             sampling=replace(state.params.sampling))
+
+
 def slot_json(state: ServerState, slot: Any) -> dict:
     """One ``GET /slots`` entry (llama.cpp ``server_slot::to_json``, metrics-only
-    form: no prompt text) plus ``opencoti``: the session bound to the slot, its
+    form: no prompt text; a slot that has served nothing reports the server's default settings,
+    ``n_remain`` -1) plus ``opencoti``: the session bound to the slot, its
     pool binding (PolyKV; null when it shares no pool prefix), state, and KV use.
 
     Read from a handler thread without locking: plain values, at worst one
@@ -431,6 +439,9 @@ def slot_json(state: ServerState, slot: Any) -> dict:
     busy = bool(getattr(slot, "busy", False)) and request is not None
     if request is None:
         request = state.last_request.get(slot.id)
+    fresh = request is None  # nothing served yet: the server's defaults, as llama.cpp's slot params
+    if fresh:
+        request = default_request(state)
     out: dict = {
         "id": slot.id,
         "id_task": -1,
@@ -438,16 +449,15 @@ def slot_json(state: ServerState, slot: Any) -> dict:
         "speculative": False,
         "is_processing": busy,
     }
-    if request is not None:
-        n_decoded = int(getattr(slot, "n_decoded", 0))  # the current request's, else the last one's
-        n_predict = request.n_predict
-        out["params"] = generation_settings(request, False, only_metrics=True)
-        out["next_token"] = [{
-            "has_next_token": busy,
-            "has_new_line": busy and "\n" in (getattr(slot, "text", "") or ""),
-            "n_remain": max(n_predict - n_decoded, 0) if n_predict >= 0 else -1,
-            "n_decoded": n_decoded,
-        }]
+    n_decoded = 0 if fresh else int(getattr(slot, "n_decoded", 0))  # the current request's, else the last one's
+    n_predict = request.n_predict
+    out["params"] = generation_settings(request, False, only_metrics=True)
+    out["next_token"] = [{
+        "has_next_token": busy,
+        "has_new_line": busy and "\n" in (getattr(slot, "text", "") or ""),
+        "n_remain": -1 if fresh or n_predict < 0 else max(n_predict - n_decoded, 0),
+        "n_decoded": n_decoded,
+    }]
     pool_id = getattr(slot, "pool_id", None)
     state_ = getattr(slot, "state", None)
     out["opencoti"] = {
