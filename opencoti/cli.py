@@ -442,21 +442,30 @@ def set_cpu_threads(n_threads: int) -> None:
 
 
 class _LevelFormatter(logging.Formatter):
-    """``opencoti: warning: message``: the shape of the CLI's own ``opencoti: error: ...`` lines."""
+    """``opencoti: warning: message``: the shape of the CLI's own ``opencoti: error: ...`` lines.
+    A record with an exception (an internal error) names it on the same line; its traceback
+    follows only with ``tracebacks`` (``-v``, as the CLI's own errors)."""
+
+    def __init__(self, tracebacks: bool = False):
+        super().__init__()
+        self.tracebacks = tracebacks
 
     def format(self, record: logging.LogRecord) -> str:
         line = f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
-        if record.exc_info:  # an internal error keeps its traceback for the operator
-            line += "\n" + self.formatException(record.exc_info)
+        if record.exc_info:
+            e = record.exc_info[1]
+            line += f": {type(e).__name__}: {_one_line(str(e))}" if e is not None else ""
+            line += "\n" + self.formatException(record.exc_info) if self.tracebacks else " (-v: the traceback)"
         return line
 
 
-def _log_to_stderr() -> None:
-    """The package's warnings (and errors) on stderr with their level, once per process."""
+def _log_to_stderr(verbose: bool = False) -> None:
+    """The package's warnings (and errors) on stderr with their level, once per process
+    (``verbose``: internal errors with their tracebacks)."""
     logger = logging.getLogger("opencoti")
     if not any(getattr(h, "_opencoti", False) for h in logger.handlers):
         h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(_LevelFormatter())
+        h.setFormatter(_LevelFormatter(verbose))
         h.setLevel(logging.WARNING)
         h._opencoti = True
         logger.addHandler(h)
@@ -475,7 +484,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.exit(130)
     verbose = params.verbose
     set_cpu_threads(params.n_threads)
-    _log_to_stderr()
+    _log_to_stderr(verbose)
     try:
         code = run(params)
     except KeyboardInterrupt:

@@ -434,25 +434,35 @@ def test_threads_flag_sets_blas_threads_before_numpy_loads():
 def test_warnings_print_with_their_level(capsys):
     """The package's log warnings reach stderr as ``opencoti: warning: ...`` (the shape of the
     CLI's error lines; the boot's WARNs, e.g. --context-shift with pools), once however often the
-    handler is installed; errors keep their traceback."""
+    handler is installed; an error with an exception names it on its line, and its traceback
+    follows only with -v (``verbose``), as the README says of every runtime error."""
     import logging
 
     from opencoti import cli
 
     logger = logging.getLogger("opencoti")
     before = list(logger.handlers)
+
+    def fail():
+        try:
+            raise ValueError("boom\n  second line")
+        except ValueError:
+            logging.getLogger("opencoti.engine").exception("engine step failed")
+
     try:
         cli._log_to_stderr()
         cli._log_to_stderr()
         logging.getLogger("opencoti.engine").warning("pooled sessions never shift (%s)", "test")
         logging.getLogger("opencoti.engine").info("not shown")
-        try:
-            raise ValueError("boom")
-        except ValueError:
-            logging.getLogger("opencoti.engine").exception("engine step failed")
+        fail()
         err = capsys.readouterr().err.splitlines()
-        assert err[0] == "opencoti: warning: pooled sessions never shift (test)"
-        assert err[1] == "opencoti: error: engine step failed"
-        assert err[2].startswith("Traceback") and err[-1] == "ValueError: boom"
+        assert err == ["opencoti: warning: pooled sessions never shift (test)",
+                       "opencoti: error: engine step failed: ValueError: boom second line (-v: the traceback)"]
+        logger.handlers[:] = before
+        cli._log_to_stderr(verbose=True)
+        fail()
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == "opencoti: error: engine step failed: ValueError: boom second line"
+        assert err[1].startswith("Traceback") and err[-2:] == ["ValueError: boom", "  second line"]
     finally:
         logger.handlers[:] = before
