@@ -153,12 +153,18 @@ class DecoderModel:
         want = {"attn_q": (hp.n_head * hp.n_embd_head_k, hp.n_embd), "attn_k": (hp.n_head_kv * hp.n_embd_head_k, hp.n_embd),
                 "attn_v": (hp.n_head_kv * hp.n_embd_head_v, hp.n_embd),
                 "attn_output": (hp.n_embd, hp.n_head * hp.n_embd_head_v)}
+        why = (f" (n_embd {hp.n_embd}, n_head {hp.n_head}, n_head_kv {hp.n_head_kv}, head size k {hp.n_embd_head_k} / "
+               f"v {hp.n_embd_head_v})")
         for n, shape in want.items():
-            t = self.gguf.tensors.get(p + n + ".weight")
-            if t is not None and tuple(t.shape) != shape:
-                raise GGUFError(f"{self.gguf.path}: tensor {p + n + '.weight'!r} has shape {tuple(t.shape)}, expected "
-                                f"{shape} (n_embd {hp.n_embd}, n_head {hp.n_head}, n_head_kv {hp.n_head_kv}, head size "
-                                f"k {hp.n_embd_head_k} / v {hp.n_embd_head_v})")
+            if p + n + ".weight" in self.gguf.tensors:
+                self.check_shape(p + n + ".weight", shape, why)
+
+    def check_shape(self, name: str, shape: tuple, why: str = "") -> None:
+        """Raise ``GGUFError`` unless the file's tensor ``name`` has NumPy shape ``shape`` (``why``
+        is appended to the message)."""
+        t = self.gguf.tensors[name]
+        if tuple(t.shape) != tuple(shape):
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}{why}")
 
     # -- placement (partial offload, -ngl) --------------------------------------------
     def place(self, backend) -> None:
@@ -204,8 +210,8 @@ class DecoderModel:
         t = self.gguf.tensors.get(name)
         if t is None:
             raise GGUFError(f"{self.gguf.path}: missing tensor {name!r} for architecture {self.hp.arch}")
-        if shape is not None and t.shape != shape:
-            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {t.shape}, expected {shape}")
+        if shape is not None:
+            self.check_shape(name, shape)
         return self.load_weight(name)
 
     @property
