@@ -115,9 +115,10 @@ def test_vocab_roundtrip_with_clean_spaces(name):
 def test_vocab_metadata_flags():
     spm = vocab("llama-spm")
     assert spm.vocab_type == "spm" and spm.add_space_prefix and spm.add_bos and not spm.add_eos
+    assert spm.vocab_type_id == 1  # llama.cpp's enum llama_vocab_type
     assert (spm.bos_id, spm.eos_id, spm.unk_id, spm.n_vocab) == (1, 2, 0, 32000)
     bpe = vocab("llama-bpe")
-    assert bpe.vocab_type == "bpe" and bpe.pre_type == "llama3" and bpe.ignore_merges
+    assert bpe.vocab_type == "bpe" and bpe.vocab_type_id == 2 and bpe.pre_type == "llama3" and bpe.ignore_merges
     assert (bpe.bos_id, bpe.eos_id, bpe.n_vocab) == (128000, 128001, 128256)
     assert bpe.add_bos and not bpe.add_eos
     g4 = vocab("gemma-4")

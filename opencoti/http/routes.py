@@ -381,7 +381,7 @@ def model_info(state: ServerState) -> dict:
         "created": int(time.time()),
         "owned_by": "llamacpp",
         "meta": {
-            "vocab_type": md.get("tokenizer.ggml.model"),
+            "vocab_type": state.tokenizer.vocab_type_id,  # (llama.cpp's enum: 1 SPM, 2 BPE)
             "n_vocab": state.tokenizer.n_vocab,
             "n_ctx": state.n_ctx_slot,
             "n_ctx_train": getattr(hp, "n_ctx_train", None),

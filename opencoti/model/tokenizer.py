@@ -498,6 +498,12 @@ class Tokenizer:
         return len(self._tokens)
 
     @property
+    def vocab_type_id(self) -> int:
+        """``vocab_type`` as llama.cpp's ``enum llama_vocab_type`` (include/llama.h: NONE 0, SPM 1,
+        BPE 2), the integer its server reports in ``/v1/models`` ``meta.vocab_type``."""
+        return {"none": 0, "spm": 1, "bpe": 2}[self.vocab_type]
+
+    @property
     def nl_id(self) -> int | None:
         """The newline token (SPM: the ``<0x0A>`` byte token; otherwise the first id of "\\n")."""
         if self._nl_id is None and self.vocab_type != "none":
