@@ -93,6 +93,7 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "server": ("LLAMA_ARG_SERVER",),
     "slots": ("LLAMA_ARG_ENDPOINT_SLOTS",),
     "metrics": ("LLAMA_ARG_ENDPOINT_METRICS",),
+    "props": ("LLAMA_ARG_ENDPOINT_PROPS",),
     # llama.cpp reads LLAMA_API_KEY; LLAMA_ARG_API_KEY is accepted as well.
     "api_key": ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY"),
     "alias": ("LLAMA_ARG_ALIAS",),
@@ -271,6 +272,8 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               help="Serve the GET /slots monitoring endpoint (llama.cpp's default: on).")
 @click.option("--metrics", is_flag=True, default=False, envvar=_env("metrics"),
               help="Serve Prometheus metrics at GET /metrics.")
+@click.option("--props", is_flag=True, default=False, envvar=_env("props"),
+              help="Accept POST /props (llama.cpp's: it acknowledges and changes nothing; 501 without).")
 @click.option("--api-key", envvar=_env("api_key"), help="Server API key (Bearer token).")
 @click.option("-a", "--alias", envvar=_env("alias"), help="Model name the server reports.")
 @click.option("--chat-template", envvar=_env("chat_template"),
@@ -351,6 +354,7 @@ def _params_from_options(kw: dict) -> Params:
         server=kw["server"],
         endpoint_slots=kw["slots"],
         endpoint_metrics=kw["metrics"],
+        endpoint_props=kw["props"],
         host=kw["host"],
         port=kw["port"],
         api_key=kw["api_key"],

@@ -56,6 +56,7 @@ class Params:
     timeout: int = 600  # seconds, HTTP read/write
     endpoint_slots: bool = True  # --slots / --no-slots: GET /slots (llama.cpp's default: on)
     endpoint_metrics: bool = False  # --metrics: GET /metrics (Prometheus text)
+    endpoint_props: bool = False  # --props: POST /props (acknowledged, as llama.cpp's; 501 without)
     # chat
     chat_template: Optional[str] = None  # --chat-template NAME or inline template
     chat_template_file: Optional[str] = None

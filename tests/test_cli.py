@@ -176,6 +176,7 @@ ENV_CASES = [
     ("LLAMA_ARG_POLYKV_MAX_POOLS", "4", "polykv_max_pools", 4),
     ("LLAMA_ARG_ENDPOINT_SLOTS", "0", "endpoint_slots", False),
     ("LLAMA_ARG_ENDPOINT_METRICS", "1", "endpoint_metrics", True),
+    ("LLAMA_ARG_ENDPOINT_PROPS", "1", "endpoint_props", True),
     ("LLAMA_ARG_HOST", "0.0.0.0", "host", "0.0.0.0"),
     ("LLAMA_ARG_PORT", "8181", "port", 8181),
     ("LLAMA_ARG_TIMEOUT", "30", "timeout", 30),

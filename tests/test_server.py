@@ -965,11 +965,31 @@ def test_endpoints_switched_off(server):
     start_in_thread(httpd)
     try:
         p = httpd.server_address[1]
-        for path in ("/slots", "/metrics"):
-            status, _, body = call(p, "GET", path)
+        for method, path in (("GET", "/slots"), ("GET", "/metrics"), ("POST", "/props")):
+            status, _, body = call(p, method, path, {"n_predict": 4} if method == "POST" else None)
             assert_error(status, body, 501, "not_supported_error")
+        assert "Start it with `--props`" in body["error"]["message"]  # (llama.cpp's words)
         props = call(p, "GET", "/props")[2]
-        assert props["endpoint_slots"] is False and props["endpoint_metrics"] is False
+        assert props["endpoint_slots"] is False and props["endpoint_metrics"] is False and props["endpoint_props"] is False
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_post_props_with_the_flag_is_acknowledged(server):
+    """``--props`` (Params.endpoint_props): POST /props answers llama.cpp's ``{"success": true}`` and
+    changes nothing (llama.cpp's handler updates no property either); GET /props reports the flag."""
+    params = replace(server["params"], endpoint_props=True)
+    httpd, _ = make_server(server["model"], params, engine=server["engine"], host="127.0.0.1", port=0)
+    start_in_thread(httpd)
+    try:
+        p = httpd.server_address[1]
+        before = call(p, "GET", "/props")[2]
+        status, _, body = call(p, "POST", "/props", {"default_generation_settings": {"n_ctx": 7}})
+        assert (status, body) == (200, {"success": True})
+        after = call(p, "GET", "/props")[2]
+        assert after["endpoint_props"] is True
+        assert after["default_generation_settings"] == before["default_generation_settings"]
     finally:
         httpd.shutdown()
         httpd.server_close()

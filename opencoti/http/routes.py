@@ -325,7 +325,7 @@ def get_props(state: ServerState, req: Request) -> Response:
         "model_path": str(getattr(state.model, "path", None) or params.model or ""),
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": bool(params.endpoint_slots),
-        "endpoint_props": False,
+        "endpoint_props": bool(params.endpoint_props),
         "endpoint_metrics": bool(params.endpoint_metrics),
         "chat_template": getattr(tmpl, "source", "") if tmpl is not None else "",
         "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
@@ -470,6 +470,14 @@ def slot_json(state: ServerState, slot: Any) -> dict:
         "n_cached_tokens": len(getattr(slot, "cache_tokens", []) or []),
     }
     return out
+
+
+def post_props(state: ServerState, req: Request) -> Response:
+    """``POST /props``: with ``--props`` ``{"success": true}`` (llama.cpp's handler changes no
+    property either), else 501 ``not_supported_error`` with llama.cpp's message."""
+    if not state.params.endpoint_props:
+        raise not_supported("This server does not support changing global properties. Start it with `--props`")
+    return Response({"success": True})
 
 
 def get_slots(state: ServerState, req: Request) -> Response:
@@ -643,6 +651,7 @@ def build_router() -> Router:
     r = Router()
     r.add("GET", ["/health", "/v1/health"], get_health)
     r.add("GET", "/props", get_props)
+    r.add("POST", "/props", post_props)
     r.add("GET", ["/models", "/v1/models"], get_models)
     r.add("GET", "/slots", get_slots)
     r.add("POST", "/slots/{id_slot}", post_slot_action)
