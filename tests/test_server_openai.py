@@ -112,6 +112,10 @@ def test_chat_stream_matches_non_stream(client, chat_prompt_tokens):
     assert usage_chunk.usage.prompt_tokens == len(chat_prompt_tokens)
     assert usage_chunk.usage.completion_tokens == full.usage.completion_tokens
     assert usage_chunk.usage.total_tokens == len(chat_prompt_tokens) + full.usage.completion_tokens
+    # the same prompt again: its tokens but the last come from the KV cache (llama.cpp's
+    # usage.prompt_tokens_details.cached_tokens, the timings' cache_n)
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == len(chat_prompt_tokens) - 1
+    assert usage_chunk.model_extra["timings"]["cache_n"] == len(chat_prompt_tokens) - 1
 
 
 def test_chat_stream_raw_sse_shape(server):
@@ -240,3 +244,4 @@ def test_completions_client_stream_and_logprobs(client):
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " 6, 7"
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1  # (the same prompt)

@@ -224,6 +224,11 @@ class Result:
         return (self.finish.n_prompt_tokens if self.finish and self.finish.n_prompt_tokens
                 else len(self.prompt_tokens))
 
+    @property
+    def n_cached(self) -> int:
+        """Prompt tokens reused from the KV cache (0 before the finish event)."""
+        return self.finish.n_cached if self.finish else 0
+
 
 class Collector:
     """Accumulates events of one request into a ``Result`` (text, ids, probs).

@@ -57,9 +57,13 @@ def finish_reason(fin: FinishEvent) -> str:
     return "stop" if fin.stop_type in ("eos", "word") else "length"
 
 
-def usage_json(r: gen.Result) -> dict:
-    return {"completion_tokens": r.n_predicted, "prompt_tokens": r.n_prompt,
-            "total_tokens": r.n_predicted + r.n_prompt}
+def usage_json(*results: gen.Result) -> dict:
+    """OpenAI ``usage`` of one or more finished generations (llama.cpp ``usage_json_oaicompat``):
+    token counts summed, ``prompt_tokens_details.cached_tokens`` the prompt tokens reused from
+    the KV cache (not evaluated again)."""
+    done, prompt = sum(r.n_predicted for r in results), sum(r.n_prompt for r in results)
+    return {"completion_tokens": done, "prompt_tokens": prompt, "total_tokens": done + prompt,
+            "prompt_tokens_details": {"cached_tokens": sum(r.n_cached for r in results)}}
 
 
 # ---------------------------------------------------------------------------
@@ -452,10 +456,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         choices = [{"text": r.content, "index": i,
                     "logprobs": {"content": r.probs} if want_probs else None,
                     "finish_reason": finish_reason(r.finish)} for i, r in enumerate(results)]
-        usage = {"completion_tokens": sum(r.n_predicted for r in results),
-                 "prompt_tokens": sum(r.n_prompt for r in results)}
-        usage["total_tokens"] = usage["completion_tokens"] + usage["prompt_tokens"]
-        return Response(obj(choices, usage=usage, timings=gen.timings_json(results[0].finish)),
+        return Response(obj(choices, usage=usage_json(*results), timings=gen.timings_json(results[0].finish)),
                         headers=gen.admission_headers(handles))
 
     handle = handles[0]
