@@ -288,6 +288,8 @@ def test_health_props_models(server, port):
         assert m["id"] == "gemma-3-270m-q4_k_m.gguf" and m["object"] == "model"
         assert m["meta"]["n_vocab"] == 262144 and m["meta"]["n_ctx"] == 512
         assert m["meta"]["vocab_type"] == 1  # llama.cpp's LLAMA_VOCAB_TYPE_SPM: gemma-3's "llama" tokenizer
+        # every tensor's elements (llama_model_n_params): gemma-3-270m's 268,098,176
+        assert m["meta"]["n_params"] == 268_098_176
 
     status, _, slots = call(port, "GET", "/slots")
     assert status == 200 and [s["id"] for s in slots] == [0, 1]

@@ -37,6 +37,12 @@ class Model:
     chat_template_source: Optional[str]
     _networks: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of the model: the elements of every tensor in the file (llama.cpp
+        ``llama_model_n_params``; ``/v1/models`` ``meta.n_params``)."""
+        return sum(t.n_elements for t in self.gguf.tensors.values())
+
     def network(self, backend):
         """The architecture network with weights on ``backend`` (built once per backend), or
         split over a ``LayerSplit``'s backends (built once per split: ``-ngl``)."""
