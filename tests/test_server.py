@@ -978,6 +978,18 @@ def test_endpoints_switched_off(server):
         httpd.server_close()
 
 
+def test_lora_adapters_none_loaded(server, port):
+    """llama.cpp's /lora-adapters with no adapter loaded: GET lists none; POST takes only the
+    empty array (llama.cpp: a body that is not an array or names an unknown adapter id fails)."""
+    assert call(port, "GET", "/lora-adapters")[::2] == (200, [])
+    status, _, body = call(port, "POST", "/lora-adapters", [])
+    assert (status, body) == (200, {"success": True})
+    for bad, why in (({"id": 0, "scale": 1.0}, "must be an array"), ([{"id": 0, "scale": 0.5}], "invalid adapter id")):
+        status, _, body = call(port, "POST", "/lora-adapters", bad)
+        assert_error(status, body, 400, "invalid_request_error")
+        assert why in body["error"]["message"]
+
+
 def test_post_props_with_the_flag_is_acknowledged(server):
     """``--props`` (Params.endpoint_props): POST /props answers llama.cpp's ``{"success": true}`` and
     changes nothing (llama.cpp's handler updates no property either); GET /props reports the flag."""

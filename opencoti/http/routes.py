@@ -61,8 +61,13 @@ class Request:
 
     def json(self) -> dict:
         """The body as a JSON object; 400 if it is not valid JSON or not an object."""
+        return require_object(self.json_value("a JSON object"))
+
+    def json_value(self, what: str = "JSON") -> Any:
+        """The body as any JSON value; 400 (naming ``what`` was expected) if it is empty or not
+        valid JSON."""
         if not self.body.strip():
-            raise invalid_request("request body is empty; expected a JSON object")
+            raise invalid_request(f"request body is empty; expected {what}")
         try:
             data = json.loads(self.body.decode("utf-8"))
         except UnicodeDecodeError:
@@ -73,7 +78,7 @@ class Request:
             raise invalid_request("invalid JSON in request body: nested too deeply") from None
         except ValueError as e:  # e.g. an integer literal over Python's 4300-digit limit
             raise invalid_request(f"invalid JSON in request body: {e}") from None
-        return require_object(data)
+        return data
 
 
 @dataclass
@@ -480,6 +485,24 @@ def post_props(state: ServerState, req: Request) -> Response:
     return Response({"success": True})
 
 
+def get_lora_adapters(state: ServerState, req: Request) -> Response:
+    """``GET /lora-adapters``: llama.cpp's list of loaded adapters (``{id, path, scale}``); this
+    server loads none, so ``[]``."""
+    return Response([])
+
+
+def post_lora_adapters(state: ServerState, req: Request) -> Response:
+    """``POST /lora-adapters`` ``[{id, scale}, ...]`` (llama.cpp: set the adapters' scales):
+    with no adapter loaded only ``[]`` is valid (``{"success": true}``); a body that is not an
+    array, or names an adapter id, is 400."""
+    body = req.json_value("a JSON array")
+    if not isinstance(body, list):
+        raise invalid_request("Request body must be an array")
+    if body:
+        raise invalid_request("invalid adapter id (no LoRA adapter is loaded)")
+    return Response({"success": True})
+
+
 def get_slots(state: ServerState, req: Request) -> Response:
     """``GET /slots`` (``--slots``, on by default; 501 with ``--no-slots``, as
     llama.cpp): one ``slot_json`` per slot. ``?fail_on_no_slot=1`` answers 503
@@ -652,6 +675,8 @@ def build_router() -> Router:
     r.add("GET", ["/health", "/v1/health"], get_health)
     r.add("GET", "/props", get_props)
     r.add("POST", "/props", post_props)
+    r.add("GET", "/lora-adapters", get_lora_adapters)
+    r.add("POST", "/lora-adapters", post_lora_adapters)
     r.add("GET", ["/models", "/v1/models"], get_models)
     r.add("GET", "/slots", get_slots)
     r.add("POST", "/slots/{id_slot}", post_slot_action)
