@@ -935,7 +935,8 @@ def test_metrics_count_what_ran(server, port):
         for i, line in enumerate(lines):
             if not line.startswith("#"):
                 name, value = line.split(" ")
-                assert lines[i - 1] == f"# TYPE {name} " + ("counter" if name.endswith("_total") else "gauge")
+                counter = name.endswith("_total") or name in ("llamacpp:n_busy_slots_per_decode", "llamacpp:n_tokens_max")
+                assert lines[i - 1] == f"# TYPE {name} " + ("counter" if counter else "gauge")  # (llama.cpp's types)
                 values[name] = float(value)
         return values
 
@@ -954,6 +955,10 @@ def test_metrics_count_what_ran(server, port):
     assert after["opencoti:requests_total"] - before["opencoti:requests_total"] == 1
     assert after["llamacpp:predicted_tokens_seconds"] > 0 and after["llamacpp:prompt_tokens_seconds"] > 0
     assert after["llamacpp:requests_processing"] == 0
+    eng = server["engine"]
+    assert after["llamacpp:n_tokens_max"] == eng.n_tokens_max >= 9  # the prompt's step at least
+    assert after["llamacpp:n_busy_slots_per_decode"] == pytest.approx(eng.n_busy_slots_total / eng.n_steps)
+    assert 1 <= after["llamacpp:n_busy_slots_per_decode"] <= 2  # (two slots)
     kv = server["engine"].runner.kv.base
     assert after["llamacpp:kv_cache_tokens"] == kv.n_used()
     assert after["llamacpp:kv_cache_usage_ratio"] == pytest.approx(kv.n_used() / (kv.n_cells * kv.n_stream))

@@ -183,6 +183,8 @@ class Engine:
         self._events = EventHold()  # a step's events, delivered once the next step runs (step)
         self.n_steps = 0
         self.n_tokens_processed = 0
+        self.n_tokens_max = 0  # the largest step's tokens (llama.cpp's n_tokens_max)
+        self.n_busy_slots_total = 0  # slots with rows in each step, summed over the steps
         self.n_admissions_refused = 0
         self.recent_tps = 0.0  # EWMA of tokens processed per second of step time
         # greedy decode steps queued before the previous one is read (module docstring): where the
@@ -409,6 +411,8 @@ class Engine:
             self._events.hold()
         self.n_steps += 1
         self.n_tokens_processed += ub.n_tokens
+        self.n_tokens_max = max(self.n_tokens_max, ub.n_tokens)
+        self.n_busy_slots_total += len(owners)
         if self.polykv is not None:
             self.polykv.observe()
         dt = time.perf_counter() - t0
