@@ -429,6 +429,26 @@ def test_completion_token_prompt_and_stop_word(port, ref):
     assert "".join(p["token"] for p in probs) == want
 
 
+def test_completion_response_fields(port, ref):
+    """llama.cpp's ``response_fields``: the final result keeps only the listed paths, a nested
+    one answered under its path (``generation_settings/n_predict``), a missing one left out;
+    the generation itself is unchanged. 400 for a value that is not a list of strings."""
+    case = ref["by_name"]["capital"]
+    req = {"prompt": case["prompt"], "temperature": 0, "n_predict": 8}
+    full = call(port, "POST", "/completion", req)[2]
+    status, _, body = call(port, "POST", "/completion", dict(req, response_fields=[
+        "content", "generation_settings/n_predict", "timings/predicted_n", "no_such_field", "content/x"]))
+    assert status == 200
+    assert body == {"content": full["content"], "generation_settings/n_predict": 8, "timings/predicted_n": 8}
+    # streamed: the partial events as they are, the final result cut the same way
+    status, _, payload = call(port, "POST", "/completion", dict(req, stream=True, response_fields=["stop_type"]))
+    *partials, final = sse_events(payload)
+    assert final == {"stop_type": "limit"} and "".join(ev["content"] for ev in partials) == full["content"]
+    for bad in ("content", [1, 2], {"content": True}):
+        status, _, body = call(port, "POST", "/completion", dict(req, response_fields=bad))
+        assert_error(status, body, 400, "invalid_request_error")
+
+
 def test_completion_stream_events(port, ref):
     case = ref["by_name"]["capital"]
     status, h, payload = call(port, "POST", "/completion", {

@@ -250,6 +250,23 @@ def completion_final_json(state: ServerState, r: gen.Result, parsed: ParsedCompl
     }
     if not stream and r.probs:
         out["completion_probabilities"] = r.probs
+    return nested_values(parsed.options.response_fields, out) if parsed.options.response_fields else out
+
+
+def nested_values(paths, obj: dict) -> dict:
+    """llama.cpp's ``json_get_nested_values``: for each path ``"a/b/c"`` whose keys all lead
+    through objects of ``obj``, that value under the key ``"a/b/c"``; other paths are left out."""
+    out = {}
+    for path in paths:
+        cur, ok = obj, True
+        for k in path.split("/"):
+            if isinstance(cur, dict) and k in cur:
+                cur = cur[k]
+            else:
+                ok = False
+                break
+        if ok:
+            out[path] = cur
     return out
 
 

@@ -218,6 +218,9 @@ class ResponseOptions:
     log-probability even when ``n_probs`` is 0.
     post_sampling_probs: report ``prob`` / ``top_probs`` (probabilities after the
     sampler chain) instead of ``logprob`` / ``top_logprobs`` (llama.cpp).
+    response_fields: llama.cpp's ``response_fields``: the final ``/completion`` result
+    keeps only these paths (``"a/b"``: key ``b`` of object ``a``, answered under the key
+    ``"a/b"``); empty: the whole result.
     """
 
     stream: bool = False
@@ -226,6 +229,7 @@ class ResponseOptions:
     include_usage: bool = False
     want_logprobs: bool = False
     post_sampling_probs: bool = False
+    response_fields: tuple = ()
 
 
 @dataclass
@@ -453,8 +457,20 @@ def parse_completion(
         return_tokens=get_bool(body, "return_tokens", False),
         include_usage=get_bool(stream_opts or {}, "include_usage", False),
         post_sampling_probs=req.post_sampling_probs,
+        response_fields=_response_fields(body),
     )
     return ParsedCompletion(req, opts)
+
+
+def _response_fields(body: dict) -> tuple:
+    """``response_fields``: a list of strings (llama.cpp ``json_value(data, "response_fields",
+    std::vector<std::string>())``); 400 for another type."""
+    v = body.get("response_fields")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise invalid_request('"response_fields" must be a list of strings')
+    return tuple(v)
 
 
 def parse_grammar(body: dict) -> Optional[str]:
