@@ -121,6 +121,7 @@ def render(metrics: ServerMetrics, engine: Any) -> str:
     processing, deferred = engine_queue_counts(engine)
     kv = kv_usage(engine)
     headroom = kv_headroom(engine)
+    n_steps = int(getattr(engine, "n_steps", 0) or 0)  # the engine's llama_decode() calls
     rows: list[tuple[str, str, str, float]] = [
         ("counter", "llamacpp:prompt_tokens_total", "Number of prompt tokens processed.",
          tot["n_prompt_tokens_total"]),
@@ -130,10 +131,9 @@ def render(metrics: ServerMetrics, engine: Any) -> str:
          tot["n_predicted_total"]),
         ("counter", "llamacpp:tokens_predicted_seconds_total", "Predict process time",
          tot["t_predicted_ms_total"] / 1e3),
-        ("counter", "llamacpp:n_decode_total", "Total number of llama_decode() calls",
-         int(getattr(engine, "n_steps", 0) or 0)),
+        ("counter", "llamacpp:n_decode_total", "Total number of llama_decode() calls", n_steps),
         ("counter", "llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
-         (getattr(engine, "n_busy_slots_total", 0) or 0) / max(int(getattr(engine, "n_steps", 0) or 0), 1)),
+         (getattr(engine, "n_busy_slots_total", 0) or 0) / max(n_steps, 1)),
         ("counter", "llamacpp:n_tokens_max", "Largest observed n_tokens.",
          int(getattr(engine, "n_tokens_max", 0) or 0)),
         ("gauge", "llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 from opencoti.engine.arch import ARCHITECTURES, arch_class
@@ -37,10 +38,10 @@ class Model:
     chat_template_source: Optional[str]
     _networks: dict = field(default_factory=dict, repr=False)
 
-    @property
+    @cached_property
     def n_params(self) -> int:
         """Parameters of the model: the elements of every tensor in the file (llama.cpp
-        ``llama_model_n_params``; ``/v1/models`` ``meta.n_params``)."""
+        ``llama_model_n_params``; ``/v1/models`` ``meta.n_params``), counted once."""
         return sum(t.n_elements for t in self.gguf.tensors.values())
 
     def network(self, backend):
