@@ -14,7 +14,8 @@ replay the stamps of the last layer's store are read back. Printed: per block of
 (q rows, then K rows, then the tiers' V rows), the median over replays of each stamp in cycles
 after the block's first (SM clocks: compare within a block, not across). Stamps: ``pre`` the
 values read before the PDL wait (rope_pre), ``wait`` the wait's return (the q / k / v product
-done), ``load`` the row's value, ``norm`` the norm's scale, ``rope`` rope's output; the turbo
+done), ``load`` the row's value (with RS_K_NORM_LATE a turbo K row's value and its rope partner's),
+``norm`` the norm's scale, ``rope`` rope's output; the turbo
 tiers' encoder (kv_store.cuh ``turbo_row``): ``fwht`` the rotation, ``n`` the block norm,
 ``codes`` the indices, ``pack`` the payload stored, ``scale`` the block scale; ``end`` f16's V
 store. The stamps cost a few instructions each and move the code: a profile of the phases, not
@@ -58,8 +59,11 @@ STAMPS = [
      "        PROBE_V(4, r);\n"),
     ("both", "        return;\n    }\n    for (int i = threadIdx.x; i < D; i += blockDim.x) {  // the row (+ bias), once\n",
      "        PROBE(5);\n", ""),
-    ("tier", "    fwht_column<D>(x, sc, v);\n    if (b >= D / 64) return;\n", "", "    PROBE_V(6, v[D / 32 - 1]);\n"),
-    ("tier", "    const float n = xsqrt(tree64_warp(xmul(y[0], y[0]), xmul(y[1], y[1])));\n", "", "    PROBE_V(7, n);\n"),
+    ("both", "    if (i < n_rot) xp = slab_sum(xr, ip, ns, slab);  // (both loads in flight together)\n", "",
+     "    PROBE_V(3, x);\n"),
+    ("tier", "    fwht_column<D, GAIN>(x, sc, v, gss, gsh);\n    if (b >= D / 64) return;\n", "",
+     "    PROBE_V(6, v[D / 32 - 1]);\n"),
+    ("tier", "    const float n = xsqrt(nn);\n", "", "    PROBE_V(7, n);\n"),
     ("tier", "    // the payload first:", "    PROBE_V(8, yc[1]);\n", ""),
     ("tier", "    for (int m = j; m < T::BB - 2; m += 32) dst[2 + m] = turbo_pack<T::KBITS>(idx, m);\n", "",
      "    PROBE(9);\n"),

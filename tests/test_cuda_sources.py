@@ -229,7 +229,8 @@ def test_rope_angle_before_the_wait_reads_no_kernel_output():
         "pos", "ff", "q_norm", "k_norm", "bq", "bk"]
     # pos[t]; ff handed to rope_cs; the weights chosen by the block's role, read through nw / bias
     assert re.findall(r"(?<![.\w])(?:pos|ff|q_norm|k_norm|bq|bk|nw|bias)\b ?[^\w\s]", body) == [
-        "nw =", "q_norm :", "k_norm;", "bias =", "bq :", "bk;", "nw)", "nw[", "nw[", "bias)", "bias[", "pos[", "ff,"]
+        "nw =", "q_norm :", "k_norm;", "bias =", "bq :", "bk;", "nw)", "nw[", "nw[", "bias)", "bias[", "bias[", "pos[",
+        "ff,"]
     assert not re.findall(r"(?<![.\w])(q|k|v|in|cell|K|V|q_out|x|xr|buf)\b", body)  # (not blockIdx.x)
     cs = src[src.index("float2 rope_cs(int i"):]
     cs = cs[:cs.index("\n}\n")]

@@ -16,6 +16,32 @@ __device__ __forceinline__ float tree64_warp(float lo, float hi) {
     return a;
 }
 
+// Two tree64_warp sums stage by stage (each sum's bits as alone): ptxas issues shuffles in program
+// order, so two sums called one after the other run as two chains in turn.
+__device__ __forceinline__ void tree64_warp2(float lo0, float hi0, float lo1, float hi1, float& a, float& b) {
+    a = xadd(lo0, hi0);
+    b = xadd(lo1, hi1);
+#pragma unroll
+    for (int h = 16; h > 0; h >>= 1) {
+        const float oa = __shfl_xor_sync(0xffffffffu, a, h), ob = __shfl_xor_sync(0xffffffffu, b, h);
+        a = xadd(a, oa);
+        b = xadd(b, ob);
+    }
+}
+
+// tree64_warp(lo, hi) with rope.cuh warp_sum(ride) beside it, stage by stage (the same bits as each
+// alone); ride: in, the lane's value; out, the warp's sum.
+__device__ __forceinline__ float tree64_warp_ride(float lo, float hi, float& ride) {
+    float a = xadd(lo, hi);
+#pragma unroll
+    for (int h = 16; h > 0; h >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, a, h);
+        ride += __shfl_xor_sync(0xffffffffu, ride, h);
+        a = xadd(a, o);
+    }
+    return a;
+}
+
 // payload byte m of a turbo block from its 64 indices
 template <int BITS>
 __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
@@ -34,8 +60,18 @@ __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
 // warp b < D / 64 encodes 64-value block b, lane j its values j and j + 32 (both in the lane's
 // rotation column): per-64 norms and least-squares scales summed in tree64's order by shuffles
 // (tree64_warp), the code search over the thresholds. The other warps return after the rotation.
-template <class T, int D>
-__device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* sc) {
+//
+// GAIN: the row stored is g x for the gain g = rsqrtf(sum_t gss_t / D + eps) (rope.cuh rope_row's
+// RMSNorm scale: block_sum's order, the same bits) of one more value gss per thread: the codes are
+// x's (a block's codes do not depend on a common factor of its values, up to rounding), and each
+// block's least-squares scale is multiplied by g before its f16 rounding. The sum rides on the
+// rotation's shuffles and sync (fwht_column's ride, gsh: D / 32 floats of shared memory) and on
+// the block norm's (tree64_warp_ride), so the row's encode does not wait for it: the fused store's
+// K row with a k_norm (rope_store.cu). The bytes equal quantizing the normed row up to rounding:
+// g x rounds once per value there, and once per scale here.
+template <class T, int D, bool GAIN = false>
+__device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* sc, float gss = 0.f, float eps = 0.f,
+                                          float* gsh = nullptr) {
     static_assert(D % 64 == 0, "turbo_row: whole 64-value blocks");
     const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
     // up to 32 levels: lane j holds level j % NT, loaded before the rotation; a value's level is
@@ -44,14 +80,23 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
     constexpr bool LSH = T::NT <= 32;
     const float lane_lev = LSH ? T::tab()[j & (T::NT - 1)] : 0.f;
     float v[D / 32];
-    fwht_column<D>(x, sc, v);
+    fwht_column<D, GAIN>(x, sc, v, gss, gsh);
     if (b >= D / 64) return;
     float y[2] = {v[0], v[1]};  // y_{64 b + j}, y_{64 b + j + 32}: column entries 2 b, 2 b + 1
 #pragma unroll
     for (int k = 1; k < D / 64; k++) {
         if (b == k) { y[0] = v[2 * k]; y[1] = v[2 * k + 1]; }
     }
-    const float n = xsqrt(tree64_warp(xmul(y[0], y[0]), xmul(y[1], y[1])));
+    float g = 1.f;
+    float nn;
+    if constexpr (GAIN) {
+        float gs = j < D / 32 ? gsh[j] : 0.f;  // block_sum's second half
+        nn = tree64_warp_ride(xmul(y[0], y[0]), xmul(y[1], y[1]), gs);
+        g = rsqrtf(gs / D + eps);
+    } else {
+        nn = tree64_warp(xmul(y[0], y[0]), xmul(y[1], y[1]));
+    }
+    const float n = xsqrt(nn);
     const float* th = T::thr();
     int* idx = (int*)(sc + D) + 64 * b;  // the block's indices (sc[0, D) may still be read by other warps)
     const bool pos = xlt(0.f, n);
@@ -85,7 +130,9 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
     u8* dst = dst_row + (long long)b * T::BB;
 #pragma unroll
     for (int m = j; m < T::BB - 2; m += 32) dst[2 + m] = turbo_pack<T::KBITS>(idx, m);
-    const float num = tree64_warp(yc[0], yc[1]), den = tree64_warp(cc[0], cc[1]);
-    const float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
+    float num, den;
+    tree64_warp2(yc[0], yc[1], cc[0], cc[1], num, den);
+    float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
+    if constexpr (GAIN) scale = xmul(scale, g);
     if (j == 0) st16(dst, f2h(scale));
 }

@@ -604,8 +604,13 @@ __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inver
 // operations in their order (y0 = a + b, y1 = a - b, a the lower index; the sign flips first, the
 // scaling last), so the bits are fwht_shared's. Three syncs fewer than fwht_regs at D = 256 (the
 // KV store's rotation is latency bound: a decode step's few dozen blocks).
-template <int D>
-__device__ __forceinline__ void fwht_column(float x, float* sc, float (&v)[D / 32]) {
+// ride (RIDE true): a second value per thread summed over its warp on the way (rope.cuh
+// warp_sum's order: xor 16, 8, .., 1, its shuffles interleaved with the transform's, which ptxas
+// otherwise issues one chain after the other), the warp's sum stored to ride_sh[warp] before the
+// sync: a block sum's first half at no barrier of its own (turbo_row's gain).
+template <int D, bool RIDE = false>
+__device__ __forceinline__ void fwht_column(float x, float* sc, float (&v)[D / 32], float ride = 0.f,
+                                            float* ride_sh = nullptr) {
     static_assert(D == 32 || D == 64 || D == 128 || D == 256 || D == 512, "fwht_column: D a power of two, 32 .. 512");
     constexpr int NK = D / 32;
     const int tid = threadIdx.x;
@@ -613,9 +618,13 @@ __device__ __forceinline__ void fwht_column(float x, float* sc, float (&v)[D / 3
 #pragma unroll
     for (int h = 1; h < 32; h <<= 1) {
         const float o = __shfl_xor_sync(0xffffffffu, x, h);
+        if constexpr (RIDE) ride += __shfl_xor_sync(0xffffffffu, ride, 16 / h);
         x = (tid & h) ? xsub(o, x) : xadd(x, o);
     }
     sc[tid] = x;
+    if constexpr (RIDE) {
+        if ((tid & 31) == 0) ride_sh[tid >> 5] = ride;
+    }
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < NK; k++) v[k] = sc[(tid & 31) + 32 * k];

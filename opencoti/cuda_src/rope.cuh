@@ -75,13 +75,14 @@ __device__ __forceinline__ float2 rope_cs(int i, int p, int n_rot, float base, f
 
 // What a thread of a fused rope + KV store's q or K block reads before its PDL wait (rope_pre):
 // the (cos, sin) of its value i = threadIdx.x (rope_cs; 1, 0 for i >= n_rot), the norm weight of
-// value i and of its rope partner (1 without a norm) and value i's projection bias (0 without
-// one). on: false where rope_row reads them itself (RopePre{}: V rows, blocks of fewer threads
-// than D, ROPE_ANGLE_PRE 0). By value, so it stays in registers across the wait (a pointer to it,
-// null or not, had put it in local memory, read back from L2 after the wait).
+// value i and of its rope partner (1 without a norm) and the projection bias of value i and of
+// its partner (0 without one). on: false where rope_row reads them itself (RopePre{}: V rows,
+// blocks of fewer threads than D, ROPE_ANGLE_PRE 0). By value, so it stays in registers across
+// the wait (a pointer to it, null or not, had put it in local memory, read back from L2 after the
+// wait).
 struct RopePre {
     float2 cs = {1.f, 0.f};
-    float w = 1.f, wp = 1.f, b = 0.f;
+    float w = 1.f, wp = 1.f, b = 0.f, bp = 0.f;
     bool on = false;
 };
 
@@ -153,6 +154,29 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
     }
 }
 
+
+// rope_row's value i = threadIdx.x < D with pre.on, without the norm's scale r: rope of x * w
+// (x the row's value plus its bias, w pre's norm weight), its partner read from global memory
+// (no barrier). Rope is linear, so rope_row's value (x r w roped) is r times this up to rounding;
+// a caller that applies r later (turbo_row's GAIN) takes the norm's block sum off the row's
+// dependent chain. xx: x * x, the thread's term of the norm's sum.
+__device__ __forceinline__ float rope_value_unnormed(const float* __restrict__ xr, int ns, long long slab, bool bias,
+                                                     int n_rot, int mode, const RopePre& pre, float& xx) {
+    const int i = threadIdx.x;
+    float x = slab_sum(xr, i, ns, slab), xp = 0.f;
+    const int ip = i < n_rot ? rope_partner(i, n_rot, mode) : i;
+    if (i < n_rot) xp = slab_sum(xr, ip, ns, slab);  // (both loads in flight together)
+    if (bias) {
+        x = x + pre.b;
+        xp = xp + pre.bp;
+    }
+    xx = x * x;
+    const float xw = x * pre.w;
+    if (i >= n_rot) return xw;
+    const float xpw = xp * pre.wp;
+    const bool first = i < ip;
+    return rope_rotate(first ? xw : xpw, first ? xpw : xw, pre.cs, first);
+}
 
 // Head row `row` of x (H head rows of D per token, a token's rows ldx floats after the last's;
 // bias: the projection's [H * D] bias or null) rotated, handed to store(i, value) (rope_row's), or
@@ -271,7 +295,10 @@ __device__ __forceinline__ RopePre rope_pre(int T, int Hq, int Hk, const int* __
             p.w = nw[i];
             if (i < n_rot) p.wp = nw[rope_partner(i, n_rot, mode)];
         }
-        if (bias) p.b = bias[(long long)h * D + i];
+        if (bias) {
+            p.b = bias[(long long)h * D + i];
+            if (i < n_rot) p.bp = bias[(long long)h * D + rope_partner(i, n_rot, mode)];
+        }
     }
     if (i < n_rot) p.cs = rope_cs(i, pos[t], n_rot, base, freq_scale, mode, ff, ext_factor, corr_lo, corr_hi, mscale);
     return p;

@@ -13,8 +13,8 @@
 // [0, T * Hq) rope q head rows (q_norm first) into q_out -- and for a rotated K tier rotate them
 // into its domain (R q, turbo.py's rotation: the attention kernels then skip theirs, cuda.py
 // RotatedQ) --, the next T * Hk take one (token, kv
-// head) each: its K row rotated (k_norm first) into shared memory and quantized to RS_TK, and the
-// last T * Hk its V row (dv values) quantized to RS_TV (apart, so that V's store runs beside K's
+// head) each: its K row roped (k_norm first; a rotated tier's with its norm scale on the block
+// scales instead, RS_K_NORM_LATE below) and quantized to RS_TK, and the last T * Hk its V row (dv values) quantized to RS_TV (apart, so that V's store runs beside K's
 // rope instead of after it), at the token's cell (flat index cell[t]; rows [n_kv][n / BS blocks of
 // BB bytes]). A scalar tier's warp w quantizes the 32-value blocks w, w + n_warps, ... (the scalar
 // quantizers are warp-collective: lane = value), so the stored bytes are kv_quant_<T>'s; a rotated
@@ -23,6 +23,18 @@
 // 4 D with a rotated tier.
 #include "kv_store.cuh"
 #include "rope.cuh"
+
+// RS_K_NORM_LATE (default 1; cuda.py ROPE_K_NORM_LATE, OPENCOTI_CUDA_ROPE_K_NORM_LATE=0 builds 0): a
+// rotated K tier's row with a k_norm is encoded from its unnormed rope (rope.cuh
+// rope_value_unnormed) with the norm's scale on the block scales (kv_store.cuh turbo_row's GAIN),
+// not roped after the norm's block sum and then encoded: the K row is the store's longest chain
+// (its load, the norm's two barriers, rope, the rotation, the encode), and the attention after the
+// store waits for it. The stored codes and scales are those of the normed row up to rounding (a
+// code where a value sits within rounding of a threshold, a scale by one f16 unit), not its bits.
+// 0: rope_row's normed value, encoded (the bits of rope, then kv_write.cu's quantize kernel).
+#ifndef RS_K_NORM_LATE
+#define RS_K_NORM_LATE 1
+#endif
 
 // a row of n values stored at dst in tier T: value(i) gives value i
 template <class T, class Val>
@@ -62,6 +74,17 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
     if (is_v) {
         rs_store_row<RS_TV>(dv, V + c * (dv / RS_TV::BS * RS_TV::BB), sc, [&](int i) { return in.v_at(t, h, dv, i); });
         return;
+    }
+    // a rotated K tier with a k_norm (RS_K_NORM_LATE): the row x * w roped and encoded at once, the
+    // norm's 1 / rms applied to the block scales (turbo_row's GAIN: its sum rides on the encoder's
+    // shuffles and syncs), so the row's chain after the wait is its load, rope and the encoder
+    if constexpr (RS_TK::ROT && RS_K_NORM_LATE) {
+        if (k_norm && pre.on) {
+            float xx;
+            const float y = rope_value_unnormed(in.k_row(t, h, D), in.nsk, in.slk, in.bk != nullptr, n_rot, mode, pre, xx);
+            turbo_row<RS_TK, RS_D, true>(y, K + c * (D / RS_TK::BS * RS_TK::BB), sc, xx, eps, sh);
+            return;
+        }
     }
     // a rotated K tier's thread i keeps value i (blockDim == D: turbo_row's one value per thread), a
     // scalar tier's warps read the row from kb after the sync

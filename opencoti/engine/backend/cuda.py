@@ -299,6 +299,11 @@ ROPE_KV_TIERS = os.environ.get("OPENCOTI_CUDA_ROPE_KV_TIERS", "1") != "0"
 # start for the f16 kernels (kernels.cu), when a tier pair's module is built for the others
 # (bench_kv_tiers --variant)
 ROPE_ANGLE_PRE = os.environ.get("OPENCOTI_CUDA_ROPE_ANGLE_PRE", "1") != "0"
+# the fused store's rotated K row with a k_norm is roped unnormed and encoded at once, the norm's
+# scale applied to its block scales (rope_store.cu RS_K_NORM_LATE: its bytes equal the normed
+# row's up to rounding); OPENCOTI_CUDA_ROPE_K_NORM_LATE=0: normed, roped, then encoded (the bits of
+# the launches one by one). Read when a tier pair's module is built (bench_kv_tiers --variant)
+ROPE_K_NORM_LATE = os.environ.get("OPENCOTI_CUDA_ROPE_K_NORM_LATE", "1") != "0"
 # decode attention's splits (_attn_splits): at most ATTN_SPLIT_CELLS cells each while the grid is
 # small, ATTN_MAX_SPLITS in all
 ATTN_SPLIT_CELLS = int(os.environ.get("OPENCOTI_CUDA_ATTN_SPLIT_CELLS", "256"))
@@ -2209,10 +2214,10 @@ class CUDABackend:
         """``rope_kv_write_q`` of the (K tier, V tier) pair's rope_store module, compiled on first
         use: ``d_rot`` the head size of a rotated tier, 0 for a pair without one
         (``cuda_kv.rope_store_source``)."""
-        key = ("rope_store", type_k, type_v, d_rot, ROPE_ANGLE_PRE)
+        key = ("rope_store", type_k, type_v, d_rot, ROPE_ANGLE_PRE, ROPE_K_NORM_LATE)
         f = self._fns.get(key)
         if f is None:
-            m = load_source(cuda_kv.rope_store_source(type_k, type_v, d_rot, ROPE_ANGLE_PRE),
+            m = load_source(cuda_kv.rope_store_source(type_k, type_v, d_rot, ROPE_ANGLE_PRE, ROPE_K_NORM_LATE),
                             f"rope_store_{type_k}_{type_v}_d{d_rot}")
             f = self._fns[key] = self._kernel(m, "rope_kv_write_q")
         return f

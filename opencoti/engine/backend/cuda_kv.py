@@ -174,13 +174,15 @@ def lanes8_ok(type_k: str, d: int) -> bool:
     return d % 256 == 0 and (d // 8 >= bs or (t.family == "turbo" and bs % (d // 8) == 0))
 
 
-def rope_store_source(type_k: str, type_v: str, d: int, angle_pre: bool = True) -> str:
+def rope_store_source(type_k: str, type_v: str, d: int, angle_pre: bool = True, k_norm_late: bool = True) -> str:
     """Full source of the fused rope + KV store module for one pair of ``ROPE_STORE_TIERS``
     (``rope_store.cu``'s ``rope_kv_write_q`` compiled with ``RS_TK`` / ``RS_TV`` / ``RS_D``):
     ``d`` is the head size of a rotated K or V tier (64, 128 or 256); a pair of float and scalar
     tiers gets one module for every head size (``RS_D`` 0). ``angle_pre``: the module's
-    ``ROPE_ANGLE_PRE`` (rope.cuh: rope's angles before the kernel's PDL wait). ``ValueError``
-    for a tier outside ``ROPE_STORE_TIERS`` or a rotated tier at another head size."""
+    ``ROPE_ANGLE_PRE`` (rope.cuh: rope's angles before the kernel's PDL wait); ``k_norm_late``:
+    its ``RS_K_NORM_LATE`` (rope_store.cu: a rotated K row's norm scale applied to its block
+    scales). ``ValueError`` for a tier outside ``ROPE_STORE_TIERS`` or a rotated tier at another
+    head size."""
     for name in (type_k, type_v):
         if name not in ROPE_STORE_TIERS:
             raise ValueError(f"no fused rope + KV store for KV cache type {name}")
@@ -188,8 +190,8 @@ def rope_store_source(type_k: str, type_v: str, d: int, angle_pre: bool = True) 
     if rot and d not in (64, 128, 256):
         raise ValueError(f"the fused rope + KV store of a rotated tier needs head size 64, 128 or 256, not {d}")
     return ("#define RS_TK %s\n#define RS_TV %s\n#define RS_D %d\n"
-            "#define ROPE_ANGLE_PRE %d\n"
-            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d if rot else 0, angle_pre)
+            "#define ROPE_ANGLE_PRE %d\n#define RS_K_NORM_LATE %d\n"
+            % (TIER_STRUCTS[type_k], TIER_STRUCTS[type_v], d if rot else 0, angle_pre, k_norm_late)
             + tables_prefix() + read_source("rope_store.cu"))
 
 
