@@ -1008,14 +1008,14 @@ def test_rope_kv_write_fused_odd_shapes(gpu, mode, norms):
 def _assert_turbo_rows_close(a, b, name):
     """Rows of turbo tier ``name`` (uint8 ``[..., row bytes]``): ``a`` as the fused store writes a
     K row with a k_norm (rope_store.cu RS_K_NORM_LATE: the unnormed row's codes, the norm's scale on
-    each block scale), ``b`` the normed row quantized. The two differ only by rounding: at least
-    90 % of the 64-value blocks are the same bytes, a code differs in at most 1 % of the values and
-    then by one level, and a block whose codes agree has its f16 scale within one unit of the
-    last place."""
+    each block scale), ``b`` the normed row quantized. The two differ only by rounding: all but
+    max(1, 10 %) of the 64-value blocks are the same bytes, a code differs in at most 1 % of the
+    values and then by one level, and a block whose codes agree has its f16 scale within one unit
+    of the last place."""
     tier = get_tier(name)
     ba, bb = (np.ascontiguousarray(x).view(np.uint8).reshape(-1, tier.block_bytes) for x in (a, b))
     assert len(ba) == len(bb) and np.abs(bb[:, 2:].astype(np.int64)).sum() > 0
-    assert (ba == bb).all(axis=1).mean() >= 0.9
+    assert (ba != bb).any(axis=1).sum() <= max(1, len(ba) // 10)
     ia, ib = tier.unpack(ba[:, 2:]), tier.unpack(bb[:, 2:])
     assert (ia != ib).mean() <= 0.01 and np.abs(ia - ib).max() <= 1
     same = (ia == ib).all(axis=1)
