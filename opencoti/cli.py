@@ -15,7 +15,8 @@ environment variables follow llama.cpp's ``common/arg.cpp``:
   ``LLAMA_ARG_MAIN_GPU``, ``LLAMA_API_KEY``, ``LLAMA_ARG_ALIAS``,
   ``LLAMA_ARG_CHAT_TEMPLATE``, ``LLAMA_ARG_CHAT_TEMPLATE_FILE``;
 - flags llama.cpp gives no variable (``-p``, ``-s``, ``--temp``, ``--top-p``,
-  ``--min-p``, ``--typical``, the penalties, ``-sys``, ``-v``) and llamafile's
+  ``--min-p``, ``--typical``, the penalties, XTC, dynamic temperature, Mirostat,
+  ``--min-keep``, ``-sys``, ``-v``) and llamafile's
   own flags (``--server``, ``--gpu``, ``--admission-poolless``, ``-ctkt``, ``-ctvt``) get
   ``LLAMA_ARG_<FLAG>``: the long flag
   name upper-cased with ``-`` -> ``_`` (``--repeat-penalty`` ->
@@ -72,6 +73,14 @@ ENV_NAMES: dict[str, tuple[str, ...]] = {
     "repeat_last_n": ("LLAMA_ARG_REPEAT_LAST_N",),
     "presence_penalty": ("LLAMA_ARG_PRESENCE_PENALTY",),
     "frequency_penalty": ("LLAMA_ARG_FREQUENCY_PENALTY",),
+    "xtc_probability": ("LLAMA_ARG_XTC_PROBABILITY",),
+    "xtc_threshold": ("LLAMA_ARG_XTC_THRESHOLD",),
+    "dynatemp_range": ("LLAMA_ARG_DYNATEMP_RANGE",),
+    "dynatemp_exp": ("LLAMA_ARG_DYNATEMP_EXP",),
+    "mirostat": ("LLAMA_ARG_MIROSTAT",),
+    "mirostat_lr": ("LLAMA_ARG_MIROSTAT_LR",),
+    "mirostat_ent": ("LLAMA_ARG_MIROSTAT_ENT",),
+    "min_keep": ("LLAMA_ARG_MIN_KEEP",),
     "parallel": ("LLAMA_ARG_N_PARALLEL",),
     "kv_unified": ("LLAMA_ARG_KV_UNIFIED",),
     "cache_type_k": ("LLAMA_ARG_CACHE_TYPE_K",),
@@ -216,6 +225,29 @@ _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
               envvar=_env("presence_penalty"), help="Presence penalty (0.0: off).")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
               envvar=_env("frequency_penalty"), help="Frequency penalty (0.0: off).")
+@click.option("--xtc-probability", type=float, default=0.0, show_default=True,
+              envvar=_env("xtc_probability"),
+              help="XTC: chance a step removes the top choices (0.0: off).")
+@click.option("--xtc-threshold", type=float, default=0.1, show_default=True,
+              envvar=_env("xtc_threshold"),
+              help="XTC: probability at or above which a choice counts as a top one (> 0.5: off).")
+@click.option("--dynatemp-range", type=float, default=0.0, show_default=True,
+              envvar=_env("dynatemp_range"),
+              help="Dynamic temperature: entropy-scaled in [temp - range, temp + range] (0.0: off).")
+@click.option("--dynatemp-exp", type=float, default=1.0, show_default=True,
+              envvar=_env("dynatemp_exp"),
+              help="Dynamic temperature exponent.")
+@click.option("--mirostat", type=click.IntRange(0, 2), default=0, show_default=True,
+              envvar=_env("mirostat"),
+              help="Mirostat sampling (0: off, 1: Mirostat, 2: Mirostat 2.0); replaces the other samplers.")
+@click.option("--mirostat-lr", type=float, default=0.1, show_default=True, envvar=_env("mirostat_lr"),
+              help="Mirostat learning rate (eta).")
+@click.option("--mirostat-ent", type=float, default=5.0, show_default=True,
+              envvar=_env("mirostat_ent"),
+              help="Mirostat target entropy (tau, bits).")
+@click.option("--min-keep", type=click.IntRange(min=0), default=0, show_default=True,
+              envvar=_env("min_keep"),
+              help="XTC keeps at least this many candidates.")
 @click.option("-np", "--parallel", type=int, default=1, show_default=True, envvar=_env("parallel"),
               help="Server slots (-1: auto = 4 with a unified KV cache).")
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
@@ -319,6 +351,14 @@ def _params_from_options(kw: dict) -> Params:
         presence_penalty=kw["presence_penalty"],
         frequency_penalty=kw["frequency_penalty"],
         seed=seed,
+        xtc_probability=kw["xtc_probability"],
+        xtc_threshold=kw["xtc_threshold"],
+        dynatemp_range=kw["dynatemp_range"],
+        dynatemp_exponent=kw["dynatemp_exp"],
+        mirostat=kw["mirostat"],
+        mirostat_tau=kw["mirostat_ent"],
+        mirostat_eta=kw["mirostat_lr"],
+        min_keep=kw["min_keep"],
     )
     from opencoti.engine.api import sampling_error
 

@@ -552,3 +552,125 @@ def test_overflowing_bias_or_penalties_are_the_requests_fault(over, temperature)
     with pytest.raises(ValueError) as ei:
         Sampler(params(temperature=temperature), 4).sample(bad)
     assert not isinstance(ei.value, SamplingParamsError)
+
+
+# -- XTC, dynamic temperature, Mirostat (llama.cpp llama-sampling.cpp) --------------------------
+
+def test_xtc_cuts_the_top_choices_but_the_least_probable_of_them():
+    """XTC (probability 1: every step): the candidates at or above the threshold leave except the
+    least probable of them; off at a threshold above 0.5, at probability 0, when only the first
+    token is above, and when fewer than min_keep would remain; at temperature 0 the choice is the
+    argmax of what is left (the greedy shortcut is off)."""
+    x = logits_of([0.4, 0.3, 0.2, 0.1])
+    assert cand_set(Sampler(params(xtc_probability=1.0, xtc_threshold=0.15), 4), x) == {2, 3}
+    assert cand_set(Sampler(params(xtc_probability=1.0, xtc_threshold=0.25), 4), x) == {1, 2, 3}
+    for kw in (dict(xtc_threshold=0.51), dict(xtc_probability=0.0), dict(xtc_threshold=0.35), dict(min_keep=3)):
+        assert cand_set(Sampler(params(**{"xtc_probability": 1.0, "xtc_threshold": 0.15, **kw}), 4), x) == {0, 1, 2, 3}
+    assert cand_set(Sampler(params(xtc_probability=1.0, xtc_threshold=0.15, min_keep=2), 4), x) == {2, 3}
+    s = Sampler(params(xtc_probability=1.0, xtc_threshold=0.15, temperature=0.0), 4)
+    assert not s.argmax_only and s.sample(x) == 2
+    # in an explicit chain too, where the chain names it
+    assert cand_set(Sampler(params(xtc_probability=1.0, xtc_threshold=0.15, samplers=("xtc", "temperature")), 4),
+                    x) == {2, 3}
+    assert cand_set(Sampler(params(xtc_probability=1.0, xtc_threshold=0.15, samplers=("temperature",)), 4),
+                    x) == {0, 1, 2, 3}
+
+
+def test_xtc_fires_with_its_probability_and_holds_for_the_step():
+    """With xtc_probability 0.3 about 30 % of the steps cut (one uniform draw a step, > p: no
+    cut); candidates() after sample() sees the step's decision (post_sampling_top)."""
+    x = logits_of([0.5, 0.3, 0.15, 0.05])
+    s = Sampler(params(xtc_probability=0.3, xtc_threshold=0.2, seed=11), 4)
+    cuts = 0
+    for _ in range(4000):
+        tok = s.sample(x)
+        cut = cand_set(s, x) == {1, 2, 3}
+        assert cut or cand_set(s, x) == {0, 1, 2, 3}
+        assert cut or tok in (0, 1, 2, 3)
+        assert not cut or tok != 0
+        cuts += cut
+    assert abs(cuts / 4000 - 0.3) < 0.03, cuts
+
+
+def _entropy_temp(vals, t, d, e):
+    p = np.exp(vals.astype(np.float64) - vals.max())
+    p /= p.sum()
+    h = -np.sum(p[p > 0] * np.log(p[p > 0]))
+    lo, hi = max(0.0, t - d), t + d
+    return lo + (hi - lo) * (h / np.log(vals.size)) ** e
+
+
+def test_dynatemp_scales_by_the_normalized_entropy():
+    """dynatemp_range d: the logits are divided by t0 + (t1 - t0) (H / log m)^exponent (llama.cpp
+    temp_ext): a flat row gets t + d, a peaked one nearly max(0, t - d); one candidate stays as it
+    is; at temperature 0 with a range the greedy shortcut is off."""
+    rng = np.random.default_rng(5)
+    for t, d, e in ((1.0, 0.5, 1.0), (0.7, 0.3, 2.0), (0.2, 0.5, 0.5)):
+        x = (rng.standard_normal(50) * 2).astype(np.float32)
+        ids, vals = Sampler(params(temperature=t, dynatemp_range=d, dynatemp_exponent=e), 50).candidates(x)
+        assert list(ids) == list(range(50))
+        np.testing.assert_allclose(vals, x / np.float32(_entropy_temp(x, t, d, e)), rtol=1e-6)
+    flat = np.zeros(8, np.float32)
+    _, vals = Sampler(params(temperature=1.0, dynatemp_range=0.5), 8).candidates(flat + 3)
+    np.testing.assert_allclose(vals, 3 / 1.5, rtol=1e-6)
+    ids, vals = Sampler(params(temperature=1.0, dynatemp_range=0.5, top_k=1), 8).candidates(np.arange(8, dtype=np.float32))
+    assert list(ids) == [7] and vals[0] == 7  # one candidate: unscaled
+    s = Sampler(params(temperature=0.0, dynatemp_range=1.0, seed=3), 4)
+    assert not s.argmax_only
+    assert len({s.sample(logits_of([0.3, 0.3, 0.2, 0.2])) for _ in range(200)}) > 1
+
+
+def test_mirostat_v2_cuts_at_mu_and_learns():
+    """Mirostat 2 (llama.cpp mirostat_v2): mu starts at 2 tau; the candidates are the most
+    probable up to the first with -log2 p > mu (at least one); the draw is from their softmax and
+    mu -= eta (-log2 p_token - tau). Penalties and top_k do not run (the chain is replaced)."""
+    probs = [0.5, 0.25, 0.125, 0.0625, 0.0625]
+    x = logits_of(probs)
+    tau, eta = 1.2, 0.3
+    s = Sampler(params(mirostat=2, mirostat_tau=tau, mirostat_eta=eta, top_k=1, repeat_penalty=2.0, seed=9), 5)
+    s.accept_many([0, 0, 0])
+    mu = 2 * tau
+    for _ in range(30):
+        keep = [i for i in range(5)]
+        first_over = next((i for i, p in enumerate(probs) if -math.log2(p) > mu), 5)
+        keep = keep[:max(first_over, 1)]
+        tok = s.sample(x)
+        assert cand_set(s, x) == set(keep) and tok in keep
+        q = np.asarray(probs)[keep] / np.sum(np.asarray(probs)[keep])
+        mu -= eta * (-math.log2(q[keep.index(tok)]) - tau)
+        assert s.mu == pytest.approx(mu, rel=1e-6)
+    s.reset()
+    assert s.mu == 2 * tau
+
+
+def test_mirostat_v1_keeps_the_estimated_top_k():
+    """Mirostat 1 (llama.cpp mirostat, m = 100): s from the top tokens' log-ratios, k = (e 2^mu /
+    (1 - n^-e))^(1/s) with e = s - 1, the draw from the top max(int(k), 1), mu updated as v2."""
+    rng = np.random.default_rng(2)
+    n = 300
+    x = np.sort(rng.standard_normal(n) * 3).astype(np.float32)[::-1].copy()
+    p = np.exp(x.astype(np.float64) - x.max())
+    p /= p.sum()
+    tau, eta = 4.0, 0.2
+    s = Sampler(params(mirostat=1, mirostat_tau=tau, mirostat_eta=eta, seed=4), n)
+    mu = 2 * tau
+    for _ in range(10):
+        i = np.arange(99, dtype=np.float64)
+        ti, bi = np.log((i + 2) / (i + 1)), np.log(p[:99] / p[1:100])
+        sh = np.sum(ti * bi) / np.sum(ti * ti)
+        k = max(int(((sh - 1) * 2 ** mu / (1 - n ** -(sh - 1))) ** (1 / sh)), 1)
+        tok = s.sample(x)
+        assert cand_set(s, x) == set(range(k)) and tok < k
+        q = p[:k] / p[:k].sum()
+        mu -= eta * (-math.log2(q[tok]) - tau)
+        assert s.mu == pytest.approx(mu, rel=1e-9)
+
+
+def test_mirostat_temperature_zero_is_greedy_and_bad_values_refused():
+    s = Sampler(params(mirostat=2, temperature=0.0, mirostat_tau=5.0, mirostat_eta=0.1), 4)
+    x = logits_of([0.1, 0.6, 0.2, 0.1])
+    assert s.sample(x) == 1 and s.mu == pytest.approx(10.0 + 0.1 * 5.0)
+    for kw in (dict(mirostat=3), dict(dynatemp_range=-1.0), dict(min_keep=-1), dict(xtc_threshold=float("nan")),
+               dict(mirostat_tau=float("inf"))):
+        with pytest.raises(ValueError):
+            Sampler(params(**kw), 4)

@@ -1255,11 +1255,21 @@ def test_logit_bias_and_unsupported_samplers(port):
     st, pushed = post({**base, "return_tokens": True, "logit_bias": [[" Paris", 30]]})
     assert st == 200 and pushed["content"] == " Paris"
     for bad in [{"logit_bias": "x"}, {"logit_bias": [[1, "x"]]}, {"logit_bias": {"": 1}},
-                {"mirostat": 2}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": 0.8}]:
+                {"mirostat": 3}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": 0.8},
+                {"dynatemp_range": -1}, {"min_keep": -1}, {"mirostat_tau": "x"}]:
         st, err = post({**base, **bad})
         assert st == 400 and err["error"]["type"] == "invalid_request_error", bad
     st, _ = post({**base, "mirostat": 0, "samplers": ["top_k", "temperature"]})
     assert st == 200
+    # XTC, dynamic temperature and Mirostat run, and generation_settings reports them
+    knobs = {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2, "xtc_probability": 0.5, "xtc_threshold": 0.2,
+             "dynatemp_range": 0.4, "dynatemp_exponent": 1.5, "min_keep": 2}
+    st, out = post({**base, **knobs, "n_predict": 4, "seed": 7})
+    assert st == 200 and len(out["content"]) > 0
+    assert {k: out["generation_settings"][k] for k in knobs} == knobs
+    # XTC at probability 1 with the greedy choice above the threshold: the first token is no longer " the"
+    st, out = post({**base, "return_tokens": True, "xtc_probability": 1.0, "xtc_threshold": 0.01})
+    assert st == 200 and out["tokens"][0] != first
 
 
 def test_head_on_get_routes(port):

@@ -152,7 +152,7 @@ def test_samplers_list_and_letters(server, caplog):
     assert st == 200 and out["generation_settings"]["samplers"] == ["penalties", "top_k", "temperature"]
     st, out = _complete(base, temperature=0)
     assert out["generation_settings"]["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p",
-                                                      "min_p", "temperature"]
+                                                      "min_p", "xtc", "temperature"]
     for bad in (["infill"], "a", [1], {"x": 1}):
         st, err = _complete(base, samplers=bad)
         assert st == 400 and err["error"]["type"] == "invalid_request_error", bad
@@ -244,8 +244,9 @@ def test_sampler_names_match_as_llama_cpp(server, caplog):
     for bad in (["Infill"], ["adaptive-p"]):
         st, err = _complete(server["base"], samplers=bad)
         assert st == 400 and "not supported" in err["error"]["message"], bad
-    st, err = _complete(server["base"], xtc_probability=0.5)
-    assert st == 400 and "top_n_sigma" in err["error"]["message"] and "xtc," not in err["error"]["message"]
+    st, err = _complete(server["base"], dry_multiplier=0.5)
+    msg = err["error"]["message"]
+    assert st == 400 and "top_n_sigma" in msg and "xtc" in msg and "mirostat" in msg and "dry," not in msg
 
 
 def test_request_line_over_64k_is_json_414(server):

@@ -33,6 +33,11 @@ class SamplingParams:
     ``samplers``: the chain in order, llama.cpp's canonical names (``CHAIN_NAMES``);
     None = the default chain (``DEFAULT_CHAIN``). A name absent from the list is a
     sampler that does not run, as in llama.cpp (no ``temperature``: no scaling).
+    ``xtc_probability`` / ``xtc_threshold``: XTC (0 / any > 0.5 = off); ``dynatemp_range`` /
+    ``dynatemp_exponent``: entropy-scaled temperature in [temperature - range, temperature +
+    range] (0 = off); ``mirostat`` 1 / 2 with ``mirostat_tau`` (target surprise, bits) and
+    ``mirostat_eta`` (learning rate): Mirostat v1 / v2 instead of the chain (0 = off);
+    ``min_keep``: XTC keeps at least this many candidates. Semantics: ``sampling.py``.
     """
 
     temperature: float = 0.8
@@ -50,13 +55,21 @@ class SamplingParams:
     grammar: Optional[str] = None
     top_n_sigma: float = -1.0
     samplers: Optional[tuple] = None  # of CHAIN_NAMES; None = DEFAULT_CHAIN
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    min_keep: int = 0
 
 
 # The sampler names a chain may hold (llama.cpp ``common_sampler_types_from_names``,
-# canonical names; "dry" and "xtc" run as no-ops: their parameters must stay off),
-# and the default order (llama.cpp's, minus those two).
+# canonical names; "dry" runs as a no-op: its multiplier must stay off), and the default
+# order (llama.cpp's, minus dry).
 CHAIN_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-DEFAULT_CHAIN = ("penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "temperature")
+DEFAULT_CHAIN = ("penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 
 
 def sampling_error(p) -> str | None:
@@ -64,11 +77,13 @@ def sampling_error(p) -> str | None:
     range check shared by the HTTP layer (400), the CLI (usage error) and ``Sampler``:
     temperature finite; top_p >= 0 and typical_p >= 0 (1 or more = off); min_p in
     [0, 1]; repeat_penalty > 0 (1 = off); repeat_last_n >= -1; penalties and
-    top_n_sigma finite; ``samplers`` only of ``CHAIN_NAMES``."""
+    top_n_sigma finite; ``samplers`` only of ``CHAIN_NAMES``; the XTC, dynamic temperature
+    and Mirostat numbers finite, dynatemp_range >= 0, mirostat 0, 1 or 2, min_keep >= 0."""
     def finite(v) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
 
-    for name in ("temperature", "presence_penalty", "frequency_penalty", "top_n_sigma"):
+    for name in ("temperature", "presence_penalty", "frequency_penalty", "top_n_sigma", "xtc_probability",
+                 "xtc_threshold", "dynatemp_exponent", "mirostat_tau", "mirostat_eta"):
         if not finite(getattr(p, name)):
             return f"{name} must be a finite number, got {getattr(p, name)}"
     for name in ("top_p", "typical_p"):
@@ -81,6 +96,12 @@ def sampling_error(p) -> str | None:
         return f"repeat_penalty must be > 0, got {p.repeat_penalty}"
     if p.repeat_last_n < -1:
         return f"repeat_last_n must be >= -1, got {p.repeat_last_n}"
+    if not (finite(p.dynatemp_range) and p.dynatemp_range >= 0):
+        return f"dynatemp_range must be >= 0, got {p.dynatemp_range}"
+    if p.mirostat not in (0, 1, 2):
+        return f"mirostat must be 0 (off), 1 or 2, got {p.mirostat}"
+    if p.min_keep < 0:
+        return f"min_keep must be >= 0, got {p.min_keep}"
     bad = [n for n in (p.samplers or ()) if n not in CHAIN_NAMES]
     if bad:
         return f"unknown sampler {bad[0]!r} (known: {', '.join(CHAIN_NAMES)})"

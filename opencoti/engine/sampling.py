@@ -5,8 +5,10 @@ Semantics follow llama.cpp (``src/llama-sampling.cpp`` for each sampler,
 chain runs, in order:
 
     penalties -> (dry: not implemented, llama.cpp's default multiplier 0 leaves it off)
-    -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p
-    -> (xtc: not implemented, off by default) -> temperature -> dist
+    -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> xtc -> temperature -> dist
+
+or, with ``mirostat`` 1 or 2 (llama.cpp ``common_sampler_init``): logit_bias ->
+temperature (plain) -> mirostat, which draws the token itself.
 
 ``SamplingParams.samplers`` replaces that order (llama.cpp's request field
 ``samplers``): the named samplers run in the given order and the others not at
@@ -31,15 +33,35 @@ Each step narrows a candidate set (token ids with their current logits):
   probability; keep the shortest prefix whose mass is ``>= top_p`` (1.0: off).
 - min_p: keep logits ``>= max_logit + log(min_p)``, i.e. ``p >= min_p * p_max``
   (0: off).
+- xtc ("exclude top choices", llama.cpp ``llama_sampler_xtc``): off when
+  ``xtc_probability <= 0``, ``xtc_threshold > 0.5`` or fewer than two candidates;
+  else with probability ``xtc_probability`` (one uniform draw a step) the
+  candidates, sorted by probability, lose every token at or above the threshold
+  except the least probable of them (the scan stops at the first token below it),
+  provided at least ``min_keep`` remain.
 - temperature: logits ``/= temperature``; ``temperature <= 0`` keeps only the
   highest logit, so the choice is the argmax of the penalised logits among the
-  surviving candidates (greedy). Penalties still apply, as in llama.cpp.
+  surviving candidates (greedy). Penalties still apply, as in llama.cpp. With
+  ``dynatemp_range`` d > 0 (llama.cpp ``llama_sampler_temp_ext``; off with one
+  candidate): the temperature is ``t0 + (t1 - t0) * (H / log m) ** dynatemp_exponent``
+  for ``t0 = max(0, temperature - d)``, ``t1 = temperature + d``, ``H`` the entropy
+  of the candidates' softmax and ``m`` their number.
+- mirostat (Basu et al. 2021, "Mirostat: a neural text decoding algorithm that
+  directly controls perplexity"; llama.cpp ``llama_sampler_mirostat`` /
+  ``_mirostat_v2``): a running ``mu`` (bits, ``2 * mirostat_tau`` at the start);
+  v2 keeps the most probable candidates up to the first whose surprise
+  ``-log2 p`` exceeds ``mu`` (at least one); v1 estimates the Zipf exponent
+  ``s`` from the 100 most probable and keeps the top
+  ``k = (e 2^mu / (1 - n_vocab^-e))^(1/s)``, ``e = s - 1``; both draw from what
+  is left and set ``mu -= mirostat_eta * (-log2 p_token - mirostat_tau)``.
 - dist: softmax over what is left, one uniform draw, first token whose
   cumulative probability reaches the draw.
 
 The random source is a NumPy ``Generator`` (PCG64) seeded from ``seed``; the
 same seed and the same logits give the same tokens (not the same tokens as
-llama.cpp, whose ``std::mt19937`` stream we do not reproduce). A seed < 0 or
+llama.cpp, whose ``std::mt19937`` streams -- one per random sampler -- we do not
+reproduce). XTC's draw comes first in a step, from the same stream, and holds for
+the whole step (a grammar's second pass, ``post_sampling_top``). A seed < 0 or
 equal to 0xFFFFFFFF (llama.cpp's LLAMA_DEFAULT_SEED) draws a random seed.
 
 Grammar-constrained sampling (``grammar=`` a ``opencoti.engine.grammar.GrammarMatcher``)
@@ -245,6 +267,10 @@ class Sampler:
         maxlen = None if p.repeat_last_n < 0 else p.repeat_last_n
         self._history: collections.deque[int] = collections.deque(maxlen=maxlen)
         self.grammar = grammar
+        self.mu = 2.0 * float(p.mirostat_tau)  # Mirostat's running surprise bound (bits)
+        self._xtc_on = p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5
+        self._xtc_u: Optional[float] = None  # this step's XTC draw (sample() draws it)
+        self._mirostat_kept: Optional[tuple] = None  # the step's candidates after mirostat's cut
 
     # -- history -----------------------------------------------------------------------------
 
@@ -263,8 +289,9 @@ class Sampler:
             self._history.extend(int(t) for t in tokens)
 
     def reset(self) -> None:
-        """Forget the history (the random stream continues)."""
+        """Forget the history and Mirostat's ``mu`` (the random stream continues)."""
         self._history.clear()
+        self.mu = 2.0 * float(self.params.mirostat_tau)
 
     @property
     def history(self) -> list[int]:
@@ -321,6 +348,8 @@ class Sampler:
         best token). Exposed for tests and ``post_sampling_probs``-style reporting.
         """
         p = self.params
+        if p.mirostat:
+            return self._mirostat_candidates(logits)
         if p.samplers is not None and tuple(p.samplers) != DEFAULT_CHAIN:
             return self._candidates_ordered(logits, p.samplers)
         x = self.apply_penalties(logits)
@@ -381,13 +410,96 @@ class Sampler:
 
         if ids is None:
             ids = np.arange(n, dtype=np.int64)
+        if self._xtc_on:
+            ids, vals = self._xtc(ids, vals)
+        ids, vals = self._temperature(ids, vals)
+        return ids.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
 
-        # temperature
+    def _xtc_draw(self) -> float:
+        """This step's XTC draw (uniform [0, 1)), taken on first use in the step."""
+        if self._xtc_u is None:
+            self._xtc_u = float(self._rng.random())
+        return self._xtc_u
+
+    def _xtc(self, ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """XTC over the candidates (module doc): ``(ids, vals)``, sorted by logit when it
+        cuts, else as given. Draws this step's number only with two candidates or more."""
+        p = self.params
+        if vals.size < 2 or self._xtc_draw() > p.xtc_probability:
+            return ids, vals
+        order = np.argsort(-vals, kind="stable")
+        ids, vals = ids[order], vals[order]
+        pr = _softmax64(vals)
+        above = np.flatnonzero(pr < np.float32(p.xtc_threshold))
+        n_above = int(above[0]) if above.size else pr.size  # the leading run at or above
+        last = n_above - 1  # the least probable of them stays
+        if last > 0 and pr.size - last >= p.min_keep:
+            ids, vals = ids[last:], vals[last:]
+        return ids, vals
+
+    def _temperature(self, ids: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The temperature step (module doc): dynamic with ``dynatemp_range`` > 0; a
+        temperature <= 0 keeps the first highest logit."""
+        p = self.params
         t = float(p.temperature)
+        if p.dynatemp_range > 0:
+            if vals.size <= 1:
+                return ids, vals
+            lo, hi = max(0.0, t - p.dynatemp_range), t + p.dynatemp_range
+            pr = _softmax64(vals)
+            nz = pr > 0
+            entropy = -float(np.sum(pr[nz] * np.log(pr[nz])))
+            t = lo + (hi - lo) * (entropy / np.log(vals.size)) ** float(p.dynatemp_exponent)
         if t <= 0.0:
             best = int(np.argmax(vals))  # first maximum in candidate order
-            return ids[best:best + 1].astype(np.int64), vals[best:best + 1].astype(np.float32)
-        return ids.astype(np.int64, copy=False), (vals / np.float32(t)).astype(np.float32, copy=False)
+            return ids[best:best + 1], vals[best:best + 1]
+        return ids, (vals / np.float32(t)).astype(np.float32, copy=False)
+
+    def _mirostat_candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """With ``mirostat``: the candidates of this step's draw when it has been taken
+        (after mirostat's cut), else logit_bias then the plain temperature over the row."""
+        if self._mirostat_kept is not None:
+            return self._mirostat_kept
+        x = self.apply_bias(logits)
+        if not np.isfinite(float(np.max(x))):
+            raise _nonfinite_error(logits)
+        ids = np.arange(x.shape[0], dtype=np.int64)
+        t = float(self.params.temperature)
+        if t <= 0.0:
+            best = int(np.argmax(x))
+            return ids[best:best + 1], x[best:best + 1].astype(np.float32)
+        return ids, (x / np.float32(t)).astype(np.float32, copy=False)
+
+    def _mirostat_sample(self, logits: np.ndarray) -> int:
+        """One Mirostat draw (v1 or v2, module doc), ``mu`` updated; the kept candidates
+        recorded for ``candidates``."""
+        p = self.params
+        self._mirostat_kept = None
+        ids, vals = self._mirostat_candidates(logits)
+        order = np.argsort(-vals, kind="stable")
+        ids, vals = ids[order], vals[order]
+        pr = _softmax64(vals)
+        if p.mirostat == 1:
+            m = min(100 - 1, pr.size - 1)
+            i = np.arange(m, dtype=np.float64)
+            t_i = np.log((i + 2) / (i + 1))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                b_i = np.log(pr[:m] / pr[1:m + 1])
+                s_hat = float(np.sum(t_i * b_i) / np.sum(t_i * t_i))
+                eps = s_hat - 1
+                k = (eps * 2.0 ** self.mu / (1 - float(self.n_vocab) ** -eps)) ** (1 / s_hat)
+            keep = max(int(k), 1) if np.isfinite(k) else pr.size
+        else:
+            with np.errstate(divide="ignore"):
+                over = np.flatnonzero(-np.log2(pr) > self.mu)
+            keep = max(int(over[0]) if over.size else pr.size, 1)
+        ids, vals = ids[:keep], vals[:keep]
+        pr = _softmax64(vals)
+        cum = np.cumsum(pr)
+        j = min(int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right")), ids.size - 1)
+        self.mu -= float(p.mirostat_eta) * (-np.log2(pr[j]) - float(p.mirostat_tau))
+        self._mirostat_kept = (ids, vals)
+        return int(ids[j])
 
     def _candidates_ordered(self, logits: np.ndarray, chain) -> tuple[np.ndarray, np.ndarray]:
         """``candidates`` for an explicit ``samplers`` order: each named sampler in
@@ -433,14 +545,12 @@ class Sampler:
                     threshold = np.float32(np.max(vals)) + np.float32(np.log(np.float32(p.min_p)))
                     keep = np.flatnonzero(vals >= threshold)
                     ids, vals = ids[keep], vals[keep]
+            elif name == "xtc":
+                if self._xtc_on:
+                    ids, vals = self._xtc(ids, vals)
             elif name == "temperature":
-                t = float(p.temperature)
-                if t <= 0.0:
-                    best = int(np.argmax(vals))
-                    ids, vals = ids[best:best + 1], vals[best:best + 1]
-                else:
-                    vals = (vals / np.float32(t)).astype(np.float32, copy=False)
-            # "dry", "xtc": no-ops here (their parameters are held off at the HTTP layer)
+                ids, vals = self._temperature(ids, vals)
+            # "dry": a no-op here (its multiplier is held off at the HTTP layer)
         return ids.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
 
     @staticmethod
@@ -501,10 +611,12 @@ class Sampler:
 
     @property
     def _greedy_chain(self) -> bool:
-        """The default chain at temperature <= 0 (typical_p off): top_k / top_p / min_p always
-        keep the best logit, so the chain is the argmax of the biased, penalized logits."""
+        """The default chain at temperature <= 0 (typical_p, XTC, dynamic temperature and
+        Mirostat off): top_k / top_p / min_p always keep the best logit, so the chain is the
+        argmax of the biased, penalized logits."""
         p = self.params
-        return p.temperature <= 0.0 and p.typical_p >= 1.0 and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN)
+        return (p.temperature <= 0.0 and p.typical_p >= 1.0 and not self._xtc_on and p.dynatemp_range <= 0
+                and not p.mirostat and (p.samplers is None or tuple(p.samplers) == DEFAULT_CHAIN))
 
     def take_argmax(self, token: int, max_logit: float) -> int:
         """``sample``'s choice for an ``argmax_only`` sampler given the row's argmax ``token`` and
@@ -523,6 +635,8 @@ class Sampler:
         choice if the grammar allows it, else a second draw from the chain over
         the grammar-masked logits (llama.cpp ``common_sampler_sample``).
         """
+        self._xtc_u = None  # a new step: XTC draws again, mirostat's cut is redone
+        self._mirostat_kept = None
         token = self._sample_chain(logits)
         if self.grammar is None or self.grammar.is_allowed(token):
             return token
@@ -534,6 +648,8 @@ class Sampler:
         return token
 
     def _sample_chain(self, logits: np.ndarray) -> int:
+        if self.params.mirostat:
+            return self._mirostat_sample(logits)
         if self._greedy_chain:  # top_k / top_p / min_p always keep the best logit: skipped
             x = self.apply_penalties(logits)
             i = int(np.argmax(x))  # NumPy's argmax returns the first NaN if there is one

@@ -248,9 +248,11 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
     Fields (llama.cpp names): temperature, top_k, top_p, min_p, typical_p,
     repeat_penalty, repeat_last_n (-1 = the slot's context), presence_penalty,
     frequency_penalty, seed (-1 or 0xFFFFFFFF = random), n_probs, top_n_sigma
-    (<= 0 = off), samplers (the chain's order, see ``parse_samplers``), logit_bias
-    (``tokenizer``: text keys allowed, see ``parse_logit_bias``).
-    Raises 400 on a wrong type or out-of-range value.
+    (<= 0 = off), xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent,
+    mirostat (0, 1, 2), mirostat_tau, mirostat_eta, min_keep, samplers (the chain's
+    order, see ``parse_samplers``), logit_bias (``tokenizer``: text keys allowed, see
+    ``parse_logit_bias``). Raises 400 on a wrong type or out-of-range value, and for
+    ``dry_multiplier`` other than 0 (DRY is not implemented).
     """
     sp = replace(defaults)
     sp.temperature = get_number(body, "temperature", sp.temperature)
@@ -269,6 +271,11 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
     sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0, max=1024)
     sp.logit_bias = parse_logit_bias(body.get("logit_bias"), tokenizer)
     sp.top_n_sigma = get_number(body, "top_n_sigma", sp.top_n_sigma)
+    for name in ("xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "mirostat_tau",
+                 "mirostat_eta"):
+        setattr(sp, name, get_number(body, name, getattr(sp, name)))
+    sp.mirostat = get_int(body, "mirostat", sp.mirostat, min=0, max=2)
+    sp.min_keep = get_int(body, "min_keep", sp.min_keep, min=0)
     check_unsupported_samplers(body)
     if body.get("samplers") is not None:
         sp.samplers = parse_samplers(body["samplers"])
@@ -280,7 +287,7 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
 
 # llama.cpp sampler fields this engine does not implement, with their "off" value:
 # a request that turns one on gets a 400 instead of silently different sampling.
-UNSUPPORTED_SAMPLERS = {"mirostat": 0, "xtc_probability": 0, "dry_multiplier": 0, "dynatemp_range": 0}
+UNSUPPORTED_SAMPLERS = {"dry_multiplier": 0}
 
 
 def check_unsupported_samplers(body: dict) -> None:
@@ -293,7 +300,7 @@ def check_unsupported_samplers(body: dict) -> None:
             raise invalid_request(f'"{key}" must be a number')
         if v != off:
             raise invalid_request(f'"{key}" is not supported by this server (samplers it runs: '
-                                  f"{', '.join(n for n in CHAIN_NAMES if n not in ('dry', 'xtc'))})")
+                                  f"{', '.join(n for n in CHAIN_NAMES if n != 'dry')}, mirostat)")
     samplers = body.get("samplers")
     if samplers is not None and (not isinstance(samplers, (list, str)) or
                                  (isinstance(samplers, list) and not all(isinstance(x, str) for x in samplers))):
