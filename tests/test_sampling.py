@@ -666,6 +666,20 @@ def test_mirostat_v1_keeps_the_estimated_top_k():
         assert s.mu == pytest.approx(mu, rel=1e-9)
 
 
+def test_mirostat_degenerate_rows_do_not_raise():
+    """Mirostat 1 on a flat row (s estimated 0: k infinite), with one finite logit, and both
+    versions with mu driven far out (a huge eta): a token every step, no exception (llama.cpp's
+    float arithmetic gives inf / nan there; here they keep every candidate, or the first)."""
+    flat = np.zeros(64, np.float32)
+    one = np.full(64, -np.inf, np.float32)
+    one[9] = 0.0
+    for v in (1, 2):
+        s = Sampler(params(mirostat=v, mirostat_eta=1e300, mirostat_tau=1e3, seed=1), 64)
+        for x in (flat, one, flat, logits_of(np.linspace(1, 2, 64) / np.linspace(1, 2, 64).sum())):
+            tok = s.sample(x)
+            assert 0 <= tok < 64 and (x is not one or tok == 9)
+
+
 def test_mirostat_temperature_zero_is_greedy_and_bad_values_refused():
     s = Sampler(params(mirostat=2, temperature=0.0, mirostat_tau=5.0, mirostat_eta=0.1), 4)
     x = logits_of([0.1, 0.6, 0.2, 0.1])

@@ -449,7 +449,8 @@ class Sampler:
             pr = _softmax64(vals)
             nz = pr > 0
             entropy = -float(np.sum(pr[nz] * np.log(pr[nz])))
-            t = lo + (hi - lo) * (entropy / np.log(vals.size)) ** float(p.dynatemp_exponent)
+            with np.errstate(divide="ignore", over="ignore"):  # 0 ** -e: inf, as llama.cpp's powf
+                t = float(lo + (hi - lo) * np.float64(entropy / np.log(vals.size)) ** float(p.dynatemp_exponent))
         if t <= 0.0:
             best = int(np.argmax(vals))  # first maximum in candidate order
             return ids[best:best + 1], vals[best:best + 1]
@@ -483,12 +484,13 @@ class Sampler:
             m = min(100 - 1, pr.size - 1)
             i = np.arange(m, dtype=np.float64)
             t_i = np.log((i + 2) / (i + 1))
-            with np.errstate(divide="ignore", invalid="ignore"):
+            with np.errstate(all="ignore"):  # float64 scalars throughout: inf / nan, never an exception
                 b_i = np.log(pr[:m] / pr[1:m + 1])
-                s_hat = float(np.sum(t_i * b_i) / np.sum(t_i * t_i))
+                s_hat = np.sum(t_i * b_i) / np.sum(t_i * t_i)
                 eps = s_hat - 1
-                k = (eps * 2.0 ** self.mu / (1 - float(self.n_vocab) ** -eps)) ** (1 / s_hat)
-            keep = max(int(k), 1) if np.isfinite(k) else pr.size
+                k = np.power(eps * np.exp2(np.float64(self.mu)) / (1 - np.power(np.float64(self.n_vocab), -eps)),
+                             1 / s_hat)
+            keep = min(max(int(k), 1), pr.size) if np.isfinite(k) else pr.size
         else:
             with np.errstate(divide="ignore"):
                 over = np.flatnonzero(-np.log2(pr) > self.mu)
