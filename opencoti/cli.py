@@ -185,6 +185,11 @@ def _normalize_argv(argv: Sequence[str]) -> list[str]:
 _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 
 
+# SamplingParams fields whose flag is not the field's name with "-" for "_"
+_FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta": "mirostat-lr",
+                  "mirostat_tau": "mirostat-ent", "dynatemp_exponent": "dynatemp-exp"}
+
+
 @click.command(name=PROG, context_settings=_CONTEXT,
                help="LLM inference on GGUF models: one completion (-p), a chat (no -p), "
                     "or llama.cpp's HTTP server (--server).")
@@ -363,8 +368,10 @@ def _params_from_options(kw: dict) -> Params:
     from opencoti.engine.api import sampling_error
 
     err = sampling_error(sampling)
-    if err:
-        raise click.UsageError(err.replace("_", "-", 1) if err.startswith(("top_", "min_")) else err)
+    if err:  # the flag's name for the field's
+        field_name = err.split(" ", 1)[0]
+        flag = _FLAG_OF_FIELD.get(field_name, field_name.replace("_", "-"))
+        raise click.UsageError(f"--{flag}{err[len(field_name):]}" if field_name.isidentifier() else err)
     params = Params(
         model=kw["model"],
         prompt=kw["prompt"],

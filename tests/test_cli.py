@@ -56,10 +56,13 @@ def test_version_prints_full_version():
     (["-ub"], "requires an argument"),
     (["-m", "/definitely/not/a/model.gguf"], "does not exist"),
     (["-np", "0"], "must be >= 1"),
-    (["--min-p", "2"], "min-p must be in [0, 1]"),
-    (["--top-p", "-1"], "top-p must be >= 0"),
-    (["--repeat-penalty", "0"], "repeat_penalty must be > 0"),
-    (["--temp", "nan"], "temperature must be a finite number"),
+    (["--min-p", "2"], "--min-p must be in [0, 1]"),
+    (["--top-p", "-1"], "--top-p must be >= 0"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be > 0"),
+    (["--temp", "nan"], "--temp must be a finite number"),
+    (["--mirostat-lr", "nan"], "--mirostat-lr must be a finite number"),
+    (["--dynatemp-range", "-1"], "--dynatemp-range must be >= 0"),
+    (["--mirostat", "3"], "3 is not in the range 0<=x<=2"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle):
     r = run_cli(args)

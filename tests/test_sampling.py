@@ -688,3 +688,43 @@ def test_mirostat_temperature_zero_is_greedy_and_bad_values_refused():
                dict(mirostat_tau=float("inf"))):
         with pytest.raises(ValueError):
             Sampler(params(**kw), 4)
+
+
+def test_min_keep_holds_in_typical_top_p_min_p():
+    """min_keep (llama.cpp passes it to typical, top_p and min_p): each keeps at least that many
+    candidates, the most probable (typical: the most typical); 0 changes nothing; the explicit
+    chain agrees; top_p's partial sort over a large row widens when min_keep exceeds it."""
+    x = logits_of([0.5, 0.3, 0.1, 0.05, 0.05])
+    assert cand_set(Sampler(params(top_p=0.5), 5), x) == {0}
+    assert cand_set(Sampler(params(top_p=0.5, min_keep=3), 5), x) == {0, 1, 2}
+    assert cand_set(Sampler(params(min_p=0.5), 5), x) == {0, 1}
+    assert cand_set(Sampler(params(min_p=0.5, min_keep=4), 5), x) == {0, 1, 2, 3}  # a tie: the lower id
+    assert cand_set(Sampler(params(min_p=0.5, min_keep=9), 5), x) == {0, 1, 2, 3, 4}
+    base = cand_set(Sampler(params(typical_p=0.3), 5), x)
+    wide = cand_set(Sampler(params(typical_p=0.3, min_keep=4), 5), x)
+    assert len(base) < 4 and len(wide) == 4 and base <= wide
+    for kw in (dict(top_p=0.5, min_keep=3), dict(min_p=0.5, min_keep=4), dict(typical_p=0.3, min_keep=4)):
+        name = {"top_p": "top_p", "min_p": "min_p", "typical_p": "typ_p"}[next(iter(kw))]
+        assert cand_set(Sampler(params(**kw, samplers=(name, "temperature")), 5), x) == \
+            cand_set(Sampler(params(**kw), 5), x), kw
+    rng = np.random.default_rng(8)
+    big = (rng.standard_normal(5000) * 4).astype(np.float32)
+    assert len(cand_set(Sampler(params(top_p=0.3), 5000), big)) < 300
+    got = Sampler(params(top_p=0.3, min_keep=300), 5000).candidates(big)[0]
+    assert set(got.tolist()) == set(np.argsort(-big, kind="stable")[:300].tolist())
+
+
+def test_extreme_temperatures_keep_the_distribution():
+    """A temperature whose quotient leaves float32 (1e-300: the logits / t overflow; 1e300: t
+    itself does) still samples its limit: the argmax, or uniformly over the finite logits,
+    never a banned (-inf) token; dynamic temperature reaches them too."""
+    x = np.array([3, 2.9, 2.5, -0.5, 1.0, -np.inf], np.float32)
+    for kw in (dict(temperature=1e-300), dict(temperature=0.0, dynatemp_range=1e-300)):
+        s = Sampler(params(**kw, seed=1), 6)
+        assert {s.sample(x) for _ in range(100)} == {0}, kw
+    for kw in (dict(temperature=1e300), dict(temperature=1.0, dynatemp_range=1e300)):
+        s = Sampler(params(**kw, seed=1), 6)
+        got = [s.sample(x) for _ in range(2000)]
+        assert set(got) == {0, 1, 2, 3, 4}, kw
+        assert min(np.bincount(got)) > 300, kw
+        assert np.isfinite(s.candidates(x)[1][:5]).all()

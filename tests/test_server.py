@@ -1256,7 +1256,8 @@ def test_logit_bias_and_unsupported_samplers(port):
     assert st == 200 and pushed["content"] == " Paris"
     for bad in [{"logit_bias": "x"}, {"logit_bias": [[1, "x"]]}, {"logit_bias": {"": 1}},
                 {"mirostat": 3}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": 0.8},
-                {"dynatemp_range": -1}, {"min_keep": -1}, {"mirostat_tau": "x"}]:
+                {"dynatemp_range": -1}, {"min_keep": -1}, {"mirostat_tau": "x"}, {"xtc_probability": 10 ** 400},
+                {"temperature": -10 ** 400}]:
         st, err = post({**base, **bad})
         assert st == 400 and err["error"]["type"] == "invalid_request_error", bad
     st, _ = post({**base, "mirostat": 0, "samplers": ["top_k", "temperature"]})

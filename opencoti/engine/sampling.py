@@ -33,6 +33,8 @@ Each step narrows a candidate set (token ids with their current logits):
   probability; keep the shortest prefix whose mass is ``>= top_p`` (1.0: off).
 - min_p: keep logits ``>= max_logit + log(min_p)``, i.e. ``p >= min_p * p_max``
   (0: off).
+- ``min_keep`` (0: none): typical_p, top_p and min_p keep at least that many
+  candidates (the most typical / most probable), as llama.cpp passes it to each.
 - xtc ("exclude top choices", llama.cpp ``llama_sampler_xtc``): off when
   ``xtc_probability <= 0``, ``xtc_threshold > 0.5`` or fewer than two candidates;
   else with probability ``xtc_probability`` (one uniform draw a step) the
@@ -388,13 +390,13 @@ class Sampler:
             order = np.argsort(shifted, kind="stable" if shifted.size <= 4096 else None)
             cum = np.cumsum(pr[order])
             over = np.flatnonzero(cum > p.typical_p)
-            last = int(over[0]) + 1 if over.size else order.size
+            last = min(max(int(over[0]) + 1, p.min_keep), order.size) if over.size else order.size
             keep = order[:last]
             ids, vals, is_sorted = ids[keep], vals[keep], False
 
         # top_p
         if p.top_p < 1.0:
-            ids, vals = self._top_p(ids, vals, is_sorted, p.top_p)
+            ids, vals = self._top_p(ids, vals, is_sorted, p.top_p, p.min_keep)
             is_sorted = True
 
         # min_p
@@ -402,6 +404,7 @@ class Sampler:
             vmax = np.float32(np.max(vals))
             threshold = vmax + np.float32(np.log(np.float32(p.min_p)))
             keep = np.flatnonzero(vals >= threshold)
+            keep = _min_keep(keep, vals, p.min_keep)
             if ids is None:
                 ids = keep.astype(np.int64)
                 vals = vals[keep]
@@ -454,7 +457,7 @@ class Sampler:
         if t <= 0.0:
             best = int(np.argmax(vals))  # first maximum in candidate order
             return ids[best:best + 1], vals[best:best + 1]
-        return ids, (vals / np.float32(t)).astype(np.float32, copy=False)
+        return ids, _divide_logits(vals, t)
 
     def _mirostat_candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """With ``mirostat``: the candidates of this step's draw when it has been taken
@@ -469,7 +472,7 @@ class Sampler:
         if t <= 0.0:
             best = int(np.argmax(x))
             return ids[best:best + 1], x[best:best + 1].astype(np.float32)
-        return ids, (x / np.float32(t)).astype(np.float32, copy=False)
+        return ids, _divide_logits(x, t)
 
     def _mirostat_sample(self, logits: np.ndarray) -> int:
         """One Mirostat draw (v1 or v2, module doc), ``mu`` updated; the kept candidates
@@ -536,16 +539,16 @@ class Sampler:
                     entropy = -float(np.sum(np.where(pr > 0, pr * np.where(pr > 0, lp, 0.0), 0.0)))
                     order = np.argsort(np.abs(-lp - entropy), kind="stable")
                     over = np.flatnonzero(np.cumsum(pr[order]) > p.typical_p)
-                    keep = order[:int(over[0]) + 1 if over.size else order.size]
+                    keep = order[:min(max(int(over[0]) + 1, p.min_keep), order.size) if over.size else order.size]
                     ids, vals = ids[keep], vals[keep]
             elif name == "top_p":
                 if p.top_p < 1.0:
                     order = np.argsort(-vals, kind="stable")
-                    ids, vals = self._top_p(ids[order], vals[order], True, p.top_p)
+                    ids, vals = self._top_p(ids[order], vals[order], True, p.top_p, p.min_keep)
             elif name == "min_p":
                 if p.min_p > 0.0:
                     threshold = np.float32(np.max(vals)) + np.float32(np.log(np.float32(p.min_p)))
-                    keep = np.flatnonzero(vals >= threshold)
+                    keep = _min_keep(np.flatnonzero(vals >= threshold), vals, p.min_keep)
                     ids, vals = ids[keep], vals[keep]
             elif name == "xtc":
                 if self._xtc_on:
@@ -556,14 +559,15 @@ class Sampler:
         return ids.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
 
     @staticmethod
-    def _top_p(ids: Optional[np.ndarray], vals: np.ndarray, is_sorted: bool, top_p: float):
-        """Nucleus filter; returns sorted (ids, vals). ``ids`` None means all ids in order."""
+    def _top_p(ids: Optional[np.ndarray], vals: np.ndarray, is_sorted: bool, top_p: float, min_keep: int = 0):
+        """Nucleus filter, at least ``min_keep`` kept; returns sorted (ids, vals). ``ids`` None
+        means all ids in order."""
         m = vals.size
         if is_sorted:
             pr = _softmax64(vals)
             cum = np.cumsum(pr)
             hit = np.flatnonzero(cum >= top_p)
-            last = int(hit[0]) + 1 if hit.size else m
+            last = min(max(int(hit[0]) + 1, min_keep), m) if hit.size else m
             return ids[:last], vals[:last]
         lse = _logsumexp(vals)
         # widen a partial sort until it holds the nucleus (usually the first try does)
@@ -573,14 +577,14 @@ class Sampler:
             part = part[np.argsort(-vals[part])]
             cum = np.cumsum(np.exp(vals[part].astype(np.float64) - lse))
             hit = np.flatnonzero(cum >= top_p)
-            if hit.size:
-                sel = part[: int(hit[0]) + 1]
+            if hit.size and min_keep <= k:
+                sel = part[: max(int(hit[0]) + 1, min_keep)]
                 return (sel.astype(np.int64) if ids is None else ids[sel]), vals[sel]
             k *= 8
         order = np.argsort(-vals)
         cum = np.cumsum(np.exp(vals[order].astype(np.float64) - lse))
         hit = np.flatnonzero(cum >= top_p)
-        sel = order[: int(hit[0]) + 1] if hit.size else order
+        sel = order[: max(int(hit[0]) + 1, min_keep)] if hit.size else order
         return (sel.astype(np.int64) if ids is None else ids[sel]), vals[sel]
 
     def apply_grammar(self, logits: np.ndarray) -> np.ndarray:
@@ -666,6 +670,33 @@ class Sampler:
         cum = np.cumsum(pr)
         i = int(np.searchsorted(cum, u * cum[-1], side="right"))
         return int(ids[min(i, ids.size - 1)])
+
+
+def _min_keep(keep: np.ndarray, vals: np.ndarray, min_keep: int) -> np.ndarray:
+    """min_p's survivors ``keep`` (indices into ``vals``), or with fewer than ``min_keep`` of
+    them the ``min_keep`` highest logits, highest first (llama.cpp ``llama_sampler_min_p``)."""
+    if keep.size >= min_keep or keep.size == vals.size:
+        return keep
+    top = top_k_ids(vals, min(min_keep, vals.size))
+    return top[np.argsort(-vals[top], kind="stable")]
+
+
+def _divide_logits(vals: np.ndarray, t: float) -> np.ndarray:
+    """float32 logits ``vals`` divided by a temperature ``t`` > 0: ``vals / float32(t)``, or,
+    where that leaves float32's range (a temperature near 0 or past 3.4e38: inf, or -inf / inf =
+    NaN), ``(vals - max) / t`` in float64, the same distribution (the best logit 0, the others
+    below, -inf staying -inf)."""
+    tf = np.float32(t) if t < 3.4e38 else np.float32(np.inf)
+    if 0 < tf < np.inf:
+        with np.errstate(over="ignore"):
+            out = (vals / tf).astype(np.float32, copy=False)
+        fin = np.isfinite(vals)
+        if np.isfinite(out[fin]).all():
+            return out
+    v = vals.astype(np.float64)
+    top = float(v[np.isfinite(v)].max()) if np.isfinite(v).any() else 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ((v - top) / t).astype(np.float32)
 
 
 def _top_n_sigma_keep(vals: np.ndarray, n: float) -> np.ndarray:
