@@ -252,7 +252,7 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               help="Mirostat target entropy (tau, bits).")
 @click.option("--min-keep", type=click.IntRange(min=0), default=0, show_default=True,
               envvar=_env("min_keep"),
-              help="XTC keeps at least this many candidates.")
+              help="typical, top-p, min-p and XTC keep at least this many candidates.")
 @click.option("-np", "--parallel", type=int, default=1, show_default=True, envvar=_env("parallel"),
               help="Server slots (-1: auto = 4 with a unified KV cache).")
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),

@@ -37,7 +37,8 @@ class SamplingParams:
     ``dynatemp_exponent``: entropy-scaled temperature in [temperature - range, temperature +
     range] (0 = off); ``mirostat`` 1 / 2 with ``mirostat_tau`` (target surprise, bits) and
     ``mirostat_eta`` (learning rate): Mirostat v1 / v2 instead of the chain (0 = off);
-    ``min_keep``: XTC keeps at least this many candidates. Semantics: ``sampling.py``.
+    ``min_keep``: typical_p, top_p, min_p and XTC keep at least this many candidates.
+    Semantics: ``sampling.py``.
     """
 
     temperature: float = 0.8

@@ -456,10 +456,7 @@ class Sampler:
             entropy = -float(np.sum(pr[nz] * np.log(pr[nz])))
             with np.errstate(divide="ignore", over="ignore"):  # 0 ** -e: inf, as llama.cpp's powf
                 t = float(lo + (hi - lo) * np.float64(entropy / np.log(vals.size)) ** float(p.dynatemp_exponent))
-        if t <= 0.0:
-            best = int(np.argmax(vals))  # first maximum in candidate order
-            return ids[best:best + 1], vals[best:best + 1]
-        return ids, _divide_logits(vals, t)
+        return _apply_temperature(ids, vals, t)
 
     def _mirostat_candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """With ``mirostat``: the candidates of this step's draw when it has been taken
@@ -469,12 +466,7 @@ class Sampler:
         x = self.apply_bias(logits)
         if not np.isfinite(float(np.max(x))):
             raise _nonfinite_error(logits)
-        ids = np.arange(x.shape[0], dtype=np.int64)
-        t = float(self.params.temperature)
-        if t <= 0.0:
-            best = int(np.argmax(x))
-            return ids[best:best + 1], x[best:best + 1].astype(np.float32)
-        return ids, _divide_logits(x, t)
+        return _apply_temperature(np.arange(x.shape[0], dtype=np.int64), x, float(self.params.temperature))
 
     def _mirostat_sample(self, logits: np.ndarray) -> int:
         """One Mirostat draw (v1 or v2, module doc), ``mu`` updated; the kept candidates
@@ -483,13 +475,8 @@ class Sampler:
         self._mirostat_kept = None
         ids, vals = self._mirostat_candidates(logits)
         lse = _logsumexp(vals)
-
-        def top(n: int) -> np.ndarray:  # indices of the n highest logits, highest first (ties: lower id)
-            sel = top_k_ids(vals, n) if n < vals.size else np.arange(vals.size)
-            return sel[np.argsort(-vals[sel], kind="stable")]
-
         if p.mirostat == 1:
-            head = top(min(100, vals.size))
+            head = _top_sorted(vals, min(100, vals.size))
             pr = np.exp(vals[head].astype(np.float64) - lse)
             m = head.size - 1
             i = np.arange(m, dtype=np.float64)
@@ -500,11 +487,11 @@ class Sampler:
                 eps = s_hat - 1
                 k = np.power(eps * np.exp2(np.float64(self.mu)) / (1 - np.power(np.float64(self.n_vocab), -eps)),
                              1 / s_hat)
-            sel = top(min(max(int(k), 1), vals.size) if np.isfinite(k) else vals.size)
+            sel = _top_sorted(vals, min(max(int(k), 1), vals.size) if np.isfinite(k) else vals.size)
         else:  # the most probable while -log2 p <= mu, i.e. logit >= lse - mu ln 2 (at least the best)
             with np.errstate(invalid="ignore"):
                 n = int(np.count_nonzero(vals.astype(np.float64) >= lse - self.mu * np.log(2.0)))
-            sel = top(vals.size if np.isnan(self.mu) else max(n, 1))  # (a NaN mu cuts nothing, as there)
+            sel = _top_sorted(vals, vals.size if np.isnan(self.mu) else max(n, 1))  # (a NaN mu cuts nothing, as there)
         ids, vals = ids[sel], vals[sel]
         pr = _softmax64(vals)
         cum = np.cumsum(pr)
@@ -684,8 +671,23 @@ def _min_keep(keep: np.ndarray, vals: np.ndarray, min_keep: int) -> np.ndarray:
     them the ``min_keep`` highest logits, highest first (llama.cpp ``llama_sampler_min_p``)."""
     if keep.size >= min_keep or keep.size == vals.size:
         return keep
-    top = top_k_ids(vals, min(min_keep, vals.size))
-    return top[np.argsort(-vals[top], kind="stable")]
+    return _top_sorted(vals, min(min_keep, vals.size))
+
+
+def _top_sorted(vals: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the ``n`` (1 <= n <= size) highest of ``vals``, highest first; ties by lower
+    index (``top_k_ids``, no full sort unless n is the whole row)."""
+    sel = top_k_ids(vals, n) if n < vals.size else np.arange(vals.size)
+    return sel[np.argsort(-vals[sel], kind="stable")]
+
+
+def _apply_temperature(ids: np.ndarray, vals: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp ``llama_sampler_temp_impl``: ``t <= 0`` keeps the first highest logit, else the
+    logits divided by ``t`` (``_divide_logits``)."""
+    if t <= 0.0:
+        best = int(np.argmax(vals))  # first maximum in candidate order
+        return ids[best:best + 1], vals[best:best + 1]
+    return ids, _divide_logits(vals, t)
 
 
 def _divide_logits(vals: np.ndarray, t: float) -> np.ndarray:
