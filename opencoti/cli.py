@@ -253,6 +253,17 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
 @click.option("--min-keep", type=click.IntRange(min=0), default=0, show_default=True,
               envvar=_env("min_keep"),
               help="typical, top-p, min-p and XTC keep at least this many candidates.")
+@click.option("--dry-multiplier", type=float, default=0.0, show_default=True,
+              help="DRY: penalty multiplier for tokens that extend a repetition (0.0: off).")
+@click.option("--dry-base", type=float, default=1.75, show_default=True,
+              help="DRY: the penalty grows as base ** (repeat length - allowed length); values < 1 are ignored.")
+@click.option("--dry-allowed-length", type=int, default=2, show_default=True,
+              help="DRY: repetitions up to this long are not penalized.")
+@click.option("--dry-penalty-last-n", type=click.IntRange(min=-1), default=-1, show_default=True,
+              help="DRY: tokens it looks back over (0: off, -1: context).")
+@click.option("--dry-sequence-breaker", "dry_sequence_breaker", multiple=True, metavar="STRING",
+              help="DRY: a sequence breaker, replacing the defaults ('\\n', ':', '\"', '*'); repeatable; "
+                   "'none' for none.")
 @click.option("-np", "--parallel", type=int, default=1, show_default=True, envvar=_env("parallel"),
               help="Server slots (-1: auto = 4 with a unified KV cache).")
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
@@ -328,6 +339,21 @@ def _command(**kw: Any) -> Params:
     return _params_from_options(kw)
 
 
+def _dry_base_and_breakers(kw: dict) -> dict:
+    """``--dry-base`` (a value < 1 leaves the default, as llama.cpp's flag) and the
+    ``--dry-sequence-breaker`` list ('none' clears it; given at all, the defaults go)."""
+    out = {}
+    if kw["dry_base"] >= 1.0:
+        out["dry_base"] = kw["dry_base"]
+    given = kw["dry_sequence_breaker"]
+    if given:
+        breakers = []
+        for b in given:
+            breakers = [] if b == "none" else breakers + [b]
+        out["dry_sequence_breakers"] = tuple(breakers)
+    return out
+
+
 def _params_from_options(kw: dict) -> Params:
     """Turn click's option dict into ``Params`` (llama.cpp's semantics for odd values)."""
     if kw["parallel"] == 0 or kw["parallel"] < -1:
@@ -364,6 +390,10 @@ def _params_from_options(kw: dict) -> Params:
         mirostat_tau=kw["mirostat_ent"],
         mirostat_eta=kw["mirostat_lr"],
         min_keep=kw["min_keep"],
+        dry_multiplier=kw["dry_multiplier"],
+        dry_allowed_length=kw["dry_allowed_length"],
+        dry_penalty_last_n=kw["dry_penalty_last_n"],
+        **_dry_base_and_breakers(kw),
     )
     from opencoti.engine.api import sampling_error
 

@@ -63,6 +63,8 @@ def test_version_prints_full_version():
     (["--mirostat-lr", "nan"], "--mirostat-lr must be a finite number"),
     (["--dynatemp-range", "-1"], "--dynatemp-range must be >= 0"),
     (["--mirostat", "3"], "3 is not in the range 0<=x<=2"),
+    (["--dry-penalty-last-n", "-2"], "-2 is not in the range x>=-1"),
+    (["--dry-multiplier", "inf"], "--dry-multiplier must be a finite number"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle):
     r = run_cli(args)
@@ -93,6 +95,23 @@ def test_help_lists_llama_cpp_flags():
 
 
 # --- Params from flags and environment ---------------------------------------------------------
+
+
+def test_dry_flags(clean_env):
+    """llama.cpp's DRY flags: a base below 1 is ignored, each --dry-sequence-breaker replaces the
+    defaults, 'none' clears the list so far."""
+    p = build_params(["--dry-multiplier", "0.8", "--dry-base", "2", "--dry-allowed-length", "3",
+                      "--dry-penalty-last-n", "256", "--dry-sequence-breaker", "###", "--dry-sequence-breaker", "\n"])
+    s = p.sampling
+    assert (s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n) == (0.8, 2.0, 3, 256)
+    assert s.dry_sequence_breakers == ("###", "\n")
+    s = build_params(["--dry-base", "0.5"]).sampling
+    assert s.dry_base == 1.75 and s.dry_sequence_breakers == ("\n", ":", '"', "*") and s.dry_multiplier == 0.0
+    s = build_params(["--dry-sequence-breaker", "a", "--dry-sequence-breaker", "none",
+                      "--dry-sequence-breaker", "b"]).sampling
+    assert s.dry_sequence_breakers == ("b",)
+    assert build_params(["--dry-sequence-breaker", "none"]).sampling.dry_sequence_breakers == ()
+
 
 
 def test_defaults_match_params_defaults(clean_env):

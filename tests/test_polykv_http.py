@@ -184,6 +184,15 @@ def test_pool_sampling_defaults_apply_to_attached_requests(server):
         assert own["tokens_predicted"] == 5
         plain = c.complete(SYSTEM + " Q:", n_predict=2)  # not attached: server defaults
         assert plain["generation_settings"]["temperature"] != 0
+        # every sampler field a request takes may be a pool default (XTC, Mirostat, DRY ...)
+        knobs = {"xtc_probability": 0.5, "mirostat": 2, "mirostat_tau": 3.0, "min_keep": 2, "top_n_sigma": 1.5,
+                 "dynatemp_range": 0.3, "dry_multiplier": 0.8, "dry_allowed_length": 3,
+                 "dry_sequence_breakers": ["\n", "###"]}
+        assert c.set_sampling(p["id"], **knobs)["sampling"] == {"temperature": 0, "n_predict": 3, **knobs}
+        out = c.complete(SYSTEM + " Q:", pool_id=p["id"])
+        assert {k: out["generation_settings"][k] for k in knobs} == knobs
+        r = httpx.post(f"{base}/polykv/pools/{p['id']}/sampling", json={"dry_sequence_breakers": []}, timeout=30)
+        assert r.status_code == 400
         c.release(p["id"])
 
 

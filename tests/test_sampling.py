@@ -462,8 +462,11 @@ def test_explicit_default_order_equals_the_default_chain():
                   repeat_penalty=float(rng.choice([1.0, 1.3])), repeat_last_n=8, seed=3)
         x = (rng.standard_normal(600) * 2).astype(np.float32)
         hist = rng.integers(0, 600, 12)
-        a = Sampler(SamplingParams(**kw), 600)
-        b = Sampler(SamplingParams(**kw, samplers=DEFAULT_CHAIN + ("dry", "xtc")), 600)
+        kw.update(dry_multiplier=float(rng.choice([0.0, 0.8])), dry_allowed_length=int(rng.choice([1, 2])))
+        breakers = {int(hist[3]): ((),)}
+        a = Sampler(SamplingParams(**kw), 600, dry_breakers=breakers)
+        b = Sampler(SamplingParams(**kw, samplers=DEFAULT_CHAIN + ("xtc",)), 600, dry_breakers=breakers)
+        hist = np.concatenate([hist, hist[2:7], hist[:5]])  # repeats for DRY to find
         a.accept_many(hist)
         b.accept_many(hist)
         ia, va = a.candidates(x)
@@ -728,3 +731,186 @@ def test_extreme_temperatures_keep_the_distribution():
         assert set(got) == {0, 1, 2, 3, 4}, kw
         assert min(np.bincount(got)) > 300, kw
         assert np.isfinite(s.candidates(x)[1][:5]).all()
+
+
+# ---------------------------------------------------------------- DRY
+
+
+def _dry_reference(hist, breakers, multiplier, base, allowed, last_n):
+    """DRY's logit deltas {token: penalty} after ``hist``, a plain transcription of the four
+    steps of llama.cpp's ``llama_sampler_dry_apply`` (restart limit; the reverse Z-algorithm with
+    its Z-box; the longest repeat per following token; the clamped penalty, single-token breakers
+    spared), token by token in float32 / double as there."""
+    h = list(hist)[-last_n:] if last_n > 0 else list(hist)
+    n = len(h)
+    if n <= allowed:
+        return {}
+    rat = lambda i: h[n - 1 - i]  # noqa: E731
+    rep_limit = n
+    for i in range(n):
+        tails = breakers.get(rat(i))
+        if not tails:
+            continue
+        longest = -1
+        for tail in tails:
+            if longest < len(tail) <= i and all(tail[o] == rat(i - o - 1) for o in range(len(tail))):
+                longest = len(tail)
+        if longest >= 0:
+            rep_limit = i - longest
+            break
+    if rep_limit < allowed:
+        return {}
+    count = [0] * n
+    last, lt, rt = n - 1, 0, 0
+    for k in range(1, n):
+        if k > rt:
+            m = 0
+            while m + k < n and rat(m) == rat(m + k):
+                m += 1
+            count[last - k] = min(m, rep_limit)
+            if m > 0:
+                lt, rt = k, k + m - 1
+        else:
+            p = k - lt
+            if count[last - p] < rt - k + 1:
+                count[last - k] = min(count[last - p], rep_limit)
+            else:
+                i = rt + 1
+                while i < n and rat(i) == rat(i - k):
+                    i += 1
+                count[last - k] = min(i - k, rep_limit)
+                lt, rt = k, i - 1
+    best = {}
+    for i in range(n - 1):
+        if count[i] >= allowed:
+            t = rat(n - 2 - i)
+            best[t] = max(best.get(t, count[i]), count[i])
+    max_exp = 0
+    if np.float32(base) > np.float32(1.000001):
+        max_exp = int(np.float32(88.7228391) / np.log(np.float32(base)))
+    out = {}
+    for t, length in best.items():
+        if () in breakers.get(t, ()):
+            continue
+        e = length - allowed
+        if max_exp > 0 and e > max_exp:
+            e = max_exp
+        out[t] = np.float32(float(np.float32(multiplier)) * float(np.float32(base)) ** e)
+    return out
+
+
+@pytest.mark.parametrize("case", [
+    # llama.cpp tests/test-sampling.cpp test_dry: probs, history, expected, multiplier, base, allowed, last_n, breakers
+    ([0.25] * 4, [0, 1], [0.25] * 4, 1.0, 1.1, 2, 4, []),
+    ([0.25] * 4, [0, 1, 2, 0, 1], [0.296923, 0.296923, 0.109232, 0.296923], 1.0, 1.1, 2, 5, []),
+    ([0.2] * 5, [0, 1, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 2, 6, [[3]]),
+    ([0.2] * 5, [0, 1, 2, 0, 1], [0.241818, 0.241818, 0.032727, 0.241818, 0.241818], 2.0, 1.1, 2, 5, []),
+    ([0.2] * 5, [0, 1, 2, 3, 4, 0, 1], [0.2] * 5, 1.0, 1.1, 4, 7, []),
+])
+def test_dry_llama_cpp_cases(case):
+    probs, hist, want, mult, base, allowed, last_n, seqs = case
+    breakers = {}
+    for seq in seqs:
+        breakers.setdefault(seq[0], []).append(tuple(seq[1:]))
+    s = Sampler(params(dry_multiplier=mult, dry_base=base, dry_allowed_length=allowed, dry_penalty_last_n=last_n),
+                len(probs), dry_breakers={h: tuple(t) for h, t in breakers.items()})
+    s.accept_many(hist)
+    ids, vals = s.candidates(logits_of(probs))
+    got = np.zeros(len(probs))
+    got[ids] = np.exp(vals - vals.max()) / np.exp(vals - vals.max()).sum()
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_dry_matches_llama_cpp_z_algorithm():
+    """Random repetitive histories (a small alphabet, copied runs, one- and multi-token breakers,
+    bases from 1 to past float range's clamp, allowed lengths 0-4, windows): the vectorised
+    penalties equal the transcription's, token for token and bit for bit."""
+    from opencoti.engine.dry import dry_penalties
+
+    rng = np.random.default_rng(11)
+    checked = 0
+    for trial in range(300):
+        n_vocab = int(rng.integers(3, 12))
+        hist = list(rng.integers(0, n_vocab, int(rng.integers(1, 60))))
+        for _ in range(int(rng.integers(0, 4))):  # paste earlier runs again: long repeats
+            a = int(rng.integers(0, len(hist)))
+            hist += hist[a:a + int(rng.integers(1, 30))]
+        breakers = {}
+        for _ in range(int(rng.integers(0, 3))):
+            tail = tuple(int(t) for t in rng.integers(0, n_vocab, int(rng.integers(0, 3))))
+            breakers.setdefault(int(rng.integers(0, n_vocab)), set()).add(tail)
+        breakers = {h: tuple(sorted(t)) for h, t in breakers.items()}
+        mult = float(rng.choice([0.8, 2.0, -0.5]))
+        base = float(rng.choice([1.0, 1.0000005, 1.1, 1.75, 3.0, 1e30]))
+        allowed = int(rng.integers(0, 5))
+        last_n = int(rng.choice([0, 5, 17, 1000]))  # 0 here: the whole history
+        want = _dry_reference(hist, breakers, mult, base, allowed, last_n)
+        window = hist[-last_n:] if last_n > 0 else hist
+        ids, pen = dry_penalties(window, breakers, mult, base, allowed)
+        got = {int(t): p for t, p in zip(ids, pen)}
+        assert got.keys() == want.keys(), (trial, hist, breakers, allowed)
+        for t in want:
+            assert got[t] == want[t], (trial, t, got[t], want[t])
+        checked += len(want)
+    assert checked > 300
+    # one token repeated far past the clamp (base 1.75: exponent <= 158): the same penalties
+    hist = [1] * 500 + [2] + [1] * 400
+    ids, pen = dry_penalties(hist, {}, 1.0, 1.75, 2)
+    want = _dry_reference(hist, {}, 1.0, 1.75, 2, 0)
+    assert dict(zip(ids.tolist(), pen.tolist())) == {t: float(p) for t, p in want.items()}
+    assert want[1] == np.float32(1.75 ** 158) and want[2] == np.float32(1.75 ** 158)
+
+
+def test_dry_off_means_off_and_its_history():
+    """Multiplier 0, base < 1 or last_n 0: the chain's output is the plain one and the sampler may
+    take the backend's argmax; on, DRY looks at the prompt and the accepted tokens, the last
+    ``dry_penalty_last_n`` of them, and greedy picks around the penalty."""
+    x = logits_of([0.3, 0.25, 0.2, 0.15, 0.1])
+    hist = [0, 1, 2, 0, 1]  # 0 1 was followed by 2: 2 would repeat "0 1 2"
+    for off in (dict(dry_multiplier=0.0), dict(dry_multiplier=5.0, dry_base=0.9),
+                dict(dry_multiplier=5.0, dry_penalty_last_n=0)):
+        plain, s = Sampler(params(temperature=0.0), 5), Sampler(params(temperature=0.0, **off), 5)
+        s.accept_many(hist)
+        assert s.argmax_only and np.array_equal(s.apply_penalties(x), x)
+        assert s.sample(x) == plain.sample(x) == 0
+    s = Sampler(params(temperature=0.0, dry_multiplier=5.0, dry_allowed_length=1), 5)
+    assert not s.argmax_only
+    s.accept_many([3, 0])
+    s.accept(3)  # "3 0" then "3": 0 would repeat "3 0" (length 1 + 1)
+    y = s.apply_penalties(x)
+    assert y[0] == x[0] - np.float32(5.0) and np.array_equal(y[1:], x[1:]) and s.sample(x) == 1
+    s.reset()
+    assert np.array_equal(s.apply_penalties(x), x)
+    w = Sampler(params(dry_multiplier=5.0, dry_allowed_length=1, dry_penalty_last_n=2), 5)
+    w.accept_many([3, 0, 4, 3])  # the window "4 3" holds no earlier "3"
+    assert np.array_equal(w.apply_penalties(x), x)
+    # a single-token breaker is never penalized and stops the match
+    b = Sampler(params(dry_multiplier=5.0, dry_allowed_length=1), 5, dry_breakers={0: ((),)})
+    b.accept_many([3, 0, 3])
+    assert np.array_equal(b.apply_penalties(x), x)
+    with pytest.raises(ValueError, match="dry_penalty_last_n"):
+        Sampler(params(dry_penalty_last_n=-2), 5)
+
+
+def test_dry_breakers_follow_the_vocabulary(shared_dir):
+    """llama.cpp's overlapping token sequences on a real vocabulary (GPT-2): a token containing
+    the breaker is a breaker alone; a token ending in a proper prefix of it heads the rest,
+    tokenized; empty breakers are skipped; the result is cached per breaker list."""
+    from opencoti.engine.dry import process_breakers
+    from opencoti.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(str(shared_dir / "data/vocab/ggml-vocab-gpt-2.gguf"))
+    nl = process_breakers(tok, ["\n", ""])
+    assert nl[tok.tokenize("\n", add_special=False)[0]] == ((),)
+    assert all(b"\n" in tok.detokenize_bytes([h], special=True) and t == ((),) for h, t in nl.items())
+    assert len(nl) == sum(b"\n" in tok.detokenize_bytes([i], special=True) for i in range(tok.n_vocab))
+    user = process_breakers(tok, ["User:"])
+    u = tok.token_id("U")
+    assert user[u] == (tuple(tok.tokenize("ser:", add_special=False)),)
+    for h, tails in user.items():
+        word = tok.detokenize_bytes([h], special=True)
+        for t in tails:
+            assert b"User:" in word if t == () else any(
+                word.endswith(b"User:"[:k]) and tuple(tok.tokenize("User:"[k:], add_special=False)) == t
+                for k in range(1, 5))
+    assert process_breakers(tok, ["User:"]) is user

@@ -1228,7 +1228,7 @@ def test_shutdown_counts_only_unfinished_requests():
     assert running.cancelled and not done.cancelled
 
 
-def test_logit_bias_and_unsupported_samplers(port):
+def test_logit_bias_and_sampler_fields(server, port):
     import json as _json
     import urllib.request
 
@@ -1255,7 +1255,9 @@ def test_logit_bias_and_unsupported_samplers(port):
     st, pushed = post({**base, "return_tokens": True, "logit_bias": [[" Paris", 30]]})
     assert st == 200 and pushed["content"] == " Paris"
     for bad in [{"logit_bias": "x"}, {"logit_bias": [[1, "x"]]}, {"logit_bias": {"": 1}},
-                {"mirostat": 3}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": 0.8},
+                {"mirostat": 3}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": "x"},
+                {"dry_sequence_breakers": []}, {"dry_sequence_breakers": ["\n", 1]}, {"dry_sequence_breakers": ":"},
+                {"dry_penalty_last_n": -2}, {"dry_allowed_length": 1.5}, {"dry_base": 10 ** 400},
                 {"dynatemp_range": -1}, {"min_keep": -1}, {"mirostat_tau": "x"}, {"xtc_probability": 10 ** 400},
                 {"temperature": -10 ** 400}]:
         st, err = post({**base, **bad})
@@ -1271,6 +1273,25 @@ def test_logit_bias_and_unsupported_samplers(port):
     # XTC at probability 1 with the greedy choice above the threshold: the first token is no longer " the"
     st, out = post({**base, "return_tokens": True, "xtc_probability": 1.0, "xtc_threshold": 0.01})
     assert st == 200 and out["tokens"][0] != first
+    # DRY, greedy: the prompt's own repetition is in its history; with a huge multiplier no
+    # generated token may extend a repetition of >= 2 tokens (unless one breaks it)
+    from opencoti.engine.dry import dry_penalties, process_breakers
+
+    dry = {"dry_multiplier": 1000.0, "dry_base": 1.5, "dry_allowed_length": 2, "dry_sequence_breakers": ["\n"]}
+    loop = {"prompt": "red green blue red green blue red green blue red green", "n_predict": 12, "temperature": 0,
+            "return_tokens": True}
+    st, plain = post(loop)
+    st2, out = post({**loop, **dry})
+    assert st == st2 == 200 and out["tokens"] != plain["tokens"]
+    assert {k: out["generation_settings"][k] for k in dry} == dry
+    assert out["generation_settings"]["dry_penalty_last_n"] == 512  # -1: the slot's context
+    tok = server["model"].tokenizer
+    breakers = process_breakers(tok, ["\n"])
+    hist = tok.tokenize(loop["prompt"], add_special=True)
+    assert plain["tokens"][0] in dry_penalties(hist, breakers, 1000.0, 1.5, 2)[0]  # the plain run repeats
+    for t in out["tokens"]:
+        assert t not in dry_penalties(hist, breakers, 1000.0, 1.5, 2)[0], (t, out["tokens"])
+        hist.append(t)
 
 
 def test_head_on_get_routes(port):

@@ -244,9 +244,12 @@ def test_sampler_names_match_as_llama_cpp(server, caplog):
     for bad in (["Infill"], ["adaptive-p"]):
         st, err = _complete(server["base"], samplers=bad)
         assert st == 400 and "not supported" in err["error"]["message"], bad
-    st, err = _complete(server["base"], dry_multiplier=0.5)
-    msg = err["error"]["message"]
-    assert st == 400 and "top_n_sigma" in msg and "xtc" in msg and "mirostat" in msg and "dry," not in msg
+    st, out = _complete(server["base"], temperature=0, samplers="edkt", dry_multiplier=0.5)
+    assert st == 200 and out["generation_settings"]["samplers"] == ["penalties", "dry", "top_k", "temperature"]
+    st, out = _complete(server["base"], temperature=0)
+    assert out["generation_settings"]["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p",
+                                                      "min_p", "xtc", "temperature"]  # llama.cpp's default order
+    assert out["generation_settings"]["dry_sequence_breakers"] == ["\n", ":", '"', "*"]
 
 
 def test_request_line_over_64k_is_json_414(server):

@@ -38,7 +38,9 @@ class SamplingParams:
     range] (0 = off); ``mirostat`` 1 / 2 with ``mirostat_tau`` (target surprise, bits) and
     ``mirostat_eta`` (learning rate): Mirostat v1 / v2 instead of the chain (0 = off);
     ``min_keep``: typical_p, top_p, min_p and XTC keep at least this many candidates.
-    Semantics: ``sampling.py``.
+    ``dry_multiplier`` (0 = off), ``dry_base``, ``dry_allowed_length``, ``dry_penalty_last_n``
+    (-1 = every accepted token, 0 = off) and ``dry_sequence_breakers`` (strings): DRY
+    (``opencoti.engine.dry``). Semantics: ``sampling.py``.
     """
 
     temperature: float = 0.8
@@ -64,13 +66,17 @@ class SamplingParams:
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
     min_keep: int = 0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple = ("\n", ":", '"', "*")  # opencoti.engine.dry.DEFAULT_BREAKERS
 
 
 # The sampler names a chain may hold (llama.cpp ``common_sampler_types_from_names``,
-# canonical names; "dry" runs as a no-op: its multiplier must stay off), and the default
-# order (llama.cpp's, minus dry).
+# canonical names), and the default order (llama.cpp's ``common_params_sampling::samplers``).
 CHAIN_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-DEFAULT_CHAIN = ("penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+DEFAULT_CHAIN = CHAIN_NAMES
 
 
 def sampling_error(p) -> str | None:
@@ -79,12 +85,14 @@ def sampling_error(p) -> str | None:
     temperature finite; top_p >= 0 and typical_p >= 0 (1 or more = off); min_p in
     [0, 1]; repeat_penalty > 0 (1 = off); repeat_last_n >= -1; penalties and
     top_n_sigma finite; ``samplers`` only of ``CHAIN_NAMES``; the XTC, dynamic temperature
-    and Mirostat numbers finite, dynatemp_range >= 0, mirostat 0, 1 or 2, min_keep >= 0."""
+    and Mirostat numbers finite, dynatemp_range >= 0, mirostat 0, 1 or 2, min_keep >= 0; DRY's
+    multiplier and base finite, dry_penalty_last_n >= -1, its sequence breakers strings."""
     def finite(v) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
 
     for name in ("temperature", "presence_penalty", "frequency_penalty", "top_n_sigma", "xtc_probability",
-                 "xtc_threshold", "dynatemp_exponent", "mirostat_tau", "mirostat_eta"):
+                 "xtc_threshold", "dynatemp_exponent", "mirostat_tau", "mirostat_eta", "dry_multiplier",
+                 "dry_base"):
         if not finite(getattr(p, name)):
             return f"{name} must be a finite number, got {getattr(p, name)}"
     for name in ("top_p", "typical_p"):
@@ -103,6 +111,10 @@ def sampling_error(p) -> str | None:
         return f"mirostat must be 0 (off), 1 or 2, got {p.mirostat}"
     if p.min_keep < 0:
         return f"min_keep must be >= 0, got {p.min_keep}"
+    if p.dry_penalty_last_n < -1:
+        return f"dry_penalty_last_n must be >= -1, got {p.dry_penalty_last_n}"
+    if not all(isinstance(b, str) for b in p.dry_sequence_breakers):
+        return "dry_sequence_breakers must be strings"
     bad = [n for n in (p.samplers or ()) if n not in CHAIN_NAMES]
     if bad:
         return f"unknown sampler {bad[0]!r} (known: {', '.join(CHAIN_NAMES)})"

@@ -4,8 +4,8 @@ Semantics follow llama.cpp (``src/llama-sampling.cpp`` for each sampler,
 ``common/sampling.cpp`` ``common_sampler_init`` for the chain). The default
 chain runs, in order:
 
-    penalties -> (dry: not implemented, llama.cpp's default multiplier 0 leaves it off)
-    -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> xtc -> temperature -> dist
+    penalties -> dry -> top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> xtc
+    -> temperature -> dist
 
 or, with ``mirostat`` 1 or 2 (llama.cpp ``common_sampler_init``): logit_bias ->
 temperature (plain) -> mirostat, which draws the token itself.
@@ -22,6 +22,11 @@ Each step narrows a candidate set (token ids with their current logits):
   ``logit -= c * frequency_penalty + presence_penalty``. Off when
   ``repeat_last_n == 0`` or all three are neutral (1, 0, 0); ``repeat_last_n``
   -1 means every accepted token (llama.cpp: the whole context).
+- dry (``opencoti.engine.dry``): each token that would extend a repetition of at least
+  ``dry_allowed_length`` tokens found among the last ``dry_penalty_last_n`` accepted ones
+  loses ``dry_multiplier * dry_base ** (length - dry_allowed_length)``; repetitions do not
+  run across a sequence breaker. Off with ``dry_multiplier == 0`` (the default),
+  ``dry_base < 1`` or ``dry_penalty_last_n == 0``.
 - top_n_sigma (Tang et al. 2024): with ``n > 0`` and more than one candidate,
   mean and population standard deviation ``sigma`` of the finite candidate
   logits; keep logits ``>= max - n * sigma`` (``<= 0``: off).
@@ -84,11 +89,12 @@ Mirostat picks its candidates by ``top_k_ids`` and a threshold, not a full sort:
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
 from opencoti.engine.api import DEFAULT_CHAIN, SamplingParams, sampling_error
+from opencoti.engine.dry import dry_on, dry_penalties
 
 __all__ = ["Sampler", "top_logprobs", "token_logprob", "log_softmax", "LLAMA_DEFAULT_SEED"]
 
@@ -250,9 +256,14 @@ class Sampler:
     grammar: optional ``GrammarMatcher`` constraining the output (see the module
     doc); ``sample`` raises ``GrammarError`` (a ValueError) when the grammar
     allows no token at all.
+
+    dry_breakers: DRY's sequence breakers as token sequences
+    (``opencoti.engine.dry.process_breakers`` of ``params.dry_sequence_breakers`` over the
+    model's tokenizer); None = none.
     """
 
-    def __init__(self, params: SamplingParams, n_vocab: int, grammar=None):
+    def __init__(self, params: SamplingParams, n_vocab: int, grammar=None,
+                 dry_breakers: Optional[Mapping] = None):
         if int(n_vocab) < 1:
             raise ValueError(f"n_vocab must be positive, got {n_vocab}")
         self.params = params
@@ -270,6 +281,10 @@ class Sampler:
             p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
         maxlen = None if p.repeat_last_n < 0 else p.repeat_last_n
         self._history: collections.deque[int] = collections.deque(maxlen=maxlen)
+        self._dry_on = dry_on(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
+        self._dry_breakers = dict(dry_breakers or {})
+        dry_maxlen = None if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
+        self._dry_history: collections.deque[int] = collections.deque(maxlen=dry_maxlen)
         self.grammar = grammar
         self.mu = 2.0 * float(p.mirostat_tau)  # Mirostat's running surprise bound (bits)
         self._xtc_on = p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5
@@ -284,17 +299,23 @@ class Sampler:
         (llama.cpp ``common_sampler_accept``)."""
         if self.params.repeat_last_n != 0:
             self._history.append(int(token))
+        if self._dry_on:
+            self._dry_history.append(int(token))
         if accept_grammar and self.grammar is not None:
             self.grammar.accept_token(int(token))
 
     def accept_many(self, tokens: Iterable[int]) -> None:
-        """Record prompt tokens in order for the penalties (the grammar is not advanced)."""
+        """Record prompt tokens in order for the penalties and DRY (the grammar is not advanced)."""
+        tokens = [int(t) for t in tokens]
         if self.params.repeat_last_n != 0:
-            self._history.extend(int(t) for t in tokens)
+            self._history.extend(tokens)
+        if self._dry_on:
+            self._dry_history.extend(tokens)
 
     def reset(self) -> None:
-        """Forget the history and Mirostat's ``mu`` (the random stream continues)."""
+        """Forget the histories (penalties, DRY) and Mirostat's ``mu`` (the random stream continues)."""
         self._history.clear()
+        self._dry_history.clear()
         self.mu = 2.0 * float(self.params.mirostat_tau)
 
     @property
@@ -318,12 +339,28 @@ class Sampler:
         return x
 
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
-        """The logits after ``logit_bias`` and repetition/frequency/presence penalties: float32 [n_vocab].
+        """The logits after ``logit_bias``, repetition/frequency/presence penalties and DRY (the
+        default chain's first two samplers): float32 [n_vocab].
 
-        Returns the input itself (no copy) when penalties are off or the history
-        is empty, else a modified copy.
+        Returns the input itself (no copy) when none of them changes anything, else a modified copy.
         """
-        return self._penalize(self.apply_bias(logits))
+        return self._dry(self._penalize(self.apply_bias(logits)))
+
+    def _dry(self, x: np.ndarray) -> np.ndarray:
+        """DRY over a full row ``x`` (float32 [n_vocab]): ``x`` itself when it penalizes
+        nothing, else a copy (``opencoti.engine.dry``)."""
+        if not self._dry_on or not self._dry_history:
+            return x
+        p = self.params
+        ids, pen = dry_penalties(self._dry_history, self._dry_breakers, p.dry_multiplier, p.dry_base,
+                                 p.dry_allowed_length)
+        keep = (ids >= 0) & (ids < x.shape[0])
+        if not keep.any():
+            return x
+        x = x.copy()
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow: the chain's check
+            x[ids[keep]] -= pen[keep]
+        return x
 
     def _penalize(self, x: np.ndarray) -> np.ndarray:
         """Repetition/frequency/presence penalties over a full row ``x`` (float32
@@ -516,6 +553,11 @@ class Sampler:
                     full = np.full(self.n_vocab, np.float32(-np.inf), np.float32)
                     full[ids] = vals
                     vals = self._penalize(full)[ids]
+            elif name == "dry":
+                if self._dry_on and self._dry_history:
+                    full = np.full(self.n_vocab, np.float32(-np.inf), np.float32)
+                    full[ids] = vals
+                    vals = self._dry(full)[ids]
             elif name == "top_n_sigma":
                 if p.top_n_sigma > 0 and vals.size > 1:  # masked to -inf, as llama.cpp does
                     vals = np.where(_top_n_sigma_keep(vals, p.top_n_sigma), vals, np.float32(-np.inf))
@@ -549,7 +591,6 @@ class Sampler:
                     ids, vals = self._xtc(ids, vals)
             elif name == "temperature":
                 ids, vals = self._temperature(ids, vals)
-            # "dry": a no-op here (its multiplier is held off at the HTTP layer)
         return ids.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
 
     @staticmethod
@@ -603,11 +644,12 @@ class Sampler:
     @property
     def argmax_only(self) -> bool:
         """Whether ``sample`` is the row's argmax whatever the logits (greedy, default chain, no
-        ``logit_bias``, penalties off, no grammar): the engine then lets the backend reduce the
+        ``logit_bias``, penalties and DRY off, no grammar): the engine then lets the backend reduce the
         logits to ``(argmax, max)`` per row where they are (``ModelRunner.decode(argmax=True)``)
         and calls ``take_argmax``."""
         p = self.params
-        return self._greedy_chain and not p.logit_bias and not self._penalties_on and self.grammar is None
+        return (self._greedy_chain and not p.logit_bias and not self._penalties_on and not self._dry_on
+                and self.grammar is None)
 
     @property
     def _greedy_chain(self) -> bool:

@@ -40,6 +40,11 @@ SAMPLING_KEYS = {
     "temperature": (int, float), "top_k": int, "top_p": (int, float), "min_p": (int, float),
     "typical_p": (int, float), "repeat_penalty": (int, float), "repeat_last_n": int,
     "presence_penalty": (int, float), "frequency_penalty": (int, float), "seed": int, "n_predict": int,
+    "top_n_sigma": (int, float), "xtc_probability": (int, float), "xtc_threshold": (int, float),
+    "dynatemp_range": (int, float), "dynatemp_exponent": (int, float), "mirostat": int,
+    "mirostat_tau": (int, float), "mirostat_eta": (int, float), "min_keep": int,
+    "dry_multiplier": (int, float), "dry_base": (int, float), "dry_allowed_length": int,
+    "dry_penalty_last_n": int, "dry_sequence_breakers": list,
 }
 
 
@@ -295,6 +300,8 @@ def request_defaults(state, body: dict):
         return sp, n_predict
     fields = dict(pool.sampling)
     n_predict = int(fields.pop("n_predict", n_predict))
+    if "dry_sequence_breakers" in fields:  # a JSON list; SamplingParams holds a tuple
+        fields["dry_sequence_breakers"] = tuple(fields["dry_sequence_breakers"])
     return replace(sp, **fields), n_predict
 
 

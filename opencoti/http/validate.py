@@ -255,10 +255,11 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
     repeat_penalty, repeat_last_n (-1 = the slot's context), presence_penalty,
     frequency_penalty, seed (-1 or 0xFFFFFFFF = random), n_probs, top_n_sigma
     (<= 0 = off), xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent,
-    mirostat (0, 1, 2), mirostat_tau, mirostat_eta, min_keep, samplers (the chain's
+    mirostat (0, 1, 2), mirostat_tau, mirostat_eta, min_keep, dry_multiplier, dry_base (< 1:
+    the default, as llama.cpp), dry_allowed_length, dry_penalty_last_n (-1 = the slot's
+    context), dry_sequence_breakers (a non-empty list of strings), samplers (the chain's
     order, see ``parse_samplers``), logit_bias (``tokenizer``: text keys allowed, see
-    ``parse_logit_bias``). Raises 400 on a wrong type or out-of-range value, and for
-    ``dry_multiplier`` other than 0 (DRY is not implemented).
+    ``parse_logit_bias``). Raises 400 on a wrong type or out-of-range value.
     """
     sp = replace(defaults)
     sp.temperature = get_number(body, "temperature", sp.temperature)
@@ -282,7 +283,20 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
         setattr(sp, name, get_number(body, name, getattr(sp, name)))
     sp.mirostat = get_int(body, "mirostat", sp.mirostat, min=0, max=2)
     sp.min_keep = get_int(body, "min_keep", sp.min_keep, min=0)
-    check_unsupported_samplers(body)
+    sp.dry_multiplier = get_number(body, "dry_multiplier", sp.dry_multiplier)
+    sp.dry_base = get_number(body, "dry_base", sp.dry_base)
+    if sp.dry_base < 1.0:  # llama.cpp params_from_json_cmpl: back to the server's default
+        sp.dry_base = defaults.dry_base
+    sp.dry_allowed_length = get_int(body, "dry_allowed_length", sp.dry_allowed_length)
+    sp.dry_penalty_last_n = get_int(body, "dry_penalty_last_n", sp.dry_penalty_last_n, min=-1)
+    if sp.dry_penalty_last_n == -1:
+        sp.dry_penalty_last_n = n_ctx_slot
+    if body.get("dry_sequence_breakers") is not None:
+        breakers = body["dry_sequence_breakers"]
+        if not (isinstance(breakers, list) and breakers and all(isinstance(b, str) for b in breakers)):
+            raise invalid_request('"dry_sequence_breakers" must be a non-empty array of strings')
+        sp.dry_sequence_breakers = tuple(breakers)
+    check_samplers_field(body)
     if body.get("samplers") is not None:
         sp.samplers = parse_samplers(body["samplers"])
     err = sampling_error(sp)
@@ -291,22 +305,8 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
     return sp
 
 
-# llama.cpp sampler fields this engine does not implement, with their "off" value:
-# a request that turns one on gets a 400 instead of silently different sampling.
-UNSUPPORTED_SAMPLERS = {"dry_multiplier": 0}
-
-
-def check_unsupported_samplers(body: dict) -> None:
-    """400 when a request enables a sampler we do not have; ``samplers`` must be a list of strings."""
-    for key, off in UNSUPPORTED_SAMPLERS.items():
-        v = body.get(key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise invalid_request(f'"{key}" must be a number')
-        if v != off:
-            raise invalid_request(f'"{key}" is not supported by this server (samplers it runs: '
-                                  f"{', '.join(n for n in CHAIN_NAMES if n != 'dry')}, mirostat)")
+def check_samplers_field(body: dict) -> None:
+    """400 unless ``samplers`` is absent, a string, or a list of strings."""
     samplers = body.get("samplers")
     if samplers is not None and (not isinstance(samplers, (list, str)) or
                                  (isinstance(samplers, list) and not all(isinstance(x, str) for x in samplers))):

@@ -1,0 +1,180 @@
+"""DRY ("Don't Repeat Yourself"): a penalty on the tokens that would extend a repetition.
+
+The sampler of llama.cpp (``src/llama-sampling.cpp`` ``llama_sampler_dry``, ported there from
+koboldcpp PR 982 by pi6am; the idea is p-e-w's, text-generation-webui PR 5677). Over the last
+``dry_penalty_last_n`` accepted tokens (the prompt's included), for every earlier place where the
+sequence's current suffix of length ``n >= dry_allowed_length`` also occurs, the token that
+followed it there would make the repetition ``n + 1`` long; its logit loses
+
+    dry_multiplier * dry_base ** (n - dry_allowed_length)
+
+(the largest such ``n`` per token; the exponent is clamped where ``dry_base ** e`` would leave
+float32: ``e <= int(88.7228391 / ln dry_base)`` for ``dry_base > 1.000001``). Off when
+``dry_multiplier == 0``, ``dry_base < 1`` or ``dry_penalty_last_n == 0``, and while the history is
+no longer than ``dry_allowed_length``.
+
+Sequence breakers (strings, by default ``"\\n"``, ``":"``, ``'"'``, ``"*"``) cut repetitions: a
+suffix is not matched across the last breaker in the history, and a token that is a breaker on
+its own is never penalized. A breaker becomes token sequences as in llama.cpp's
+``get_overlapping_token_sequences``: every token whose text (``detokenize([id], special=True)``)
+contains the breaker is a one-token breaker; a token whose text ends with a proper prefix of
+the breaker is a breaker's head, followed by the tokenization of the rest (at most
+``MAX_TAIL_TOKENS`` tokens). A breaker is cut to ``MAX_BREAKER_BYTES`` UTF-8 bytes.
+
+The repeat lengths (llama.cpp's reverse Z-algorithm, capped at the distance to the last breaker)
+are computed here by a vectorised longest-common-prefix over the reversed history: step ``s``
+keeps the offsets whose ``s``-th token still matches, so the work is the history's length times
+the longest repeat counted; a repeat is counted only up to where its penalty stops growing
+(``dry_allowed_length`` + the clamp above), which bounds a degenerate history (one token
+repeated) at ~160 steps for the default base 1.75. The penalties equal llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["DEFAULT_BREAKERS", "MAX_BREAKER_BYTES", "MAX_TAIL_TOKENS", "Breakers", "process_breakers",
+           "dry_penalties", "dry_on"]
+
+DEFAULT_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp common_params_sampling::dry_sequence_breakers
+MAX_BREAKER_BYTES = 40  # llama_sampler_init_dry's MAX_CHAR_LEN
+MAX_TAIL_TOKENS = 20  # ... and MAX_SEQ_LEN
+_FLOAT_MAX_LOG = np.float32(88.7228391)  # ~ ln(FLT_MAX), llama.cpp's constant
+
+# head token -> the tails (token tuples, () = the head alone is a breaker) that follow it
+Breakers = Mapping[int, tuple[tuple[int, ...], ...]]
+
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {breakers: Breakers}
+_PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> [bytes per token]
+_LOCK = threading.Lock()
+
+
+def _pieces(tokenizer) -> list[bytes]:
+    """Each token's text as llama.cpp's ``vocab.detokenize({id}, true)`` gives it (cached)."""
+    with _LOCK:
+        got = _PIECES.get(tokenizer)
+    if got is None:
+        got = [tokenizer.detokenize_bytes([t], special=True) for t in range(tokenizer.n_vocab)]
+        with _LOCK:
+            _PIECES[tokenizer] = got
+    return got
+
+
+def process_breakers(tokenizer, breakers: Sequence[str]) -> Breakers:
+    """The token sequences of ``breakers`` (strings) over ``tokenizer``'s vocabulary (see the
+    module doc; llama.cpp ``get_overlapping_token_sequences``). Returns ``{head id: (tail, ...)}``
+    with each tail a tuple of token ids (``()`` for a one-token breaker). Empty strings are
+    skipped. Cached per tokenizer and breaker tuple: the first call scans the vocabulary
+    (~1 s for 262,144 tokens)."""
+    key = tuple(breakers)
+    with _LOCK:
+        per = _CACHE.setdefault(tokenizer, {})
+        got = per.get(key)
+    if got is not None:
+        return got
+    words = _pieces(tokenizer)
+    out: dict[int, list[tuple[int, ...]]] = {}
+    for text in key:
+        s = text.encode("utf-8")[:MAX_BREAKER_BYTES]
+        if not s:
+            continue
+        first, tails = s[:1], {}
+        for tid, word in enumerate(words):
+            if s in word:
+                _add(out, tid, ())
+                continue
+            pos = word.find(first)
+            while pos >= 0:
+                # the word's end from pos is a proper prefix of s: the rest of s follows as tokens
+                n = len(word) - pos
+                if n < len(s) and word[pos:] == s[:n]:
+                    tail = tails.get(n)
+                    if tail is None:
+                        rest = s[n:].decode("utf-8", errors="replace")
+                        tail = tails[n] = tuple(tokenizer.tokenize(rest, add_special=False)[:MAX_TAIL_TOKENS])
+                    _add(out, tid, tail)
+                pos = word.find(first, pos + 1)
+    got = {h: tuple(t) for h, t in out.items()}
+    with _LOCK:
+        per[key] = got
+    return got
+
+
+def _add(out: dict, head: int, tail: tuple) -> None:
+    seqs = out.setdefault(head, [])
+    if tail not in seqs:
+        seqs.append(tail)
+
+
+def dry_penalties(history: Sequence[int], breakers: Breakers, multiplier: float, base: float,
+                  allowed_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """DRY's penalties for the next token after ``history`` (the last ``dry_penalty_last_n``
+    accepted token ids, oldest first).
+
+    Returns ``(ids, penalty)``: int64 [m] distinct token ids and float32 [m] amounts to subtract
+    from their logits (llama.cpp computes ``multiplier * pow(base, e)`` in double and subtracts it
+    as float); both empty when DRY does nothing. ``breakers`` from ``process_breakers``. The
+    caller checks the on/off conditions of the module doc except the history's length.
+    """
+    r = np.asarray(history, dtype=np.int64)[::-1]  # r[i]: i tokens back from the newest
+    n = r.size
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.float32))
+    if n <= allowed_length:
+        return empty
+    # step 1: the repeat length limit, the distance to the newest complete breaker
+    rep_limit = n
+    if breakers:
+        heads = np.fromiter(breakers.keys(), dtype=np.int64, count=len(breakers))
+        for i in np.flatnonzero(np.isin(r, heads)).tolist():
+            longest = -1
+            for tail in breakers[int(r[i])]:
+                m = len(tail)
+                if longest < m <= i and all(tail[o] == r[i - o - 1] for o in range(m)):
+                    longest = m
+            if longest >= 0:
+                rep_limit = i - longest
+                break
+    if rep_limit < allowed_length:
+        return empty
+    max_exponent = 0
+    if np.float32(base) > np.float32(1.000001):
+        max_exponent = int(_FLOAT_MAX_LOG / np.log(np.float32(base)))
+    cap = rep_limit
+    if max_exponent > 0:  # longer repeats all get the clamped penalty
+        cap = min(cap, max(0, allowed_length + max_exponent))
+    # step 2: z[k] = min(LCP(r, r[k:]), cap), for k = 1 .. n-1
+    z = np.zeros(n, np.int64)
+    alive = np.arange(1, n, dtype=np.int64)
+    s = 0
+    while alive.size and s < cap:
+        alive = alive[alive + s < n]
+        alive = alive[r[alive + s] == r[s]]
+        s += 1
+        z[alive] = s
+    # step 3: the token after each earlier occurrence (r[k - 1]) would extend it to z[k] + 1
+    k = np.flatnonzero(z[1:] >= allowed_length) + 1
+    if k.size == 0:
+        return empty
+    toks, lens = r[k - 1], z[k]
+    order = np.lexsort((-lens, toks))
+    toks, lens = toks[order], lens[order]
+    first = np.ones(toks.size, bool)
+    first[1:] = toks[1:] != toks[:-1]
+    toks, lens = toks[first], lens[first]  # each token's longest
+    solo = np.fromiter((h for h, tails in breakers.items() if () in tails), dtype=np.int64)
+    keep = ~np.isin(toks, solo)  # a token that is a breaker on its own is never penalized
+    toks, lens = toks[keep], lens[keep]
+    exp = lens - allowed_length
+    if max_exponent > 0:
+        exp = np.minimum(exp, max_exponent)
+    pen = float(np.float32(multiplier)) * np.power(float(np.float32(base)), exp.astype(np.float64))
+    return toks, pen.astype(np.float32)
+
+
+def dry_on(multiplier: float, base: float, penalty_last_n: int) -> bool:
+    """Whether DRY runs at all (llama.cpp ``llama_sampler_dry_apply``'s first check)."""
+    return multiplier != 0.0 and base >= 1.0 and penalty_last_n != 0
