@@ -471,6 +471,19 @@ def test_completion_stream_events(port, ref):
     assert final["stop"] is True and final["content"] == "" and final["tokens"] == []
     assert final["stop_type"] == "limit" and final["tokens_predicted"] == 12
     assert "completion_probabilities" not in final and final["timings"]["predicted_n"] == 12
+    assert all("timings" not in ev for ev in partials)
+
+    # timings_per_token: every partial carries the timings so far (llama.cpp field)
+    status, _, payload = call(port, "POST", "/completion", {
+        "prompt": case["prompt"], "temperature": 0, "n_predict": 5, "stream": True, "timings_per_token": True,
+        "cache_prompt": False})
+    *partials, final = sse_events(payload)
+    assert [ev["timings"]["predicted_n"] for ev in partials] == [1, 2, 3, 4, 5]
+    assert all(ev["timings"]["prompt_n"] == case["n_prompt_tokens"] and ev["timings"]["cache_n"] == 0
+               for ev in partials)
+    ms = [ev["timings"]["predicted_ms"] for ev in partials]
+    assert all(a < b for a, b in zip(ms, ms[1:])) and ms[-1] <= final["timings"]["predicted_ms"]
+    assert partials[0]["timings"]["prompt_ms"] == final["timings"]["prompt_ms"] > 0
 
     # a stop string that starts to match is held back, then released when it does not complete
     case = ref["by_name"]["count"]
@@ -1083,6 +1096,9 @@ def test_slots_and_erase(server, port):
                                "temperature": 0, "id_slot": 0})
     busy = call(port, "GET", "/slots")[2][0]
     assert busy["is_processing"] is True and busy["next_token"][0]["has_next_token"] is True
+    assert busy["id_task"] == engine.slots[0].handle.id_task >= 0  # the running request's task number
+    assert engine.slots_info()[0]["id_task"] == busy["id_task"] and engine.slots_info()[1]["id_task"] == -1
+    assert call(port, "GET", "/slots")[2][1]["id_task"] == -1
     assert busy["params"]["n_predict"] == 400 and busy["next_token"][0]["n_decoded"] >= 1
     result = {}
     t = threading.Thread(target=lambda: result.update(r=call(port, "POST", "/slots/0?action=erase")))

@@ -131,6 +131,13 @@ def test_chat_stream_raw_sse_shape(server):
     assert final["choices"][0]["delta"] == {} and final["choices"][0]["finish_reason"] in ("stop", "length")
     assert final["timings"]["predicted_n"] >= 1
     assert "usage" not in final  # only with stream_options.include_usage
+    assert all("timings" not in ev for ev in events[:-1])
+    status, payload = post(server, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True, "timings_per_token": True,
+        "ignore_eos": True})
+    events = [json.loads(b[6:]) for b in payload.decode().split("\n\n") if b and b != "data: [DONE]"]
+    per_token = [ev["timings"]["predicted_n"] for ev in events[1:-1]]
+    assert per_token == list(range(1, len(per_token) + 1)) and len(per_token) >= 2
 
 
 def test_chat_logprobs(client):

@@ -140,6 +140,7 @@ class CompletionRequest:
     post_sampling_probs: with ``sampling.n_probs`` > 0, report probabilities from the
         sampler's final distribution (after top-k/top-p/min-p/temperature; cut tokens
         have probability 0) instead of the model's full softmax (llama.cpp field).
+    timings_per_token: every ``TokenEvent`` carries the timings so far (llama.cpp field).
     pool_id: attach to PolyKV pool K: the longest token-exact common prefix of
         the prompt and the pool is shared, not recomputed.
     shared_pool_slot, shared_prefix_n_tokens: the manual path: share the first
@@ -159,6 +160,7 @@ class CompletionRequest:
     session_id: Optional[str] = None
     overcommit: bool = False
     post_sampling_probs: bool = False
+    timings_per_token: bool = False
     pool_id: Optional[int] = None
     shared_pool_slot: int = -1
     shared_prefix_n_tokens: int = 0
@@ -182,12 +184,15 @@ class TokenEvent:
     a later token or the finish).
     logprob: log-probability of ``token`` (set when ``n_probs`` > 0).
     top: the ``n_probs`` most likely tokens (set when ``n_probs`` > 0).
+    timings: llama.cpp's ``timings`` so far (``FinishEvent.timings``' keys), with the
+    request's ``timings_per_token``; else None.
     """
 
     token: int
     text: str
     logprob: Optional[float] = None
     top: Optional[list[TokenProb]] = None
+    timings: Optional[dict] = None
 
 
 @dataclass
@@ -239,6 +244,7 @@ class RequestHandle:
 
     def __init__(self, request: CompletionRequest):
         self.request = request
+        self.id_task = -1  # set by Engine.submit: the engine's running task number (llama.cpp id_task)
         self.id_slot = -1  # set by the engine when the request binds to a slot
         # set by the engine before the first event: {"pool": name, "saturated": bool}
         # when the request was admitted over capacity in warn mode (X-KV-Pool-Saturated)

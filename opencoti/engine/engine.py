@@ -28,6 +28,7 @@ recently used idle slot.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import queue
@@ -178,6 +179,7 @@ class Engine:
                                                 hp.n_vocab) if self.max_pools else None)
         self.pools: Optional[PoolRegistry] = self.polykv.registry if self.polykv is not None else None
         self._queue: "queue.Queue[Optional[RequestHandle]]" = queue.Queue()
+        self._task_ids = itertools.count()  # submit's id_task (next() on a count is atomic in CPython)
         self._waiting: list[RequestHandle] = []
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -272,6 +274,7 @@ class Engine:
     def submit(self, request: CompletionRequest) -> RequestHandle:
         """Queue a request; events arrive on the returned handle."""
         handle = RequestHandle(request)
+        handle.id_task = next(self._task_ids)
         self._queue.put(handle)
         return handle
 
@@ -282,7 +285,7 @@ class Engine:
         for s in self.slots:
             out.append({
                 "id": s.id,
-                "id_task": -1,
+                "id_task": _id_task(s),
                 "n_ctx": s.n_ctx,
                 "is_processing": s.busy,
                 "state": s.state.value,
@@ -958,3 +961,9 @@ class Engine:
         s.n_past -= n_discard
         s.truncated = True
 
+
+
+def _id_task(slot: Slot) -> int:
+    """The id_task of the request ``slot`` is running, -1 when idle (llama.cpp ``/slots``)."""
+    handle = slot.handle if slot.busy else None
+    return -1 if handle is None else int(getattr(handle, "id_task", -1))

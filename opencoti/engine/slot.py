@@ -117,7 +117,7 @@ class Slot:
             self.t_prompt_done = time.perf_counter()
         self.n_decoded += 1
         if is_eog and not req.ignore_eos:
-            self.handle.push(TokenEvent(token, "", logprob, top))
+            self._push(token, "", logprob, top)
             return self.finish("eos")
         piece = self.decoder.feed(token)
         self.text += piece
@@ -128,18 +128,46 @@ class Slot:
                 out = self.text[self.n_sent:i]
                 self.text = self.text[:i]
                 self.n_sent = len(self.text)
-                self.handle.push(TokenEvent(token, out, logprob, top))
+                self._push(token, out, logprob, top)
                 return self.finish("word", word)
             hold = partial_stop_len(self.text, req.stop)
         else:
             hold = 0
         end = max(self.n_sent, len(self.text) - hold)
-        self.handle.push(TokenEvent(token, self.text[self.n_sent:end], logprob, top))
+        self._push(token, self.text[self.n_sent:end], logprob, top)
         self.n_sent = end
         self.pending = token
         if req.n_predict >= 0 and self.n_decoded >= req.n_predict:
             return self.finish("limit")
         return None
+
+    def _push(self, token: int, text: str, logprob, top) -> None:
+        """Send one token's event, with the timings so far when the request asked for them
+        (``timings_per_token``)."""
+        timings = self.timings(time.perf_counter()) if self.handle.request.timings_per_token else None
+        self.handle.push(TokenEvent(token, text, logprob, top, timings))
+
+    def timings(self, now: float) -> dict:
+        """llama.cpp's ``timings`` of the running request at ``now`` (``time.perf_counter()``):
+        cache_n, prompt_n / _ms / _per_token_ms / _per_second (the prompt tokens evaluated, not
+        cached), predicted_n / _ms / ... (tokens sampled so far; ms from the first one)."""
+        t_prompt = (self.t_prompt_done or now) - self.t_start
+        t_gen = now - self.t_prompt_done if self.t_prompt_done else 0.0
+        # prompt tokens evaluated: all of the prompt, or (cancelled during prefill) what got in
+        n_eval = self.n_past if self.state is SlotState.PROMPT else len(self.prompt)
+        n_prompt_new = max(n_eval - self.n_cached, 0)
+        n_gen = self.n_decoded
+        return {
+            "cache_n": self.n_cached,
+            "prompt_n": n_prompt_new,
+            "prompt_ms": t_prompt * 1e3,
+            "prompt_per_token_ms": t_prompt * 1e3 / max(n_prompt_new, 1),
+            "prompt_per_second": n_prompt_new / t_prompt if t_prompt > 0 else 0.0,
+            "predicted_n": n_gen,
+            "predicted_ms": t_gen * 1e3,
+            "predicted_per_token_ms": t_gen * 1e3 / max(n_gen, 1),
+            "predicted_per_second": n_gen / t_gen if t_gen > 0 else 0.0,
+        }
 
     @property
     def context_full(self) -> bool:
@@ -153,12 +181,6 @@ class Slot:
         if stop_type != "word" and self.decoder is not None:
             self.text += self.decoder.flush()
         rest = self.text[self.n_sent:] if stop_type != "word" else ""
-        t_prompt = (self.t_prompt_done or now) - self.t_start
-        t_gen = now - self.t_prompt_done if self.t_prompt_done else 0.0
-        # prompt tokens evaluated: all of the prompt, or (cancelled during prefill) what got in
-        n_eval = self.n_past if self.state is SlotState.PROMPT else len(self.prompt)
-        n_prompt_new = max(n_eval - self.n_cached, 0)
-        n_gen = self.n_decoded
         ev = FinishEvent(
             stop_type=stop_type,
             stopping_word=word,
@@ -166,20 +188,10 @@ class Slot:
             truncated=truncated or self.truncated,
             n_prompt_tokens=len(self.prompt),
             n_cached=self.n_cached,
-            n_predicted=n_gen,
+            n_predicted=self.n_decoded,
             id_slot=self.id,
             n_past=self.n_past,
-            timings={
-                "cache_n": self.n_cached,
-                "prompt_n": n_prompt_new,
-                "prompt_ms": t_prompt * 1e3,
-                "prompt_per_token_ms": t_prompt * 1e3 / max(n_prompt_new, 1),
-                "prompt_per_second": n_prompt_new / t_prompt if t_prompt > 0 else 0.0,
-                "predicted_n": n_gen,
-                "predicted_ms": t_gen * 1e3,
-                "predicted_per_token_ms": t_gen * 1e3 / max(n_gen, 1),
-                "predicted_per_second": n_gen / t_gen if t_gen > 0 else 0.0,
-            },
+            timings=self.timings(now),
         )
         handle = self.handle
         self.pending = None

@@ -387,7 +387,8 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
             choice: dict = {"finish_reason": None, "index": 0, "delta": {"content": ev.text}}
             if entry is not None:
                 choice["logprobs"] = {"content": [entry]}
-            yield sse_event(_chunk(cid, created, model, [choice], fingerprint=fp))
+            extra = {} if ev.timings is None else {"timings": ev.timings}
+            yield sse_event(_chunk(cid, created, model, [choice], fingerprint=fp, **extra))
             return
         collector.add(ev)  # FinishEvent
         r = collector.result
@@ -472,9 +473,10 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
             if ev.text or entry is not None:
+                extra = {} if ev.timings is None else {"timings": ev.timings}
                 yield sse_event(obj([{"text": ev.text, "index": 0,
                                       "logprobs": {"content": [entry]} if entry is not None else None,
-                                      "finish_reason": None}]))
+                                      "finish_reason": None}], **extra))
             return
         collector.add(ev)  # FinishEvent
         if ev.text:

@@ -472,7 +472,7 @@ def slot_json(state: ServerState, slot: Any) -> dict:
         request = default_request(state)
     out: dict = {
         "id": slot.id,
-        "id_task": -1,
+        "id_task": int(getattr(handle, "id_task", -1)) if busy else -1,
         "n_ctx": int(slot.n_ctx),
         "speculative": False,
         "is_processing": busy,
@@ -677,6 +677,8 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
             }
             if entry is not None:
                 partial["completion_probabilities"] = [entry]
+            if ev.timings is not None:
+                partial["timings"] = ev.timings
             yield sse_event(partial)
         else:  # FinishEvent
             collector.add(ev)

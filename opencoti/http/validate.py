@@ -426,6 +426,7 @@ def parse_completion(
     ``cache_prompt``, ``id_slot``, ``ignore_eos``, ``n_keep``, ``n_discard``,
     ``session_id`` (string: bind to the slot holding this session's KV),
     ``overcommit`` (bool: bypass the KV admission gate), ``post_sampling_probs``,
+    ``timings_per_token`` (each streamed chunk carries the timings so far),
     and constrained output: ``grammar`` (GBNF), ``json_schema``, or OpenAI
     ``response_format`` (``json_object`` / ``json_schema``), compiled here so a
     bad one is a 400 before anything runs (``opencoti.engine.json_schema``).
@@ -460,6 +461,7 @@ def parse_completion(
         shared_pool_slot=get_int(body, "shared_pool_slot", -1, min=-1),
         shared_prefix_n_tokens=get_int(body, "shared_prefix_n_tokens", 0, min=0),
         post_sampling_probs=get_bool(body, "post_sampling_probs", False),
+        timings_per_token=get_bool(body, "timings_per_token", False),
     )
     stream_opts = body.get("stream_options")
     if stream_opts is not None and not isinstance(stream_opts, dict):
