@@ -159,6 +159,32 @@ def test_event_hold_orders_and_stays_on_its_thread():
     hold.release()  # releasing with nothing held is harmless
 
 
+def test_return_progress_after_each_prompt_ubatch(engine, model):
+    """``return_progress``: one ProgressEvent per ubatch of the prompt (n_ubatch 64 here), processed
+    growing to the prompt's length, then the tokens; a cached prefix counts in cache and processed;
+    off: no ProgressEvent at all."""
+    from opencoti.engine.api import ProgressEvent
+
+    toks = model.tokenizer.tokenize("Count with me: " + ", ".join(str(i) for i in range(45)), add_special=True)
+    assert 128 < len(toks) <= 192
+    _, ids, _ = run(engine, toks, n_predict=2, sampling=GREEDY, id_slot=2, cache_prompt=False)
+    _, ids2, fin = run(engine, toks, n_predict=2, sampling=GREEDY, id_slot=2, cache_prompt=False,
+                       return_progress=True)
+    h = engine.submit(CompletionRequest(list(toks), n_predict=2, sampling=GREEDY, id_slot=2, cache_prompt=False,
+                                        return_progress=True))
+    evs = list(h.events(timeout=120))
+    prog = [ev for ev in evs if isinstance(ev, ProgressEvent)]
+    assert [ev.processed for ev in prog] == [64, 128, len(toks)] and all(ev.total == len(toks) for ev in prog)
+    assert all(ev.cache == 0 for ev in prog) and [ev.time_ms for ev in prog] == sorted(ev.time_ms for ev in prog)
+    assert evs.index(prog[-1]) < min(i for i, ev in enumerate(evs) if isinstance(ev, TokenEvent))
+    assert ids2 == ids and [ev.token for ev in evs if isinstance(ev, TokenEvent)] == ids
+    h = engine.submit(CompletionRequest(list(toks), n_predict=1, sampling=GREEDY, id_slot=2, return_progress=True))
+    prog = [ev for ev in h.events(timeout=120) if isinstance(ev, ProgressEvent)]
+    assert [(ev.cache, ev.processed) for ev in prog] == [(len(toks) - 1, len(toks))]
+    h = engine.submit(CompletionRequest(list(toks), n_predict=1, sampling=GREEDY, id_slot=2, cache_prompt=False))
+    assert not any(isinstance(ev, ProgressEvent) for ev in h.events(timeout=120))
+
+
 def test_stop_string(engine, model):
     toks = model.tokenizer.tokenize("The capital of France is", add_special=True)
     text, _, fin = run(engine, toks, n_predict=32, sampling=GREEDY, stop=["France."])

@@ -485,6 +485,20 @@ def test_completion_stream_events(port, ref):
     assert all(a < b for a, b in zip(ms, ms[1:])) and ms[-1] <= final["timings"]["predicted_ms"]
     assert partials[0]["timings"]["prompt_ms"] == final["timings"]["prompt_ms"] > 0
 
+    # return_progress: a partial with prompt_progress (no content) before the tokens; not without stream
+    status, _, payload = call(port, "POST", "/completion", {
+        "prompt": case["prompt"], "temperature": 0, "n_predict": 2, "stream": True, "return_progress": True,
+        "cache_prompt": False})
+    first, *rest = sse_events(payload)
+    n = case["n_prompt_tokens"]
+    assert first["content"] == "" and first["tokens"] == [] and first["tokens_predicted"] == 0
+    assert {k: v for k, v in first["prompt_progress"].items() if k != "time_ms"} == {
+        "total": n, "cache": 0, "processed": n} and first["prompt_progress"]["time_ms"] >= 0
+    assert all("prompt_progress" not in ev for ev in rest) and len(rest) == 3
+    status, _, body = call(port, "POST", "/completion", {"prompt": case["prompt"], "n_predict": 1,
+                                                         "return_progress": True})
+    assert status == 200 and "prompt_progress" not in body
+
     # a stop string that starts to match is held back, then released when it does not complete
     case = ref["by_name"]["count"]
     status, _, payload = call(port, "POST", "/completion", {

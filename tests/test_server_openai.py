@@ -138,6 +138,15 @@ def test_chat_stream_raw_sse_shape(server):
     events = [json.loads(b[6:]) for b in payload.decode().split("\n\n") if b and b != "data: [DONE]"]
     per_token = [ev["timings"]["predicted_n"] for ev in events[1:-1]]
     assert per_token == list(range(1, len(per_token) + 1)) and len(per_token) >= 2
+    # return_progress: a role chunk with prompt_progress (llama.cpp's shape), then the content
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Hi"})):
+        status, payload = post(server, path, {**body, "max_tokens": 2, "temperature": 0, "stream": True,
+                                              "return_progress": True, "cache_prompt": False})
+        events = [json.loads(b[6:]) for b in payload.decode().split("\n\n") if b and b != "data: [DONE]"]
+        prog = [ev for ev in events if "prompt_progress" in ev]
+        assert len(prog) == 1 and prog[0]["prompt_progress"]["processed"] == prog[0]["prompt_progress"]["total"] > 1
+        choice = prog[0]["choices"][0]
+        assert choice["delta"] == {"role": "assistant", "content": None} if "chat" in path else choice["text"] == ""
 
 
 def test_chat_logprobs(client):

@@ -141,6 +141,8 @@ class CompletionRequest:
         sampler's final distribution (after top-k/top-p/min-p/temperature; cut tokens
         have probability 0) instead of the model's full softmax (llama.cpp field).
     timings_per_token: every ``TokenEvent`` carries the timings so far (llama.cpp field).
+    return_progress: a ``ProgressEvent`` after each ubatch of the prompt (llama.cpp field;
+        the HTTP layer sets it for streamed requests only, as llama.cpp).
     pool_id: attach to PolyKV pool K: the longest token-exact common prefix of
         the prompt and the pool is shared, not recomputed.
     shared_pool_slot, shared_prefix_n_tokens: the manual path: share the first
@@ -161,6 +163,7 @@ class CompletionRequest:
     overcommit: bool = False
     post_sampling_probs: bool = False
     timings_per_token: bool = False
+    return_progress: bool = False
     pool_id: Optional[int] = None
     shared_pool_slot: int = -1
     shared_prefix_n_tokens: int = 0
@@ -231,7 +234,24 @@ class ErrorEvent:
     retry_after: Optional[int] = None
 
 
-Event = Union[TokenEvent, FinishEvent, ErrorEvent]
+@dataclass
+class ProgressEvent:
+    """Prompt processing progress, sent after each ubatch of a request's prompt when it asked
+    for ``return_progress`` (llama.cpp's ``prompt_progress``): ``total`` prompt tokens,
+    ``cache`` of them reused from the cache, ``processed`` in the cache now (cached ones
+    included), ``time_ms`` since the request took its slot (ms, integer)."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+    def to_json(self) -> dict:
+        """llama.cpp ``result_prompt_progress::to_json``."""
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
+
+
+Event = Union[TokenEvent, FinishEvent, ErrorEvent, ProgressEvent]
 
 
 class RequestHandle:

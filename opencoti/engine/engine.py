@@ -901,6 +901,8 @@ class Engine:
             fed = ub.tokens[start:start + n].tolist()
             s.cache_tokens.extend(fed)
             s.n_past += n
+            if s.state is SlotState.PROMPT and s.handle.request.return_progress:
+                s.handle.push(s.progress())
             last = start + n - 1
             if last not in row_of:
                 continue  # a prompt chunk that is not the prompt's end

@@ -14,7 +14,7 @@ import time
 from enum import Enum
 from typing import Optional
 
-from opencoti.engine.api import FinishEvent, RequestHandle, TokenEvent
+from opencoti.engine.api import FinishEvent, ProgressEvent, RequestHandle, TokenEvent
 
 
 class SlotState(Enum):
@@ -146,6 +146,11 @@ class Slot:
         (``timings_per_token``)."""
         timings = self.timings(time.perf_counter()) if self.handle.request.timings_per_token else None
         self.handle.push(TokenEvent(token, text, logprob, top, timings))
+
+    def progress(self) -> ProgressEvent:
+        """The prompt's progress now (``ProgressEvent``; ``return_progress``)."""
+        return ProgressEvent(len(self.prompt), self.n_cached, self.n_past,
+                             int((time.perf_counter() - self.t_start) * 1e3))
 
     def timings(self, now: float) -> dict:
         """llama.cpp's ``timings`` of the running request at ``now`` (``time.perf_counter()``):

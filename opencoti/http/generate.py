@@ -19,6 +19,7 @@ from opencoti.engine.api import (
     CompletionRequest,
     ErrorEvent,
     FinishEvent,
+    ProgressEvent,
     RequestHandle,
     TokenEvent,
 )
@@ -277,6 +278,8 @@ class Collector:
             return None
         if isinstance(ev, ErrorEvent):
             raise error_from_event(ev)
+        if isinstance(ev, ProgressEvent):  # a stream's render sends it; nothing to collect
+            return None
         raise server_error(f"unexpected engine event {type(ev).__name__}")
 
 

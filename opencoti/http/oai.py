@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional, Union
 
 import regex
 
-from opencoti.engine.api import FinishEvent, TokenEvent
+from opencoti.engine.api import FinishEvent, ProgressEvent, TokenEvent
 from opencoti.http import generate as gen
 from opencoti.http.polykv_routes import request_defaults
 from opencoti.http.errors import invalid_request
@@ -380,6 +380,11 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
         "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}], fingerprint=fp))
 
     def render(ev) -> Iterator[bytes]:
+        if isinstance(ev, ProgressEvent):  # llama.cpp: the role delta again, with prompt_progress
+            yield sse_event(_chunk(cid, created, model, [{
+                "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}],
+                fingerprint=fp, prompt_progress=ev.to_json()))
+            return
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
             if not ev.text and entry is None:
@@ -470,6 +475,10 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
     collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs)
 
     def render(ev) -> Iterator[bytes]:
+        if isinstance(ev, ProgressEvent):
+            yield sse_event(obj([{"text": "", "index": 0, "logprobs": None, "finish_reason": None}],
+                                prompt_progress=ev.to_json()))
+            return
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
             if ev.text or entry is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any, Callable, Iterator, Optional, Union
 
-from opencoti.engine.api import CompletionRequest, ErrorEvent, TokenEvent
+from opencoti.engine.api import CompletionRequest, ErrorEvent, ProgressEvent, TokenEvent
 from opencoti.engine.kv_report import kv_props
 from opencoti.http import generate as gen
 from opencoti.http.polykv_routes import request_defaults
@@ -664,6 +664,11 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
                               opts.post_sampling_probs)
 
     def render(ev) -> Iterator[bytes]:
+        if isinstance(ev, ProgressEvent):  # llama.cpp: a partial without content, and prompt_progress
+            yield sse_event({"index": 0, "content": "", "tokens": [], "stop": False,
+                             "id_slot": getattr(handle, "id_slot", -1), "tokens_predicted": 0,
+                             "tokens_evaluated": n_prompt, "prompt_progress": ev.to_json()})
+            return
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
             partial = {

@@ -427,6 +427,7 @@ def parse_completion(
     ``session_id`` (string: bind to the slot holding this session's KV),
     ``overcommit`` (bool: bypass the KV admission gate), ``post_sampling_probs``,
     ``timings_per_token`` (each streamed chunk carries the timings so far),
+    ``return_progress`` (a streamed chunk with ``prompt_progress`` after each prompt ubatch),
     and constrained output: ``grammar`` (GBNF), ``json_schema``, or OpenAI
     ``response_format`` (``json_object`` / ``json_schema``), compiled here so a
     bad one is a 400 before anything runs (``opencoti.engine.json_schema``).
@@ -462,6 +463,7 @@ def parse_completion(
         shared_prefix_n_tokens=get_int(body, "shared_prefix_n_tokens", 0, min=0),
         post_sampling_probs=get_bool(body, "post_sampling_probs", False),
         timings_per_token=get_bool(body, "timings_per_token", False),
+        return_progress=get_bool(body, "return_progress", False),
     )
     stream_opts = body.get("stream_options")
     if stream_opts is not None and not isinstance(stream_opts, dict):
@@ -474,6 +476,7 @@ def parse_completion(
         post_sampling_probs=req.post_sampling_probs,
         response_fields=_response_fields(body),
     )
+    req.return_progress = req.return_progress and opts.stream  # progress rides on stream chunks only
     return ParsedCompletion(req, opts)
 
 
