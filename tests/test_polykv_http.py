@@ -191,8 +191,14 @@ def test_pool_sampling_defaults_apply_to_attached_requests(server):
         assert c.set_sampling(p["id"], **knobs)["sampling"] == {"temperature": 0, "n_predict": 3, **knobs}
         out = c.complete(SYSTEM + " Q:", pool_id=p["id"])
         assert {k: out["generation_settings"][k] for k in knobs} == knobs
-        r = httpx.post(f"{base}/polykv/pools/{p['id']}/sampling", json={"dry_sequence_breakers": []}, timeout=30)
-        assert r.status_code == 400
+        for bad in ({"dry_sequence_breakers": []}, {"dry_penalty_last_n": 2 ** 63}, {"repeat_last_n": 2 ** 40}):
+            r = httpx.post(f"{base}/polykv/pools/{p['id']}/sampling", json=bad, timeout=30)
+            assert r.status_code == 400, bad
+        # as a request's: a dry_base below 1 is the server's default; float fields echo as floats
+        c.set_sampling(p["id"], dry_base=0.5, top_n_sigma=2)
+        out = c.complete(SYSTEM + " Q:", pool_id=p["id"])
+        assert out["generation_settings"]["dry_base"] == 1.75 and out["generation_settings"]["temperature"] == 0.0
+        assert isinstance(out["generation_settings"]["top_n_sigma"], float)
         c.release(p["id"])
 
 

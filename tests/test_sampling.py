@@ -914,3 +914,22 @@ def test_dry_breakers_follow_the_vocabulary(shared_dir):
                 word.endswith(b"User:"[:k]) and tuple(tok.tokenize("User:"[k:], add_special=False)) == t
                 for k in range(1, 5))
     assert process_breakers(tok, ["User:"]) is user
+    # the vectorised scan against a plain one over every token (llama.cpp's loop, as sets)
+    words = [tok.detokenize_bytes([i], special=True) for i in range(tok.n_vocab)]
+    for breaker in ("User:", "é!", "\n\n", ", and"):
+        s, want = breaker.encode(), {}
+        for tid, word in enumerate(words):
+            if s in word:
+                want.setdefault(tid, set()).add(())
+                continue
+            for pos in range(len(word)):
+                n = len(word) - pos
+                if n < len(s) and word[pos:] == s[:n]:
+                    rest = s[n:].decode("utf-8", errors="replace")
+                    want.setdefault(tid, set()).add(tuple(tok.tokenize(rest, add_special=False)))
+        got = process_breakers(tok, [breaker])
+        assert {h: set(t) for h, t in got.items()} == want, breaker
+    with pytest.raises(ValueError, match="at most 64"):
+        Sampler(params(dry_sequence_breakers=tuple(str(i) for i in range(65))), 5)
+    with pytest.raises(ValueError, match="dry_penalty_last_n must be in"):
+        Sampler(params(dry_penalty_last_n=2 ** 63), 5)

@@ -1288,6 +1288,8 @@ def test_logit_bias_and_sampler_fields(server, port):
                 {"mirostat": 3}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": "x"},
                 {"dry_sequence_breakers": []}, {"dry_sequence_breakers": ["\n", 1]}, {"dry_sequence_breakers": ":"},
                 {"dry_penalty_last_n": -2}, {"dry_allowed_length": 1.5}, {"dry_base": 10 ** 400},
+                {"dry_penalty_last_n": 2 ** 63, "dry_multiplier": 1}, {"repeat_last_n": 2 ** 31},
+                {"dry_multiplier": 1, "dry_sequence_breakers": [str(i) for i in range(65)]},
                 {"dynatemp_range": -1}, {"min_keep": -1}, {"mirostat_tau": "x"}, {"xtc_probability": 10 ** 400},
                 {"temperature": -10 ** 400}]:
         st, err = post({**base, **bad})

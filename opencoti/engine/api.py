@@ -73,6 +73,9 @@ class SamplingParams:
     dry_sequence_breakers: tuple = ("\n", ":", '"', "*")  # opencoti.engine.dry.DEFAULT_BREAKERS
 
 
+INT32_MAX = 2 ** 31 - 1
+MAX_DRY_BREAKERS = 64  # opencoti.engine.dry.MAX_BREAKERS (each new list costs a scan of the vocabulary)
+
 # The sampler names a chain may hold (llama.cpp ``common_sampler_types_from_names``,
 # canonical names), and the default order (llama.cpp's ``common_params_sampling::samplers``).
 CHAIN_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -86,7 +89,8 @@ def sampling_error(p) -> str | None:
     [0, 1]; repeat_penalty > 0 (1 = off); repeat_last_n >= -1; penalties and
     top_n_sigma finite; ``samplers`` only of ``CHAIN_NAMES``; the XTC, dynamic temperature
     and Mirostat numbers finite, dynatemp_range >= 0, mirostat 0, 1 or 2, min_keep >= 0; DRY's
-    multiplier and base finite, dry_penalty_last_n >= -1, its sequence breakers strings."""
+    multiplier and base finite, repeat_last_n and dry_penalty_last_n in [-1, 2^31 - 1] (llama.cpp's
+    int32), at most ``MAX_DRY_BREAKERS`` sequence breakers, strings."""
     def finite(v) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -103,18 +107,20 @@ def sampling_error(p) -> str | None:
         return f"min_p must be in [0, 1], got {p.min_p}"
     if not (finite(p.repeat_penalty) and p.repeat_penalty > 0):
         return f"repeat_penalty must be > 0, got {p.repeat_penalty}"
-    if p.repeat_last_n < -1:
-        return f"repeat_last_n must be >= -1, got {p.repeat_last_n}"
+    if not -1 <= p.repeat_last_n <= INT32_MAX:
+        return f"repeat_last_n must be in [-1, {INT32_MAX}], got {p.repeat_last_n}"
     if not (finite(p.dynatemp_range) and p.dynatemp_range >= 0):
         return f"dynatemp_range must be >= 0, got {p.dynatemp_range}"
     if p.mirostat not in (0, 1, 2):
         return f"mirostat must be 0 (off), 1 or 2, got {p.mirostat}"
     if p.min_keep < 0:
         return f"min_keep must be >= 0, got {p.min_keep}"
-    if p.dry_penalty_last_n < -1:
-        return f"dry_penalty_last_n must be >= -1, got {p.dry_penalty_last_n}"
+    if not -1 <= p.dry_penalty_last_n <= INT32_MAX:
+        return f"dry_penalty_last_n must be in [-1, {INT32_MAX}], got {p.dry_penalty_last_n}"
     if not all(isinstance(b, str) for b in p.dry_sequence_breakers):
         return "dry_sequence_breakers must be strings"
+    if len(p.dry_sequence_breakers) > MAX_DRY_BREAKERS:
+        return f"dry_sequence_breakers: at most {MAX_DRY_BREAKERS} strings, got {len(p.dry_sequence_breakers)}"
     bad = [n for n in (p.samplers or ()) if n not in CHAIN_NAMES]
     if bad:
         return f"unknown sampler {bad[0]!r} (known: {', '.join(CHAIN_NAMES)})"

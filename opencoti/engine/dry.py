@@ -31,13 +31,16 @@ repeated) at ~160 steps for the default base 1.75. The penalties equal llama.cpp
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["DEFAULT_BREAKERS", "MAX_BREAKER_BYTES", "MAX_TAIL_TOKENS", "Breakers", "process_breakers",
+from opencoti.engine.api import MAX_DRY_BREAKERS
+
+__all__ = ["DEFAULT_BREAKERS", "MAX_BREAKER_BYTES", "MAX_BREAKERS", "MAX_TAIL_TOKENS", "Breakers", "process_breakers",
            "dry_penalties", "dry_on"]
 
 DEFAULT_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp common_params_sampling::dry_sequence_breakers
@@ -48,19 +51,60 @@ _FLOAT_MAX_LOG = np.float32(88.7228391)  # ~ ln(FLT_MAX), llama.cpp's constant
 # head token -> the tails (token tuples, () = the head alone is a breaker) that follow it
 Breakers = Mapping[int, tuple[tuple[int, ...], ...]]
 
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {breakers: Breakers}
-_PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> [bytes per token]
+MAX_BREAKERS = MAX_DRY_BREAKERS  # per request (llama.cpp has no limit; each new list costs a vocabulary scan)
+_CACHE_LISTS = 32  # breaker lists kept per tokenizer (least recently used dropped)
+
+_INDEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> _VocabIndex
 _LOCK = threading.Lock()
 
 
-def _pieces(tokenizer) -> list[bytes]:
-    """Each token's text as llama.cpp's ``vocab.detokenize({id}, true)`` gives it (cached)."""
+class _VocabIndex:
+    """Each token's text as llama.cpp's ``vocab.detokenize({id}, true)`` gives it, laid out for
+    vectorised scans: ``buf`` (uint8, the texts back to back), ``starts`` / ``ends`` (int64 [n]),
+    ``last`` (uint8 [n, MAX_BREAKER_BYTES], each text's last bytes right-aligned, 0-padded),
+    ``lens`` (int64 [n]); and the processed breaker lists (an LRU of ``_CACHE_LISTS``)."""
+
+    def __init__(self, tokenizer):
+        words = [tokenizer.detokenize_bytes([t], special=True) for t in range(tokenizer.n_vocab)]
+        self.buf = np.frombuffer(b"".join(words) + b"\0", dtype=np.uint8)  # one pad byte: never empty
+        self.lens = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+        self.ends = np.cumsum(self.lens)
+        self.starts = self.ends - self.lens
+        w = MAX_BREAKER_BYTES
+        self.last = np.zeros((len(words), w), np.uint8)
+        for j in range(w):
+            pos = self.ends - w + j
+            ok = pos >= self.starts
+            self.last[ok, j] = self.buf[pos[ok]]
+        self.lists: collections.OrderedDict = collections.OrderedDict()
+
+    def containing(self, s: bytes) -> np.ndarray:
+        """Ids of the tokens whose text contains ``s`` (sorted, unique)."""
+        b = self.buf[:-1]
+        if b.size < len(s):
+            return np.zeros(0, np.int64)
+        pos = np.flatnonzero(b[:b.size - len(s) + 1] == s[0])
+        for j in range(1, len(s)):
+            pos = pos[b[pos + j] == s[j]]
+        tid = np.searchsorted(self.ends, pos, side="right")
+        return np.unique(tid[pos + len(s) <= self.ends[tid]])
+
+    def ending_with(self, p: bytes) -> np.ndarray:
+        """Ids of the tokens whose text ends with ``p`` (1 <= len(p) <= MAX_BREAKER_BYTES)."""
+        w, n = MAX_BREAKER_BYTES, len(p)
+        ids = np.flatnonzero((self.last[:, w - 1] == p[-1]) & (self.lens >= n))
+        for j in range(n - 1):
+            ids = ids[self.last[ids, w - n + j] == p[j]]
+        return ids
+
+
+def _index(tokenizer) -> _VocabIndex:
     with _LOCK:
-        got = _PIECES.get(tokenizer)
+        got = _INDEX.get(tokenizer)
     if got is None:
-        got = [tokenizer.detokenize_bytes([t], special=True) for t in range(tokenizer.n_vocab)]
+        got = _VocabIndex(tokenizer)
         with _LOCK:
-            _PIECES[tokenizer] = got
+            got = _INDEX.setdefault(tokenizer, got)
     return got
 
 
@@ -68,39 +112,40 @@ def process_breakers(tokenizer, breakers: Sequence[str]) -> Breakers:
     """The token sequences of ``breakers`` (strings) over ``tokenizer``'s vocabulary (see the
     module doc; llama.cpp ``get_overlapping_token_sequences``). Returns ``{head id: (tail, ...)}``
     with each tail a tuple of token ids (``()`` for a one-token breaker). Empty strings are
-    skipped. Cached per tokenizer and breaker tuple: the first call scans the vocabulary
-    (~1 s for 262,144 tokens)."""
+    skipped. The vocabulary's texts are laid out once per tokenizer (~0.5 s for 262,144 tokens),
+    then a list costs a few vectorised passes per breaker byte (~ms); the last ``_CACHE_LISTS``
+    lists are cached. Callers with other sessions to serve call it off the engine thread first
+    (the HTTP layer does, while it validates a request)."""
     key = tuple(breakers)
+    index = _index(tokenizer)
     with _LOCK:
-        per = _CACHE.setdefault(tokenizer, {})
-        got = per.get(key)
-    if got is not None:
-        return got
-    words = _pieces(tokenizer)
+        got = index.lists.get(key)
+        if got is not None:
+            index.lists.move_to_end(key)
+            return got
     out: dict[int, list[tuple[int, ...]]] = {}
     for text in key:
         s = text.encode("utf-8")[:MAX_BREAKER_BYTES]
         if not s:
             continue
-        first, tails = s[:1], {}
-        for tid, word in enumerate(words):
-            if s in word:
-                _add(out, tid, ())
-                continue
-            pos = word.find(first)
-            while pos >= 0:
-                # the word's end from pos is a proper prefix of s: the rest of s follows as tokens
-                n = len(word) - pos
-                if n < len(s) and word[pos:] == s[:n]:
-                    tail = tails.get(n)
-                    if tail is None:
-                        rest = s[n:].decode("utf-8", errors="replace")
-                        tail = tails[n] = tuple(tokenizer.tokenize(rest, add_special=False)[:MAX_TAIL_TOKENS])
+        whole = index.containing(s)
+        for tid in whole.tolist():
+            _add(out, tid, ())
+        # a text ending with s[:n] (0 < n < len(s)) heads the rest of s, tokenized; llama.cpp
+        # finds these scanning each text's s[0] left to right, so the longest n comes first
+        for n in range(len(s) - 1, 0, -1):
+            ids = index.ending_with(s[:n])
+            ids = ids[~np.isin(ids, whole)]
+            if ids.size:
+                rest = s[n:].decode("utf-8", errors="replace")
+                tail = tuple(tokenizer.tokenize(rest, add_special=False)[:MAX_TAIL_TOKENS])
+                for tid in ids.tolist():
                     _add(out, tid, tail)
-                pos = word.find(first, pos + 1)
     got = {h: tuple(t) for h, t in out.items()}
     with _LOCK:
-        per[key] = got
+        index.lists[key] = got
+        while len(index.lists) > _CACHE_LISTS:
+            index.lists.popitem(last=False)
     return got
 
 

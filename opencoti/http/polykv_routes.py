@@ -302,6 +302,11 @@ def request_defaults(state, body: dict):
     n_predict = int(fields.pop("n_predict", n_predict))
     if "dry_sequence_breakers" in fields:  # a JSON list; SamplingParams holds a tuple
         fields["dry_sequence_breakers"] = tuple(fields["dry_sequence_breakers"])
+    if fields.get("dry_base", 1.0) < 1.0:  # as a request's: below 1 means the server's default
+        del fields["dry_base"]
+    for k, v in fields.items():  # JSON 0 for a float field echoes as 0.0, as llama.cpp's
+        if isinstance(getattr(sp, k), float):
+            fields[k] = float(v)
     return replace(sp, **fields), n_predict
 
 
