@@ -53,6 +53,13 @@ __device__ __forceinline__ float rope_rotate(float x0, float x1, float2 cs, bool
     return first ? x0 * cs.x - x1 * cs.y : x0 * cs.y + x1 * cs.x;
 }
 
+// Value i < n_rot rotated, from its own value v and its partner ip's value vp (the pair's order:
+// the lower index first).
+__device__ __forceinline__ float rope_rotate_own(float v, float vp, int i, int ip, float2 cs) {
+    const bool first = i < ip;
+    return rope_rotate(first ? v : vp, first ? vp : v, cs, first);
+}
+
 // The cos and sin (times mscale) of rope's angle for value i < n_rot of a row at position p:
 // theta = p * base^(-2k / n_rot) / ff[k] (k: i's pair), YaRN's blend when ext_factor != 0
 // (ggml_rope_ext / rope_yarn's formula), in double precision.
@@ -124,9 +131,7 @@ __device__ __forceinline__ void rope_row(const float* __restrict__ xr, int ns, l
                 store(i, xn);
             } else {
                 const int ip = rope_partner(i, n_rot, mode);
-                const float xp = buf[ip] * r * pre.wp;
-                const bool first = i < ip;  // i is its pair's first value
-                store(i, rope_rotate(first ? xn : xp, first ? xp : xn, pre.cs, first));
+                store(i, rope_rotate_own(xn, buf[ip] * r * pre.wp, i, ip, pre.cs));
             }
         }
         return;
@@ -172,10 +177,7 @@ __device__ __forceinline__ float rope_value_unnormed(const float* __restrict__ x
     }
     xx = x * x;
     const float xw = x * pre.w;
-    if (i >= n_rot) return xw;
-    const float xpw = xp * pre.wp;
-    const bool first = i < ip;
-    return rope_rotate(first ? xw : xpw, first ? xpw : xw, pre.cs, first);
+    return i >= n_rot ? xw : rope_rotate_own(xw, xp * pre.wp, i, ip, pre.cs);
 }
 
 // Head row `row` of x (H head rows of D per token, a token's rows ldx floats after the last's;
