@@ -1366,3 +1366,32 @@ def test_chat_template_kwargs_are_template_variables(port):
         assert status == 200
     assert out["usage"]["prompt_tokens"] == call(port, "POST", "/v1/chat/completions",
                                                  {"messages": as_str, "max_tokens": 1})[2]["usage"]["prompt_tokens"]
+
+
+def test_n_completions_per_prompt(port):
+    """OpenAI ``n`` / llama.cpp ``n_cmpl``: copy j of a prompt runs with seed + j; choices are
+    prompt-major; usage counts a prompt once and every completion's tokens; more than the server's
+    slots, or streamed, is a 400. (A choice is not compared with a lone request of its seed: run
+    side by side, rows share ubatches, and a CPU GEMM over two rows rounds differently.)"""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    common = {"max_tokens": 6, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "ignore_eos": True}
+    status, _, both = call(port, "POST", "/v1/chat/completions", {"messages": msgs, "n": 2, "seed": 11, **common})
+    assert status == 200 and [c["index"] for c in both["choices"]] == [0, 1]
+    assert both["choices"][0]["message"]["content"] != both["choices"][1]["message"]["content"]
+    single = call(port, "POST", "/v1/chat/completions", {"messages": msgs, "seed": 11, **common})[2]
+    assert both["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert both["usage"]["completion_tokens"] == 12
+    status, _, out = call(port, "POST", "/v1/completions", {"prompt": ["Once upon", "The sky is"], "n": 2,
+                                                            "seed": 3, **common})
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    n_prompt = [call(port, "POST", "/v1/completions", {"prompt": p, "max_tokens": 1})[2]["usage"]["prompt_tokens"]
+                for p in ("Once upon", "The sky is")]
+    assert out["usage"]["prompt_tokens"] == sum(n_prompt) and out["usage"]["completion_tokens"] == 24
+    status, _, arr = call(port, "POST", "/completion", {"prompt": "Hello", "n_cmpl": 2, "n_predict": 3,
+                                                        "temperature": 0, "seed": 7})
+    assert status == 200 and isinstance(arr, list) and [r["index"] for r in arr] == [0, 1]
+    assert [r["generation_settings"]["seed"] for r in arr] == [7, 8]
+    assert arr[0]["content"] == arr[1]["content"]  # greedy: the same text twice
+    for body in ({"n": 3}, {"n": 2, "stream": True}, {"n": 0}):
+        status, _, err = call(port, "POST", "/v1/chat/completions", {"messages": msgs, **body})
+        assert status == 400 and err["error"]["type"] == "invalid_request_error", body

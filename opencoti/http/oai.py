@@ -57,13 +57,15 @@ def finish_reason(fin: FinishEvent) -> str:
     return "stop" if fin.stop_type in ("eos", "word") else "length"
 
 
-def usage_json(*results: gen.Result) -> dict:
+def usage_json(*results: gen.Result, n_cmpl: int = 1) -> dict:
     """OpenAI ``usage`` of one or more finished generations (llama.cpp ``usage_json_oaicompat``):
-    token counts summed, ``prompt_tokens_details.cached_tokens`` the prompt tokens reused from
-    the KV cache (not evaluated again)."""
-    done, prompt = sum(r.n_predicted for r in results), sum(r.n_prompt for r in results)
+    token counts summed, a prompt's counted once for its ``n_cmpl`` completions (``results``
+    prompt-major, as ``submit_all``), ``prompt_tokens_details.cached_tokens`` the prompt tokens
+    reused from the KV cache (not evaluated again)."""
+    firsts = results[::n_cmpl]
+    done, prompt = sum(r.n_predicted for r in results), sum(r.n_prompt for r in firsts)
     return {"completion_tokens": done, "prompt_tokens": prompt, "total_tokens": done + prompt,
-            "prompt_tokens_details": {"cached_tokens": sum(r.n_cached for r in results)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.n_cached for r in firsts)}}
 
 
 # ---------------------------------------------------------------------------
@@ -348,26 +350,27 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
     body = req.json()
     prompt, parsed, n_top = _parse_chat_body(state, body)
     opts = parsed.options
-    handle = submit_all(state, parsed, [prompt])[0]
+    handles = submit_all(state, parsed, [prompt])
+    handle = handles[0]
     cid = random_id("chatcmpl-")
     created = int(time.time())
     model = state.model_name
     fp = state.build_info
 
     if not opts.stream:
-        r = gen.collect(state.tokenizer, handle, req.is_disconnected, n_top=n_top,
-                        want_probs=opts.want_logprobs)
-        choice = {
+        results = gen.collect_many(state.tokenizer, handles, req.is_disconnected, n_top=n_top,
+                                   want_probs=opts.want_logprobs)
+        choices = [{
             "finish_reason": finish_reason(r.finish),
-            "index": 0,
+            "index": i,
             "message": {"role": "assistant", "content": r.content},
             "logprobs": {"content": r.probs} if opts.want_logprobs else None,
-        }
+        } for i, r in enumerate(results)]
         return Response({
-            "choices": [choice], "created": created, "model": model, "system_fingerprint": fp,
-            "object": "chat.completion", "usage": usage_json(r), "id": cid,
-            "timings": gen.timings_json(r.finish),
-        }, headers=gen.admission_headers([handle]))
+            "choices": choices, "created": created, "model": model, "system_fingerprint": fp,
+            "object": "chat.completion", "usage": usage_json(*results, n_cmpl=opts.n_cmpl), "id": cid,
+            "timings": gen.timings_json(results[0].finish),
+        }, headers=gen.admission_headers(handles))
 
     try:
         first, events = first_event(handle, req)
@@ -425,7 +428,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
 
     ``logprobs`` (an integer, the number of top tokens) maps to ``n_probs``;
     ``echo``, ``best_of`` and ``suffix`` are refused as in llama.cpp. Several
-    prompts give several choices (non-stream only).
+    prompts, and ``n`` completions of each, give several choices (prompt-major; non-stream only).
     """
     body = req.json()
     if body.get("prompt") is None:
@@ -462,7 +465,8 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         choices = [{"text": r.content, "index": i,
                     "logprobs": {"content": r.probs} if want_probs else None,
                     "finish_reason": finish_reason(r.finish)} for i, r in enumerate(results)]
-        return Response(obj(choices, usage=usage_json(*results), timings=gen.timings_json(results[0].finish)),
+        return Response(obj(choices, usage=usage_json(*results, n_cmpl=opts.n_cmpl),
+                            timings=gen.timings_json(results[0].finish)),
                         headers=gen.admission_headers(handles))
 
     handle = handles[0]

@@ -225,11 +225,12 @@ def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool
 
 
 def completion_final_json(state: ServerState, r: gen.Result, parsed: ParsedCompletion,
-                          stream: bool, index: int = 0) -> dict:
+                          stream: bool, index: int = 0, request: Optional[CompletionRequest] = None) -> dict:
     """llama.cpp's final ``/completion`` result (``to_json_non_oaicompat``).
 
     In stream mode ``content`` and ``tokens`` are empty (they went out in the
-    partial events) and no ``completion_probabilities`` are repeated.
+    partial events) and no ``completion_probabilities`` are repeated. ``request``: the engine
+    request this result ran (its seed: ``n_cmpl``'s copies differ); default ``parsed.request``.
     """
     fin = r.finish
     n_prompt = r.n_prompt
@@ -243,7 +244,7 @@ def completion_final_json(state: ServerState, r: gen.Result, parsed: ParsedCompl
         "model": state.model_name,
         "tokens_predicted": n_pred,
         "tokens_evaluated": n_prompt,
-        "generation_settings": generation_settings(parsed.request, stream),
+        "generation_settings": generation_settings(request or parsed.request, stream),
         "prompt": state.tokenizer.detokenize(r.prompt_tokens, special=True),
         "has_new_line": "\n" in r.content,
         "truncated": bool(fin.truncated),
@@ -277,16 +278,21 @@ def nested_values(paths, obj: dict) -> dict:
 
 
 def submit_all(state: ServerState, parsed: ParsedCompletion, prompts: list[list[int]]) -> list:
-    """Submit one engine request per prompt; if one submit fails, cancel the others.
+    """Submit ``n_cmpl`` engine requests per prompt (prompt-major: request ``i * n_cmpl + j`` is
+    prompt i's copy j); if one submit fails, cancel the others.
 
-    Several prompts of one body share its ``session_id`` only for the first
+    Copy j > 0 of a prompt runs with seed + j when the seed is fixed (llama.cpp's child tasks of
+    ``n_cmpl``). Several requests of one body share its ``session_id`` only for the first
     (a session lives in one slot; the others run as plain requests).
     """
     handles = []
+    n = parsed.options.n_cmpl
     try:
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(q for q in prompts for _ in range(n)):
             req = replace(parsed.request, prompt_tokens=list(p),
                           sampling=replace(parsed.request.sampling), stop=list(parsed.request.stop))
+            if i % n and req.sampling.seed >= 0:
+                req.sampling.seed = (req.sampling.seed + i % n) % 0xFFFFFFFF
             if i > 0:
                 req.session_id = None
             h = gen.submit(state.engine, req, state.n_ctx_slot)
@@ -649,7 +655,8 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
         results = gen.collect_many(state.tokenizer, handles, req.is_disconnected,
                                    n_top=opts.n_probs, want_probs=want_probs,
                                    post_sampling=opts.post_sampling_probs)
-        objs = [completion_final_json(state, r, parsed, False, i) for i, r in enumerate(results)]
+        objs = [completion_final_json(state, r, parsed, False, i, h.request)
+                for i, (r, h) in enumerate(zip(results, handles))]
         return Response(objs[0] if len(objs) == 1 else objs, headers=gen.admission_headers(handles))
 
     handle = handles[0]

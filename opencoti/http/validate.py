@@ -228,6 +228,8 @@ class ResponseOptions:
     response_fields: llama.cpp's ``response_fields``: the final ``/completion`` result
     keeps only these paths (``"a/b"``: key ``b`` of object ``a``, answered under the key
     ``"a/b"``); empty: the whole result.
+    n_cmpl: completions per prompt (OpenAI ``n``, llama.cpp ``n_cmpl``); copy j > 0 runs with
+    seed + j when the seed is fixed (llama.cpp's child tasks).
     """
 
     stream: bool = False
@@ -237,6 +239,7 @@ class ResponseOptions:
     want_logprobs: bool = False
     post_sampling_probs: bool = False
     response_fields: tuple = ()
+    n_cmpl: int = 1
 
 
 @dataclass
@@ -440,15 +443,17 @@ def parse_completion(
 
     Returns the engine request template (``prompt_tokens`` empty) and the
     response options. Raises 400 for wrong types or values, and for features
-    this server does not offer (several completions per prompt) instead of
-    silently ignoring them. Unknown fields are ignored.
+    this server does not offer instead of silently ignoring them. ``n_cmpl`` (or
+    OpenAI's ``n``): completions per prompt, at most the server's slots, not streamed.
+    Unknown fields are ignored.
     """
     require_object(body)
     sampling = parse_sampling(body, sampling_defaults, n_ctx_slot, tokenizer)
     sampling.grammar = parse_grammar(body)
-    n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1), min=1)
-    if n_cmpl != 1:
-        raise invalid_request("only one completion per prompt is supported (n = 1)")
+    n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1, min=1), min=1)
+    if n_cmpl > n_slots:
+        raise invalid_request(f'"n" must be <= {n_slots} (completions per prompt run side by side, '
+                              f"one slot each; the server has {n_slots})")
     id_slot = get_int(body, "id_slot", -1, min=-1)
     if id_slot >= n_slots:
         raise invalid_request(f'"id_slot" must be < {n_slots} (the server has {n_slots} slots)')
@@ -481,7 +486,10 @@ def parse_completion(
         include_usage=get_bool(stream_opts or {}, "include_usage", False),
         post_sampling_probs=req.post_sampling_probs,
         response_fields=_response_fields(body),
+        n_cmpl=n_cmpl,
     )
+    if opts.stream and n_cmpl > 1:
+        raise invalid_request('streaming supports one completion per prompt ("n" = 1)')
     req.return_progress = req.return_progress and opts.stream  # progress rides on stream chunks only
     return ParsedCompletion(req, opts)
 
