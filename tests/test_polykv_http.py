@@ -1,6 +1,7 @@
 """PolyKV REST control plane and the Python client against a live server."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -191,8 +192,11 @@ def test_pool_sampling_defaults_apply_to_attached_requests(server):
         assert c.set_sampling(p["id"], **knobs)["sampling"] == {"temperature": 0, "n_predict": 3, **knobs}
         out = c.complete(SYSTEM + " Q:", pool_id=p["id"])
         assert {k: out["generation_settings"][k] for k in knobs} == knobs
-        for bad in ({"dry_sequence_breakers": []}, {"dry_penalty_last_n": 2 ** 63}, {"repeat_last_n": 2 ** 40}):
-            r = httpx.post(f"{base}/polykv/pools/{p['id']}/sampling", json=bad, timeout=30)
+        for bad in ({"dry_sequence_breakers": []}, {"dry_penalty_last_n": 2 ** 63}, {"repeat_last_n": 2 ** 40},
+                    {"dry_allowed_length": -10 ** 20}, {"top_k": 10 ** 20}, {"n_predict": 2 ** 70},
+                    {"dry_sequence_breakers": ["\ud800"]}):
+            r = httpx.post(f"{base}/polykv/pools/{p['id']}/sampling", content=json.dumps(bad).encode(), timeout=30,
+                           headers={"content-type": "application/json"})  # (json.dumps escapes the surrogate)
             assert r.status_code == 400, bad
         # as a request's: a dry_base below 1 is the server's default; float fields echo as floats
         c.set_sampling(p["id"], dry_base=0.5, top_n_sigma=2)

@@ -933,3 +933,7 @@ def test_dry_breakers_follow_the_vocabulary(shared_dir):
         Sampler(params(dry_sequence_breakers=tuple(str(i) for i in range(65))), 5)
     with pytest.raises(ValueError, match="dry_penalty_last_n must be in"):
         Sampler(params(dry_penalty_last_n=2 ** 63), 5)
+    with pytest.raises(ValueError, match="dry_allowed_length must be a 32-bit integer"):
+        Sampler(params(dry_allowed_length=-10 ** 20), 5)
+    with pytest.raises(ValueError, match="no lone surrogates"):
+        Sampler(params(dry_sequence_breakers=("\ud800",)), 5)

@@ -125,7 +125,7 @@ def test_error_body_shape():
     ({"id_slot": 7}, "id_slot", "< 2"),
     ({"n_probs": -1}, "n_probs", ">= 0"),
     ({"stream_options": []}, "stream_options", "object"),
-    ({"n": 3}, "n", "one completion"),
+    ({"n": 3}, "n", "<= 2"), ({"n": 2, "stream": True}, "stream", "one completion per prompt"),
     ({"session_id": 5}, "session_id", "string"),
     ({"overcommit": "yes"}, "overcommit", "boolean"),
     ({"post_sampling_probs": 1}, "post_sampling_probs", "boolean"),
@@ -1284,12 +1284,19 @@ def test_logit_bias_and_sampler_fields(server, port):
     assert st == 200 and banned3["tokens"][0] == banned["tokens"][0]
     st, pushed = post({**base, "return_tokens": True, "logit_bias": [[" Paris", 30]]})
     assert st == 200 and pushed["content"] == " Paris"
+    # ids outside the vocabulary (past int64 too) are dropped, as llama.cpp does
+    for far in ([[2 ** 63, 30], [-2 ** 63 - 1, 30]], {"99999999999999999999999": 30}, [[262144, 30]]):
+        st, same = post({**base, "return_tokens": True, "logit_bias": far})
+        assert st == 200 and same["tokens"] == ref["tokens"], far
     for bad in [{"logit_bias": "x"}, {"logit_bias": [[1, "x"]]}, {"logit_bias": {"": 1}},
                 {"mirostat": 3}, {"xtc_probability": "x"}, {"samplers": [1, 2]}, {"dry_multiplier": "x"},
                 {"dry_sequence_breakers": []}, {"dry_sequence_breakers": ["\n", 1]}, {"dry_sequence_breakers": ":"},
                 {"dry_penalty_last_n": -2}, {"dry_allowed_length": 1.5}, {"dry_base": 10 ** 400},
                 {"dry_penalty_last_n": 2 ** 63, "dry_multiplier": 1}, {"repeat_last_n": 2 ** 31},
                 {"dry_multiplier": 1, "dry_sequence_breakers": [str(i) for i in range(65)]},
+                {"dry_multiplier": 0.8, "dry_allowed_length": -10 ** 20}, {"top_k": 10 ** 20}, {"min_keep": 2 ** 31},
+                {"n_predict": 2 ** 70}, {"n_keep": -2 ** 40},
+                {"dry_multiplier": 0.8, "dry_sequence_breakers": ["\ud800"]}, {"dry_sequence_breakers": ["a\udc80b"]},
                 {"dynatemp_range": -1}, {"min_keep": -1}, {"mirostat_tau": "x"}, {"xtc_probability": 10 ** 400},
                 {"temperature": -10 ** 400}]:
         st, err = post({**base, **bad})

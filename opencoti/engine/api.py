@@ -74,6 +74,15 @@ class SamplingParams:
 
 
 INT32_MAX = 2 ** 31 - 1
+
+
+def _utf8(s: str) -> bool:
+    """Whether ``s`` encodes as UTF-8 (a JSON string may carry a lone surrogate, ``"\\ud800"``)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 MAX_DRY_BREAKERS = 64  # opencoti.engine.dry.MAX_BREAKERS (each new list costs a scan of the vocabulary)
 
 # The sampler names a chain may hold (llama.cpp ``common_sampler_types_from_names``,
@@ -99,6 +108,9 @@ def sampling_error(p) -> str | None:
                  "dry_base"):
         if not finite(getattr(p, name)):
             return f"{name} must be a finite number, got {getattr(p, name)}"
+    for name in ("top_k", "min_keep", "dry_allowed_length"):
+        if not -INT32_MAX - 1 <= getattr(p, name) <= INT32_MAX:
+            return f"{name} must be a 32-bit integer, got {getattr(p, name)}"
     for name in ("top_p", "typical_p"):
         v = getattr(p, name)
         if not (finite(v) and v >= 0):
@@ -117,8 +129,8 @@ def sampling_error(p) -> str | None:
         return f"min_keep must be >= 0, got {p.min_keep}"
     if not -1 <= p.dry_penalty_last_n <= INT32_MAX:
         return f"dry_penalty_last_n must be in [-1, {INT32_MAX}], got {p.dry_penalty_last_n}"
-    if not all(isinstance(b, str) for b in p.dry_sequence_breakers):
-        return "dry_sequence_breakers must be strings"
+    if not all(isinstance(b, str) and _utf8(b) for b in p.dry_sequence_breakers):
+        return "dry_sequence_breakers must be strings of valid Unicode (no lone surrogates)"
     if len(p.dry_sequence_breakers) > MAX_DRY_BREAKERS:
         return f"dry_sequence_breakers: at most {MAX_DRY_BREAKERS} strings, got {len(p.dry_sequence_breakers)}"
     bad = [n for n in (p.samplers or ()) if n not in CHAIN_NAMES]

@@ -292,6 +292,8 @@ def request_defaults(state, body: dict):
 
     sp, n_predict = state.params.sampling, state.params.n_predict
     pid = body.get("pool_id") if isinstance(body, dict) else None
+    if isinstance(pid, float) and pid.is_integer():  # as get_int reads it
+        pid = int(pid)
     eng = state.engine
     if not isinstance(pid, int) or isinstance(pid, bool) or eng is None or eng.pools is None:
         return sp, n_predict

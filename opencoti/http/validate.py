@@ -70,7 +70,8 @@ def get_int(
 ) -> Optional[int]:
     """``body[key]`` as an int; integral floats (``32.0``) are accepted.
 
-    Raises 400 for other types or a value outside ``[min, max]``.
+    Raises 400 for other types or a value outside ``[min, max]`` (by default llama.cpp's int32
+    range: its fields are int32, and a value past it is refused, not carried into the engine).
     """
     v = body.get(key)
     if v is None:
@@ -79,9 +80,11 @@ def get_int(
         v = int(v)
     if not _is_int(v):
         raise invalid_request(f'"{key}" must be an integer')
-    if min is not None and v < min:
+    min = -INT32_MAX - 1 if min is None else min
+    max = INT32_MAX if max is None else max
+    if v < min:
         raise invalid_request(f'"{key}" must be >= {min}')
-    if max is not None and v > max:
+    if v > max:
         raise invalid_request(f'"{key}" must be <= {max}')
     return v
 
@@ -400,6 +403,8 @@ def parse_logit_bias(value, tokenizer=None) -> dict:
             continue
         if isinstance(tok, bool) or not isinstance(tok, int):
             raise invalid_request('"logit_bias" keys must be token ids or text')
+        if tok < 0 or tok >= (tokenizer.n_vocab if tokenizer is not None else 2 ** 31):
+            continue  # llama.cpp drops an id outside the vocabulary
         out[tok] = float(bias)
     return out
 
@@ -450,9 +455,10 @@ def parse_completion(
     require_object(body)
     sampling = parse_sampling(body, sampling_defaults, n_ctx_slot, tokenizer)
     sampling.grammar = parse_grammar(body)
-    n_cmpl = get_int(body, "n_cmpl", get_int(body, "n", 1, min=1), min=1)
+    key = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+    n_cmpl = get_int(body, key, 1, min=1)
     if n_cmpl > n_slots:
-        raise invalid_request(f'"n" must be <= {n_slots} (completions per prompt run side by side, '
+        raise invalid_request(f'"{key}" must be <= {n_slots} (completions per prompt run side by side, '
                               f"one slot each; the server has {n_slots})")
     id_slot = get_int(body, "id_slot", -1, min=-1)
     if id_slot >= n_slots:
