@@ -125,7 +125,7 @@ def test_error_body_shape():
     ({"id_slot": 7}, "id_slot", "< 2"),
     ({"n_probs": -1}, "n_probs", ">= 0"),
     ({"stream_options": []}, "stream_options", "object"),
-    ({"n": 3}, "n", "<= 2"), ({"n": 2, "stream": True}, "stream", "one completion per prompt"),
+    ({"n": 3}, "n", "<= 2"), ({"n": 2, "n_cmpl": 5}, "n_cmpl", "<= 2"),
     ({"session_id": 5}, "session_id", "string"),
     ({"overcommit": "yes"}, "overcommit", "boolean"),
     ({"post_sampling_probs": 1}, "post_sampling_probs", "boolean"),
@@ -1399,6 +1399,41 @@ def test_n_completions_per_prompt(port):
     assert status == 200 and isinstance(arr, list) and [r["index"] for r in arr] == [0, 1]
     assert [r["generation_settings"]["seed"] for r in arr] == [7, 8]
     assert arr[0]["content"] == arr[1]["content"]  # greedy: the same text twice
-    for body in ({"n": 3}, {"n": 2, "stream": True}, {"n": 0}):
+    for body in ({"n": 3}, {"n": 0}):
         status, _, err = call(port, "POST", "/v1/chat/completions", {"messages": msgs, **body})
         assert status == 400 and err["error"]["type"] == "invalid_request_error", body
+
+    # streamed: each choice's chunks carry its index; each ends once; [DONE] after the last
+    greedy = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    status, _, payload = call(port, "POST", "/v1/chat/completions",
+                              {"messages": msgs, "n": 2, "stream": True, "stream_options": {"include_usage": True},
+                               **greedy})
+    events = sse_events(payload)
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    text = {0: "", 1: ""}
+    for ev in chunks[:-1]:
+        (choice,) = ev["choices"]
+        text[choice["index"]] += choice["delta"].get("content") or ""
+    assert [ev["choices"][0]["finish_reason"] for ev in chunks[:-1] if ev["choices"][0]["finish_reason"]] == [
+        "length", "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    plain = call(port, "POST", "/v1/chat/completions", {"messages": msgs, **greedy})[2]
+    assert text[0] == text[1] == plain["choices"][0]["message"]["content"]
+    status, _, payload = call(port, "POST", "/v1/completions", {"prompt": "Hello", "n": 2, "stream": True, **greedy})
+    events = sse_events(payload)
+    assert events[-1] == "[DONE]" and sum(1 for ev in events[:-1] if ev["choices"][0]["finish_reason"]) == 2
+    assert "usage" in events[-2] and events[-2]["usage"]["completion_tokens"] == 10
+    status, _, payload = call(port, "POST", "/completion", {"prompt": "Hello", "n_cmpl": 2, "stream": True,
+                                                            "n_predict": 3, "temperature": 0, "seed": 5})
+    finals = [ev for ev in sse_events(payload) if ev["stop"]]
+    assert sorted(ev["index"] for ev in finals) == [0, 1]
+    assert sorted(ev["generation_settings"]["seed"] for ev in finals) == [5, 6]
+    # the client leaves a stream of two completions: both are cancelled, both slots come free
+    sock = _open_stream(port, {"prompt": "Once upon a time", "n_cmpl": 2, "n_predict": 400, "ignore_eos": True})
+    assert all(s["is_processing"] for s in call(port, "GET", "/slots")[2])
+    sock.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(s["is_processing"] for s in call(port, "GET", "/slots")[2]):
+        time.sleep(0.05)
+    assert not any(s["is_processing"] for s in call(port, "GET", "/slots")[2])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
@@ -316,23 +317,60 @@ def collect_many(tokenizer, handles: list[RequestHandle], is_disconnected: Calla
     return results
 
 
-def sse_events(handle: RequestHandle, events, render: Callable, prefix: Iterable[bytes] = ()) -> Iterator[bytes]:
+def merged_events(handles: list[RequestHandle], is_disconnected: Callable[[], bool]) -> Iterator[tuple]:
+    """The events of one or more requests as ``(index, event)`` in arrival order, until each
+    has finished (``iter_events``' disconnect check; when the client has gone every request is
+    cancelled and ``ClientDisconnected`` raised). Several requests are read by one thread each
+    into a shared queue (they end with their request)."""
+    if len(handles) == 1:
+        for ev in iter_events(handles[0], is_disconnected):
+            yield 0, ev
+        return
+    merged: "queue.Queue[tuple]" = queue.Queue()
+
+    def pump(i: int, h: RequestHandle) -> None:
+        for ev in h.events():
+            merged.put((i, ev))
+
+    for i, h in enumerate(handles):
+        threading.Thread(target=pump, args=(i, h), name=f"opencoti-merge-{i}", daemon=True).start()
+    left, last_check = len(handles), time.monotonic()
+    while left:
+        try:
+            i, ev = merged.get(timeout=POLL_S)
+        except queue.Empty:
+            i, ev = -1, None
+        if ev is not None:
+            yield i, ev
+            if isinstance(ev, (FinishEvent, ErrorEvent)):
+                left -= 1
+        if time.monotonic() - last_check >= POLL_S:
+            last_check = time.monotonic()
+            if is_disconnected():
+                for h in handles:
+                    h.cancel()
+                raise ClientDisconnected("client closed the connection")
+
+
+def sse_events(handles: list[RequestHandle], events, render: Callable,
+               prefix: Iterable[bytes] = ()) -> Iterator[bytes]:
     """The event loop every streaming route shares: ``prefix`` chunks, then
-    ``render(ev)`` (an iterable of encoded SSE chunks) for each Token/Finish
-    event; an ErrorEvent becomes the stream's last event. If the client leaves
-    before the request finished (the server closes this generator), the engine
-    request is cancelled."""
-    done = False
+    ``render(index, ev)`` (an iterable of encoded SSE chunks) for each ``(index, event)`` of
+    ``events`` (``merged_events``); an ErrorEvent becomes the stream's last event and cancels
+    the other requests. If the client leaves before the requests finished (the server closes
+    this generator), the engine requests still running are cancelled."""
+    done: set[int] = set()
     try:
         yield from prefix
-        for ev in events:
+        for i, ev in events:
             if isinstance(ev, ErrorEvent):
-                done = True
+                done.add(i)
                 yield sse_event(error_from_event(ev).body())
                 return
             if isinstance(ev, FinishEvent):
-                done = True
-            yield from render(ev)
+                done.add(i)
+            yield from render(i, ev)
     finally:
-        if not done:
-            handle.cancel()
+        for i, h in enumerate(handles):
+            if i not in done:
+                h.cancel()

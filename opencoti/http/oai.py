@@ -351,7 +351,6 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
     prompt, parsed, n_top = _parse_chat_body(state, body)
     opts = parsed.options
     handles = submit_all(state, parsed, [prompt])
-    handle = handles[0]
     cid = random_id("chatcmpl-")
     created = int(time.time())
     model = state.model_name
@@ -372,51 +371,51 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
             "timings": gen.timings_json(results[0].finish),
         }, headers=gen.admission_headers(handles))
 
-    try:
-        first, events = first_event(handle, req)
-    except BaseException:
-        handle.cancel()
-        raise
+    first, events = first_event(handles, req)
+    collectors = [gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs) for _ in handles]
+    finished: list = []
+    roles = [sse_event(_chunk(cid, created, model, [{
+        "finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}], fingerprint=fp))
+        for i in range(len(handles))]
 
-    collector = gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs)
-    role = sse_event(_chunk(cid, created, model, [{
-        "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}], fingerprint=fp))
-
-    def render(ev) -> Iterator[bytes]:
+    def render(i: int, ev) -> Iterator[bytes]:  # i: the choice
+        collector = collectors[i]
         if isinstance(ev, ProgressEvent):  # llama.cpp: the role delta again, with prompt_progress
             yield sse_event(_chunk(cid, created, model, [{
-                "finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}],
+                "finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}],
                 fingerprint=fp, prompt_progress=ev.to_json()))
             return
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
             if not ev.text and entry is None:
                 return
-            choice: dict = {"finish_reason": None, "index": 0, "delta": {"content": ev.text}}
+            choice: dict = {"finish_reason": None, "index": i, "delta": {"content": ev.text}}
             if entry is not None:
                 choice["logprobs"] = {"content": [entry]}
             extra = {} if ev.timings is None else {"timings": ev.timings}
             yield sse_event(_chunk(cid, created, model, [choice], fingerprint=fp, **extra))
             return
         collector.add(ev)  # FinishEvent
-        r = collector.result
+        finished.append(i)
         if ev.text:
             yield sse_event(_chunk(cid, created, model, [{
-                "finish_reason": None, "index": 0, "delta": {"content": ev.text}}], fingerprint=fp))
-        timings = gen.timings_json(ev)
+                "finish_reason": None, "index": i, "delta": {"content": ev.text}}], fingerprint=fp))
         final = _chunk(cid, created, model, [{
-            "finish_reason": finish_reason(ev), "index": 0, "delta": {}}], fingerprint=fp)
-        if opts.include_usage:
-            yield sse_event(final)
+            "finish_reason": finish_reason(ev), "index": i, "delta": {}}], fingerprint=fp)
+        if not opts.include_usage:
+            final["timings"] = gen.timings_json(ev)
+        yield sse_event(final)
+        if len(finished) < len(handles):
+            return
+        if opts.include_usage:  # after the last choice: the usage of them all
+            results = [c.result for c in collectors]
             yield sse_event(_chunk(cid, created, model, [], fingerprint=fp,
-                                   usage=usage_json(r), timings=timings))
-        else:
-            final["timings"] = timings
-            yield sse_event(final)
+                                   usage=usage_json(*results, n_cmpl=opts.n_cmpl),
+                                   timings=gen.timings_json(results[0].finish)))
         yield SSE_DONE
 
-    return StreamResponse(gen.sse_events(handle, chain([first], events), render, prefix=[role]),
-                          headers=gen.admission_headers([handle]))
+    return StreamResponse(gen.sse_events(handles, chain([first], events), render, prefix=roles),
+                          headers=gen.admission_headers(handles))
 
 
 # ---------------------------------------------------------------------------
@@ -428,7 +427,8 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
 
     ``logprobs`` (an integer, the number of top tokens) maps to ``n_probs``;
     ``echo``, ``best_of`` and ``suffix`` are refused as in llama.cpp. Several
-    prompts, and ``n`` completions of each, give several choices (prompt-major; non-stream only).
+    prompts, and ``n`` completions of each, give several choices (prompt-major; a stream takes
+    one prompt, and its ``n`` choices' chunks interleave, each with its index).
     """
     body = req.json()
     if body.get("prompt") is None:
@@ -469,37 +469,39 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
                             timings=gen.timings_json(results[0].finish)),
                         headers=gen.admission_headers(handles))
 
-    handle = handles[0]
-    try:
-        first, events = first_event(handle, req)
-    except BaseException:
-        handle.cancel()
-        raise
+    first, events = first_event(handles, req)
+    collectors = [gen.Collector(state.tokenizer, h.request.prompt_tokens, opts.n_probs, want_probs)
+                  for h in handles]
+    finished: list = []
 
-    collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs)
-
-    def render(ev) -> Iterator[bytes]:
+    def render(i: int, ev) -> Iterator[bytes]:  # i: the choice
+        collector = collectors[i]
         if isinstance(ev, ProgressEvent):
-            yield sse_event(obj([{"text": "", "index": 0, "logprobs": None, "finish_reason": None}],
+            yield sse_event(obj([{"text": "", "index": i, "logprobs": None, "finish_reason": None}],
                                 prompt_progress=ev.to_json()))
             return
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
             if ev.text or entry is not None:
                 extra = {} if ev.timings is None else {"timings": ev.timings}
-                yield sse_event(obj([{"text": ev.text, "index": 0,
+                yield sse_event(obj([{"text": ev.text, "index": i,
                                       "logprobs": {"content": [entry]} if entry is not None else None,
                                       "finish_reason": None}], **extra))
             return
         collector.add(ev)  # FinishEvent
+        finished.append(i)
         if ev.text:
-            yield sse_event(obj([{"text": ev.text, "index": 0, "logprobs": None, "finish_reason": None}]))
-        yield sse_event(obj([{"text": "", "index": 0, "logprobs": None, "finish_reason": finish_reason(ev)}],
-                            usage=usage_json(collector.result), timings=gen.timings_json(ev)))
+            yield sse_event(obj([{"text": ev.text, "index": i, "logprobs": None, "finish_reason": None}]))
+        if len(finished) < len(handles):  # the last choice's finish carries the usage of them all
+            yield sse_event(obj([{"text": "", "index": i, "logprobs": None, "finish_reason": finish_reason(ev)}]))
+            return
+        results = [c.result for c in collectors]
+        yield sse_event(obj([{"text": "", "index": i, "logprobs": None, "finish_reason": finish_reason(ev)}],
+                            usage=usage_json(*results, n_cmpl=opts.n_cmpl), timings=gen.timings_json(ev)))
         yield SSE_DONE
 
-    return StreamResponse(gen.sse_events(handle, chain([first], events), render),
-                          headers=gen.admission_headers([handle]))
+    return StreamResponse(gen.sse_events(handles, chain([first], events), render),
+                          headers=gen.admission_headers(handles))
 
 
 # ---------------------------------------------------------------------------

@@ -305,20 +305,26 @@ def submit_all(state: ServerState, parsed: ParsedCompletion, prompts: list[list[
     return handles
 
 
-def first_event(handle, req: Request):
-    """Start a stream: wait for the request's first event so that an immediate
-    engine error still becomes a plain HTTP error (llama.cpp does the same).
+def first_event(handles: list, req: Request):
+    """Start a stream: wait for the requests' first event so that an immediate
+    engine error still becomes a plain HTTP error (llama.cpp does the same); on any failure
+    every request is cancelled.
 
-    Returns ``(first_event, event_iterator)``.
+    Returns ``(first (index, event), iterator of the rest)`` (``gen.merged_events``).
     """
-    events = gen.iter_events(handle, req.is_disconnected)
+    events = gen.merged_events(handles, req.is_disconnected)
     try:
-        ev = next(events)
-    except StopIteration:
-        raise HTTPError(500, "server_error", "the engine ended the request without events") from None
-    if isinstance(ev, ErrorEvent):
-        raise gen.error_from_event(ev)
-    return ev, events
+        try:
+            first = next(events)
+        except StopIteration:
+            raise HTTPError(500, "server_error", "the engine ended the request without events") from None
+        if isinstance(first[1], ErrorEvent):
+            raise gen.error_from_event(first[1])
+    except BaseException:
+        for h in handles:
+            h.cancel()
+        raise
+    return first, events
 
 
 # ---------------------------------------------------------------------------
@@ -659,27 +665,22 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
                 for i, (r, h) in enumerate(zip(results, handles))]
         return Response(objs[0] if len(objs) == 1 else objs, headers=gen.admission_headers(handles))
 
-    handle = handles[0]
-    try:
-        first, events = first_event(handle, req)
-    except BaseException:
-        handle.cancel()
-        raise
-    n_prompt = len(handle.request.prompt_tokens)
+    first, events = first_event(handles, req)
+    n_prompt = len(handles[0].request.prompt_tokens)
+    collectors = [gen.Collector(state.tokenizer, h.request.prompt_tokens, opts.n_probs, want_probs,
+                                opts.post_sampling_probs) for h in handles]
 
-    collector = gen.Collector(state.tokenizer, handle.request.prompt_tokens, opts.n_probs, want_probs,
-                              opts.post_sampling_probs)
-
-    def render(ev) -> Iterator[bytes]:
+    def render(i: int, ev) -> Iterator[bytes]:  # i: the completion (n_cmpl's copy)
+        handle, collector = handles[i], collectors[i]
         if isinstance(ev, ProgressEvent):  # llama.cpp: a partial without content, and prompt_progress
-            yield sse_event({"index": 0, "content": "", "tokens": [], "stop": False,
+            yield sse_event({"index": i, "content": "", "tokens": [], "stop": False,
                              "id_slot": getattr(handle, "id_slot", -1), "tokens_predicted": 0,
                              "tokens_evaluated": n_prompt, "prompt_progress": ev.to_json()})
             return
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
             partial = {
-                "index": 0,
+                "index": i,
                 "content": ev.text,
                 "tokens": [ev.token],
                 "stop": False,
@@ -695,13 +696,13 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
         else:  # FinishEvent
             collector.add(ev)
             if ev.text:  # text held back for a possible stop string, released at the end
-                yield sse_event({"index": 0, "content": ev.text, "tokens": [], "stop": False,
+                yield sse_event({"index": i, "content": ev.text, "tokens": [], "stop": False,
                                  "id_slot": ev.id_slot, "tokens_predicted": ev.n_predicted,
                                  "tokens_evaluated": n_prompt})
-            yield sse_event(completion_final_json(state, collector.result, parsed, True))
+            yield sse_event(completion_final_json(state, collector.result, parsed, True, i, handle.request))
 
-    return StreamResponse(gen.sse_events(handle, chain([first], events), render),
-                          headers=gen.admission_headers([handle]))
+    return StreamResponse(gen.sse_events(handles, chain([first], events), render),
+                          headers=gen.admission_headers(handles))
 
 
 def build_router() -> Router:

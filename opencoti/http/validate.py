@@ -232,7 +232,8 @@ class ResponseOptions:
     keeps only these paths (``"a/b"``: key ``b`` of object ``a``, answered under the key
     ``"a/b"``); empty: the whole result.
     n_cmpl: completions per prompt (OpenAI ``n``, llama.cpp ``n_cmpl``); copy j > 0 runs with
-    seed + j when the seed is fixed (llama.cpp's child tasks).
+    seed + j when the seed is fixed (llama.cpp's child tasks); streamed, their chunks interleave
+    (``generate.merged_events``), each with its index.
     """
 
     stream: bool = False
@@ -449,7 +450,7 @@ def parse_completion(
     Returns the engine request template (``prompt_tokens`` empty) and the
     response options. Raises 400 for wrong types or values, and for features
     this server does not offer instead of silently ignoring them. ``n_cmpl`` (or
-    OpenAI's ``n``): completions per prompt, at most the server's slots, not streamed.
+    OpenAI's ``n``): completions per prompt, at most the server's slots.
     Unknown fields are ignored.
     """
     require_object(body)
@@ -494,8 +495,6 @@ def parse_completion(
         response_fields=_response_fields(body),
         n_cmpl=n_cmpl,
     )
-    if opts.stream and n_cmpl > 1:
-        raise invalid_request('streaming supports one completion per prompt ("n" = 1)')
     req.return_progress = req.return_progress and opts.stream  # progress rides on stream chunks only
     return ParsedCompletion(req, opts)
 
