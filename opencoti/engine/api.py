@@ -70,10 +70,11 @@ class SamplingParams:
     dry_base: float = 1.75
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
-    dry_sequence_breakers: tuple = ("\n", ":", '"', "*")  # opencoti.engine.dry.DEFAULT_BREAKERS
+    dry_sequence_breakers: tuple = ("\n", ":", '"', "*")  # llama.cpp common_params_sampling's
 
 
 INT32_MAX = 2 ** 31 - 1
+MAX_DRY_BREAKERS = 64  # per request (llama.cpp has no limit; each new list costs a scan of the vocabulary)
 
 
 def _utf8(s: str) -> bool:
@@ -83,7 +84,7 @@ def _utf8(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-MAX_DRY_BREAKERS = 64  # opencoti.engine.dry.MAX_BREAKERS (each new list costs a scan of the vocabulary)
+
 
 # The sampler names a chain may hold (llama.cpp ``common_sampler_types_from_names``,
 # canonical names), and the default order (llama.cpp's ``common_params_sampling::samplers``).

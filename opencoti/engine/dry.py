@@ -34,16 +34,14 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from opencoti.engine.api import MAX_DRY_BREAKERS
 
-__all__ = ["DEFAULT_BREAKERS", "MAX_BREAKER_BYTES", "MAX_BREAKERS", "MAX_TAIL_TOKENS", "Breakers", "process_breakers",
+__all__ = ["MAX_BREAKER_BYTES", "MAX_TAIL_TOKENS", "Breakers", "sampler_breakers", "process_breakers",
            "dry_penalties", "dry_on"]
 
-DEFAULT_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp common_params_sampling::dry_sequence_breakers
 MAX_BREAKER_BYTES = 40  # llama_sampler_init_dry's MAX_CHAR_LEN
 MAX_TAIL_TOKENS = 20  # ... and MAX_SEQ_LEN
 _FLOAT_MAX_LOG = np.float32(88.7228391)  # ~ ln(FLT_MAX), llama.cpp's constant
@@ -51,7 +49,6 @@ _FLOAT_MAX_LOG = np.float32(88.7228391)  # ~ ln(FLT_MAX), llama.cpp's constant
 # head token -> the tails (token tuples, () = the head alone is a breaker) that follow it
 Breakers = Mapping[int, tuple[tuple[int, ...], ...]]
 
-MAX_BREAKERS = MAX_DRY_BREAKERS  # per request (llama.cpp has no limit; each new list costs a vocabulary scan)
 _CACHE_LISTS = 32  # breaker lists kept per tokenizer (least recently used dropped)
 
 _INDEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> _VocabIndex
@@ -147,6 +144,14 @@ def process_breakers(tokenizer, breakers: Sequence[str]) -> Breakers:
         while len(index.lists) > _CACHE_LISTS:
             index.lists.popitem(last=False)
     return got
+
+
+def sampler_breakers(tokenizer, sp) -> Optional[Breakers]:
+    """``process_breakers`` of a ``SamplingParams``' ``dry_sequence_breakers``, or None when its
+    DRY is off or it has no breakers (what ``Sampler(dry_breakers=...)`` takes)."""
+    if not dry_on(sp.dry_multiplier, sp.dry_base, sp.dry_penalty_last_n) or not sp.dry_sequence_breakers:
+        return None
+    return process_breakers(tokenizer, sp.dry_sequence_breakers)
 
 
 def _add(out: dict, head: int, tail: tuple) -> None:

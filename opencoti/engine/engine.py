@@ -44,7 +44,7 @@ from opencoti.engine.api import CompletionRequest, ErrorEvent, EventHold, Finish
 from opencoti.engine.backend import select_backend
 from opencoti.engine.backend.offload import offload_message
 from opencoti.engine.batch import StepResult, UBatch
-from opencoti.engine.dry import dry_on, process_breakers
+from opencoti.engine.dry import sampler_breakers
 from opencoti.engine.grammar import GrammarError, GrammarMatcher, compile_grammar
 from opencoti.engine.kv_auto_tier import decide_kv_types
 from opencoti.engine.kv_cache import KVCacheFullError
@@ -285,7 +285,7 @@ class Engine:
         for s in self.slots:
             out.append({
                 "id": s.id,
-                "id_task": _id_task(s),
+                "id_task": s.handle.id_task if s.busy and s.handle is not None else -1,
                 "n_ctx": s.n_ctx,
                 "is_processing": s.busy,
                 "state": s.state.value,
@@ -728,7 +728,7 @@ class Engine:
                     other.session_id = None
         slot.session_id = req.session_id
         sampler = Sampler(req.sampling, self.model.hparams.n_vocab, grammar=grammar,
-                          dry_breakers=self._dry_breakers(req.sampling))
+                          dry_breakers=sampler_breakers(self.model.tokenizer, req.sampling))
         sampler.accept_many(req.prompt_tokens)
         from opencoti.model.tokenizer import StreamDecoder
 
@@ -736,13 +736,6 @@ class Engine:
         slot.n_shared = n_shared
         if self.polykv is not None:  # the slot may have left a released pool; bind it to its new one
             self.polykv.on_bind(slot, req.pool_id)
-
-    def _dry_breakers(self, sp) -> Optional[dict]:
-        """DRY's sequence breakers of ``sp`` as token sequences over the model's vocabulary
-        (``dry.process_breakers``, cached per breaker list), or None when DRY is off."""
-        if not dry_on(sp.dry_multiplier, sp.dry_base, sp.dry_penalty_last_n) or not sp.dry_sequence_breakers:
-            return None
-        return process_breakers(self.model.tokenizer, sp.dry_sequence_breakers)
 
     # -- PolyKV (the pool manager is opencoti.engine.polykv.PolyKV) ----------------------
     def _share_prefix(self, slot: Slot, req: CompletionRequest, n_past: int) -> tuple[int, int]:
@@ -963,9 +956,3 @@ class Engine:
         s.n_past -= n_discard
         s.truncated = True
 
-
-
-def _id_task(slot: Slot) -> int:
-    """The id_task of the request ``slot`` is running, -1 when idle (llama.cpp ``/slots``)."""
-    handle = slot.handle if slot.busy else None
-    return -1 if handle is None else int(getattr(handle, "id_task", -1))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from opencoti.engine.api import CHAIN_NAMES, INT32_MAX, CompletionRequest, SamplingParams, sampling_error
-from opencoti.engine.dry import dry_on, process_breakers
+from opencoti.engine.dry import sampler_breakers
 from opencoti.http.errors import invalid_request
 
 log = logging.getLogger("opencoti.http")
@@ -276,7 +276,7 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
     sp.min_p = get_number(body, "min_p", sp.min_p)
     sp.typical_p = get_number(body, "typical_p", sp.typical_p)
     sp.repeat_penalty = get_number(body, "repeat_penalty", sp.repeat_penalty, min=0.0)
-    sp.repeat_last_n = get_int(body, "repeat_last_n", sp.repeat_last_n, min=-1, max=INT32_MAX)
+    sp.repeat_last_n = get_int(body, "repeat_last_n", sp.repeat_last_n, min=-1)
     if sp.repeat_last_n == -1:
         sp.repeat_last_n = n_ctx_slot
     sp.presence_penalty = get_number(body, "presence_penalty", sp.presence_penalty)
@@ -296,7 +296,7 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
     if sp.dry_base < 1.0:  # llama.cpp params_from_json_cmpl: back to the server's default
         sp.dry_base = defaults.dry_base
     sp.dry_allowed_length = get_int(body, "dry_allowed_length", sp.dry_allowed_length)
-    sp.dry_penalty_last_n = get_int(body, "dry_penalty_last_n", sp.dry_penalty_last_n, min=-1, max=INT32_MAX)
+    sp.dry_penalty_last_n = get_int(body, "dry_penalty_last_n", sp.dry_penalty_last_n, min=-1)
     if sp.dry_penalty_last_n == -1:
         sp.dry_penalty_last_n = n_ctx_slot
     if body.get("dry_sequence_breakers") is not None:
@@ -310,11 +310,11 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
     err = sampling_error(sp)
     if err:
         raise invalid_request(err)
-    if tokenizer is not None and dry_on(sp.dry_multiplier, sp.dry_base, sp.dry_penalty_last_n):
+    if tokenizer is not None:
         # DRY's breakers as token sequences, made here on the request's thread (the engine's
         # Sampler then finds them cached): a new list scans the vocabulary, and the engine
         # thread, which serves every session, should not
-        process_breakers(tokenizer, sp.dry_sequence_breakers)
+        sampler_breakers(tokenizer, sp)
     return sp
 
 
@@ -404,7 +404,7 @@ def parse_logit_bias(value, tokenizer=None) -> dict:
             continue
         if isinstance(tok, bool) or not isinstance(tok, int):
             raise invalid_request('"logit_bias" keys must be token ids or text')
-        if tok < 0 or tok >= (tokenizer.n_vocab if tokenizer is not None else 2 ** 31):
+        if tok < 0 or tok > (tokenizer.n_vocab - 1 if tokenizer is not None else INT32_MAX):
             continue  # llama.cpp drops an id outside the vocabulary
         out[tok] = float(bias)
     return out
