@@ -27,9 +27,11 @@
 //   BS, BB: block values / bytes;
 //   TBK, TBV: table bytes in shared memory (K pair table, V pair table), built by tab_k / tab_v;
 //   kraw(blk, tig, a4, w) / kpair(w, s, r, tk): thread tig's code bytes of a block (blk: the
-//     block's first byte in shared memory), and its B registers for k step s, register r;
-//   vraw(blk, gid, a4) / vcodes(ra, rb, k, tv): column gid's codes of a cell's block, and the
-//     f16x2 codes (or levels) of n8 tile k for two cells (ra, rb), unscaled;
+//     block's first byte in shared memory; or those bits laid out once for kpair), and its B
+//     registers for k step s, register r;
+//   vraw(blk, gid, a4) / vcodes(ra, rb, k, tv): column gid's codes of a cell's block (or laid out
+//     once for vcodes), and the f16x2 codes (or levels) of n8 tile k for two cells (ra, rb),
+//     unscaled;
 //   PD: the block scales are folded into P (the turbo levels) instead of into the codes;
 //   dh(blk): the block scale's f16 bits.
 // a4: the reads of that block are 4-aligned (rows start 16-aligned in shared memory; a block at
@@ -133,35 +135,62 @@ struct KvCodes<KTurbo<BITS>> {
         for (int e = threadIdx.x; e < (1 << (2 * BITS)); e += blockDim.x)
             ((u32*)tv)[e] = lev(e & ((1 << BITS) - 1)) | lev(e >> BITS) << 16;
     }
+    // turbo3: the pair table entries of pairs p = 2j (w[0]) and 2j + 1 (w[1]) as byte j, laid out
+    // once per block from the low bits (pair p: bits 4p .. 4p + 3) and the high bits (bits 2p, 2p
+    // + 1): kpair then takes a byte (one PRMT), not two fields
     static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) {
         if constexpr (BITS == 4) {
             w[0] = ld4b(blk + 2 + 8 * tig, a4);
             w[1] = ld4b(blk + 6 + 8 * tig, a4);
+        } else if constexpr (BITS == 3) {
+            const u32 lo = ld4b(blk + 2 + 4 * tig, a4), hi = *(const u16*)(blk + 18 + 2 * tig);
+            u32 hn = __byte_perm(hi, 0, 0x4140);   // high bits' bytes 0, 1 -> bytes 0, 2
+            hn = (hn | (hn << 4)) & 0x0F0F0F0Fu;  // their nibble j (pairs 2j, 2j + 1) -> byte j
+            w[0] = (lo & 0x0F0F0F0Fu) | ((hn << 4) & 0x30303030u);
+            w[1] = ((lo >> 4) & 0x0F0F0F0Fu) | ((hn << 2) & 0x30303030u);
         } else {
             w[0] = ld4b(blk + 2 + 4 * tig, a4);
-            if constexpr (BITS == 3) w[1] = *(const u16*)(blk + 18 + 2 * tig);
         }
     }
     static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8* tk) {
         const int p = 2 * s + r;  // indices 16 tig + 2p, + 1
         u32 e;
         if constexpr (BITS == 4) e = (w[p >> 2] >> (8 * (p & 3))) & 0xFFu;
-        else if constexpr (BITS == 3) e = ((w[0] >> (4 * p)) & 15u) | ((w[1] >> (2 * p)) & 3u) << 4;
+        else if constexpr (BITS == 3) e = __byte_perm(w[r], 0, 0x4440 | s);  // byte s of w[r]: pair 2s + r
         else e = (w[0] >> (4 * p)) & 15u;
         return ((const u32*)tk)[e];
     }
-    // column c's indices 8c .. 8c + 7 (turbo3: the high bits in bits 16-23)
+    // column c's indices 8c .. 8c + 7 (turbo3: index k whole in nibble k, from its low bits (bits
+    // 2k, 2k + 1 of the 16) and its high bit (bit k of the byte after them), laid out once per cell
+    // and block)
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) {
-        if constexpr (BITS == 4) return ld4b(blk + 2 + 4 * gid, a4);
-        else if constexpr (BITS == 3) return (u32)*(const u16*)(blk + 2 + 2 * gid) | (u32)blk[18 + gid] << 16;
-        else return *(const u16*)(blk + 2 + 2 * gid);
+        if constexpr (BITS == 4) {
+            return ld4b(blk + 2 + 4 * gid, a4);
+        } else if constexpr (BITS == 3) {
+            const u32 lo = *(const u16*)(blk + 2 + 2 * gid), hi = blk[18 + gid];
+            u32 t = __byte_perm(lo, 0, 0x4140);  // bytes 0, 1 -> bytes 0, 2
+            t = (t | (t << 4)) & 0x0F0F0F0Fu;    // indices 2j, 2j + 1's low bits -> byte j
+            t = (t | (t << 2)) & 0x33333333u;    // index k's -> nibble k
+            u32 h = (hi | (hi << 12)) & 0x000F000Fu;  // high bits 0-3 -> bits 0-3, 4-7 -> 16-19
+            h = (h | (h << 6)) & 0x03030303u;         // bits 2j, 2j + 1 -> byte j
+            h = (h | (h << 3)) & 0x11111111u;         // bit k -> nibble k
+            return t | (h << 2);
+        } else {
+            return *(const u16*)(blk + 2 + 2 * gid);
+        }
     }
     static __device__ __forceinline__ u32 vidx(u32 x, int k) {
-        if constexpr (BITS == 4) return (x >> (4 * k)) & 15u;
-        else if constexpr (BITS == 3) return ((x >> (2 * k)) & 3u) | ((x >> (16 + k)) & 1u) << 2;
-        else return (x >> (2 * k)) & 3u;
+        if constexpr (BITS == 3) return (x >> (4 * k)) & 7u;
+        else return (x >> (BITS * k)) & ((1u << BITS) - 1u);
     }
     static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8* tv) {
-        return ((const u32*)tv)[vidx(ra, k) | vidx(rb, k) << BITS];
+        if constexpr (BITS == 3) {  // byte k / 2 of the two cells' even or odd indices, a | b << 3 (the
+                                    // same words for every k of the pair: computed once)
+            const u32 a = (k & 1) ? ra >> 4 : ra, b = (k & 1) ? rb >> 4 : rb;
+            const u32 w = (a & 0x0F0F0F0Fu) | ((b & 0x0F0F0F0Fu) << 3);
+            return ((const u32*)tv)[__byte_perm(w, 0, 0x4440 | (k >> 1))];
+        } else {
+            return ((const u32*)tv)[vidx(ra, k) | vidx(rb, k) << BITS];
+        }
     }
 };
