@@ -44,6 +44,8 @@
 __device__ __forceinline__ u32 ld4b(const u8* p, bool a4) {
     return a4 ? *(const u32*)p : (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);
 }
+// the 4-byte table entry at byte offset o of table t (shared memory)
+__device__ __forceinline__ u32 tab_at(const u8* t, u32 o) { return *(const u32*)(t + o); }
 template <class T>
 struct KvCodes {
     static constexpr bool ON = false, PD = false;
@@ -137,7 +139,8 @@ struct KvCodes<KTurbo<BITS>> {
     }
     // turbo3: the pair table entries of pairs p = 2j (w[0]) and 2j + 1 (w[1]) as byte j, laid out
     // once per block from the low bits (pair p: bits 4p .. 4p + 3) and the high bits (bits 2p, 2p
-    // + 1): kpair then takes a byte (one PRMT), not two fields
+    // + 1), times 4 (their byte offsets in the table): kpair then takes a byte (one PRMT), not two
+    // fields, and the load adds it to the table's address as it is
     static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) {
         if constexpr (BITS == 4) {
             w[0] = ld4b(blk + 2 + 8 * tig, a4);
@@ -146,17 +149,17 @@ struct KvCodes<KTurbo<BITS>> {
             const u32 lo = ld4b(blk + 2 + 4 * tig, a4), hi = *(const u16*)(blk + 18 + 2 * tig);
             u32 hn = __byte_perm(hi, 0, 0x4140);   // high bits' bytes 0, 1 -> bytes 0, 2
             hn = (hn | (hn << 4)) & 0x0F0F0F0Fu;  // their nibble j (pairs 2j, 2j + 1) -> byte j
-            w[0] = (lo & 0x0F0F0F0Fu) | ((hn << 4) & 0x30303030u);
-            w[1] = ((lo >> 4) & 0x0F0F0F0Fu) | ((hn << 2) & 0x30303030u);
+            w[0] = ((lo << 2) & 0x3C3C3C3Cu) | ((hn << 6) & 0xC0C0C0C0u);
+            w[1] = ((lo >> 2) & 0x3C3C3C3Cu) | ((hn << 4) & 0xC0C0C0C0u);
         } else {
             w[0] = ld4b(blk + 2 + 4 * tig, a4);
         }
     }
     static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8* tk) {
         const int p = 2 * s + r;  // indices 16 tig + 2p, + 1
+        if constexpr (BITS == 3) return tab_at(tk, __byte_perm(w[r], 0, 0x4440 | s));  // byte s of w[r]: pair 2s + r
         u32 e;
         if constexpr (BITS == 4) e = (w[p >> 2] >> (8 * (p & 3))) & 0xFFu;
-        else if constexpr (BITS == 3) e = __byte_perm(w[r], 0, 0x4440 | s);  // byte s of w[r]: pair 2s + r
         else e = (w[0] >> (4 * p)) & 15u;
         return ((const u32*)tk)[e];
     }
@@ -184,11 +187,12 @@ struct KvCodes<KTurbo<BITS>> {
         else return (x >> (BITS * k)) & ((1u << BITS) - 1u);
     }
     static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8* tv) {
-        if constexpr (BITS == 3) {  // byte k / 2 of the two cells' even or odd indices, a | b << 3 (the
-                                    // same words for every k of the pair: computed once)
+        if constexpr (BITS == 3) {  // byte k / 2 of the two cells' even or odd indices, (a | b << 3) 4: the
+                                    // entry's byte offset (the same words for every k of the pair:
+                                    // computed once)
             const u32 a = (k & 1) ? ra >> 4 : ra, b = (k & 1) ? rb >> 4 : rb;
-            const u32 w = (a & 0x0F0F0F0Fu) | ((b & 0x0F0F0F0Fu) << 3);
-            return ((const u32*)tv)[__byte_perm(w, 0, 0x4440 | (k >> 1))];
+            const u32 w = ((a << 2) & 0x1C1C1C1Cu) | ((b << 5) & 0xE0E0E0E0u);
+            return tab_at(tv, __byte_perm(w, 0, 0x4440 | (k >> 1)));
         } else {
             return ((const u32*)tv)[vidx(ra, k) | vidx(rb, k) << BITS];
         }
