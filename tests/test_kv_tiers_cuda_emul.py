@@ -10,6 +10,8 @@ test_cuda.py, ``-k kv_tier``).
   ``CPUBackend.attention`` over the dequantized cells (float32 rounding apart); the kernel's
   register-held rotation (``fwht_regs``, every head group and head size) is ``fwht_shared``'s
   transform bit for bit.
+- The streaming kernel's turbo3 table offsets (kv_codes.cuh: the code bits laid out once per
+  block, then a byte per lookup) name the indices the tier packed.
 - An op-by-op port of the rotated tiers' write kernels (warp-shuffle rotation and 64-value sums,
   equal in every rounding to the shared-memory versions) gives the CPU tier's bytes.
 The compile / PTX / SASS checks of the same modules need the CUDA toolkit and live in
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 from opencoti.engine.backend import cuda_kv
+from opencoti.engine.backend.cuda_kernels import read_source
 from opencoti.engine.backend.cpu import CPUBackend
 from opencoti.engine.kv_tiers import TIER_NAMES, get_tier, turbo
 
@@ -232,6 +235,73 @@ def test_kernel_pair_decoder_matches_tier(name, d):
     got = np.concatenate([d[:, None] * v for d, v in parts], axis=1)  # the PV loop's p * d, then * v
     np.testing.assert_array_equal(got, want)
 
+
+
+def _prmt0(x, sel):
+    """__byte_perm(x, 0, sel) of uint32 words x (selector nibbles < 8: bytes 0-3 of x, 4-7 zero)."""
+    byts = [(x >> (8 * i)) & 0xFF for i in range(4)] + [np.zeros_like(x)] * 4
+    return sum(byts[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def test_stream_turbo3_index_layouts():
+    """The streaming kernel's turbo3 operands (kv_codes.cuh KvCodes<KTurbo<3>>), ported op by op:
+    kraw's two words per thread hold, as byte s of word r, the byte offset (4 e) of the K pair
+    table entry e of indices 16 tig + 2 (2s + r), + 1 (tab_k's pair_of(e) gives them back);
+    vraw's nibbles and vcodes' even / odd words hold, as byte k / 2, 4 (a | b << 3) for two
+    cells' index 8c + k (tab_v's entry a | b << 3). Against the indices the tier packed
+    (TurboTier.pack: the low 2 bits four to a byte, then the high bits eight to a byte). The
+    port's expressions are the source's (checked in the text of kv_codes.cuh)."""
+    src = re.sub(r"\s+", " ", read_source("kv_codes.cuh"))
+    for expr in ("hn = __byte_perm(hi, 0, 0x4140)", "hn = (hn | (hn << 4)) & 0x0F0F0F0Fu",
+                 "w[0] = ((lo << 2) & 0x3C3C3C3Cu) | ((hn << 6) & 0xC0C0C0C0u)",
+                 "w[1] = ((lo >> 2) & 0x3C3C3C3Cu) | ((hn << 4) & 0xC0C0C0C0u)",
+                 "tab_at(tk, __byte_perm(w[r], 0, 0x4440 | s))",
+                 "t = __byte_perm(lo, 0, 0x4140)", "t = (t | (t << 4)) & 0x0F0F0F0Fu",
+                 "t = (t | (t << 2)) & 0x33333333u", "h = (hi | (hi << 12)) & 0x000F000Fu",
+                 "h = (h | (h << 6)) & 0x03030303u", "h = (h | (h << 3)) & 0x11111111u", "return t | (h << 2)",
+                 "const u32 a = (k & 1) ? ra >> 4 : ra, b = (k & 1) ? rb >> 4 : rb",
+                 "const u32 w = ((a << 2) & 0x1C1C1C1Cu) | ((b << 5) & 0xE0E0E0E0u)",
+                 "tab_at(tv, __byte_perm(w, 0, 0x4440 | (k >> 1)))"):
+        assert expr in src, expr
+    t = get_tier("turbo3")
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, 8, (512, 64))
+    payload = t.pack(idx).astype(np.int64)  # [N, 24]: 16 bytes of low bits, 8 of high bits
+    le = lambda cols: sum(payload[:, c] << (8 * i) for i, c in enumerate(cols))  # noqa: E731
+    for tig in range(4):  # K: kraw, then kpair(w, s, r)
+        lo, hi = le(range(4 * tig, 4 * tig + 4)), le(range(16 + 2 * tig, 18 + 2 * tig))
+        hn = _prmt0(hi, 0x4140)
+        hn = (hn | (hn << 4)) & 0x0F0F0F0F
+        w = [((lo << 2) & 0x3C3C3C3C) | ((hn << 6) & 0xC0C0C0C0), ((lo >> 2) & 0x3C3C3C3C) | ((hn << 4) & 0xC0C0C0C0)]
+        for s in range(4):
+            for r in range(2):
+                e4 = _prmt0(w[r], 0x4440 | s)
+                assert (e4 % 4 == 0).all() and (e4 < 256).all()
+                e = e4 >> 2
+                a, b = (e & 3) | ((e >> 4) & 1) << 2, ((e >> 2) & 3) | ((e >> 5) & 1) << 2  # pair_of
+                p = 16 * tig + 2 * (2 * s + r)
+                np.testing.assert_array_equal(a, idx[:, p])
+                np.testing.assert_array_equal(b, idx[:, p + 1])
+
+    def vraw(c):
+        lo, hi = le([2 * c, 2 * c + 1]), payload[:, 16 + c]
+        x = _prmt0(lo, 0x4140)
+        x = (x | (x << 4)) & 0x0F0F0F0F
+        x = (x | (x << 2)) & 0x33333333
+        h = (hi | (hi << 12)) & 0x000F000F
+        h = (h | (h << 6)) & 0x03030303
+        h = (h | (h << 3)) & 0x11111111
+        return x | (h << 2)
+
+    half = len(idx) // 2  # cells a (rows 0..) and b (rows half..) of each pair
+    for c in range(8):  # V: column c = gid
+        x = vraw(c)
+        for k in range(8):
+            np.testing.assert_array_equal((x >> (4 * k)) & 7, idx[:, 8 * c + k])  # vidx
+            ra, rb = x[:half], x[half:]
+            a, b = (ra >> 4, rb >> 4) if k & 1 else (ra, rb)
+            e4 = _prmt0(((a << 2) & 0x1C1C1C1C) | ((b << 5) & 0xE0E0E0E0), 0x4440 | (k >> 1))
+            np.testing.assert_array_equal(e4, 4 * (idx[:half, 8 * c + k] | idx[half:, 8 * c + k] << 3))
 
 def _fwht(v: np.ndarray, inverse: bool) -> np.ndarray:
     """``fwht_shared`` (kv_tiers.cuh) over the last axis: forward y = H (s x) / sqrt(d),
