@@ -297,7 +297,7 @@ def test_stream_turbo3_index_layouts():
     for c in range(8):  # V: column c = gid
         x = vraw(c)
         for k in range(8):
-            np.testing.assert_array_equal((x >> (4 * k)) & 7, idx[:, 8 * c + k])  # vidx
+            np.testing.assert_array_equal((x >> (4 * k)) & 7, idx[:, 8 * c + k])  # nibble k
             ra, rb = x[:half], x[half:]
             a, b = (ra >> 4, rb >> 4) if k & 1 else (ra, rb)
             e4 = _prmt0(((a << 2) & 0x1C1C1C1C) | ((b << 5) & 0xE0E0E0E0), 0x4440 | (k >> 1))

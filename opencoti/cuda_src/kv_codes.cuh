@@ -182,10 +182,8 @@ struct KvCodes<KTurbo<BITS>> {
             return *(const u16*)(blk + 2 + 2 * gid);
         }
     }
-    static __device__ __forceinline__ u32 vidx(u32 x, int k) {
-        if constexpr (BITS == 3) return (x >> (4 * k)) & 7u;
-        else return (x >> (BITS * k)) & ((1u << BITS) - 1u);
-    }
+    // index k of a turbo2 / turbo4 column (turbo3's vcodes reads its laid-out nibbles itself)
+    static __device__ __forceinline__ u32 vidx(u32 x, int k) { return (x >> (BITS * k)) & ((1u << BITS) - 1u); }
     static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8* tv) {
         if constexpr (BITS == 3) {  // byte k / 2 of the two cells' even or odd indices, (a | b << 3) 4: the
                                     // entry's byte offset (the same words for every k of the pair:

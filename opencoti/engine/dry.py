@@ -39,15 +39,31 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 
-__all__ = ["MAX_BREAKER_BYTES", "MAX_TAIL_TOKENS", "Breakers", "sampler_breakers", "process_breakers",
-           "dry_penalties", "dry_on"]
+__all__ = ["MAX_BREAKER_BYTES", "MAX_TAIL_TOKENS", "Breakers", "as_breakers", "sampler_breakers",
+           "process_breakers", "dry_penalties", "dry_on"]
 
 MAX_BREAKER_BYTES = 40  # llama_sampler_init_dry's MAX_CHAR_LEN
 MAX_TAIL_TOKENS = 20  # ... and MAX_SEQ_LEN
 _FLOAT_MAX_LOG = np.float32(88.7228391)  # ~ ln(FLT_MAX), llama.cpp's constant
 
-# head token -> the tails (token tuples, () = the head alone is a breaker) that follow it
-Breakers = Mapping[int, tuple[tuple[int, ...], ...]]
+
+class Breakers(dict):
+    """Sequence breakers as token sequences: head token id -> the tails (tuples of token ids;
+    ``()``: the head alone is a breaker) that follow it. ``heads`` (int64, the keys) and ``solo``
+    (int64, the one-token breakers) are the arrays ``dry_penalties`` scans, made once (read-only
+    after construction: the arrays do not follow later edits)."""
+
+    def __init__(self, seqs: Mapping[int, Sequence[tuple[int, ...]]] = ()):
+        super().__init__((int(h), tuple(tuple(t) for t in tails)) for h, tails in dict(seqs).items())
+        self.heads = np.fromiter(self.keys(), dtype=np.int64, count=len(self))
+        self.solo = np.fromiter((h for h, tails in self.items() if () in tails), dtype=np.int64)
+
+
+def as_breakers(seqs: Optional[Mapping]) -> Breakers:
+    """``seqs`` itself when it is a ``Breakers`` (``process_breakers``' lists are cached and
+    shared), else a ``Breakers`` of it (None: none)."""
+    return seqs if isinstance(seqs, Breakers) else Breakers(seqs or {})
+
 
 _CACHE_LISTS = 32  # breaker lists kept per tokenizer (least recently used dropped)
 
@@ -107,8 +123,8 @@ def _index(tokenizer) -> _VocabIndex:
 
 def process_breakers(tokenizer, breakers: Sequence[str]) -> Breakers:
     """The token sequences of ``breakers`` (strings) over ``tokenizer``'s vocabulary (see the
-    module doc; llama.cpp ``get_overlapping_token_sequences``). Returns ``{head id: (tail, ...)}``
-    with each tail a tuple of token ids (``()`` for a one-token breaker). Empty strings are
+    module doc; llama.cpp ``get_overlapping_token_sequences``). Returns ``Breakers``: ``{head id:
+    (tail, ...)}`` with each tail a tuple of token ids (``()`` for a one-token breaker). Empty strings are
     skipped. The vocabulary's texts are laid out once per tokenizer (~0.5 s for 262,144 tokens),
     then a list costs a few vectorised passes per breaker byte (~ms); the last ``_CACHE_LISTS``
     lists are cached. Callers with other sessions to serve call it off the engine thread first
@@ -138,7 +154,7 @@ def process_breakers(tokenizer, breakers: Sequence[str]) -> Breakers:
                 tail = tuple(tokenizer.tokenize(rest, add_special=False)[:MAX_TAIL_TOKENS])
                 for tid in ids.tolist():
                     _add(out, tid, tail)
-    got = {h: tuple(t) for h, t in out.items()}
+    got = Breakers(out)
     with _LOCK:
         index.lists[key] = got
         while len(index.lists) > _CACHE_LISTS:
@@ -167,9 +183,11 @@ def dry_penalties(history: Sequence[int], breakers: Breakers, multiplier: float,
 
     Returns ``(ids, penalty)``: int64 [m] distinct token ids and float32 [m] amounts to subtract
     from their logits (llama.cpp computes ``multiplier * pow(base, e)`` in double and subtracts it
-    as float); both empty when DRY does nothing. ``breakers`` from ``process_breakers``. The
+    as float); both empty when DRY does nothing. ``breakers``: a ``Breakers``
+    (``process_breakers``) or a plain mapping of the same. The
     caller checks the on/off conditions of the module doc except the history's length.
     """
+    breakers = as_breakers(breakers)
     r = np.asarray(history, dtype=np.int64)[::-1]  # r[i]: i tokens back from the newest
     n = r.size
     empty = (np.zeros(0, np.int64), np.zeros(0, np.float32))
@@ -178,8 +196,7 @@ def dry_penalties(history: Sequence[int], breakers: Breakers, multiplier: float,
     # step 1: the repeat length limit, the distance to the newest complete breaker
     rep_limit = n
     if breakers:
-        heads = np.fromiter(breakers.keys(), dtype=np.int64, count=len(breakers))
-        for i in np.flatnonzero(np.isin(r, heads)).tolist():
+        for i in np.flatnonzero(np.isin(r, breakers.heads)).tolist():
             longest = -1
             for tail in breakers[int(r[i])]:
                 m = len(tail)
@@ -215,8 +232,7 @@ def dry_penalties(history: Sequence[int], breakers: Breakers, multiplier: float,
     first = np.ones(toks.size, bool)
     first[1:] = toks[1:] != toks[:-1]
     toks, lens = toks[first], lens[first]  # each token's longest
-    solo = np.fromiter((h for h, tails in breakers.items() if () in tails), dtype=np.int64)
-    keep = ~np.isin(toks, solo)  # a token that is a breaker on its own is never penalized
+    keep = ~np.isin(toks, breakers.solo)  # a token that is a breaker on its own is never penalized
     toks, lens = toks[keep], lens[keep]
     exp = lens - allowed_length
     if max_exponent > 0:

@@ -94,7 +94,7 @@ from typing import Iterable, Mapping, Optional
 import numpy as np
 
 from opencoti.engine.api import DEFAULT_CHAIN, SamplingParams, sampling_error
-from opencoti.engine.dry import dry_on, dry_penalties
+from opencoti.engine.dry import as_breakers, dry_on, dry_penalties
 
 __all__ = ["Sampler", "top_logprobs", "token_logprob", "log_softmax", "LLAMA_DEFAULT_SEED"]
 
@@ -282,7 +282,7 @@ class Sampler:
         maxlen = None if p.repeat_last_n < 0 else p.repeat_last_n
         self._history: collections.deque[int] = collections.deque(maxlen=maxlen)
         self._dry_on = dry_on(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
-        self._dry_breakers = dict(dry_breakers or {})
+        self._dry_breakers = as_breakers(dry_breakers)
         dry_maxlen = None if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
         self._dry_history: collections.deque[int] = collections.deque(maxlen=dry_maxlen)
         self.grammar = grammar
@@ -550,14 +550,10 @@ class Sampler:
         for name in chain:
             if name == "penalties":
                 if self._penalties_on and self._history:
-                    full = np.full(self.n_vocab, np.float32(-np.inf), np.float32)
-                    full[ids] = vals
-                    vals = self._penalize(full)[ids]
+                    vals = self._on_full_row(self._penalize, ids, vals)
             elif name == "dry":
                 if self._dry_on and self._dry_history:
-                    full = np.full(self.n_vocab, np.float32(-np.inf), np.float32)
-                    full[ids] = vals
-                    vals = self._dry(full)[ids]
+                    vals = self._on_full_row(self._dry, ids, vals)
             elif name == "top_n_sigma":
                 if p.top_n_sigma > 0 and vals.size > 1:  # masked to -inf, as llama.cpp does
                     vals = np.where(_top_n_sigma_keep(vals, p.top_n_sigma), vals, np.float32(-np.inf))
@@ -650,6 +646,13 @@ class Sampler:
         p = self.params
         return (self._greedy_chain and not p.logit_bias and not self._penalties_on and not self._dry_on
                 and self.grammar is None)
+
+    def _on_full_row(self, fn, ids: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        """A full-row sampler ``fn`` (``_penalize``, ``_dry``: float32 [n_vocab] -> the same)
+        over the candidates ``(ids, vals)``: their new values (the other ids -inf in between)."""
+        full = np.full(self.n_vocab, np.float32(-np.inf), np.float32)
+        full[ids] = vals
+        return fn(full)[ids]
 
     @property
     def _greedy_chain(self) -> bool:

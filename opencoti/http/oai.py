@@ -374,16 +374,16 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
     first, events = first_event(handles, req)
     collectors = [gen.Collector(state.tokenizer, prompt, n_top, opts.want_logprobs) for _ in handles]
     finished: list = []
-    roles = [sse_event(_chunk(cid, created, model, [{
-        "finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}], fingerprint=fp))
-        for i in range(len(handles))]
+
+    def role_chunk(i: int, **extra) -> bytes:  # choice i's opening role delta
+        return sse_event(_chunk(cid, created, model, [{
+            "finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}],
+            fingerprint=fp, **extra))
 
     def render(i: int, ev) -> Iterator[bytes]:  # i: the choice
         collector = collectors[i]
         if isinstance(ev, ProgressEvent):  # llama.cpp: the role delta again, with prompt_progress
-            yield sse_event(_chunk(cid, created, model, [{
-                "finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}],
-                fingerprint=fp, prompt_progress=ev.to_json()))
+            yield role_chunk(i, prompt_progress=ev.to_json())
             return
         if isinstance(ev, TokenEvent):
             entry = collector.add(ev)
@@ -414,7 +414,8 @@ def post_chat_completions(state: ServerState, req: Request) -> Union[Response, S
                                    timings=gen.timings_json(results[0].finish)))
         yield SSE_DONE
 
-    return StreamResponse(gen.sse_events(handles, chain([first], events), render, prefix=roles),
+    return StreamResponse(gen.sse_events(handles, chain([first], events), render,
+                                         prefix=[role_chunk(i) for i in range(len(handles))]),
                           headers=gen.admission_headers(handles))
 
 
