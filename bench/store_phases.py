@@ -50,9 +50,11 @@ __device__ int g_probe_sink;
 NAMES = ["start", "pre", "wait", "load", "norm", "rope", "fwht", "n", "codes", "pack", "scale", "end"]
 _PRE = "    const RopePre pre = ROPE_PRE();  // (before the wait: rope.cuh ROPE_ANGLE_PRE)\n"
 _WAIT = "    GRID_DEP_WAIT();\n"
+_TABS = "    const u32 sw = rs_sign_word();   // (before the wait: a constant)\n"
 # (sources: "f16" kernels.cu, "tier" rope_store.cu, or "both"; anchor; inserted before it; inserted after it)
 STAMPS = [
-    ("both", _PRE + _WAIT, "    PROBE(0);\n", "    PROBE(2);\n"),
+    ("f16", _PRE + _WAIT, "    PROBE(0);\n", "    PROBE(2);\n"),
+    ("tier", _PRE + _TABS + _WAIT, "    PROBE(0);\n", "    PROBE(2);\n"),
     ("both", _PRE, "", "    PROBE_V(1, pre.cs.x);\n"),
     ("both", "            buf[i] = x;\n        }\n", "", "        PROBE_V(3, x);\n"),
     ("both", "            r = rsqrtf(s / D + eps);\n        } else {\n            __syncthreads();\n        }\n", "",
@@ -61,7 +63,7 @@ STAMPS = [
      "        PROBE(5);\n", ""),
     ("both", "    if (i < n_rot) xp = slab_sum(xr, ip, ns, slab);  // (both loads in flight together)\n", "",
      "    PROBE_V(3, x);\n"),
-    ("tier", "    fwht_column<D, GAIN>(x, sc, v, gss, gsh);\n    if (b >= D / 64) return;\n", "",
+    ("tier", "    fwht_column<D, GAIN>(x, sw, sc, v, gss, gsh);\n    if (b >= D / 64) return;\n", "",
      "    PROBE_V(6, v[D / 32 - 1]);\n"),
     ("tier", "    const float n = xsqrt(nn);\n", "", "    PROBE_V(7, n);\n"),
     ("tier", "    // the payload first:", "    PROBE_V(8, yc[1]);\n", ""),

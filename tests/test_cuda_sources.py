@@ -67,10 +67,13 @@ _WAIT_INSIDE = {("gemvi_12_##SUFFIX", "F12("), ("gemvi_14_##SUFFIX", "F14("),
                 ("NAME", "ifconstexpr(OK)attn_kv_impl<"), ("attn_kv_stream", "ifconstexpr(AS_KV_OK)attn_stream_impl<"),
                 ("NAME", "attn_stream_impl<D,HN,AsF16<D>,AsF16<D>>("), ("NAME", "attn_partial_impl<D,G,LPC>(")}
 # the fused rope + KV store kernels compute their rope angle and read their norm weights and
-# biases (rope.cuh rope_pre: pos, the host-staged positions, and weights) before the wait: (name,
-# first statement), and what follows it up to the wait
-_ANGLE_FIRST = {("rope_kv_write", "constRopePrepre=ROPE_PRE();"), ("rope_kv_write_q", "constRopePrepre=ROPE_PRE();")}
-_ANGLE_PREAMBLE = "constRopePrepre=ROPE_PRE();GRID_DEP_WAIT();"
+# biases (rope.cuh rope_pre: pos, the host-staged positions, and weights) before the wait, the tier
+# store its rotation's sign word as well (rope_store.cu rs_sign_word); kv_write.cu's turbo
+# quantizers read their sign word (kv_tiers.cuh kv_sign_word): name -> the statements up to and
+# with the wait, nothing else
+_PREAMBLES = {"rope_kv_write": "constRopePrepre=ROPE_PRE();GRID_DEP_WAIT();",
+              "rope_kv_write_q": "constRopePrepre=ROPE_PRE();constu32sw=rs_sign_word();GRID_DEP_WAIT();",
+              "kv_quant_##T##_d##D": "constu32sw=kv_sign_word<D>();GRID_DEP_WAIT();"}
 # the device functions those kernels call, which wait themselves: (source, function) -> waits
 _IMPL_WAITS = {("gemv_int.cu", "gemvi_ring_at("): 2, ("gemv_int.cu", "gemvi_impl("): 1,
                ("attention.cu", "attn_kv_impl("): 1, ("attention.cu", "attn_partial_impl("): 1,
@@ -96,7 +99,8 @@ def test_every_kernel_waits_first(module):
     """Every kernel of every module (the generated tier modules included) starts with
     GRID_DEP_WAIT() (GRID_DEP_WAIT_LATE() for gemv_int.cu's gemmi, the only ones): nothing is read
     or written before it but for the fused rope + KV stores' rope inputs (ROPE_PRE, then the
-    wait: test_rope_angle_before_the_wait_reads_no_kernel_output); the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, and the
+    wait: test_rope_angle_before_the_wait_reads_no_kernel_output) and the turbo encoders' sign word
+    (test_turbo_sign_word_before_the_wait_reads_a_constant); the GEMV pair and duo delegate to gemvi_ring_at / gemvi_impl, and the
     attention kernels over KV tiers (and f16's streaming one) to attn_kv_impl / attn_stream_impl,
     which each wait once (the ring once per #if branch), before their first read of the
     activations / of any memory a kernel writes."""
@@ -106,13 +110,14 @@ def test_every_kernel_waits_first(module):
     waits = ("GRID_DEP_WAIT();", "GRID_DEP_WAIT_LATE();")
     late = [(name, stmt) for name, stmt in first
             if stmt not in waits and not any(name == n and stmt.startswith(p) for n, p in _WAIT_INSIDE)
-            and (name, stmt) not in _ANGLE_FIRST]
+            and not _PREAMBLES.get(name, "").startswith(stmt)]
     assert not late, (module, late)
     for name, stmt in first:
-        if (name, stmt) in _ANGLE_FIRST:  # the angle, then the wait, nothing else
+        if stmt not in waits and name in _PREAMBLES:  # its preamble, then the wait, nothing else
             body = _COMMENT.sub("", src)
-            body = body[body.index("{", body.index(f"void {name}(")) + 1:]
-            assert re.sub(r"\s+", "", body)[:len(_ANGLE_PREAMBLE)] == _ANGLE_PREAMBLE, (module, name)
+            body = body[body.index("{", re.search(rf"__global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?{re.escape(name)}\(",
+                                                   body).end()) + 1:]
+            assert re.sub(r"[\s\\]+", "", body)[:len(_PREAMBLES[name])] == _PREAMBLES[name], (module, name)
     assert {name for name, stmt in first if stmt == waits[1]} == (
         {f"gemmi_{t}_{v}_n##NT##SFX" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
     names = {name for name, _ in first}
@@ -236,6 +241,19 @@ def test_rope_angle_before_the_wait_reads_no_kernel_output():
     cs = cs[:cs.index("\n}\n")]
     assert re.findall(r"const float\* __restrict__ (\w+)", cs) == ["ff"]
     assert re.findall(r"(?<![.\w])(?:ff)\b\W*", cs) == ["ff, ", "ff) ", "ff["]  # the parameter, if (ff), ff[k]
+
+
+
+def test_turbo_sign_word_before_the_wait_reads_a_constant():
+    """The turbo encoders' sign word, read before the wait (kv_tiers.cuh kv_sign_word; rope_store.cu
+    rs_sign_word, kv_write.cu's kv_quant_<T>_d<D>), comes from KV_SIGNS, the generated
+    __constant__ array that no kernel writes, at the thread's own index; rs_sign_word calls
+    nothing else."""
+    sign = re.search(r"u32 kv_sign_word\(\) (\{[^\n]*\})\n", cuda_kernels.read_source("kv_tiers.cuh"))
+    assert sign and sign.group(1) == "{ return KV_SIGNS[(threadIdx.x & (D - 1)) >> 5]; }"
+    rs = re.search(r"u32 rs_sign_word\(\) (\{[^\n]*\})\n", cuda_kernels.read_source("rope_store.cu"))
+    assert rs and rs.group(1) == "{ return RS_TK::ROT || RS_TV::ROT ? kv_sign_word<RS_DT>() : 0u; }"
+    assert re.search(r"^__constant__ unsigned int KV_SIGNS\[16\]", cuda_kv.tables_prefix(), re.M)
 
 
 def test_store_phases_stamps_the_current_sources():

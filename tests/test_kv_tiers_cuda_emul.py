@@ -32,9 +32,15 @@ from opencoti.engine.kv_tiers import TIER_NAMES, get_tier, turbo
 
 
 def _consts(src: str) -> dict:
+    """The __constant__ float arrays of a CUDA text by name, and its immediate tables (cuda_kv._imm:
+    ``name(i)`` as ``i == 0 ? v0 : i == 1 ? v1 : ... : 0.0f``) as arrays by function name."""
     out = {}
     for name, body in re.findall(r"__constant__ float (\w+)\[\d+\] = \{([^}]*)\}", src):
         out[name] = np.array([float.fromhex(v.strip()[:-1]) for v in body.split(",")], dtype=np.float32)
+    for name, body in re.findall(r"constexpr float (\w+)\(int i\) \{ return (.*) : 0\.0f; \}", src):
+        terms = re.findall(r"i == (\d+) \? (\S+)f", body)
+        assert [int(i) for i, _ in terms] == list(range(len(terms))), name
+        out[name] = np.array([float.fromhex(v) for _, v in terms], dtype=np.float32)
     return out
 
 
@@ -45,6 +51,9 @@ def test_tables_prefix_is_exact():
         t = get_tier(f"turbo{bits}")
         np.testing.assert_array_equal(c[f"KV_LM{bits}"], t.levels)
         np.testing.assert_array_equal(c[f"KV_TH{bits}"], t.thresholds)
+        if bits <= 4:  # the immediates turbo_row's code search takes (kv_store.cuh)
+            for a, want in ((c[f"kv_lm{bits}"], t.levels), (c[f"kv_th{bits}"], t.thresholds)):
+                assert a.view(np.uint32).tolist() == np.asarray(want, np.float32).view(np.uint32).tolist()
     for k in (2, 3):
         np.testing.assert_array_equal(c[f"KV_TCQ{k}"], get_tier(f"turbo{k}_tcq").levels)
     words = re.search(r"KV_SIGNS\[16\] = \{([^}]*)\}", src).group(1)
@@ -492,14 +501,32 @@ def _emu_search(u, th):
     return lo
 
 
+def _emu_search_imm(u, th, lv):
+    """turbo_row's code search up to 16 levels (immediates): gt[i] = !(u <= th[i]) for every i at
+    once, lo = their count, c by halving (node [k, k + 2w) takes its upper half iff gt[k + w - 1])
+    -> (lo, c)."""
+    gt = [~(u <= th[i]) for i in range(len(th))]
+    lo = sum(g.astype(np.int64) for g in gt)
+    node = [np.full(u.shape, v, np.float32) for v in lv]
+    w = 1
+    while w < len(lv):
+        for k in range(0, len(lv), 2 * w):
+            node[k] = np.where(gt[k + w - 1], node[k + w], node[k])
+        w *= 2
+    return lo, node[0]
+
+
 def _emu_quant_turbo(bits, x):
     """kv_quant_turbo<KTurbo<bits>, D> (turbo_row: fwht_column, tree64_warp) over rows x [R, D]
     -> bytes [R, D / 64 * BB]."""
     R, D = x.shape
     y = _emu_fwht_column(x)
     u = _emu_norm(y, _emu_tree64_warp)
-    idx = _emu_search(u, _TAB[f"KV_TH{bits}"])
-    c = _TAB[f"KV_LM{bits}"][idx]
+    if bits <= 4:  # the immediates' search (its own tables: tables_prefix's kv_th* / kv_lm*)
+        idx, c = _emu_search_imm(u, _TAB[f"kv_th{bits}"], _TAB[f"kv_lm{bits}"])
+    else:
+        idx = _emu_search(u, _TAB[f"KV_TH{bits}"])
+        c = _TAB[f"KV_LM{bits}"][idx]
     scale = _emu_scale(y, c, _emu_tree64_warp).reshape(-1)
     BB = 2 + 64 * bits // 8
     idx = idx.reshape(-1, 64)

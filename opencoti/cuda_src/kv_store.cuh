@@ -55,11 +55,20 @@ __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
 }
 
 // One row of D values quantized to the turbo tier T at dst_row (its D / 64 blocks): thread tid
-// (of exactly D) holds value x = row[tid]; sc: 2 D floats of shared scratch, free again after the
-// block's next sync. turbo.py's arithmetic: the rotation (fwht_column: the block's one sync), then
-// warp b < D / 64 encodes 64-value block b, lane j its values j and j + 32 (both in the lane's
-// rotation column): per-64 norms and least-squares scales summed in tree64's order by shuffles
-// (tree64_warp), the code search over the thresholds. The other warps return after the rotation.
+// (of exactly D) holds value x = row[tid]; sw: its sign word (kv_sign_word<D>, read before the
+// kernel's wait); sc: 2 D floats of shared scratch, free again after the block's next sync.
+// turbo.py's arithmetic: the rotation (fwht_column: the block's one sync), then warp b < D / 64
+// encodes 64-value block b, lane j its values j and j + 32 (both in the lane's rotation column):
+// per-64 norms and least-squares scales summed in tree64's order by shuffles (tree64_warp), the
+// code search over the thresholds. The other warps return after the rotation.
+//
+// The code search reads no memory up to 16 levels (turbo2/3/4): the thresholds and levels are
+// immediates (T::thr_at / lev_at, cuda_kv.tables_prefix), a value's level picked by a tree of
+// selects on its threshold tests. Read from __constant__ memory at that point (c[3] operands, the
+// level's per-lane LDC) they came from the constant cache on the encode's path, where a miss is
+// an L2 round trip (bench/CUDA_NOTES.md session 45). (Loaded into registers before the wait
+// instead, at per-lane addresses, ptxas issued those loads right after it and the row's own load
+// came ~350 cycles later.)
 //
 // GAIN: the row stored is g x for the gain g = rsqrtf(sum_t gss_t / D + eps) (rope.cuh rope_row's
 // RMSNorm scale: block_sum's order, the same bits) of one more value gss per thread: the codes are
@@ -70,17 +79,13 @@ __device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
 // K row with a k_norm (rope_store.cu). The bytes equal quantizing the normed row up to rounding:
 // g x rounds once per value there, and once per scale here.
 template <class T, int D, bool GAIN = false>
-__device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, float* sc, float gss = 0.f, float eps = 0.f,
-                                          float* gsh = nullptr) {
+__device__ __forceinline__ void turbo_row(float x, u32 sw, u8* __restrict__ dst_row, float* sc, float gss = 0.f,
+                                          float eps = 0.f, float* gsh = nullptr) {
     static_assert(D % 64 == 0, "turbo_row: whole 64-value blocks");
     const int b = threadIdx.x >> 5, j = threadIdx.x & 31;
-    // up to 32 levels: lane j holds level j % NT, loaded before the rotation; a value's level is
-    // then one shuffle from lane `index` (a constant-memory load at per-lane indices would be
-    // serialized on the encode's path)
-    constexpr bool LSH = T::NT <= 32;
-    const float lane_lev = LSH ? T::tab()[j & (T::NT - 1)] : 0.f;
+    constexpr bool IMM = T::NT <= 16;  // thresholds and levels as immediates
     float v[D / 32];
-    fwht_column<D, GAIN>(x, sc, v, gss, gsh);
+    fwht_column<D, GAIN>(x, sw, sc, v, gss, gsh);
     if (b >= D / 64) return;
     float y[2] = {v[0], v[1]};  // y_{64 b + j}, y_{64 b + j + 32}: column entries 2 b, 2 b + 1
 #pragma unroll
@@ -97,7 +102,6 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
         nn = tree64_warp(xmul(y[0], y[0]), xmul(y[1], y[1]));
     }
     const float n = xsqrt(nn);
-    const float* th = T::thr();
     int* idx = (int*)(sc + D) + 64 * b;  // the block's indices (sc[0, D) may still be read by other warps)
     const bool pos = xlt(0.f, n);
     const float s8 = pos ? xdiv(8.f, n) : 0.f;  // (once for both values: their searches run side by side)
@@ -106,20 +110,37 @@ __device__ __forceinline__ void turbo_row(float x, u8* __restrict__ dst_row, flo
     for (int p = 0; p < 2; p++) {
         const float u = pos ? xmul(y[p], s8) : 0.f;
         // searchsorted(thresholds, u, side="left"): the thresholds below u (th < u; a NaN u counts
-        // all, as NumPy sorts it last). Up to 15 thresholds by counting (every lane reads the same
-        // th[i]: one constant-cache broadcast each, no dependent chain), else a binary search.
+        // all, as NumPy sorts it last), and c = levels[lo]. Up to 15 thresholds: every test at
+        // once (gt[i]: th_i < u, true for i < lo as the thresholds ascend), lo their count and c
+        // by halving: the node over levels [k, k + 2 w) takes its upper half iff gt[k + w - 1]
+        // (lo >= k + w). Else a binary search and a table load.
         int lo = 0;
-        if constexpr (T::NT <= 16) {
+        float c;
+        if constexpr (IMM) {
+            bool gt[T::NT - 1];
+            float lv[T::NT];
 #pragma unroll
-            for (int i = 0; i < T::NT - 1; i++) lo += !xle(u, th[i]);
+            for (int i = 0; i < T::NT - 1; i++) {
+                gt[i] = !xle(u, T::thr_at(i));
+                lo += gt[i];
+            }
+#pragma unroll
+            for (int k = 0; k < T::NT; k++) lv[k] = T::lev_at(k);
+#pragma unroll
+            for (int w = 1; w < T::NT; w <<= 1) {
+#pragma unroll
+                for (int k = 0; k < T::NT; k += 2 * w) lv[k] = gt[k + w - 1] ? lv[k + w] : lv[k];
+            }
+            c = lv[0];
         } else {
+            const float* th = T::thr();
             int hi = T::NT - 1;
             while (lo < hi) {
                 int mid = (lo + hi) >> 1;
                 if (!xle(u, th[mid])) lo = mid + 1; else hi = mid;
             }
+            c = T::tab()[lo];
         }
-        const float c = LSH ? __shfl_sync(0xffffffffu, lane_lev, lo) : T::tab()[lo];
         idx[j + 32 * p] = lo;
         yc[p] = xmul(y[p], c);
         cc[p] = xmul(c, c);

@@ -58,6 +58,12 @@ __device__ __forceinline__ float xround(float v) {
     return xle(0.5f, xabs(xsub(v, t))) ? xadd(t, copysignf(1.f, v)) : t;
 }
 __device__ __forceinline__ bool kv_neg(int i) { return (KV_SIGNS[i >> 5] >> (i & 31)) & 1u; }  // sign s_i = -1
+// the sign word of thread t's value t % D of a rotated row (fwht_column: bit t % 32 set = s_{t % D} = -1).
+// The KV stores read it before their GRID_DEP_WAIT (pdl.cuh; no kernel writes KV_SIGNS): its load
+// then issues first (ptxas places it right after the wait), beside the row's load, not once the
+// row's value is there, where a constant-cache miss was an L2 round trip on the rotation's path.
+template <int D>
+__device__ __forceinline__ u32 kv_sign_word() { return KV_SIGNS[(threadIdx.x & (D - 1)) >> 5]; }
 
 // ---- register segments: NB bytes at an A-aligned address as little-endian u32 words
 template <int NB, int A>
@@ -369,6 +375,13 @@ struct KTurbo {
     static __device__ __forceinline__ const float* thr() {
         return BITS == 2 ? KV_TH2 : BITS == 3 ? KV_TH3 : BITS == 4 ? KV_TH4 : KV_TH8;
     }
+    // level / threshold i as a literal (up to 4 bits: cuda_kv.tables_prefix's kv_lm* / kv_th*)
+    static __device__ __forceinline__ constexpr float lev_at(int i) {
+        return BITS == 2 ? kv_lm2(i) : BITS == 3 ? kv_lm3(i) : BITS == 4 ? kv_lm4(i) : 0.f;
+    }
+    static __device__ __forceinline__ constexpr float thr_at(int i) {
+        return BITS == 2 ? kv_th2(i) : BITS == 3 ? kv_th3(i) : BITS == 4 ? kv_th4(i) : 0.f;
+    }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, BB * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float* t) { return t[turbo_idx_w(w, BB * b, BITS, j)]; }
@@ -608,13 +621,14 @@ __device__ __forceinline__ void fwht_regs(float (&x)[NV], float* buf, bool inver
 // warp_sum's order: xor 16, 8, .., 1, its shuffles interleaved with the transform's, which ptxas
 // otherwise issues one chain after the other), the warp's sum stored to ride_sh[warp] before the
 // sync: a block sum's first half at no barrier of its own (turbo_row's gain).
+// sw: the thread's sign word (kv_sign_word<D>, read before the kernel's wait).
 template <int D, bool RIDE = false>
-__device__ __forceinline__ void fwht_column(float x, float* sc, float (&v)[D / 32], float ride = 0.f,
+__device__ __forceinline__ void fwht_column(float x, u32 sw, float* sc, float (&v)[D / 32], float ride = 0.f,
                                             float* ride_sh = nullptr) {
     static_assert(D == 32 || D == 64 || D == 128 || D == 256 || D == 512, "fwht_column: D a power of two, 32 .. 512");
     constexpr int NK = D / 32;
     const int tid = threadIdx.x;
-    x = kv_neg(tid & (D - 1)) ? xneg(x) : x;
+    x = (sw >> (tid & 31)) & 1u ? xneg(x) : x;
 #pragma unroll
     for (int h = 1; h < 32; h <<= 1) {
         const float o = __shfl_xor_sync(0xffffffffu, x, h);
@@ -644,11 +658,11 @@ __device__ __forceinline__ void fwht_column(float x, float* sc, float (&v)[D / 3
 }
 
 // fwht_column's output y_t of thread t's own value (the q rows' rotation in the fused rope + KV
-// store); sc: D floats.
+// store); sw: kv_sign_word<D>; sc: D floats.
 template <int D>
-__device__ __forceinline__ float fwht_thread(float x, float* sc) {
+__device__ __forceinline__ float fwht_thread(float x, u32 sw, float* sc) {
     float v[D / 32];
-    fwht_column<D>(x, sc, v);
+    fwht_column<D>(x, sw, sc, v);
     float y = v[0];
 #pragma unroll
     for (int k = 1; k < D / 32; k++) y = (int)(threadIdx.x >> 5) == k ? v[k] : y;

@@ -40,13 +40,14 @@ __device__ __forceinline__ void tree64(float* p, int tid, int j, bool active) {
     }
 }
 
+// sw: the thread's kv_sign_word<D> (read before the kernel's wait)
 template <class T, int D>
 __device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* __restrict__ store,
-                                               const int* __restrict__ cell, int n_kv) {
+                                               const int* __restrict__ cell, int n_kv, u32 sw) {
     __shared__ float sc[2 * D];  // turbo_row's scratch
     const int r = blockIdx.x, t = r / n_kv, h = r % n_kv;
-    turbo_row<T, D>(x[(long long)r * D + threadIdx.x], store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB),
-                    sc);
+    turbo_row<T, D>(x[(long long)r * D + threadIdx.x], sw,
+                    store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB), sc);
 }
 
 // Viterbi search of the right-shift trellis (trellis.py _viterbi) over ys[0..n), 256 threads
@@ -151,8 +152,10 @@ __device__ __forceinline__ void kv_quant_tcq(const float* __restrict__ x, u8* __
 
 #define DEF_QT(T, D)                                                                                            \
     extern "C" __global__ void __launch_bounds__(D) kv_quant_##T##_d##D(const float* x, u8* store, const int* cell, \
-                                                                     int n_kv) { GRID_DEP_WAIT();                           \
-        kv_quant_turbo<T, D>(x, store, cell, n_kv); }
+                                                                     int n_kv) {                                            \
+        const u32 sw = kv_sign_word<D>(); /* (before the wait: a constant) */                                    \
+        GRID_DEP_WAIT();                                                                                        \
+        kv_quant_turbo<T, D>(x, store, cell, n_kv, sw); }
 #define DEF_QC(T, D)                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) kv_quant_##T##_d##D(const float* x, u8* store, const int* cell, \
                                                                        int n_kv) { GRID_DEP_WAIT();                         \

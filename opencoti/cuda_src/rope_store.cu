@@ -36,11 +36,16 @@
 #define RS_K_NORM_LATE 1
 #endif
 
-// a row of n values stored at dst in tier T: value(i) gives value i
+// the calling thread's sign word of a rotated tier's rows (kv_tiers.cuh kv_sign_word; 0 with
+// neither tier rotated), read before the wait
+#define RS_DT (RS_D > 0 ? RS_D : 64)
+__device__ __forceinline__ u32 rs_sign_word() { return RS_TK::ROT || RS_TV::ROT ? kv_sign_word<RS_DT>() : 0u; }
+
+// a row of n values stored at dst in tier T: value(i) gives value i; sw: rs_sign_word
 template <class T, class Val>
-__device__ __forceinline__ void rs_store_row(int n, u8* dst, float* sc, Val value) {
+__device__ __forceinline__ void rs_store_row(int n, u8* dst, float* sc, u32 sw, Val value) {
     if constexpr (T::ROT) {
-        turbo_row<T, RS_D>(value(threadIdx.x), dst, sc);
+        turbo_row<T, RS_DT>(value(threadIdx.x), sw, dst, sc);
     } else {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
         for (int b = warp; b < n / 32; b += nw) T::q32(value(32 * b + lane), dst + b * T::BB, lane);
@@ -49,6 +54,7 @@ __device__ __forceinline__ void rs_store_row(int n, u8* dst, float* sc, Val valu
 
 extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
     const RopePre pre = ROPE_PRE();  // (before the wait: rope.cuh ROPE_ANGLE_PRE)
+    const u32 sw = rs_sign_word();   // (before the wait: a constant)
     GRID_DEP_WAIT();
     const QKVIn in = ROPE_KV_WRITE_IN;
     extern __shared__ float rbuf[];  // rope's normed input, the K row (scalar tiers), a rotated tier's scratch (2 D)
@@ -60,7 +66,7 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
             float y = 0.f;  // thread i's value i (blockDim == D)
             rope_head_row(in.q, in.ldq, in.nsq, in.slq, in.bq, blockIdx.x, Hq, pos, D, n_rot, base, freq_scale, mode, ff,
                           q_norm, eps, ext_factor, corr_lo, corr_hi, mscale, rbuf, sh, [&](int i, float x) { y = x; }, pre);
-            q_out[(long long)blockIdx.x * D + threadIdx.x] = fwht_thread<(RS_D > 0 ? RS_D : 64)>(y, sc);
+            q_out[(long long)blockIdx.x * D + threadIdx.x] = fwht_thread<RS_DT>(y, sw, sc);
             return;
         }
     }
@@ -72,7 +78,7 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
     const int t = (int)(row / Hk), h = (int)(row % Hk);
     const long long c = (long long)cell[t] * Hk + h;  // the (cell, kv head) row
     if (is_v) {
-        rs_store_row<RS_TV>(dv, V + c * (dv / RS_TV::BS * RS_TV::BB), sc, [&](int i) { return in.v_at(t, h, dv, i); });
+        rs_store_row<RS_TV>(dv, V + c * (dv / RS_TV::BS * RS_TV::BB), sc, sw, [&](int i) { return in.v_at(t, h, dv, i); });
         return;
     }
     // a rotated K tier with a k_norm (RS_K_NORM_LATE): the row x * w roped and encoded at once, the
@@ -82,7 +88,7 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
         if (k_norm && pre.on) {
             float xx;
             const float y = rope_value_unnormed(in.k_row(t, h, D), in.nsk, in.slk, in.bk != nullptr, n_rot, mode, pre, xx);
-            turbo_row<RS_TK, RS_D, true>(y, K + c * (D / RS_TK::BS * RS_TK::BB), sc, xx, eps, sh);
+            turbo_row<RS_TK, RS_DT, true>(y, sw, K + c * (D / RS_TK::BS * RS_TK::BB), sc, xx, eps, sh);
             return;
         }
     }
@@ -95,5 +101,5 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
                  else kb[i] = x;
              }, pre);
     if constexpr (!RS_TK::ROT) __syncthreads();
-    rs_store_row<RS_TK>(D, K + c * (D / RS_TK::BS * RS_TK::BB), sc, [&](int i) { return RS_TK::ROT ? y : kb[i]; });
+    rs_store_row<RS_TK>(D, K + c * (D / RS_TK::BS * RS_TK::BB), sc, sw, [&](int i) { return RS_TK::ROT ? y : kb[i]; });
 }

@@ -82,6 +82,13 @@ def _arr(name: str, vals) -> str:
     return f"__constant__ float {name}[{len(vals)}] = {{{body}}};\n"
 
 
+def _imm(name: str, vals) -> str:
+    """``name(i)``: entry i of ``vals`` (float32) as a constexpr chain of literals, so that an
+    unrolled loop's constant index makes each an instruction's immediate operand (no load)."""
+    body = " : ".join(f"i == {i} ? {_hexf(v)}" for i, v in enumerate(vals))
+    return f"__device__ __forceinline__ constexpr float {name}(int i) {{ return {body} : 0.0f; }}\n"
+
+
 def sign_words() -> np.ndarray:
     """The rotated tiers' sign flips (turbo.py's rotation) as uint32 ``[16]``: bit i % 32 of word
     i // 32 set = sign -1 at dim i, for head sizes up to 512 (``KV_SIGNS``; attn_merge's
@@ -105,7 +112,9 @@ def tables_prefix() -> str:
     """C source of the rotated tiers' tables, prepended to every KV kernel module:
     ``KV_SIGNS`` (512 sign bits as 16 u32, bit i set = sign -1), ``KV_LM{2,3,4,8}`` (Lloyd-Max
     levels) and ``KV_TH{2,3,4,8}`` (their float32 decision thresholds, ``TurboTier.thresholds``),
-    ``KV_TCQ{2,3}`` (trellis codebooks), and ``kv_isqrt(d)`` = float32(1/sqrt(d))."""
+    the same levels and thresholds of turbo2/3/4 as immediates (``kv_lm{2,3,4}(i)``,
+    ``kv_th{2,3,4}(i)``: kv_store.cuh turbo_row's code search), ``KV_TCQ{2,3}`` (trellis
+    codebooks), and ``kv_isqrt(d)`` = float32(1/sqrt(d))."""
     from opencoti.engine.kv_tiers import get_tier
 
     words = sign_words()
@@ -115,6 +124,9 @@ def tables_prefix() -> str:
         t = get_tier(f"turbo{bits}")
         out.append(_arr(f"KV_LM{bits}", t.levels))
         out.append(_arr(f"KV_TH{bits}", t.thresholds))
+        if bits <= 4:
+            out.append(_imm(f"kv_lm{bits}", t.levels))
+            out.append(_imm(f"kv_th{bits}", t.thresholds))
     for k in (2, 3):
         out.append(_arr(f"KV_TCQ{k}", get_tier(f"turbo{k}_tcq").levels))
     isq = {d: _hexf(np.float32(1.0 / np.sqrt(d))) for d in KV_HEAD_DIMS}
