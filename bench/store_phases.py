@@ -17,8 +17,8 @@ values read before the PDL wait (rope_pre), ``wait`` the wait's return (the q / 
 done), ``load`` the row's value (with RS_K_NORM_LATE a turbo K row's value and its rope partner's),
 ``norm`` the norm's scale, ``rope`` rope's output; the turbo
 tiers' encoder (kv_store.cuh ``turbo_row``): ``fwht`` the rotation, ``n`` the block norm,
-``codes`` the indices, ``pack`` the payload stored, ``scale`` the block scale; ``end`` f16's V
-store. The stamps cost a few instructions each and move the code: a profile of the phases, not
+``codes`` the indices, ``pack`` the payload stored (written after the scale's sums in the source,
+and interleaved with them), ``scale`` the block scale; ``end`` f16's V store. The stamps cost a few instructions each and move the code: a profile of the phases, not
 of the kernel's exact time. CUDA only (CuPy, an NVIDIA GPU).
 """
 
@@ -66,9 +66,8 @@ STAMPS = [
     ("tier", "    fwht_column<D, GAIN>(x, sw, sc, v, gss, gsh);\n    if (b >= D / 64) return;\n", "",
      "    PROBE_V(6, v[D / 32 - 1]);\n"),
     ("tier", "    const float n = xsqrt(nn);\n", "", "    PROBE_V(7, n);\n"),
-    ("tier", "    // the payload first:", "    PROBE_V(8, yc[1]);\n", ""),
-    ("tier", "    for (int m = j; m < T::BB - 2; m += 32) dst[2 + m] = turbo_pack<T::KBITS>(idx, m);\n", "",
-     "    PROBE(9);\n"),
+    ("tier", "    // the scale's two sums, and the payload", "    PROBE_V(8, yc[1]);\n", ""),
+    ("tier", "        if (j + 32 * k < T::BB - 2) dst[2 + j + 32 * k] = (u8)byte;\n    }\n", "", "    PROBE(9);\n"),
     ("tier", "    if (j == 0) st16(dst, f2h(scale));\n", "", "    PROBE_V(10, scale);\n"),
     ("f16", "    if (v_reg && (int)threadIdx.x < dv) V[c * dv + threadIdx.x] = f2h(vx);\n", "", "    PROBE(11);\n"),
 ]

@@ -532,19 +532,71 @@ def _emu_quant_turbo(bits, x):
     idx = idx.reshape(-1, 64)
     out = np.zeros((len(idx), BB), np.uint8)
     out[:, :2] = _emu_f2h(scale)
-    for m in range(BB - 2):  # turbo_pack<BITS>(idx, m), lane m % 32
-        if bits == 8:
-            v = idx[:, m]
-        elif bits == 4:
-            v = idx[:, 2 * m] | (idx[:, 2 * m + 1] << 4)
-        elif m < 16:
-            v = (idx[:, 4 * m] & 3) | ((idx[:, 4 * m + 1] & 3) << 2) | ((idx[:, 4 * m + 2] & 3) << 4) | (
-                (idx[:, 4 * m + 3] & 3) << 6)
-        else:
-            v = sum(((idx[:, 8 * (m - 16) + r] >> 2) & 1) << r for r in range(8))
-        out[:, 2 + m] = v
+    for m in range(BB - 2):  # turbo_payload_byte<BITS>(i0, i1, j, k): byte m = j + 32 k of lane j
+        out[:, 2 + m] = _emu_payload_byte(bits, idx[:, :32], idx[:, 32:], m % 32, m // 32)
     return out.reshape(R, -1)
 
+
+def _emu_ballot(bits):
+    """__ballot_sync over a warp's lanes: bits [n, 32] (bool) -> uint32 words [n]."""
+    return (bits.astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=1).astype(np.uint32)
+
+
+def _emu_spread4(x):
+    x = (x | (x << 2)) & 0x33
+    return (x | (x << 1)) & 0x55
+
+
+def _emu_payload_byte(bits, i0, i1, j, k):
+    """kv_store.cuh turbo_payload_byte<BITS>(i0, i1, j, k) for every block at once: i0 / i1 [n, 32]
+    the warp's indices of values lane, lane + 32; lane j's byte [n]."""
+    if bits == 8:
+        return (i0 if k == 0 else i1)[:, j]
+    if bits == 4:
+        s = (2 * j) & 31
+        a0, a1, b0, b1 = i0[:, s], i0[:, s + 1], i1[:, s], i1[:, s + 1]
+        return a0 | a1 << 4 if j < 16 else b0 | b1 << 4
+    a0, a1 = _emu_ballot(i0 & 1 != 0), _emu_ballot(i0 & 2 != 0)
+    b0, b1 = _emu_ballot(i1 & 1 != 0), _emu_ballot(i1 & 2 != 0)
+    q = 4 * (j & 7)
+    lo = _emu_spread4(((a0 if j < 8 else b0) >> q) & 15) | _emu_spread4(((a1 if j < 8 else b1) >> q) & 15) << 1
+    if bits == 2:
+        return lo
+    h0, h1 = _emu_ballot(i0 & 4 != 0), _emu_ballot(i1 & 4 != 0)
+    mm = (j - 16) & 7
+    hi = ((h0 if mm < 4 else h1) >> (8 * (mm & 3))) & 255
+    return lo if j < 16 else hi
+
+
+
+def test_payload_port_follows_the_kernel_text():
+    """_emu_payload_byte ports kv_store.cuh turbo_payload_byte: the kernel's lane arithmetic that
+    the port repeats is pinned in the source text (an edit there fails here until the port
+    follows), and both forms give turbo_pack's old layout for every byte of random blocks."""
+    src = re.sub(r"\s+", " ", read_source("kv_store.cuh"))
+    body = src[src.index("__device__ __forceinline__ u32 spread4(u32 x)"):src.index("template <class T, int D, bool GAIN")]
+    for expr in ("return (u32)(k == 0 ? i0 : i1);", "const int s = (2 * j) & 31;",
+                 "return j < 16 ? (u32)(a0 | a1 << 4) : (u32)(b0 | b1 << 4);",
+                 "const int q = 4 * (j & 7);",
+                 "spread4(((j < 8 ? a0 : b0) >> q) & 15u) | spread4(((j < 8 ? a1 : b1) >> q) & 15u) << 1;",
+                 "const int mm = (j - 16) & 7;", "((mm < 4 ? h0 : h1) >> (8 * (mm & 3))) & 255u;",
+                 "return j < 16 ? lo : hi;", "x = (x | (x << 2)) & 0x33u; return (x | (x << 1)) & 0x55u;"):
+        assert expr in body, expr
+    assert "__ballot_sync(0xffffffffu, i0 & 4)" in body and "__ballot_sync(0xffffffffu, i1 & 4)" in body
+    rng = np.random.default_rng(7)
+    for bits in (2, 3, 4, 8):
+        idx = rng.integers(0, 1 << bits, (64, 64))
+        for m in range(64 * bits // 8):
+            if bits == 8:
+                want = idx[:, m]
+            elif bits == 4:
+                want = idx[:, 2 * m] | idx[:, 2 * m + 1] << 4
+            elif m < 16:
+                want = sum((idx[:, 4 * m + r] & 3) << 2 * r for r in range(4))
+            else:
+                want = sum(((idx[:, 8 * (m - 16) + r] >> 2) & 1) << r for r in range(8))
+            got = _emu_payload_byte(bits, idx[:, :32], idx[:, 32:], m % 32, m // 32)
+            assert (got == want).all(), (bits, m)
 
 def _emu_viterbi(ys, cb, K, first_low=None, last_high=None):
     """viterbi<K> (kv_write.cu) for rows ys [R, n]: thread s = state; costs with xsub/xmul/xadd,

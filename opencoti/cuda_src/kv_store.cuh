@@ -42,21 +42,42 @@ __device__ __forceinline__ float tree64_warp_ride(float lo, float hi, float& rid
     return a;
 }
 
-// payload byte m of a turbo block from its 64 indices
+// bits 0..3 of x at bits 0, 2, 4, 6
+__device__ __forceinline__ u32 spread4(u32 x) {
+    x = (x | (x << 2)) & 0x33u;
+    return (x | (x << 1)) & 0x55u;
+}
+// Payload byte m = j + 32 k of a turbo block (turbo.py's layout: 2 + m in the block) in lane j of
+// the warp that encodes it, from the lanes' indices i0 (value j) and i1 (value j + 32), without
+// shared memory or a branch: turbo2/3's low bytes m < 16 (values 4m .. 4m + 3, value 4m + r's two
+// low bits at bits 2r, 2r + 1) and turbo3's high bytes 16 + mm (bit r = bit 2 of value 8mm + r) from
+// the warp's ballots of those bits, turbo4's bytes (value 2m, value 2m + 1 << 4) from shuffles,
+// turbo8's the indices themselves (two bytes a lane: k = 0, 1). Every lane of the warp calls it.
 template <int BITS>
-__device__ __forceinline__ u8 turbo_pack(const int* idx, int m) {
-    if (BITS == 8) return (u8)idx[m];
-    if (BITS == 4) return (u8)(idx[2 * m] | (idx[2 * m + 1] << 4));
-    if (m < 16) return (u8)((idx[4 * m] & 3) | ((idx[4 * m + 1] & 3) << 2) | ((idx[4 * m + 2] & 3) << 4) | ((idx[4 * m + 3] & 3) << 6));
-    int mm = m - 16, v = 0;  // turbo3 high bits
-#pragma unroll
-    for (int r = 0; r < 8; r++) v |= ((idx[8 * mm + r] >> 2) & 1) << r;
-    return (u8)v;
+__device__ __forceinline__ u32 turbo_payload_byte(int i0, int i1, int j, int k) {
+    if constexpr (BITS == 8) {
+        return (u32)(k == 0 ? i0 : i1);
+    } else if constexpr (BITS == 4) {
+        const int s = (2 * j) & 31;  // byte j: values 2j, 2j + 1 (i0 of lanes s, s + 1 for j < 16, else i1)
+        const int a0 = __shfl_sync(0xffffffffu, i0, s), a1 = __shfl_sync(0xffffffffu, i0, s + 1);
+        const int b0 = __shfl_sync(0xffffffffu, i1, s), b1 = __shfl_sync(0xffffffffu, i1, s + 1);
+        return j < 16 ? (u32)(a0 | a1 << 4) : (u32)(b0 | b1 << 4);
+    } else {
+        const u32 a0 = __ballot_sync(0xffffffffu, i0 & 1), a1 = __ballot_sync(0xffffffffu, i0 & 2);
+        const u32 b0 = __ballot_sync(0xffffffffu, i1 & 1), b1 = __ballot_sync(0xffffffffu, i1 & 2);
+        const int q = 4 * (j & 7);  // byte j < 16: lanes 4 (j % 8) .., of i0 (j < 8) or i1
+        const u32 lo = spread4(((j < 8 ? a0 : b0) >> q) & 15u) | spread4(((j < 8 ? a1 : b1) >> q) & 15u) << 1;
+        if constexpr (BITS == 2) return lo;
+        const u32 h0 = __ballot_sync(0xffffffffu, i0 & 4), h1 = __ballot_sync(0xffffffffu, i1 & 4);
+        const int mm = (j - 16) & 7;  // byte 16 + mm: lanes 8 (mm % 4) .., of i0 (mm < 4) or i1
+        const u32 hi = ((mm < 4 ? h0 : h1) >> (8 * (mm & 3))) & 255u;
+        return j < 16 ? lo : hi;
+    }
 }
 
 // One row of D values quantized to the turbo tier T at dst_row (its D / 64 blocks): thread tid
 // (of exactly D) holds value x = row[tid]; sw: its sign word (kv_sign_word<D>, read before the
-// kernel's wait); sc: 2 D floats of shared scratch, free again after the block's next sync.
+// kernel's wait); sc: D floats of shared scratch, free again after the block's next sync.
 // turbo.py's arithmetic: the rotation (fwht_column: the block's one sync), then warp b < D / 64
 // encodes 64-value block b, lane j its values j and j + 32 (both in the lane's rotation column):
 // per-64 norms and least-squares scales summed in tree64's order by shuffles (tree64_warp), the
@@ -102,7 +123,7 @@ __device__ __forceinline__ void turbo_row(float x, u32 sw, u8* __restrict__ dst_
         nn = tree64_warp(xmul(y[0], y[0]), xmul(y[1], y[1]));
     }
     const float n = xsqrt(nn);
-    int* idx = (int*)(sc + D) + 64 * b;  // the block's indices (sc[0, D) may still be read by other warps)
+    int ix[2];  // the indices of values j, j + 32
     const bool pos = xlt(0.f, n);
     const float s8 = pos ? xdiv(8.f, n) : 0.f;  // (once for both values: their searches run side by side)
     float yc[2], cc[2];
@@ -141,18 +162,21 @@ __device__ __forceinline__ void turbo_row(float x, u32 sw, u8* __restrict__ dst_
             }
             c = T::tab()[lo];
         }
-        idx[j + 32 * p] = lo;
+        ix[p] = lo;
         yc[p] = xmul(y[p], c);
         cc[p] = xmul(c, c);
     }
-    // the payload first: it needs only the indices (written by the whole warp), so its loads and
-    // stores overlap the two sums' shuffles below
-    __syncwarp();
-    u8* dst = dst_row + (long long)b * T::BB;
-#pragma unroll
-    for (int m = j; m < T::BB - 2; m += 32) dst[2 + m] = turbo_pack<T::KBITS>(idx, m);
+    // the scale's two sums, and the payload from the indices in registers (turbo_payload_byte: no
+    // shared memory and no branch, so ptxas places its ballots and stores in the sums' shuffle
+    // latencies instead of before them)
     float num, den;
     tree64_warp2(yc[0], yc[1], cc[0], cc[1], num, den);
+    u8* dst = dst_row + (long long)b * T::BB;
+#pragma unroll
+    for (int k = 0; k < (T::BB - 2 + 31) / 32; k++) {
+        const u32 byte = turbo_payload_byte<T::KBITS>(ix[0], ix[1], j, k);
+        if (j + 32 * k < T::BB - 2) dst[2 + j + 32 * k] = (u8)byte;
+    }
     float scale = xlt(0.f, den) ? xdiv(num, den) : 0.f;
     if constexpr (GAIN) scale = xmul(scale, g);
     if (j == 0) st16(dst, f2h(scale));

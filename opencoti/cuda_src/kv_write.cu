@@ -44,7 +44,7 @@ __device__ __forceinline__ void tree64(float* p, int tid, int j, bool active) {
 template <class T, int D>
 __device__ __forceinline__ void kv_quant_turbo(const float* __restrict__ x, u8* __restrict__ store,
                                                const int* __restrict__ cell, int n_kv, u32 sw) {
-    __shared__ float sc[2 * D];  // turbo_row's scratch
+    __shared__ float sc[D];  // turbo_row's scratch
     const int r = blockIdx.x, t = r / n_kv, h = r % n_kv;
     turbo_row<T, D>(x[(long long)r * D + threadIdx.x], sw,
                     store + ((long long)cell[t] * n_kv + h) * (long long)(D / 64 * T::BB), sc);
