@@ -25,11 +25,11 @@ _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 MODULES = sorted(p.name for p in resources.files("opencoti.cuda_src").iterdir() if p.name.endswith(".cu"))
 
 
-def kernel_first_statements(src: str) -> list[tuple[str, str]]:
-    """``[(kernel name, its body's first statement)]`` for every ``__global__`` function of the
-    CUDA text ``src`` in order (macro-defined kernels by their ``##`` pattern or macro parameter,
-    line continuations, comments and whitespace removed; a name defined twice, in two macros or
-    two ``#if`` branches, is listed twice)."""
+def kernel_bodies(src: str) -> list[tuple[str, str]]:
+    """``[(kernel name, the text from its body's start to the end of src)]`` for every
+    ``__global__`` function of the CUDA text ``src`` in order (macro-defined kernels by their
+    ``##`` pattern or macro parameter, comments removed; a name defined twice, in two macros or
+    two ``#if`` branches, is listed twice, each with its own body)."""
     src = _COMMENT.sub("", src)
     out = []
     for m in _KERNEL.finditer(src):
@@ -39,9 +39,19 @@ def kernel_first_statements(src: str) -> list[tuple[str, str]]:
             if depth == 0:
                 break
             i += 1
-        body = src[src.index("{", i) + 1:]
-        out.append((m.group(1), re.sub(r"[\s\\]+", "", body[:body.index(";") + 1])))
+        out.append((m.group(1), src[src.index("{", i) + 1:]))
     return out
+
+
+def _squeeze(text: str) -> str:
+    return re.sub(r"[\s\\]+", "", text)  # whitespace and line continuations removed
+
+
+def kernel_first_statements(src: str) -> list[tuple[str, str]]:
+    """``[(kernel name, its body's first statement)]`` for every ``__global__`` function of the
+    CUDA text ``src`` in order (``kernel_bodies``; line continuations, comments and whitespace
+    removed)."""
+    return [(name, _squeeze(body[:body.index(";") + 1])) for name, body in kernel_bodies(src)]
 
 
 @functools.cache
@@ -112,12 +122,9 @@ def test_every_kernel_waits_first(module):
             if stmt not in waits and not any(name == n and stmt.startswith(p) for n, p in _WAIT_INSIDE)
             and not _PREAMBLES.get(name, "").startswith(stmt)]
     assert not late, (module, late)
-    for name, stmt in first:
+    for (name, stmt), (_, body) in zip(first, kernel_bodies(src)):
         if stmt not in waits and name in _PREAMBLES:  # its preamble, then the wait, nothing else
-            body = _COMMENT.sub("", src)
-            body = body[body.index("{", re.search(rf"__global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?{re.escape(name)}\(",
-                                                   body).end()) + 1:]
-            assert re.sub(r"[\s\\]+", "", body)[:len(_PREAMBLES[name])] == _PREAMBLES[name], (module, name)
+            assert _squeeze(body)[:len(_PREAMBLES[name])] == _PREAMBLES[name], (module, name)
     assert {name for name, stmt in first if stmt == waits[1]} == (
         {f"gemmi_{t}_{v}_n##NT##SFX" for t in (12, 14) for v in ("o##B##", "s##S##")} if module == "gemv_int.cu" else set())
     names = {name for name, _ in first}

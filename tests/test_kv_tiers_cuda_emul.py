@@ -569,20 +569,55 @@ def _emu_payload_byte(bits, i0, i1, j, k):
 
 
 
-def test_payload_port_follows_the_kernel_text():
-    """_emu_payload_byte ports kv_store.cuh turbo_payload_byte: the kernel's lane arithmetic that
-    the port repeats is pinned in the source text (an edit there fails here until the port
-    follows), and both forms give turbo_pack's old layout for every byte of random blocks."""
-    src = re.sub(r"\s+", " ", read_source("kv_store.cuh"))
-    body = src[src.index("__device__ __forceinline__ u32 spread4(u32 x)"):src.index("template <class T, int D, bool GAIN")]
-    for expr in ("return (u32)(k == 0 ? i0 : i1);", "const int s = (2 * j) & 31;",
-                 "return j < 16 ? (u32)(a0 | a1 << 4) : (u32)(b0 | b1 << 4);",
-                 "const int q = 4 * (j & 7);",
-                 "spread4(((j < 8 ? a0 : b0) >> q) & 15u) | spread4(((j < 8 ? a1 : b1) >> q) & 15u) << 1;",
-                 "const int mm = (j - 16) & 7;", "((mm < 4 ? h0 : h1) >> (8 * (mm & 3))) & 255u;",
-                 "return j < 16 ? lo : hi;", "x = (x | (x << 2)) & 0x33u; return (x | (x << 1)) & 0x55u;"):
-        assert expr in body, expr
-    assert "__ballot_sync(0xffffffffu, i0 & 4)" in body and "__ballot_sync(0xffffffffu, i1 & 4)" in body
+# The kernel text that _emu_search_imm and _emu_payload_byte port, pinned whole (comments dropped,
+# whitespace squeezed): an edit to kv_store.cuh's code search, payload or payload store fails
+# test_turbo_row_port_follows_the_kernel_text until the port (and these copies) follow it.
+_KERNEL_SEARCH = (
+    "if constexpr (IMM) { bool gt[T::NT - 1]; float lv[T::NT]; #pragma unroll for (int i = 0; i < T::NT - 1; i++) { "
+    "gt[i] = !xle(u, T::thr_at(i)); lo += gt[i]; } #pragma unroll for (int k = 0; k < T::NT; k++) lv[k] = "
+    "T::lev_at(k); #pragma unroll for (int w = 1; w < T::NT; w <<= 1) { #pragma unroll for (int k = 0; k < T::NT; "
+    "k += 2 * w) lv[k] = gt[k + w - 1] ? lv[k + w] : lv[k]; } c = lv[0]; ")
+_KERNEL_PAYLOAD = (
+    "__device__ __forceinline__ u32 spread4(u32 x) { x = (x | (x << 2)) & 0x33u; return (x | (x << 1)) & 0x55u; } "
+    "template <int BITS> __device__ __forceinline__ u32 turbo_payload_byte(int i0, int i1, int j, int k) { "
+    "if constexpr (BITS == 8) { return (u32)(k == 0 ? i0 : i1); } else if constexpr (BITS == 4) { "
+    "const int s = (2 * j) & 31; const int a0 = __shfl_sync(0xffffffffu, i0, s), a1 = __shfl_sync(0xffffffffu, i0, "
+    "s + 1); const int b0 = __shfl_sync(0xffffffffu, i1, s), b1 = __shfl_sync(0xffffffffu, i1, s + 1); "
+    "return j < 16 ? (u32)(a0 | a1 << 4) : (u32)(b0 | b1 << 4); } else { const u32 a0 = __ballot_sync(0xffffffffu, "
+    "i0 & 1), a1 = __ballot_sync(0xffffffffu, i0 & 2); const u32 b0 = __ballot_sync(0xffffffffu, i1 & 1), "
+    "b1 = __ballot_sync(0xffffffffu, i1 & 2); const int q = 4 * (j & 7); const u32 lo = spread4(((j < 8 ? a0 : b0) "
+    ">> q) & 15u) | spread4(((j < 8 ? a1 : b1) >> q) & 15u) << 1; if constexpr (BITS == 2) return lo; "
+    "const u32 h0 = __ballot_sync(0xffffffffu, i0 & 4), h1 = __ballot_sync(0xffffffffu, i1 & 4); "
+    "const int mm = (j - 16) & 7; const u32 hi = ((mm < 4 ? h0 : h1) >> (8 * (mm & 3))) & 255u; "
+    "return j < 16 ? lo : hi; } } ")
+_KERNEL_STORE = (
+    "u8* dst = dst_row + (long long)b * T::BB; #pragma unroll for (int k = 0; k < (T::BB - 2 + 31) / 32; k++) { "
+    "const u32 byte = turbo_payload_byte<T::KBITS>(ix[0], ix[1], j, k); if (j + 32 * k < T::BB - 2) "
+    "dst[2 + j + 32 * k] = (u8)byte; } ")
+
+
+def test_turbo_row_port_follows_the_kernel_text():
+    """_emu_search_imm and _emu_payload_byte port kv_store.cuh turbo_row's code search and
+    turbo_payload_byte, and _emu_quant_turbo the payload's store loop: that kernel text is the
+    pinned copy above (an edit there fails here until the port follows). The payload port gives
+    the old turbo_pack layout (turbo.py's) for every byte of random blocks, and the search port
+    gives searchsorted(thresholds, u, side="left") and that level for every tier up to 4 bits at
+    NaN, +-inf, +-0, every threshold and its two neighbouring floats."""
+    src = re.sub(r"\s+", " ", re.sub(r"/\*.*?\*/|//[^\n]*", "", read_source("kv_store.cuh"), flags=re.S))
+    search = src[src.index("if constexpr (IMM) {"):src.index("} else { const float* th = T::thr();")]
+    assert search == _KERNEL_SEARCH
+    assert src[src.index("__device__ __forceinline__ u32 spread4(u32 x)"):
+               src.index("template <class T, int D, bool GAIN")] == _KERNEL_PAYLOAD
+    assert src[src.index("u8* dst = dst_row"):src.index("float scale = xlt(0.f, den)")] == _KERNEL_STORE
+    for bits in (2, 3, 4):
+        th, lv = _TAB[f"kv_th{bits}"], _TAB[f"kv_lm{bits}"]
+        u = np.concatenate([th, np.nextafter(th, np.float32(-np.inf)), np.nextafter(th, np.float32(np.inf)),
+                            np.float32([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45])])
+        u = np.concatenate([u, np.random.default_rng(bits).standard_normal(4096).astype(np.float32) * 3])
+        lo, c = _emu_search_imm(u, th, lv)
+        want = np.where(np.isnan(u), len(th), np.searchsorted(th, u, side="left"))
+        assert (lo == want).all(), bits
+        assert c.view(np.uint32).tolist() == lv[want].view(np.uint32).tolist(), bits
     rng = np.random.default_rng(7)
     for bits in (2, 3, 4, 8):
         idx = rng.integers(0, 1 << bits, (64, 64))
@@ -597,6 +632,7 @@ def test_payload_port_follows_the_kernel_text():
                 want = sum(((idx[:, 8 * (m - 16) + r] >> 2) & 1) << r for r in range(8))
             got = _emu_payload_byte(bits, idx[:, :32], idx[:, 32:], m % 32, m // 32)
             assert (got == want).all(), (bits, m)
+
 
 def _emu_viterbi(ys, cb, K, first_low=None, last_high=None):
     """viterbi<K> (kv_write.cu) for rows ys [R, n]: thread s = state; costs with xsub/xmul/xadd,

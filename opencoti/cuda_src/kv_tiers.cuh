@@ -59,9 +59,9 @@ __device__ __forceinline__ float xround(float v) {
 }
 __device__ __forceinline__ bool kv_neg(int i) { return (KV_SIGNS[i >> 5] >> (i & 31)) & 1u; }  // sign s_i = -1
 // the sign word of thread t's value t % D of a rotated row (fwht_column: bit t % 32 set = s_{t % D} = -1).
-// The KV stores read it before their GRID_DEP_WAIT (pdl.cuh; no kernel writes KV_SIGNS): its load
-// then issues first (ptxas places it right after the wait), beside the row's load, not once the
-// row's value is there, where a constant-cache miss was an L2 round trip on the rotation's path.
+// The KV stores read it before their GRID_DEP_WAIT (pdl.cuh; no kernel writes KV_SIGNS). ptxas
+// issues that load right after the wait, beside the row's load, not once the row's value is
+// there, where a constant-cache miss was an L2 round trip on the rotation's path.
 template <int D>
 __device__ __forceinline__ u32 kv_sign_word() { return KV_SIGNS[(threadIdx.x & (D - 1)) >> 5]; }
 
