@@ -18,8 +18,9 @@ done), ``load`` the row's value (with RS_K_NORM_LATE a turbo K row's value and i
 ``norm`` the norm's scale, ``rope`` rope's output; the turbo
 tiers' encoder (kv_store.cuh ``turbo_row``): ``fwht`` the rotation, ``n`` the block norm,
 ``codes`` the indices, ``pack`` the payload stored (written after the scale's sums in the source,
-and interleaved with them), ``scale`` the block scale; ``end`` f16's V store. The stamps cost a few instructions each and move the code: a profile of the phases, not
-of the kernel's exact time. CUDA only (CuPy, an NVIDIA GPU).
+and interleaved with them), ``scale`` the block scale; ``end`` f16's V store. The stamps cost a
+few instructions each and move the code: a profile of the phases, not of the kernel's exact time.
+CUDA only (CuPy, an NVIDIA GPU).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ __device__ int g_probe_sink;
 NAMES = ["start", "pre", "wait", "load", "norm", "rope", "fwht", "n", "codes", "pack", "scale", "end"]
 _PRE = "    const RopePre pre = ROPE_PRE();  // (before the wait: rope.cuh ROPE_ANGLE_PRE)\n"
 _WAIT = "    GRID_DEP_WAIT();\n"
-_TABS = "    const u32 sw = rs_sign_word();   // (before the wait: a constant)\n"
+_SIGN = "    const u32 sw = rs_sign_word();   // (before the wait: a constant)\n"
 # (sources: "f16" kernels.cu, "tier" rope_store.cu, or "both"; anchor; inserted before it; inserted after it)
 STAMPS = [
     ("f16", _PRE + _WAIT, "    PROBE(0);\n", "    PROBE(2);\n"),
-    ("tier", _PRE + _TABS + _WAIT, "    PROBE(0);\n", "    PROBE(2);\n"),
+    ("tier", _PRE + _SIGN + _WAIT, "    PROBE(0);\n", "    PROBE(2);\n"),
     ("both", _PRE, "", "    PROBE_V(1, pre.cs.x);\n"),
     ("both", "            buf[i] = x;\n        }\n", "", "        PROBE_V(3, x);\n"),
     ("both", "            r = rsqrtf(s / D + eps);\n        } else {\n            __syncthreads();\n        }\n", "",

@@ -250,7 +250,6 @@ def test_rope_angle_before_the_wait_reads_no_kernel_output():
     assert re.findall(r"(?<![.\w])(?:ff)\b\W*", cs) == ["ff, ", "ff) ", "ff["]  # the parameter, if (ff), ff[k]
 
 
-
 def test_turbo_sign_word_before_the_wait_reads_a_constant():
     """The turbo encoders' sign word, read before the wait (kv_tiers.cuh kv_sign_word; rope_store.cu
     rs_sign_word, kv_write.cu's kv_quant_<T>_d<D>), comes from KV_SIGNS, the generated

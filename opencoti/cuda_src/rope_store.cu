@@ -57,7 +57,7 @@ extern "C" __global__ void rope_kv_write_q(ROPE_KV_WRITE_PARAMS(u8)) {
     const u32 sw = rs_sign_word();   // (before the wait: a constant)
     GRID_DEP_WAIT();
     const QKVIn in = ROPE_KV_WRITE_IN;
-    extern __shared__ float rbuf[];  // rope's normed input, the K row (scalar tiers), a rotated tier's scratch (2 D; turbo_row uses D)
+    extern __shared__ float rbuf[];  // rope's normed input, the K row (scalar tiers), a rotated tier's scratch
     __shared__ float sh[32];
     long long row;
     float *kb = rbuf + D, *sc = rbuf + 2 * D;
