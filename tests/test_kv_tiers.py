@@ -231,6 +231,26 @@ def test_rotated_layout_matches_docs(name):
         np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_turbo_zero_block_as_documented(bits):
+    """turbo.py: a zero block's u are the middle threshold, so its codes are the level below it
+    (negative) and its scale is -0 (f16 bytes 00 80); it decodes to zeros. A block with values
+    gets a positive scale."""
+    t = get_tier(f"turbo{bits}")
+    q = t.quantize(np.zeros((1, 128), np.float32))
+    assert q.shape == (1, 2 * t.block_bytes)
+    for b in range(2):
+        blk = q[0, b * t.block_bytes:(b + 1) * t.block_bytes]
+        assert blk[:2].tolist() == [0x00, 0x80]
+    mid = len(t.levels) // 2 - 1  # the level just below 0, whose threshold above is 0
+    assert t.levels[mid] < 0 < t.levels[mid + 1] and t.thresholds[mid] == 0
+    assert t.codes(np.zeros(3, np.float32)).tolist() == [mid] * 3
+    np.testing.assert_array_equal(t.dequantize(q), 0.0)
+    x = np.zeros((1, 128), np.float32)
+    x[0, 3] = 1.0  # rotated: every coordinate of both blocks +-1 / sqrt(128), no zero block
+    assert np.frombuffer(t.quantize(x)[0, :2].tobytes(), np.float16)[0] > 0
+
+
 @pytest.mark.parametrize("name", ["turbo3", "turbo3_tcq"])
 def test_scores_in_the_rotated_domain(name):
     """q . k = (R q) . (R k): scoring against dequantize_rotated rows needs no inverse transform."""

@@ -314,6 +314,13 @@ def test_auto_tier_decisions(synth, gemma):
     assert "iSWA" in d.reason and "does not apply" in d.reason and d.reason.endswith("keeping f16/f16")
     d = decide_kv_types(gemma.hparams, 4096, 1, True, 512, _Backend(), type_k="q8_0", auto=True, budget_mib=1.0)
     assert (d.type_k, d.type_v) == ("q8_0", "f16") and d.reason.endswith("keeping q8_0/f16")
+    # hybrid recurrent models (a delta-net state per sequence beside the KV): does not apply either
+    import dataclasses
+
+    hybrid = dataclasses.replace(hp, recurrent_layers=[il % 4 != 3 for il in range(hp.n_layer)])
+    d = decide_kv_types(hybrid, 4096, 1, True, 512, _Backend(), auto=True, budget_mib=1.0)
+    assert not d.applied and (d.type_k, d.type_v) == ("f16", "f16") and not d.tried
+    assert "hybrid recurrent" in d.reason and "does not apply" in d.reason and d.reason.endswith("keeping f16/f16")
 
 
 def test_engine_auto_tier_reads_back_from_the_live_cache(synth, capsys):
@@ -330,6 +337,29 @@ def test_engine_auto_tier_reads_back_from_the_live_cache(synth, capsys):
     e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget,
                              cache_type_k="f16"))
     assert (e.runner.kv.type_k, e.runner.kv.type_v) == ("f16", "q4_0")  # K held; V alone cannot fit
+
+
+@pytest.mark.parametrize("n_ctx, n_parallel, cells", [(100, 3, 33), (2, 4, 1), (96, 3, 32), (100, 1, 100)])
+def test_split_cache_rounds_n_ctx_and_reports_what_it_allocated(synth, caplog, n_ctx, n_parallel, cells):
+    """On the split cache each of the n_seq_max streams gets n_ctx // n_seq_max cells (at least
+    one); n_ctx as reported (``/props``, the KV report, ``Engine.n_ctx``) is what was allocated,
+    and a boot warning says so where it differs from -c, as llama.cpp's llama_context does. The
+    unified cache (one slot) keeps -c whole."""
+    with caplog.at_level(logging.WARNING, logger="opencoti"):
+        e = Engine(synth, Params(n_ctx=n_ctx, n_parallel=n_parallel, n_ubatch=64))
+    kv = kv_props(e)
+    total = cells * n_parallel
+    assert e.n_ctx == e.runner.kv.n_ctx == kv["n_ctx"] == e.props()["n_ctx"] == total
+    assert kv["n_ctx_slot"] == e.n_ctx_slot == cells and kv["effective"]["n_cells"] == total
+    assert e.runner.kv.caches[0].k[0].shape[:2] == (n_parallel, cells)
+    said = [r.getMessage() for r in caplog.records if "not divisible" in r.getMessage()]
+    if total == n_ctx:
+        assert said == []
+    else:
+        way = "down" if total < n_ctx else "up"
+        assert said == [f"n_ctx = {n_ctx} is not divisible by n_seq_max = {n_parallel} - rounding {way} to {total} "
+                        f"({cells} cells a sequence)"]
+    assert kv_layout_lines(e)[0].startswith(f"llama_context: n_ctx = {total}, n_ctx_slot = {cells}, ")
 
 
 def test_a_tail_type_wider_than_its_cache_type_is_warned_about(synth, caplog):

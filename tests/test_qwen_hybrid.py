@@ -331,6 +331,37 @@ def run(engine, toks, **kw):
     return [e.token for e in evs if isinstance(e, TokenEvent)], evs[-1]
 
 
+def test_boot_accounts_the_recurrent_state_and_auto_tier_declines(hybrid_model, caplog):
+    """A hybrid model's per-sequence states are in the KV memory report (``/props``
+    ``opencoti.kv.memory.recurrent_bytes``, the boot lines, llama.cpp's R / S split) and in its
+    total; auto-tier declines the model (its walk sizes K + V only) and keeps f16, even with a
+    budget that K + V alone would meet."""
+    from opencoti.engine.kv_report import kv_layout_lines, kv_props
+
+    with caplog.at_level(logging.WARNING, logger="opencoti"):
+        e = Engine(hybrid_model, Params(n_ctx=256, n_parallel=2, n_ubatch=32, kv_auto_tier=True, kv_budget_mib=1e-3),
+                   backend="cpu")
+    kv = e.runner.kv
+    rec = kv.recurrent
+    hp = hybrid_model.hparams
+    n_rec = sum(hp.recurrent_layers)
+    # R: (d_conv - 1) x conv channels, S: dt_rank x d_state x head_v_dim, float32, a state per sequence and layer
+    assert rec.nbytes_r() == n_rec * 2 * (hp.ssm_d_conv - 1) * hp.ssm_conv_channels * 4 > 0
+    assert rec.nbytes_s() == n_rec * 2 * hp.ssm_dt_rank * hp.ssm_d_state * hp.ssm_head_v_dim * 4 > 0
+    mem = kv_props(e)["memory"]
+    assert mem["recurrent_bytes"] == rec.nbytes_r() + rec.nbytes_s()
+    assert mem["total_bytes"] == mem["k_bytes"] + mem["v_bytes"] + mem["recurrent_bytes"] == kv.nbytes()
+    lines = kv_layout_lines(e)
+    mib = 1024 * 1024
+    assert f"R (f32): {rec.nbytes_r() / mib:8.2f} MiB, S (f32): {rec.nbytes_s() / mib:8.2f} MiB" in lines[-2]
+    assert lines[-2].startswith(f"llama_memory_recurrent: {n_rec:3d} layers, 2 seqs")
+    assert lines[-1].endswith(f", recurrent state {mem['recurrent_bytes'] / mib:.2f} MiB)")
+    d = e.kv_decision
+    assert (d.enabled, d.applied, d.type_k, d.type_v) == (True, False, "f16", "f16")
+    assert "hybrid recurrent" in d.reason and "does not apply" in d.reason
+    assert [r.getMessage() for r in caplog.records if "auto-tier" in r.getMessage()] == [d.reason]
+
+
 def test_engine_concurrent_sessions_equal_sequential(hybrid_model):
     prompts = [SEQUENCES[0], SEQUENCES[1][:25], SEQUENCES[2], LONG[:70]]
     e = Engine(hybrid_model, Params(n_ctx=1024, n_parallel=4, kv_unified=True, n_ubatch=32), backend="cpu").start()

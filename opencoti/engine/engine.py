@@ -168,8 +168,12 @@ class Engine:
             else:
                 log.warning("%s", self.kv_decision.reason)
         self._say_tail_tiers()
-        self.n_ctx = n_ctx
+        self.n_ctx = self.runner.kv.n_ctx  # the cells allocated (the split cache rounds n_ctx)
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
+        if self.n_ctx != n_ctx:  # (as llama.cpp llama_context warns)
+            log.warning("n_ctx = %d is not divisible by n_seq_max = %d - rounding %s to %d (%d cells a sequence)",
+                        n_ctx, self.runner.kv.n_seq_max, "down" if self.n_ctx < n_ctx else "up", self.n_ctx,
+                        self.n_ctx_slot)
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own
             PolyKV.check_split_layout(n_ctx, self.n_slots, self.max_pools, self.n_ctx_slot)
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(self.n_slots)]

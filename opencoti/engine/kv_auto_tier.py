@@ -6,7 +6,7 @@ cache, layer, stream and cell: ``KVCacheSet.estimate_bytes``, exactly what is th
 allocated) fits the budget. Walk order: V leads and K follows one step behind, because
 attention is more sensitive to K error than to V error: a K error moves every softmax
 weight of the query. Measured on gemma-3-270m (``opencoti/engine/kv_tiers/__init__.py``):
-q4_0 on K alone costs a mean KLD of ~0.087 nats against f16, q4_0 on V alone ~0.004; the
+q4_0 on K alone costs a mean KLD of ~0.092 nats against f16, q4_0 on V alone ~0.0035; the
 random-weight model, whose attention is nearly uniform, shows no such gap, so the order
 follows the real model (and llama.cpp users' habit of -ctk q8_0 with a smaller V)::
 
@@ -28,8 +28,11 @@ memory on a GPU). With neither, auto-tier keeps f16 and says why.
 Only dense full-attention models: an iSWA model (Gemma-3) keeps most layers in a
 sliding-window cache whose size does not follow the context (only its few global layers'
 does), and a sliding-window model's KV does not grow with n_ctx at all, so the single
-"whole KV grows with n_ctx" budget walk does not describe them; auto-tier reports that it
-does not apply and keeps the types it was given (f16, or an explicit -ctk).
+"whole KV grows with n_ctx" budget walk does not describe them; a hybrid recurrent model
+(Qwen3.5 / Qwen3-Next: gated delta-net layers) keeps a float32 state per sequence beside its
+few attention layers' KV, which no KV tier shrinks and the walk's K + V sizes leave out.
+For all of these auto-tier reports that it does not apply and keeps the types it was given
+(f16, or an explicit -ctk).
 """
 
 from __future__ import annotations
@@ -106,6 +109,11 @@ def decide_kv_types(hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int
                               f"auto-tier does not apply: {hp.arch} is {kind}, not dense full attention "
                               f"(its sliding-window layers' KV does not follow n_ctx as the budget walk "
                               f"assumes); keeping {k0}/{v0}")
+    if hp.is_recurrent:
+        return KVTierDecision(True, False, k0, v0,
+                              f"auto-tier does not apply: {hp.arch} is hybrid recurrent (its gated delta-net "
+                              f"layers keep a per-sequence state beside the KV, which the budget walk does "
+                              f"not size), not dense full attention; keeping {k0}/{v0}")
     if budget_mib is not None:
         budget, source = int(budget_mib * MIB), "OPENCOTI_KV_BUDGET_MIB"
     else:

@@ -19,7 +19,9 @@ def kv_props(engine: Any) -> dict:
     one slot may use (all of it when unified, else ``n_ctx / n_seq_max``).
     ``type_k`` / ``type_v`` / ``type_k_tail`` / ``type_v_tail``: the tiers.
     ``memory``: per cache and tier half, ``{name, type_k, type_v, k_bytes, v_bytes, k_mib,
-    v_mib}``, and the totals. ``effective``: ``KVCacheSet.effective()`` (type_k, type_v,
+    v_mib}``, and the totals: ``k_bytes``, ``v_bytes``, ``recurrent_bytes`` (a hybrid model's
+    per-sequence float32 states, conv (R) + delta-net (S), else 0) and ``total_bytes``, their
+    sum (also ``bytes``). ``effective``: ``KVCacheSet.effective()`` (type_k, type_v,
     n_cells, n_cells_resident, n_layers_spilling, fully_resident, is_iswa). ``auto_tier``:
     the boot's tier decision (``kv_auto_tier.KVTierDecision``), or ``{"enabled": false}``.
     """
@@ -42,6 +44,7 @@ def kv_props(engine: Any) -> dict:
         memory.append({"name": name, "type_k": c.type_k, "type_v": c.type_v, "k_bytes": kb, "v_bytes": vb,
                        "k_mib": round(kb / MIB, 3), "v_mib": round(vb / MIB, 3)})
     base = kv.caches[0]
+    rec = getattr(kv, "recurrent", None)
     decision = getattr(engine, "kv_decision", None)
     return {
         "type_k": base.type_k,
@@ -58,6 +61,7 @@ def kv_props(engine: Any) -> dict:
             "caches": memory,
             "k_bytes": int(kv.nbytes_k()),
             "v_bytes": int(kv.nbytes_v()),
+            "recurrent_bytes": int(rec.nbytes()) if rec is not None else 0,
             "total_bytes": int(kv.nbytes()),
             "total_mib": round(kv.nbytes() / MIB, 3),
         },
@@ -80,8 +84,14 @@ def kv_layout_lines(engine: Any) -> list[str]:
         lines.append(f"llama_kv_cache: {c['name']:>6}: {c['n_cells']:6d} cells x {c['n_stream']} stream(s), "
                      f"{c['layers']:3d} layers, K ({m['type_k']}): {m['k_bytes'] / MIB:8.2f} MiB, "
                      f"V ({m['type_v']}): {m['v_bytes'] / MIB:8.2f} MiB{swa}")
-    lines.append(f"llama_kv_cache: total {kv['bytes'] / MIB:.2f} MiB (K {kv['memory']['k_bytes'] / MIB:.2f} MiB, "
-                 f"V {kv['memory']['v_bytes'] / MIB:.2f} MiB)")
+    mem = kv["memory"]
+    rec = getattr(engine.runner.kv, "recurrent", None)
+    if rec is not None:  # (llama.cpp's llama_memory_recurrent: R the conv states, S the delta-net states)
+        lines.append(f"llama_memory_recurrent: {len(rec.layers):3d} layers, {rec.n_seq_max} seqs, "
+                     f"R (f32): {rec.nbytes_r() / MIB:8.2f} MiB, S (f32): {rec.nbytes_s() / MIB:8.2f} MiB")
+    recurrent = f", recurrent state {mem['recurrent_bytes'] / MIB:.2f} MiB" if rec is not None else ""
+    lines.append(f"llama_kv_cache: total {kv['bytes'] / MIB:.2f} MiB (K {mem['k_bytes'] / MIB:.2f} MiB, "
+                 f"V {mem['v_bytes'] / MIB:.2f} MiB{recurrent})")
     if kv["type_k_tail"] != kv["type_k"] or kv["type_v_tail"] != kv["type_v"]:
         lines.append(f"llama_kv_cache: tail tiers K ({kv['type_k_tail']}), V ({kv['type_v_tail']}) "
                      f"(no tail allocated yet)")

@@ -85,7 +85,16 @@ class RecurrentState:
             raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.conv.values()) + sum(a.nbytes for a in self.ssm.values())
+        """Bytes of every state, both kinds (``nbytes_r() + nbytes_s()``)."""
+        return self.nbytes_r() + self.nbytes_s()
+
+    def nbytes_r(self) -> int:
+        """Bytes of the conv states (llama.cpp's R tensors; float32)."""
+        return sum(a.nbytes for a in self.conv.values())
+
+    def nbytes_s(self) -> int:
+        """Bytes of the delta-net states (llama.cpp's S tensors; float32)."""
+        return sum(a.nbytes for a in self.ssm.values())
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Position of the last token the state absorbed, -1 if empty."""

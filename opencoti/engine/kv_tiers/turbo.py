@@ -28,7 +28,9 @@ RMS and each ``u_j`` is coded as the index of the nearest level of ``LLOYD_MAX[b
 the lower level). The stored scale is the least-squares gain ``scale = sum_j y_j c_j /
 sum_j c_j^2`` (rounded to f16), which minimizes the block's error for those indices;
 decoding is ``y_j = scale * c[idx_j]``.
-A zero block stores scale 0.
+A zero block stores scale -0 (f16 bytes ``00 80``): its ``u`` are all 0, the middle threshold
+exactly, so each takes the level below it, a negative one, and the products ``0 * c`` that
+the gain sums are -0. It decodes to zeros (signed as those levels).
 
 Arithmetic (fixed, so any device reproduces the bytes; ``kv_rot.comp`` does): everything is
 float32 with one IEEE rounding per operation. ``y = fwht(x * s) * f32(1/sqrt(d))`` (the
