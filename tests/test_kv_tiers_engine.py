@@ -339,12 +339,12 @@ def test_engine_auto_tier_reads_back_from_the_live_cache(synth, capsys):
     assert (e.runner.kv.type_k, e.runner.kv.type_v) == ("f16", "q4_0")  # K held; V alone cannot fit
 
 
-@pytest.mark.parametrize("n_ctx, n_parallel, cells", [(100, 3, 33), (2, 4, 1), (96, 3, 32), (100, 1, 100)])
+@pytest.mark.parametrize("n_ctx, n_parallel, cells", [(100, 3, 33), (5, 4, 1), (96, 3, 32), (100, 1, 100)])
 def test_split_cache_rounds_n_ctx_and_reports_what_it_allocated(synth, caplog, n_ctx, n_parallel, cells):
-    """On the split cache each of the n_seq_max streams gets n_ctx // n_seq_max cells (at least
-    one); n_ctx as reported (``/props``, the KV report, ``Engine.n_ctx``) is what was allocated,
-    and a boot warning says so where it differs from -c, as llama.cpp's llama_context does. The
-    unified cache (one slot) keeps -c whole."""
+    """On the split cache each of the n_seq_max streams gets n_ctx // n_seq_max cells; n_ctx as
+    reported (``/props``, the KV report, ``Engine.n_ctx``) is what was allocated, and a boot
+    warning says so where it differs from -c, as llama.cpp's llama_context does. The unified
+    cache (one slot) keeps -c whole."""
     with caplog.at_level(logging.WARNING, logger="opencoti"):
         e = Engine(synth, Params(n_ctx=n_ctx, n_parallel=n_parallel, n_ubatch=64))
     kv = kv_props(e)
@@ -356,10 +356,22 @@ def test_split_cache_rounds_n_ctx_and_reports_what_it_allocated(synth, caplog, n
     if total == n_ctx:
         assert said == []
     else:
-        way = "down" if total < n_ctx else "up"
-        assert said == [f"n_ctx = {n_ctx} is not divisible by n_seq_max = {n_parallel} - rounding {way} to {total} "
-                        f"({cells} cells a sequence)"]
+        assert said == [f"n_ctx = {n_ctx} is not divisible by n_seq_max = {n_parallel} - rounding down to {total} "
+                        f"(n_ctx_slot = {cells})"]
     assert kv_layout_lines(e)[0].startswith(f"llama_context: n_ctx = {total}, n_ctx_slot = {cells}, ")
+
+
+def test_split_cache_refuses_n_ctx_below_n_seq_max(synth):
+    """-c below the split cache's sequence count (slots + PolyKV pools) would leave each of them
+    no cell (llama.cpp: n_ctx_seq == 0): refused at boot, naming both numbers; the unified cache
+    takes it."""
+    with pytest.raises(ValueError, match=r"^-c 3 is less than n_seq_max = 4 \(4 slots\): the split KV cache would "
+                                         r"give each sequence no cell; raise -c or use --kv-unified$"):
+        Engine(synth, Params(n_ctx=3, n_parallel=4, n_ubatch=64))
+    with pytest.raises(ValueError, match=r"n_seq_max = 5 \(3 slots \+ 2 PolyKV pools\)"):
+        Engine(synth, Params(n_ctx=4, n_parallel=3, polykv_max_pools=2, n_ubatch=64))
+    e = Engine(synth, Params(n_ctx=3, n_parallel=4, kv_unified=True, n_ubatch=64))
+    assert (e.n_ctx, e.n_ctx_slot) == (3, 3)
 
 
 def test_a_tail_type_wider_than_its_cache_type_is_warned_about(synth, caplog):

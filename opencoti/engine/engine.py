@@ -146,12 +146,17 @@ class Engine:
         if self.max_pools and params.ctx_shift:
             log.warning("--context-shift with PolyKV pools: pooled sessions never shift (it would "
                         "corrupt every reader of the prefix); they stop with truncated=true")
+        n_seq_max = self.n_slots + self.max_pools
+        split = not (params.kv_unified or self.n_slots == 1)
+        if split and n_ctx < n_seq_max:  # (llama.cpp: "n_ctx_seq == 0")
+            pools = f" + {self.max_pools} PolyKV pools" if self.max_pools else ""
+            raise ValueError(f"-c {n_ctx} is less than n_seq_max = {n_seq_max} ({self.n_slots} slots{pools}): the split "
+                             f"KV cache would give each sequence no cell; raise -c or use --kv-unified")
         if backend is None:
             backend = select_backend(getattr(params, "gpu", "auto"), getattr(params, "n_gpu_layers", -1),
                                      getattr(params, "main_gpu", 0))
         self.runner = ModelRunner(
-            model, backend, n_ctx=n_ctx, n_seq_max=self.n_slots + self.max_pools,
-            kv_unified=params.kv_unified or self.n_slots == 1, n_ubatch=self.n_ubatch,
+            model, backend, n_ctx=n_ctx, n_seq_max=n_seq_max, kv_unified=not split, n_ubatch=self.n_ubatch,
             type_k_tail=getattr(params, "cache_type_k_tail", None),
             type_v_tail=getattr(params, "cache_type_v_tail", None),
             kv_policy=functools.partial(decide_kv_types, type_k=getattr(params, "cache_type_k", None),
@@ -171,9 +176,8 @@ class Engine:
         self.n_ctx = self.runner.kv.n_ctx  # the cells allocated (the split cache rounds n_ctx)
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.n_ctx != n_ctx:  # (as llama.cpp llama_context warns)
-            log.warning("n_ctx = %d is not divisible by n_seq_max = %d - rounding %s to %d (%d cells a sequence)",
-                        n_ctx, self.runner.kv.n_seq_max, "down" if self.n_ctx < n_ctx else "up", self.n_ctx,
-                        self.n_ctx_slot)
+            log.warning("n_ctx = %d is not divisible by n_seq_max = %d - rounding down to %d (n_ctx_slot = %d)",
+                        n_ctx, self.runner.kv.n_seq_max, self.n_ctx, self.n_ctx_slot)
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own
             PolyKV.check_split_layout(n_ctx, self.n_slots, self.max_pools, self.n_ctx_slot)
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(self.n_slots)]
