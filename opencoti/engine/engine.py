@@ -177,7 +177,7 @@ class Engine:
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.n_ctx != n_ctx:  # (as llama.cpp llama_context warns)
             log.warning("n_ctx = %d is not divisible by n_seq_max = %d - rounding down to %d (n_ctx_slot = %d)",
-                        n_ctx, self.runner.kv.n_seq_max, self.n_ctx, self.n_ctx_slot)
+                        n_ctx, n_seq_max, self.n_ctx, self.n_ctx_slot)
         if self.max_pools and not self.runner.kv.unified:  # pools take streams of their own
             PolyKV.check_split_layout(n_ctx, self.n_slots, self.max_pools, self.n_ctx_slot)
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(self.n_slots)]

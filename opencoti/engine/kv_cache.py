@@ -988,7 +988,8 @@ class KVCacheSet:
         geo = self.geometry(hp, n_ctx, n_seq_max, unified, n_ubatch)
         self.n_ctx_seq = geo[0]["n_cells"]  # hard per-sequence limit
         # the global cache's cells over all its streams: the n_ctx asked for, but on the split
-        # cache n_seq_max x n_ctx // n_seq_max (at least one cell each; llama.cpp rounds the same way)
+        # cache n_seq_max x (n_ctx // n_seq_max), at least one cell each (llama.cpp's llama_context
+        # also rounds n_ctx to a multiple of n_seq_max, after padding each share to 256 cells)
         self.n_ctx = self.n_ctx_seq * geo[0]["n_stream"]
         common = dict(n_seq_max=n_seq_max, type_k=type_k, type_v=type_v, type_k_tail=type_k_tail,
                       type_v_tail=type_v_tail, zeros=zeros, zeros_for=zeros_for, kv_ops=kv_ops,

@@ -44,7 +44,7 @@ def kv_props(engine: Any) -> dict:
         memory.append({"name": name, "type_k": c.type_k, "type_v": c.type_v, "k_bytes": kb, "v_bytes": vb,
                        "k_mib": round(kb / MIB, 3), "v_mib": round(vb / MIB, 3)})
     base = kv.caches[0]
-    rec = getattr(kv, "recurrent", None)
+    rec = kv.recurrent
     decision = getattr(engine, "kv_decision", None)
     return {
         "type_k": base.type_k,
@@ -85,7 +85,7 @@ def kv_layout_lines(engine: Any) -> list[str]:
                      f"{c['layers']:3d} layers, K ({m['type_k']}): {m['k_bytes'] / MIB:8.2f} MiB, "
                      f"V ({m['type_v']}): {m['v_bytes'] / MIB:8.2f} MiB{swa}")
     mem = kv["memory"]
-    rec = getattr(engine.runner.kv, "recurrent", None)
+    rec = engine.runner.kv.recurrent
     if rec is not None:  # (llama.cpp's llama_memory_recurrent: R the conv states, S the delta-net states)
         lines.append(f"llama_memory_recurrent: {len(rec.layers):3d} layers, {rec.n_seq_max} seqs, "
                      f"R (f32): {rec.nbytes_r() / MIB:8.2f} MiB, S (f32): {rec.nbytes_s() / MIB:8.2f} MiB")
