@@ -394,6 +394,27 @@ def test_a_tail_type_wider_than_its_cache_type_is_warned_about(synth, caplog):
     assert not [r for r in caplog.records if "spilled tail" in r.getMessage()]
 
 
+def test_fa_off_with_a_quantized_v_cache_is_warned_about(synth, caplog):
+    """llama.cpp refuses -fa off with a quantized V cache ("V cache quantization requires
+    flash_attn"); here attention always reads the cache in place, so it boots with one warning,
+    and the pair decodes as with -fa on. A float V cache (bf16 too, as ggml_is_quantized), a
+    quantized K alone, or -fa on / auto gives no warning."""
+    ub = UBatch.build([5, 9, 13, 2], [0, 1, 2, 3], [0] * 4, [3])
+    with caplog.at_level(logging.WARNING, logger="opencoti"):
+        e = Engine(synth, Params(n_ctx=64, n_parallel=1, n_ubatch=64, cache_type_v="q4_0", flash_attn="off"))
+    said = [r.getMessage() for r in caplog.records if "-fa off" in r.getMessage()]
+    assert said == ["-fa off with -ctv q4_0: llama.cpp refuses a quantized V cache without flash attention; "
+                    "opencoti's attention always reads the cache in place, so -fa off changes nothing"]
+    on = Engine(synth, Params(n_ctx=64, n_parallel=1, n_ubatch=64, cache_type_v="q4_0", flash_attn="on"))
+    np.testing.assert_array_equal(e.runner.decode(ub), on.runner.decode(ub))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opencoti"):
+        for kw in (dict(cache_type_v="bf16", flash_attn="off"), dict(cache_type_k="q8_0", flash_attn="off"),
+                   dict(cache_type_v="turbo3", flash_attn="auto"), dict(cache_type_v="q8_0", flash_attn="on")):
+            Engine(synth, Params(n_ctx=64, n_parallel=1, n_ubatch=64, **kw))
+    assert not [r for r in caplog.records if "-fa off" in r.getMessage()]
+
+
 def test_backend_without_kernels_refuses_a_tier():
     check_kv_types(_Backend(kv_types=None), "turbo3", "q4_0")
     with pytest.raises(ValueError, match="does not support KV cache type q8_0 yet .supported there: f16"):

@@ -173,6 +173,7 @@ class Engine:
             else:
                 log.warning("%s", self.kv_decision.reason)
         self._say_tail_tiers()
+        self._say_flash_attn(getattr(params, "flash_attn", "auto"))
         self.n_ctx = self.runner.kv.n_ctx  # the cells allocated (the split cache rounds n_ctx)
         self.n_ctx_slot = self.runner.kv.n_ctx_seq
         if self.n_ctx != n_ctx:  # (as llama.cpp llama_context warns)
@@ -218,6 +219,18 @@ class Engine:
                 log.warning("%st %s stores %.2f bits a value, more than %s %s (%.2f): a spilled tail would take "
                             "more memory than the cells it replaces", flag, tail.name, tail.bits_per_value, flag,
                             t.name, t.bits_per_value)
+
+    def _say_flash_attn(self, flash_attn: str) -> None:
+        """Warn (once, at boot) for ``-fa off`` with a quantized V cache: llama.cpp refuses that
+        pair (llama_context: "V cache quantization requires flash_attn"); here attention always
+        reads the cache in place, block by block, so it runs as with ``-fa on``."""
+        if flash_attn != "off" or not self.runner.kv.caches:
+            return
+        tier_v = self.runner.kv.caches[0].tier_v
+        if tier_v.family != "float":
+            log.warning("-fa off with -ctv %s: llama.cpp refuses a quantized V cache without flash attention; "
+                        "opencoti's attention always reads the cache in place, so -fa off changes nothing",
+                        tier_v.name)
 
     def _say_offload(self, n_gpu_layers: int) -> None:
         """llama.cpp's boot line ``offloaded N/M layers to GPU`` on stderr: on a GPU backend
