@@ -96,10 +96,26 @@ def test_cache_rejects_bad_types():
         KVCache([0], 8, 1, 1, n_head_kv=1, d_k=96, d_v=96, type_v="turbo3")
 
 
+def test_tail_types_default_to_their_half_and_check_their_own_head_size():
+    """Without -ctkt / -ctvt each half's tail is its own type (K's for K, V's for V); a tail type is
+    checked against its own half's head size (MLA-style d_k != d_v), and the error names its flag."""
+    c = KVCache([0], 8, 1, 1, n_head_kv=1, d_k=128, d_v=64, type_k="q8_0", type_v="q4_0")
+    assert (c.tier_k_tail.name, c.tier_v_tail.name) == ("q8_0", "q4_0")
+    with pytest.raises(ValueError, match=r"^-ctvt \(the spilled tail's type\): .*power of two"):
+        KVCache([0], 8, 1, 1, n_head_kv=1, d_k=128, d_v=96, type_v="q8_0", type_v_tail="turbo3")
+    with pytest.raises(ValueError, match=r"^-ctkt \(the spilled tail's type\): .*power of two"):
+        KVCache([0], 8, 1, 1, n_head_kv=1, d_k=96, d_v=128, type_k="q8_0", type_k_tail="turbo3")
+    c = KVCache([0], 8, 1, 1, n_head_kv=1, d_k=96, d_v=128, type_v_tail="turbo3")  # V's tail fits V's 128
+    assert c.tier_v_tail.name == "turbo3"
+
+
 @pytest.mark.parametrize("tk,tv", [("f16", "f16"), ("q8_0", "q4_0"), ("turbo3", "turbo2_tcq"), ("bf16", "q5_1")])
 @pytest.mark.parametrize("unified,n_seq", [(True, 3), (False, 3)])
 def test_estimate_bytes_equals_allocation(synth, gemma, tk, tv, unified, n_seq):
-    for hp in (synth.hparams, gemma.hparams):
+    import dataclasses
+
+    narrow_v = dataclasses.replace(synth.hparams, n_embd_head_v=64)  # d_v != d_k: each half its own size
+    for hp in (synth.hparams, gemma.hparams, narrow_v):
         kv = KVCacheSet(hp, 600, n_seq, unified, 64, tk, tv)
         assert KVCacheSet.estimate_bytes(hp, 600, n_seq, unified, 64, tk, tv) == (kv.nbytes_k(), kv.nbytes_v())
         assert (kv.type_k, kv.type_v) == (tk, tv)
@@ -292,6 +308,8 @@ def test_auto_tier_decisions(synth, gemma):
     # explicit -ctk holds K and walks V alone
     d = decide(_size(hp, "q8_0", "q4_0"), type_k="q8_0")
     assert (d.type_k, d.type_v) == ("q8_0", "q4_0") and "held at q8_0" in d.reason
+    d = decide(_size(hp, "q8_0", "f16"), type_k="q8_0")  # V's walk starts at f16
+    assert (d.type_k, d.type_v) == ("q8_0", "f16") and [t[:2] for t in d.tried] == [["q8_0", "f16"]]
     # explicit -ctv turns it off
     d = decide(1, type_v="q5_0")
     assert (d.enabled, d.applied, d.type_k, d.type_v) == (True, False, "f16", "q5_0") and "-ctv" in d.reason
@@ -317,6 +335,11 @@ def test_auto_tier_decisions(synth, gemma):
     # hybrid recurrent models (a delta-net state per sequence beside the KV): does not apply either
     import dataclasses
 
+    # every layer sliding (n_swa without iSWA's mix): does not apply either
+    d = decide_kv_types(dataclasses.replace(hp, n_swa=128), 4096, 1, True, 512, _Backend(), auto=True, budget_mib=1.0)
+    assert not d.applied and (d.type_k, d.type_v) == ("f16", "f16") and not d.tried
+    assert "is sliding-window, not dense full attention" in d.reason
+
     hybrid = dataclasses.replace(hp, recurrent_layers=[il % 4 != 3 for il in range(hp.n_layer)])
     d = decide_kv_types(hybrid, 4096, 1, True, 512, _Backend(), auto=True, budget_mib=1.0)
     assert not d.applied and (d.type_k, d.type_v) == ("f16", "f16") and not d.tried
@@ -327,6 +350,9 @@ def test_engine_auto_tier_reads_back_from_the_live_cache(synth, capsys):
     budget = _size(synth.hparams, "q6_0", "q5_1", n_ctx=512) / MIB
     e = Engine(synth, Params(n_ctx=512, n_parallel=1, n_ubatch=64, kv_auto_tier=True, kv_budget_mib=budget))
     kv = kv_props(e)
+    for m in kv["memory"]["caches"]:  # each half's MiB is its own bytes'
+        assert (m["type_k"], m["type_v"]) == ("q6_0", "q5_1") and m["k_bytes"] != m["v_bytes"]
+        assert (m["k_mib"], m["v_mib"]) == (round(m["k_bytes"] / MIB, 3), round(m["v_bytes"] / MIB, 3))
     assert kv["effective"] == {"type_k": "q6_0", "type_v": "q5_1", "n_cells": 512, "n_cells_resident": 512,
                                "n_layers_spilling": 0, "fully_resident": True, "is_iswa": False}
     assert kv["auto_tier"]["applied"] and kv["auto_tier"]["kv_bytes"] == e.runner.kv.nbytes() <= budget * MIB

@@ -349,10 +349,11 @@ def test_boot_accounts_the_recurrent_state_and_auto_tier_declines(hybrid_model, 
     assert rec.nbytes_r() == n_rec * 2 * (hp.ssm_d_conv - 1) * hp.ssm_conv_channels * 4 > 0
     assert rec.nbytes_s() == n_rec * 2 * hp.ssm_dt_rank * hp.ssm_d_state * hp.ssm_head_v_dim * 4 > 0
     mem = kv_props(e)["memory"]
+    mib = 1024 * 1024
     assert mem["recurrent_bytes"] == rec.nbytes_r() + rec.nbytes_s()
     assert mem["total_bytes"] == mem["k_bytes"] + mem["v_bytes"] + mem["recurrent_bytes"] == kv.nbytes()
+    assert mem["total_mib"] == round(mem["total_bytes"] / mib, 3)
     lines = kv_layout_lines(e)
-    mib = 1024 * 1024
     assert f"R (f32): {rec.nbytes_r() / mib:8.2f} MiB, S (f32): {rec.nbytes_s() / mib:8.2f} MiB" in lines[-2]
     assert lines[-2].startswith(f"llama_memory_recurrent: {n_rec:3d} layers, 2 seqs")
     assert lines[-1].endswith(f", recurrent state {mem['recurrent_bytes'] / mib:.2f} MiB)")
