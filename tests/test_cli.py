@@ -281,7 +281,10 @@ def test_kv_cache_type_flags(clean_env):
                       "--cache-type-v-tail", "q6_0", "-c", "64"])  # -c still parses next to -ctk
     assert (p.cache_type_k, p.cache_type_v, p.cache_type_k_tail, p.cache_type_v_tail, p.n_ctx) == (
         "f16", "turbo3_tcq", "q5_1", "q6_0", 64)
-    with pytest.raises(click.UsageError, match="allowed: f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8"):
+    p = build_params(["-ctk", "q4_1", "-ctv", "IQ4_NL"])  # llama.cpp's other two -ctk / -ctv types
+    assert (p.cache_type_k, p.cache_type_v) == ("q4_1", "iq4_nl")
+    with pytest.raises(click.UsageError, match="allowed: f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, "
+                                               "turbo8"):
         build_params(["-ctk", "q3_k"])
 
 

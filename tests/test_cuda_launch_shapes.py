@@ -76,8 +76,8 @@ def test_lanes8_ok_tiers():
     part decode), none below 256."""
     from opencoti.engine.backend import cuda_kv
 
-    want = {t: (256, 512) for t in ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0", "turbo8", "turbo4",
-                                   "turbo3", "turbo2")}
+    want = {t: (256, 512) for t in ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl",
+                                   "turbo8", "turbo4", "turbo3", "turbo2")}
     want.update({"turbo3_tcq": (512,), "turbo2_tcq": (512,)})
     assert set(want) == set(cuda_kv.TIER_STRUCTS)
     for t, dims in want.items():

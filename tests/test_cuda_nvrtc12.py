@@ -35,7 +35,8 @@ MODULES = {
     "mmq.cu": (14, {"mmq_12", "mmq_14", "mmq_reduce"}),
     "shared_prefix.cu": (6, {"sp_attn_d128", "sp_attn_d256", "sp_merge_digits"}),
     "recurrent.cu": (5, {"ssm_conv", "gated_delta_net_r1"}),
-    "kv_write": (88, {"kv_quant_KQ8_0", "kv_quant_KTurbo3_d128", "kv_dequant_KQ4_0_d256"}),
+    "kv_write": (98, {"kv_quant_KQ8_0", "kv_quant_KIQ4_NL", "kv_dequant_KQ4_1_d64", "kv_quant_KTurbo3_d128",
+                      "kv_dequant_KQ4_0_d256"}),
 }
 # sm_90 only (thread-block clusters): module -> kernels
 SM90_KERNELS = {"attention.cu": {"attn_merge_c", "attn_merge_digits_c"}}

@@ -3,8 +3,10 @@
 - every tier: sizes per block/row, quantize -> dequantize error within bounds measured
   on Gaussian rows (and on rows with outlier channels, where the rotation matters);
 - q8_0 / q4_0 / q6_0: bytes of hand-computed blocks (ties, clamps, nibble and qh order);
-- q8_0, q4_0, q5_0, q5_1, bf16: bytes and values equal gguf-py's independent
-  implementation (``gguf.quants``), which mirrors ggml's reference quantizers;
+- q8_0, q4_1, q4_0, q5_0, q5_1, bf16: bytes and values equal gguf-py's independent
+  implementation (``gguf.quants``), which mirrors ggml's reference quantizers; iq4_nl's
+  values equal its dequantizer (gguf-py has no iq4_nl quantizer: hand blocks, the level
+  search's ties and the least-squares scale are checked instead);
 - turbo / tcq: a decoder written here from the module docs' byte layout, rotation and
   trellis definition reproduces the tiers' dequantize; the rotation is orthonormal and
   is the butterfly fast Walsh-Hadamard transform; scores can be taken in the rotated domain;
@@ -26,7 +28,8 @@ from opencoti.engine.kv_tiers import TIER_NAMES, _registry, _tables, convert, ge
 # (block_size, block_bytes) per tier
 LAYOUT = {
     "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q6_0": (32, 26), "q5_1": (32, 24),
-    "q5_0": (32, 22), "q4_0": (32, 18), "turbo8": (64, 66), "turbo4": (64, 34), "turbo3": (64, 26),
+    "q5_0": (32, 22), "q4_1": (32, 20), "q4_0": (32, 18), "iq4_nl": (32, 18), "turbo8": (64, 66), "turbo4": (64, 34),
+    "turbo3": (64, 26),
     "turbo2": (64, 18), "turbo3_tcq": (64, 26), "turbo2_tcq": (64, 18),
 }
 
@@ -35,7 +38,8 @@ LAYOUT = {
 ROUND_TRIP = {
     "f32": (0.0, 0.0), "f16": (4.34e-08, 4.02e-08), "bf16": (2.76e-06, 2.67e-06),
     "q8_0": (2.85e-05, 1.09e-04), "q6_0": (4.55e-04, 1.69e-03), "q5_1": (1.45e-03, 2.65e-03),
-    "q5_0": (1.85e-03, 6.84e-03), "q4_0": (7.47e-03, 2.67e-02), "turbo8": (3.66e-05, 3.51e-05),
+    "q5_0": (1.85e-03, 6.84e-03), "q4_1": (6.15e-03, 1.14e-02), "q4_0": (7.47e-03, 2.67e-02),
+    "iq4_nl": (6.13e-03, 1.49e-02), "turbo8": (3.66e-05, 3.51e-05),
     "turbo4": (8.65e-03, 8.21e-03), "turbo3": (3.14e-02, 2.91e-02), "turbo2": (1.10e-01, 9.97e-02),
     "turbo3_tcq": (2.19e-02, 2.09e-02), "turbo2_tcq": (8.14e-02, 7.83e-02),
 }
@@ -137,7 +141,7 @@ def _edge_blocks():
 
 
 @pytest.mark.parametrize("name,qtype", [("q8_0", GQ.Q8_0), ("q4_0", GQ.Q4_0), ("q5_0", GQ.Q5_0),
-                                        ("q5_1", GQ.Q5_1), ("bf16", GQ.BF16)])
+                                        ("q5_1", GQ.Q5_1), ("q4_1", GQ.Q4_1), ("bf16", GQ.BF16)])
 def test_agrees_with_gguf_quants(name, qtype):
     t = get_tier(name)
     x = _edge_blocks()
@@ -145,6 +149,63 @@ def test_agrees_with_gguf_quants(name, qtype):
     ref = gq.quantize(x, qtype)
     assert ours.shape == ref.shape and np.array_equal(ours, ref)
     np.testing.assert_array_equal(t.dequantize(ours), gq.dequantize(ref, qtype))
+
+
+def test_iq4_nl_dequantizes_as_gguf():
+    t = get_tier("iq4_nl")
+    q = t.quantize(_edge_blocks())
+    np.testing.assert_array_equal(t.dequantize(q), gq.dequantize(q, GQ.IQ4_NL))
+
+
+def test_iq4_nl_hand_block():
+    """x_j = level_{j % 16} / 4: max by magnitude -31.75 (first at j = 0) -> d0 = 1/4, codes j % 16
+    (each value sits on its level); w q^2 = 4 w q x term by term, so the least-squares d is 1/4
+    exactly. A block below 1e-15 in magnitude: d = 0 and every code 8 (the level nearest 0)."""
+    from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS
+
+    t = get_tier("iq4_nl")
+    x = IQ4_NL_LEVELS[np.arange(32) % 16] / np.float32(4)
+    got = t.quantize(x[None])[0]
+    assert got.tobytes() == struct.pack("<e", 0.25) + bytes(j | j << 4 for j in range(16))
+    np.testing.assert_array_equal(t.dequantize(got[None])[0], x)
+    for tiny in (0.0, 9e-16, -9e-16):
+        z = np.full((1, 32), tiny, np.float32)
+        assert t.quantize(z)[0].tobytes() == b"\x00\x00" + b"\x88" * 16
+    assert t.quantize(np.full((1, 32), 1e-15, np.float32))[0, :2].tobytes() != b"\x00\x00"
+
+
+def test_iq4_nl_level_search():
+    """best_index_int8: below / above the range -> 0 / 15, an exact midpoint -> the upper level,
+    NaN -> 15; elsewhere the nearest level (float64 brute force where the two distances differ)."""
+    from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS as v
+    from opencoti.engine.kv_tiers.scalar import best_index_iq4nl
+
+    x = np.array([-500, -127, -115.5, -115.6, 7.0, 6.99, 101.0, 113, 1e9, np.nan, 1.0, -10.0], np.float32)
+    assert best_index_iq4nl(x).tolist() == [0, 0, 1, 0, 9, 8, 15, 15, 15, 15, 8, 7]
+    r = np.random.default_rng(0).uniform(-140, 130, 20000).astype(np.float32)
+    dist = np.abs(r.astype(np.float64)[:, None] - v.astype(np.float64)[None])
+    srt = np.sort(dist, axis=1)
+    clear = srt[:, 1] - srt[:, 0] > 1e-3
+    np.testing.assert_array_equal(best_index_iq4nl(r)[clear], dist.argmin(axis=1)[clear])
+
+
+def test_iq4_nl_scale_is_the_weighted_least_squares_one():
+    """quantize_row_iq4_nl_ref (ntry = -1): codes are the nearest levels of x / d0 with d0 = max /
+    -127, and d minimises sum x^2 (x - d q)^2 over those codes: d = sum(x^3 q) / sum(x^2 q^2)
+    (float64 here, to float32 rounding of the in-order sums)."""
+    from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS, best_index_iq4nl
+
+    t = get_tier("iq4_nl")
+    x = _edge_blocks().reshape(-1, 32)[1:]
+    b = t.quantize(x).reshape(-1, 18)
+    codes = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1)
+    mx = np.take_along_axis(x, np.abs(x).argmax(1)[:, None], 1)
+    d0 = (mx / np.float32(-127)).astype(np.float32)
+    np.testing.assert_array_equal(codes, best_index_iq4nl((np.float32(1) / d0) * x))
+    q = IQ4_NL_LEVELS[codes].astype(np.float64)
+    x64 = x.astype(np.float64)
+    d = (x64 ** 3 * q).sum(1) / (x64 ** 2 * q ** 2).sum(1)
+    np.testing.assert_allclose(np.frombuffer(b[:, :2].tobytes(), np.float16).astype(np.float64), d, rtol=2e-3)
 
 
 # -- rotated tiers ---------------------------------------------------------------------------

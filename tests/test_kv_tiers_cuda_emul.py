@@ -86,6 +86,50 @@ def test_code_f_is_the_integer_value():
     np.testing.assert_array_equal(_code_f(b ^ 0x80, 128), b.astype(np.uint8).view(np.int8).astype(np.float32))
 
 
+def _byte_perm(x, y, s):
+    """CUDA ``__byte_perm(x, y, s)``, result byte 0 only: byte ``s & 7`` of the 8-byte value y:x."""
+    xy = (np.uint64(y) << np.uint64(32)) | np.uint64(x)
+    return (xy >> (np.asarray(s, dtype=np.uint64) * np.uint64(8))) & np.uint64(0xFF)
+
+
+def _iq4nl_level(i) -> np.ndarray:
+    """NumPy port of ``iq4nl_level(i)`` (kv_tiers.cuh): one PRMT over four words of int8 levels."""
+    i = np.asarray(i, dtype=np.uint32)
+    lo = np.where(i < 8, np.uint32(0xBFAD9881), np.uint32(0x26190D01))
+    hi = np.where(i < 8, np.uint32(0xF6EADDCF), np.uint32(0x71594535))
+    b = np.vectorize(lambda x, y, s: int(_byte_perm(int(x), int(y), int(s) & 7)))(lo, hi, i).astype(np.uint32)
+    return _code_f(b ^ 0x80, 128)
+
+
+def _iq4nl_index(x) -> np.ndarray:
+    """NumPy port of ``iq4nl_index(x)`` (kv_tiers.cuh): the levels <= x counted, then the nearer
+    neighbour by float32 differences."""
+    x = np.asarray(x, dtype=np.float32)
+    lev = _iq4nl_level(np.arange(16))
+    mu = 1 + sum((lev[k] <= x).astype(np.int32) for k in range(1, 15))
+    lower = (x - lev[np.clip(mu - 1, 0, 15)]) < (lev[np.clip(mu, 0, 15)] - x)
+    i = np.where(lower, mu - 1, mu)
+    return np.where(x <= np.float32(-127), 0, np.where(~(x < np.float32(113)), 15, i))
+
+
+def test_iq4nl_level_and_search_ports():
+    """The kernels' register-only iq4_nl level table and level search (kv_tiers.cuh iq4nl_level,
+    iq4nl_index) equal scalar.py's levels and best_index_iq4nl: at every level, every midpoint
+    and its float32 neighbours, the range ends, NaN and 20,000 random values."""
+    from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS, best_index_iq4nl
+
+    src = read_source("kv_tiers.cuh")
+    for word in ("0xBFAD9881u", "0xF6EADDCFu", "0x26190D01u", "0x71594535u"):
+        assert word in src
+    np.testing.assert_array_equal(_iq4nl_level(np.arange(16)), IQ4_NL_LEVELS)
+    mids = (IQ4_NL_LEVELS[:-1] + IQ4_NL_LEVELS[1:]) / np.float32(2)
+    pts = np.concatenate([IQ4_NL_LEVELS, mids,
+                          np.nextafter(mids, np.float32(-1e9)), np.nextafter(mids, np.float32(1e9)),
+                          np.array([-1e30, -127.5, 113.5, 1e30, np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32),
+                          np.random.default_rng(1).uniform(-140, 130, 20000).astype(np.float32)]).astype(np.float32)
+    np.testing.assert_array_equal(_iq4nl_index(pts), best_index_iq4nl(pts))
+
+
 def _val(t, b: np.ndarray, i: int) -> np.ndarray:
     """NumPy port of ``T::val(row, i, tab)`` (kv_tiers.cuh) over rows ``b`` uint8 ``[N, row]``."""
     n, j = t.name, i & 31
@@ -105,11 +149,15 @@ def _val(t, b: np.ndarray, i: int) -> np.ndarray:
         h = (qhb >> (4 * (jj >> 3))) & 15
         q = ((qs & 15) | ((h & 3) << 4)) if j < 16 else ((qs >> 4) | (((h >> 2) & 3) << 4))
         return _h2f(b, o) * _code_f(q, 32)
-    if n in ("q5_1", "q5_0", "q4_0"):
-        o = {"q5_1": 24, "q5_0": 22, "q4_0": 18}[n] * (i >> 5)
-        qs_at = {"q5_1": 8, "q5_0": 6, "q4_0": 2}[n]
+    if n in ("q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"):
+        o = {"q5_1": 24, "q5_0": 22, "q4_1": 20, "q4_0": 18, "iq4_nl": 18}[n] * (i >> 5)
+        qs_at = {"q5_1": 8, "q5_0": 6, "q4_1": 4, "q4_0": 2, "iq4_nl": 2}[n]
         qs = b32[:, o + qs_at + (j & 15)]
         q = (qs & 15) if j < 16 else (qs >> 4)
+        if n == "iq4_nl":
+            return _h2f(b, o) * _iq4nl_level(q)
+        if n == "q4_1":
+            return _h2f(b, o) * _code_f(q, 0) + _h2f(b, o + 2)
         if n != "q4_0":
             qh_at = 4 if n == "q5_1" else 2
             q = q | (((b32[:, o + qh_at + (j >> 3)] >> (j & 7)) & 1) << 4)

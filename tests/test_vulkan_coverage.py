@@ -65,6 +65,9 @@ def _kv_values(rng, T, n_kv, d):
     ("q5_1", "q5_1", 32, 3),
     ("q5_0", "q5_0", 32, 1),
     ("q4_0", "q4_0", 64, 1),
+    ("q4_1", "q4_1", 32, 3),   # 20-byte rows
+    ("iq4_nl", "iq4_nl", 64, 2),
+    ("iq4_nl", "q4_1", 128, 1),
     ("bf16", "bf16", 64, 2),
     ("q4_0", "f16", 64, 2),    # mixed tiers: one dispatch per half, the any-tier attention
     ("f32", "q8_0", 32, 2),
@@ -114,7 +117,7 @@ def test_kv_types_declared(vk):
     assert vk.kv_types == TIER_NAMES
     check_kv_types(vk, *TIER_NAMES)
     with pytest.raises(ValueError, match="unsupported KV cache type"):
-        check_kv_types(vk, "q4_1")
+        check_kv_types(vk, "q4_k")
 
 
 @pytest.mark.parametrize("name", ROTATED_TIERS)
@@ -165,7 +168,7 @@ def _greedy(model, backend, prompt, n_gen, type_k="f16", type_v="f16", shift=Fal
 
 
 @pytest.mark.parametrize("type_k,type_v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q5_1", "f16"),
-                                           ("bf16", "q6_0"), ("q5_0", "f32")])
+                                           ("bf16", "q6_0"), ("q5_0", "f32"), ("iq4_nl", "q4_1")])
 def test_tiny_model_kv_tiers_vulkan_matches_cpu(tmp_path, vk, cpu, type_k, type_v):
     """-ctk / -ctv on a tiny llama: Vulkan's greedy tokens equal the CPU's and its logits
     agree (prefill, graph-replayed decode, K shift through dequantize-rotate-quantize)."""

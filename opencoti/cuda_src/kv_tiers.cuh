@@ -12,7 +12,7 @@
 // Tier struct members:
 //   BS, BB: values / bytes of a block (the float tiers use a 32-value virtual block);
 //   SV: values per register segment in QK (keeps a segment <= ~36 registers);
-//   ROT: rotated domain; HASMIN: q5_1's "+ m" term; PVF16: f16 rows (PV loads them 16 bytes
+//   ROT: rotated domain; HASMIN: q5_1's / q4_1's "+ m" term; PVF16: f16 rows (PV loads them 16 bytes
 //   at a time); NT: code-table entries (0 = none),
 //   tab(): that __constant__ table (copied to shared memory by the kernels);
 //   scale(w, b) / mn(w, b): block b's scale / offset from a segment's words w;
@@ -346,6 +346,109 @@ struct KQ4_0 {
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_0_ref
         float d = xdiv(wsabsmax(v, lane), -8.f), id = xinv(d);
         int q = min(15, (int)truncf(xadd(xmul(v, id), 8.5f)));
+        st_nibbles(dst + 2, q, lane);
+        if (lane == 0) st16(dst, f2h(d));
+    }
+};
+
+struct KQ4_1 {
+    static constexpr int BS = 32, BB = 20, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 20 * b)); }
+    static __device__ __forceinline__ float mn(const u32* w, int b) { return h2f(wh(w, 20 * b + 2)); }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
+        u32 qs = wb(w, 20 * b + 4 + (j & 15));
+        return code_f(j < 16 ? (qs & 15u) : (qs >> 4), 0);
+    }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
+        const u8* b = row + 20 * (i >> 5);
+        int j = i & 31;
+        u32 qs = b[4 + (j & 15)];
+        return h2f(ldh(b)) * code_f(j < 16 ? (qs & 15u) : (qs >> 4), 0) + h2f(ldh(b + 2));
+    }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        const u8* b = row + 20 * (i0 >> 5);
+        const int j0 = i0 & 31;
+        u32 qs[(E + 3) / 4];
+        ldw<E, 2>(b + 4 + (j0 & 15), qs);
+        const float d = h2f(ldh(b)), m = h2f(ldh(b + 2));
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const u32 c = wb(qs, e);
+            vf[e] = d * code_f(j0 < 16 ? (c & 15u) : (c >> 4), 0) + m;
+        }
+    }
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_1_ref
+        float lo = wmin(v), hi = wmax(v);
+        float d = xdiv(xsub(hi, lo), 15.f), id = xinv(d);
+        int q = min(15, (int)truncf(xadd(xmul(xsub(v, lo), id), 0.5f)));
+        st_nibbles(dst + 4, q, lane);
+        if (lane == 0) { st16(dst, f2h(d)); st16(dst + 2, f2h(lo)); }
+    }
+};
+// iq4_nl's level i (ggml-common.h kvalues_iq4nl: -127 .. 113), exactly, from registers: the 16
+// int8 levels are the bytes of four words, byte i picked by one PRMT
+__device__ __forceinline__ float iq4nl_level(u32 i) {
+    const u32 b = __byte_perm(i < 8u ? 0xBFAD9881u : 0x26190D01u, i < 8u ? 0xF6EADDCFu : 0x71594535u, i & 7u) & 0xFFu;
+    return code_f(b ^ 0x80u, 128);
+}
+// ggml best_index_int8(16, kvalues_iq4nl, x) (scalar.py best_index_iq4nl): the nearest level's
+// index, an exact midpoint to the upper one, NaN to 15
+__device__ __forceinline__ int iq4nl_index(float x) {
+    if (xle(x, -127.f)) return 0;
+    if (!xlt(x, 113.f)) return 15;
+    int mu = 1;  // levels 0 .. mu - 1 are <= x < level mu
+#pragma unroll
+    for (int k = 1; k < 15; k++) mu += xle(iq4nl_level(k), x) ? 1 : 0;
+    return xlt(xsub(x, iq4nl_level(mu - 1)), xsub(iq4nl_level(mu), x)) ? mu - 1 : mu;
+}
+struct KIQ4_NL {
+    static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
+    static __device__ __forceinline__ const float* tab() { return nullptr; }
+    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 18 * b)); }
+    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
+    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
+        u32 qs = wb(w, 18 * b + 2 + (j & 15));
+        return iq4nl_level(j < 16 ? (qs & 15u) : (qs >> 4));
+    }
+    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
+        const u8* b = row + 18 * (i >> 5);
+        int j = i & 31;
+        u32 qs = b[2 + (j & 15)];
+        return h2f(ldh(b)) * iq4nl_level(j < 16 ? (qs & 15u) : (qs >> 4));
+    }
+    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
+        const u8* b = row + 18 * (i0 >> 5);
+        const int j0 = i0 & 31;
+        u32 qs[(E + 3) / 4];
+        ldw<E, 2>(b + 2 + (j0 & 15), qs);
+        const float d = h2f(ldh(b));
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const u32 c = wb(qs, e);
+            vf[e] = d * iq4nl_level(j0 < 16 ? (c & 15u) : (c >> 4));
+        }
+    }
+    // quantize_row_iq4_nl_ref: codes of x / d0 (d0 = max / -127), then d = sum(w q x) / sum(w q^2)
+    // with w = x^2, both sums in order j = 0..31 (lane 0's chain of shuffles; every lane gets it);
+    // a block below GROUP_MAX_EPS gets d = 0 and codes 8 (scalar.py)
+    static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {
+        const float mx = wsabsmax(v, lane);
+        float d = 0.f;
+        int q = 8;
+        if (xle(1e-15f, xabs(mx))) {  // uniform per warp
+            const float id = xdiv(1.f, xdiv(mx, -127.f));
+            q = iq4nl_index(xmul(id, v));
+            const float l = iq4nl_level((u32)q), wq = xmul(xmul(v, v), l);
+            const float tqx = xmul(wq, v), tq2 = xmul(wq, l);
+            float sqx = 0.f, sq2 = 0.f;
+#pragma unroll
+            for (int j = 0; j < 32; j++) {
+                sqx = xadd(sqx, __shfl_sync(0xffffffffu, tqx, j));
+                sq2 = xadd(sq2, __shfl_sync(0xffffffffu, tq2, j));
+            }
+            d = xdiv(sqx, sq2);
+        }
         st_nibbles(dst + 2, q, lane);
         if (lane == 0) st16(dst, f2h(d));
     }

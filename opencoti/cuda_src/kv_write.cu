@@ -28,7 +28,8 @@ __device__ __forceinline__ void kv_quant_scalar(const float* __restrict__ x, u8*
     extern "C" __global__ void __launch_bounds__(128) kv_quant_##T(const float* x, u8* store, const int* cell, \
                                                                     int n_rows, int n_kv, int D) { GRID_DEP_WAIT();        \
         kv_quant_scalar<T>(x, store, cell, n_rows, n_kv, D); }
-DEF_QS(KF32) DEF_QS(KF16) DEF_QS(KBF16) DEF_QS(KQ8_0) DEF_QS(KQ6_0) DEF_QS(KQ5_1) DEF_QS(KQ5_0) DEF_QS(KQ4_0)
+DEF_QS(KF32) DEF_QS(KF16) DEF_QS(KBF16) DEF_QS(KQ8_0) DEF_QS(KQ6_0) DEF_QS(KQ5_1) DEF_QS(KQ5_0) DEF_QS(KQ4_1)
+DEF_QS(KQ4_0) DEF_QS(KIQ4_NL)
 
 // sum of p[0..64) into p[0] by halving (turbo.block_sum's order: p[j] += p[j + h], h = 32, ..., 1); all threads of the block call it,
 // threads with j = threadIdx.x & 63 < 64 of block base b0 own p[b0 + j]
@@ -193,5 +194,6 @@ __device__ __forceinline__ void kv_dequant(const u8* __restrict__ store, const i
         kv_dequant<T, D>(store, cell, n_kv, out); }
 #define DEF_DQ_ALL(T) DEF_DQ(T, 64) DEF_DQ(T, 128) DEF_DQ(T, 256) DEF_DQ(T, 512)
 DEF_DQ_ALL(KF32) DEF_DQ_ALL(KF16) DEF_DQ_ALL(KBF16) DEF_DQ_ALL(KQ8_0) DEF_DQ_ALL(KQ6_0) DEF_DQ_ALL(KQ5_1)
-DEF_DQ_ALL(KQ5_0) DEF_DQ_ALL(KQ4_0) DEF_DQ_ALL(KTurbo8) DEF_DQ_ALL(KTurbo4) DEF_DQ_ALL(KTurbo3)
+DEF_DQ_ALL(KQ5_0) DEF_DQ_ALL(KQ4_1) DEF_DQ_ALL(KQ4_0) DEF_DQ_ALL(KIQ4_NL) DEF_DQ_ALL(KTurbo8) DEF_DQ_ALL(KTurbo4)
+DEF_DQ_ALL(KTurbo3)
 DEF_DQ_ALL(KTurbo2) DEF_DQ_ALL(KTcq3) DEF_DQ_ALL(KTcq2)

@@ -120,10 +120,15 @@ vec2 kv_pair(uint row, uint j, bool is_k) {
         int q0 = int(kvb(is_k, bb + 2u + k) << 24) >> 24, q1 = int(kvb(is_k, bb + 3u + k) << 24) >> 24;
         return vec2(float(q0) * d, float(q1) * d);
     }
-    uint qs0 = t == KVT_Q6_0 ? 10u : (t == KVT_Q5_1 ? 8u : (t == KVT_Q5_0 ? 6u : 2u));
+    uint qs0 = t == KVT_Q6_0 ? 10u : (t == KVT_Q5_1 ? 8u : (t == KVT_Q5_0 ? 6u : (t == KVT_Q4_1 ? 4u : 2u)));
     uint sh = k < 16u ? 0u : 4u;
     uint q0 = (kvb(is_k, bb + qs0 + (k & 15u)) >> sh) & 15u, q1 = (kvb(is_k, bb + qs0 + (k & 15u) + 1u) >> sh) & 15u;
     if (t == KVT_Q4_0) return vec2(float(int(q0) - 8) * d, float(int(q1) - 8) * d);
+    if (t == KVT_IQ4_NL) return vec2(IQ4NL[q0] * d, IQ4NL[q1] * d);
+    if (t == KVT_Q4_1) {
+        precise vec2 r = vec2(float(q0), float(q1)) * d + kvh(is_k, bb + 2u);  // q * d + m
+        return r;
+    }
     if (t == KVT_Q6_0) {  // high 2 bits: h_m = qh[m % 8] >> 4 (m / 8), bits 0-1 for k < 16, 2-3 above
         uint m = k & 15u, hs = k < 16u ? 0u : 2u;
         uint h0 = (kvb(is_k, bb + 2u + (m & 7u)) >> (4u * (m >> 3))) >> hs;

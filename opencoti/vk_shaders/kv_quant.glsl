@@ -2,15 +2,16 @@
 // float32 arithmetic their reference quantizers use, reproduced bit for bit.
 //
 // Type codes (push constants of kv_store.comp, kv_rot.comp and attn.comp's KV_ANY variant;
-// the order of vulkan.py KV_TIER_CODES): 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1,
-// 6 q5_0, 7 q4_0, and the rotated tiers (kv_tiers/turbo.py, tcq.py; kv_rot.comp writes
-// them) 8 turbo8, 9 turbo4, 10 turbo3, 11 turbo2, 12 turbo3_tcq, 13 turbo2_tcq.
-// Block types 3..7 hold 32 values and start with an f16 scale; see scalar.py's table for
-// the byte layout of each (ggml-common.h block_q8_0 / q5_1 / q5_0 / q4_0, ik_llama.cpp
-// q6_0); the rotated tiers hold 64 rotated values per block after an f16 scale.
+// vulkan.py KV_TIER_CODES): 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q6_0, 5 q5_1,
+// 6 q5_0, 7 q4_0, 8 q4_1, 9 iq4_nl, and the rotated tiers (kv_tiers/turbo.py, tcq.py;
+// kv_rot.comp writes them) 10 turbo8, 11 turbo4, 12 turbo3, 13 turbo2, 14 turbo3_tcq,
+// 15 turbo2_tcq. Block types 3..9 hold 32 values and start with an f16 scale; see
+// scalar.py's table for the byte layout of each (ggml-common.h block_q8_0 / q5_1 / q5_0 /
+// q4_1 / q4_0 / iq4_nl, ik_llama.cpp q6_0); the rotated tiers hold 64 rotated values per
+// block after an f16 scale.
 //
 // The rotated tiers' tables (vulkan.py _kv_tables, one float32 buffer): [0, 512) the sign
-// flips (+1 / -1, _tables.SIGNS_HEX); for code t >= 8, at KVT_LEV(t) the reconstruction
+// flips (+1 / -1, _tables.SIGNS_HEX); for code t >= 10, at KVT_LEV(t) the reconstruction
 // levels (LLOYD_MAX[bits] or TCQ[k], up to 256) and at KVT_LEV(t) + 256 the float32
 // decision midpoints (c[i] + c[i+1]) / 2 of the turbo tiers.
 //
@@ -27,13 +28,19 @@
 #define KVT_Q5_1 5u
 #define KVT_Q5_0 6u
 #define KVT_Q4_0 7u
-#define KVT_TURBO8 8u
-#define KVT_TURBO4 9u
-#define KVT_TURBO3 10u
-#define KVT_TURBO2 11u
-#define KVT_TCQ3 12u
-#define KVT_TCQ2 13u
-#define KVT_LEV(t) (512u * ((t) - 7u))
+#define KVT_Q4_1 8u
+#define KVT_IQ4_NL 9u
+#define KVT_TURBO8 10u
+#define KVT_TURBO4 11u
+#define KVT_TURBO3 12u
+#define KVT_TURBO2 13u
+#define KVT_TCQ3 14u
+#define KVT_TCQ2 15u
+#define KVT_LEV(t) (512u * ((t) - KVT_TURBO8 + 1u))
+
+// iq4_nl's levels (ggml-common.h kvalues_iq4nl, scalar.py IQ4_NL_LEVELS), in units of d
+const float IQ4NL[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                  1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
 
 bool kvt_rotated(uint t) { return t >= KVT_TURBO8; }
 bool kvt_tcq(uint t) { return t >= KVT_TCQ3; }
@@ -42,7 +49,8 @@ uint kvt_bits(uint t) { return t == KVT_TURBO8 ? 8u : t == KVT_TURBO4 ? 4u : (t 
 
 uint kvt_block_bytes(uint t) {  // bytes of one block (32 values; 64 for the rotated tiers)
     if (t >= KVT_TURBO8) return 2u + 8u * kvt_bits(t);
-    return t == KVT_Q8_0 ? 34u : t == KVT_Q6_0 ? 26u : t == KVT_Q5_1 ? 24u : t == KVT_Q5_0 ? 22u : 18u;
+    return t == KVT_Q8_0 ? 34u : t == KVT_Q6_0 ? 26u : t == KVT_Q5_1 ? 24u : t == KVT_Q5_0 ? 22u
+         : t == KVT_Q4_1 ? 20u : 18u;
 }
 
 // a / b in float32, correctly rounded (round to nearest even) for normal a, b and a normal
@@ -83,6 +91,20 @@ uint f32_to_bf16(float f) {
     uint u = floatBitsToUint(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 64u;
     return (u + (0x7FFFu + ((u >> 16) & 1u))) >> 16;
+}
+
+// ggml best_index_int8(16, kvalues_iq4nl, x) (scalar.py best_index_iq4nl): the nearest
+// level's index, an exact midpoint to the upper one, NaN to 15
+uint iq4nl_index(float x) {
+    if (x <= IQ4NL[0]) return 0u;
+    if (x >= IQ4NL[15] || isnan(x)) return 15u;
+    uint ml = 0u, mu = 15u;
+    while (mu - ml > 1u) {
+        uint m = (ml + mu) / 2u;
+        if (x < IQ4NL[m]) mu = m; else ml = m;
+    }
+    precise float below = x - IQ4NL[mu - 1u], above = IQ4NL[mu] - x;
+    return below < above ? mu - 1u : mu;
 }
 
 // 64-bit unsigned compare of (ah, al) with (bh, bl): -1, 0, 1

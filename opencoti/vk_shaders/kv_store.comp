@@ -93,6 +93,34 @@ void main() {
             precise float v = (x[j] - lo) * id + 0.5;
             q[j] = uint(trunc(v));
         }
+    } else if (t == KVT_Q4_1) {  // q5_1's form with 15 steps, codes clamped to 15
+        precise float span = hi - lo;
+        float d = div_rn(span, 15.0);
+        float id = inv_or_zero(d);
+        put16(0u, f32_to_f16(d));
+        put16(2u, f32_to_f16(lo));
+        for (uint j = 0u; j < 32u; j++) {
+            precise float v = (x[j] - lo) * id + 0.5;
+            q[j] = min(15u, uint(trunc(v)));
+        }
+    } else if (t == KVT_IQ4_NL) {  // nearest level of x / d0, then the weighted least-squares scale
+        float d = 0.0;
+        if (amax >= 1e-15) {
+            float d0 = div_rn(mx, -127.0);
+            float id = div_rn(1.0, d0);
+            precise float sqx = 0.0, sq2 = 0.0;
+            for (uint j = 0u; j < 32u; j++) {
+                precise float al = id * x[j];
+                q[j] = iq4nl_index(al);
+                precise float wq = (x[j] * x[j]) * IQ4NL[q[j]];
+                sqx = sqx + wq * x[j];
+                sq2 = sq2 + wq * IQ4NL[q[j]];
+            }
+            d = div_rn(sqx, sq2);
+        } else {
+            for (uint j = 0u; j < 32u; j++) q[j] = 8u;  // scalar.py: the level nearest 0
+        }
+        put16(0u, f32_to_f16(d));
     } else {  // q6_0, q5_0, q4_0: d = mx / -2^(bits-1), q = min(qmax, trunc(x / d + 2^(bits-1) + 0.5))
         float half_ = t == KVT_Q6_0 ? 32.0 : (t == KVT_Q5_0 ? 16.0 : 8.0);
         uint qmax = t == KVT_Q6_0 ? 63u : (t == KVT_Q5_0 ? 31u : 15u);
@@ -106,7 +134,7 @@ void main() {
     }
     if (t != KVT_Q8_0) {
         // low nibbles: qs[j] = (q_j & 15) | (q_{j+16} & 15) << 4, after the scale(s) and qh
-        uint qs0 = t == KVT_Q6_0 ? 10u : (t == KVT_Q5_1 ? 8u : (t == KVT_Q5_0 ? 6u : 2u));
+        uint qs0 = t == KVT_Q6_0 ? 10u : (t == KVT_Q5_1 ? 8u : (t == KVT_Q5_0 ? 6u : (t == KVT_Q4_1 ? 4u : 2u)));
         for (uint j = 0u; j < 16u; j++) by[qs0 + j] = (q[j] & 15u) | ((q[j + 16u] & 15u) << 4);
         if (t == KVT_Q6_0) {  // h_j = (q_j >> 4) | (q_{j+16} >> 4) << 2 into qh[j % 8] at bit 4 (j / 8)
             for (uint j = 0u; j < 8u; j++) {

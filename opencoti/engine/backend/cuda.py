@@ -1626,7 +1626,7 @@ class CUDABackend:
         """``cpu.rope_kv_write`` (rope q, rope k, store k and v into the layer's cells) in one
         launch with the bits of the separate ones: f16 K and V of one head size by kernels.cu's
         ``rope_kv_write``; any other pair of ``cuda_kv.ROPE_STORE_TIERS`` (f32, f16, bf16, q8_0,
-        q6_0, q5_1, q5_0, q4_0 with head sizes of a multiple of 32; turbo8 / 4 / 3 / 2 with head
+        q6_0, q5_1, q5_0, q4_1, q4_0, iq4_nl with head sizes of a multiple of 32; turbo8 / 4 / 3 / 2 with head
         sizes 64, 128 or 256, d_v = d_k for a rotated V) by rope_store.cu's ``rope_kv_write_q`` (a
         module per tier pair, ``_rope_store_fn``)
         (``OPENCOTI_CUDA_ROPE_KV_TIERS=0``: the composition); the trellis tiers and other shapes

@@ -32,15 +32,16 @@ from opencoti.engine.kv_tiers import get_tier
 # tier name -> C struct in kv_tiers.cuh (every name of kv_tiers.TIER_NAMES)
 TIER_STRUCTS = {
     "f32": "KF32", "f16": "KF16", "bf16": "KBF16", "q8_0": "KQ8_0", "q6_0": "KQ6_0", "q5_1": "KQ5_1",
-    "q5_0": "KQ5_0", "q4_0": "KQ4_0", "turbo8": "KTurbo8", "turbo4": "KTurbo4", "turbo3": "KTurbo3",
+    "q5_0": "KQ5_0", "q4_1": "KQ4_1", "q4_0": "KQ4_0", "iq4_nl": "KIQ4_NL", "turbo8": "KTurbo8", "turbo4": "KTurbo4",
+    "turbo3": "KTurbo3",
     "turbo2": "KTurbo2", "turbo3_tcq": "KTcq3", "turbo2_tcq": "KTcq2",
 }
 KV_TYPES = tuple(TIER_STRUCTS)  # what CUDABackend.kv_types lists
 # head sizes the tier kernels are built for (the rotated tiers need a power of two in [64, 512])
 KV_HEAD_DIMS = (64, 128, 256, 512)
 # tiers of rope_store.cu's rope_kv_write_q (rope + quantized store in one launch, a module per pair)
-ROPE_STORE_TIERS = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0", "turbo8", "turbo4", "turbo3",
-                    "turbo2")
+ROPE_STORE_TIERS = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "turbo8", "turbo4",
+                    "turbo3", "turbo2")
 # the rotated ones among them (a block's threads are a row's values: head sizes up to 256)
 ROPE_STORE_ROTATED = ("turbo8", "turbo4", "turbo3", "turbo2")
 SCALAR_FAMILY = ("float", "scalar")

@@ -16,8 +16,8 @@ live in ``opencoti/vk_shaders`` (``python -m opencoti.vk_shaders.build``).
 - ``attention_cells``: split-K online-softmax attention reading the KV storage
   through the cache plan's per-sequence cell lists (``attn.comp``); causal and
   sliding-window masks, softcap, GQA, head size up to 512. KV tiers (``kv_types``):
-  f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8, turbo4, turbo3, turbo2,
-  turbo3_tcq, turbo2_tcq, any per half: f16 or f32 K and V of one type use their
+  f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, turbo8, turbo4, turbo3,
+  turbo2, turbo3_tcq, turbo2_tcq, any per half: f16 or f32 K and V of one type use their
   own variants; every other choice ``attn_any``, which dequantizes each half's tier
   in registers (rotated tiers: q rotated once per head, the output un-rotated once,
   see ``attn.comp``). ``kv_write`` quantizes on the device to exactly the bytes of
@@ -92,9 +92,11 @@ QTYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q
           10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _KV_DTYPES = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}
 # KV tiers with kernels here -> their code in kv_quant.glsl (kv_store.comp, attn.comp KV_ANY)
-KV_TIER_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q6_0": 4, "q5_1": 5, "q5_0": 6, "q4_0": 7,
-                 "turbo8": 8, "turbo4": 9, "turbo3": 10, "turbo2": 11, "turbo3_tcq": 12, "turbo2_tcq": 13}
-_KV_ROTATED = 8  # codes from here on: rotated tiers (kv_rot.comp writes them)
+# (in kv_tiers.TIER_NAMES order, which kv_types keeps; q4_1 and iq4_nl came after the rest were numbered)
+KV_TIER_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q6_0": 4, "q5_1": 5, "q5_0": 6, "q4_1": 8, "q4_0": 7,
+                 "iq4_nl": 9, "turbo8": 10, "turbo4": 11, "turbo3": 12, "turbo2": 13, "turbo3_tcq": 14,
+                 "turbo2_tcq": 15}
+_KV_ROTATED = 10  # codes from here on: rotated tiers (kv_rot.comp writes them)
 _OP_ADD, _OP_MUL, _OP_GELU_MUL, _OP_SILU_MUL = 0, 1, 2, 3
 _U_SCALE, _U_GELU, _U_SILU, _U_SIGMOID, _U_SOFTPLUS = 0, 1, 2, 3, 4
 SSM_MAX_CONV = 8  # ssm_conv kernel taps (recurrent.comp KMAX)
@@ -1188,7 +1190,7 @@ class VulkanBackend:
 
     def _kv_tables(self) -> VkTensor:
         """The rotated tiers' tables on the device (uploaded once; layout in kv_quant.glsl):
-        float32 [512 signs, then per code 8..13: 256 levels, 256 midpoints]."""
+        float32 [512 signs, then per code 10..15: 256 levels, 256 midpoints]."""
         t = self._kv_tab
         if t is None:
             from opencoti.engine.kv_tiers import get_tier

@@ -7,8 +7,8 @@ one KV head) is a whole number of blocks, contiguous; each module documents its 
 bytes exactly, for kernels that decode in registers.
 
 - ``scalar.py``: f32, f16 (native float arrays, what the cache stored before tiers),
-  bf16, and ggml's q8_0, q6_0, q5_1, q5_0, q4_0 with their exact block layouts and
-  reference rounding.
+  bf16, and ggml's q8_0, q6_0, q5_1, q5_0, q4_1, q4_0 and iq4_nl with their exact block
+  layouts and reference rounding.
 - ``turbo.py``: turbo2/3/4/8 — TurboQuant: sign-flipped Walsh–Hadamard rotation of the
   head vector, then per 64-value block an f16 least-squares scale and Lloyd–Max codes.
 - ``tcq.py``: turbo2_tcq, turbo3_tcq — the same rotation and scale, values coded by a
@@ -38,6 +38,8 @@ is the whole cache of one sequence at n_ctx 32768 (gemma's sliding-window cache 
     q5_1 / q5_1              6, 6            41.6 /  24.0          0.0227   0.9811    0.00164   0.8648
     q5_0 / q5_0              5.5, 5.5        38.2 /  22.0          0.0232   0.9811    0.00197   0.8868
     q4_0 / q4_0              4.5, 4.5        31.2 /  18.0          0.0493   0.9623    0.00883   0.7799
+    q4_1 / q4_1 (*)          5, 5            34.7 /  20.0          0.0591   0.9245    0.00724   0.8616
+    iq4_nl / iq4_nl (*)      4.5, 4.5        31.2 /  18.0          0.0361   0.9623    0.00713   0.8176
     turbo8 / turbo8          8.25, 8.25      57.2 /  33.0        0.000498   0.9937   4.38e-05   0.9780
     turbo4 / turbo4          4.25, 4.25      29.5 /  17.0          0.0478   0.9686     0.0101   0.7925
     turbo3 / turbo3          3.25, 3.25      22.5 /  13.0           0.343   0.8931      0.036   0.6226
@@ -48,6 +50,9 @@ is the whole cache of one sequence at n_ctx 32768 (gemma's sliding-window cache 
     q4_0 / f16               4.5, 16         71.1 /  41.0          0.0919   0.9434    0.00344   0.8616
     q8_0 / turbo3            8.5, 3.25       40.8 /  23.5         0.00862   0.9874      0.023   0.7075
     turbo3 / q8_0            3.25, 8.5       40.8 /  23.5           0.344   0.8868     0.0141   0.7327
+
+(*) gemma's column for q4_1 and iq4_nl was measured on an Intel Xeon (numpy 2.4.6), where q4_0
+read 0.0452 / 0.9623; the synth column is the same on both machines.
 
 The gemma KLDs of the lossy rotated tiers are sensitive to float rounding: scaling every K/V
 row by 1 +- 2^-22 before turbo3 (which changes no code mathematically, only roundings) moves
@@ -72,7 +77,13 @@ KLD 2.2e-06, top-1 1.0; q4_0/q4_0 KLD 0.00909, top-1 1.0 (another machine: 2.38e
 tied; its KLD is the informative column.)
 
 Reading it: q8_0 and turbo8 are near-lossless. turbo4 matches q4_0 at 4.25 instead of 4.5
-bits. turbo3 does *not* beat q4_0: on gemma-3 its KLD is ~6-7x q4_0's. Checked: the
+bits. iq4_nl beats q4_0 at the same 4.5 bits on both models (its 16 levels are denser near 0, and
+its scale is fitted by least squares). q4_1 spends half a bit more than q4_0 on a per-block
+offset: better on synth (0.00724 against 0.00883), worse on gemma (0.0591 against q4_0's 0.0452
+on the same machine; on a block symmetric about 0 its step, (max - min) / 15, is wider than q4_0's
+max / 8).
+
+turbo3 does *not* beat q4_0: on gemma-3 its KLD is ~6-7x q4_0's. Checked: the
 codebooks are Lloyd–Max optimal (per-value MSE 0.0325 at 3 bits, the theory's value for this
 density), the rotation makes the error independent of gemma's outlier channels (q4_0's error
 doubles on them, turbo's does not move), and the scale choice does not matter (least-squares,
@@ -88,7 +99,7 @@ from __future__ import annotations
 
 # Importable without NumPy (the CLI validates -ctk/-ctv before NumPy may load, see cli.py);
 # tests check that the registry holds exactly these, in this order.
-TIER_NAMES = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_0",
+TIER_NAMES = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl",
               "turbo8", "turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")
 
 # auto-tier walks these, least compressing first (engine/kv_auto_tier.py)

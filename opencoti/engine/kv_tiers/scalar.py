@@ -1,8 +1,9 @@
 """Scalar KV tiers: float passthrough (f32, f16, bf16) and ggml's 32-value block formats.
 
 Sources: llama.cpp ``ggml/src/ggml-common.h`` (block structs), ``ggml/src/ggml-quants.c``
-(``quantize_row_q8_0_ref``, ``_q5_1_ref``, ``_q5_0_ref``, ``_q4_0_ref``, the matching
-``dequantize_row_*``), ``ggml/src/ggml-impl.h`` (``ggml_compute_fp32_to_bf16``), and
+(``quantize_row_q8_0_ref``, ``_q5_1_ref``, ``_q5_0_ref``, ``_q4_1_ref``, ``_q4_0_ref``,
+``_iq4_nl_ref`` with ``quantize_row_iq4_nl_impl`` and ``best_index_int8``, the matching
+``dequantize_row_*``, ``kvalues_iq4nl``), ``ggml/src/ggml-impl.h`` (``ggml_compute_fp32_to_bf16``), and
 ik_llama.cpp ``ggml-quants.c`` (``quantize_row_q6_0_ref``, ``block_q6_0``). Quantization
 follows those reference functions bit for bit (float32 arithmetic, ``roundf`` = round half
 away from zero, ``(int8_t)`` casts truncate, f16 by round-to-nearest-even), so the bytes
@@ -28,13 +29,28 @@ q5_1   24           6.0   d*q+m  [0:2] d = (max-min)/31; [2:4] m = min; [4:8] qh
                                  qs as q6_0's; bit 4 of q_j is bit j of qh
 q5_0   22           5.5   d*q    [0:2] d = max/-16; [2:6] qh uint32; [6:22] qs.
                                  q = min(31, trunc(x/d + 16.5)), value = d*(q-16); qs/qh as q5_1
+q4_1   20           5.0   d*q+m  [0:2] d = (max-min)/15; [2:4] m = min; [4:20] qs.
+                                 q = min(15, trunc((x-min)/d + 0.5)); qs as q4_0's
 q4_0   18           4.5   d*q    [0:2] d = max/-8; [2:18] qs. q = min(15, trunc(x/d + 8.5)),
                                  value = d*(q-8); qs[j] = q_j | q_{j+16}<<4
+iq4_nl 18           4.5   d*K[q] [0:2] d; [2:18] qs as q4_0's; K = kvalues_iq4nl, 16 int8
+                                 levels -127 .. 113. First d0 = max/-127 and q_j = the
+                                 level index nearest x_j/d0 (best_index_int8: ties to the
+                                 upper one); then the weighted least-squares scale
+                                 d = sum(w q x) / sum(w q^2), w_j = x_j^2, the sums taken
+                                 in order j = 0..31 (the reference with no importance
+                                 matrix and ntry = -1: no scale search)
 =====  ===========  ====  =====  ========================================================
 
 In every type ``d`` (and ``m``) is stored as f16 and the 1/d used to quantize is
 computed from the float32 ``d`` before that rounding, as ggml does; a block of zeros
-has d = 0 and dequantizes to zeros.
+has d = 0 and dequantizes to zeros. iq4_nl's reference skips a block whose largest
+magnitude is below 1e-15 (``GROUP_MAX_EPS``): d = 0, and its codes are whatever the
+previous block left in the reference's scratch array; here they are 8 (the level nearest 0,
+what ``best_index_int8(0)`` gives), so such a block's bytes are ``00 00`` then sixteen
+``88``. iq4_nl's sums are not contracted into FMAs (as an x86-64 build of ggml-base, which
+has no FMA flags, computes them; an aarch64 build may contract them and differ in d's last
+bit).
 """
 
 from __future__ import annotations
@@ -231,6 +247,77 @@ class Q4_0(KVTier):
         return blocks_as_rows(v.astype(np.float32) * f16_from(b[:, :2]), lead)
 
 
+class Q4_1(KVTier):
+    """ggml ``block_q4_1``: f16 d, f16 m, 16 bytes of nibbles, 5 bits/value."""
+
+    name, family, block_size, block_bytes = "q4_1", "scalar", QK, 20
+
+    def quantize(self, x):
+        """float ``[..., d]`` -> uint8 ``[..., d/32*20]`` (``quantize_row_q4_1_ref``)."""
+        b, lead = to_blocks(x, QK)
+        lo = b.min(axis=1, keepdims=True)
+        d = ((b.max(axis=1, keepdims=True) - lo) / np.float32(15)).astype(np.float32)
+        q = np.minimum(15, np.trunc((b - lo) * _inv(d) + np.float32(0.5))).astype(np.int32)
+        return blocks_as_rows(np.concatenate([f16_bytes(d), f16_bytes(lo), _nibbles(q)], axis=1), lead)
+
+    def dequantize(self, q):
+        """uint8 ``[..., n*20]`` -> float32 ``[..., n*32]``."""
+        b, lead = _byte_blocks(q, self.block_bytes)
+        v = _unnibble(b[:, 4:20])
+        return blocks_as_rows(v.astype(np.float32) * f16_from(b[:, :2]) + f16_from(b[:, 2:4]), lead)
+
+
+# ggml-common.h kvalues_iq4nl: iq4_nl's 16 levels (a non-uniform 4-bit codebook, in units of d)
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+IQ4_NL_EPS = np.float32(1e-15)  # ggml-quants.c GROUP_MAX_EPS: a block below it gets d = 0
+
+
+def best_index_iq4nl(x: np.ndarray) -> np.ndarray:
+    """ggml ``best_index_int8(16, kvalues_iq4nl, x)``: the index of the level nearest each
+    float32 ``x`` (any shape) -> int32 of that shape. Below the first level 0, above the last 15;
+    between levels ``v[m-1] <= x < v[m]`` the lower one when ``x - v[m-1] < v[m] - x`` (float32
+    differences), else the upper one, so an exact midpoint goes up; NaN gives 15."""
+    x = np.asarray(x, dtype=np.float32)
+    v = IQ4_NL_LEVELS
+    m = np.clip(np.searchsorted(v, x, side="right"), 1, 15)
+    lower = (x - v[m - 1]) < (v[m] - x)
+    i = np.where(lower, m - 1, m)
+    i = np.where(x <= v[0], 0, np.where(x >= v[15], 15, i))
+    return np.where(np.isnan(x), 15, i).astype(np.int32)
+
+
+class IQ4_NL(KVTier):
+    """ggml ``block_iq4_nl``: f16 d + 16 bytes of nibbles indexing ``kvalues_iq4nl``,
+    4.5 bits/value (see the module table)."""
+
+    name, family, block_size, block_bytes = "iq4_nl", "scalar", QK, 18
+
+    def quantize(self, x):
+        """float ``[..., d]`` -> uint8 ``[..., d/32*18]`` (``quantize_row_iq4_nl_ref``)."""
+        b, lead = to_blocks(x, QK)
+        mx = _signed_absmax(b)
+        live = np.abs(mx) >= IQ4_NL_EPS  # [n, 1]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            d0 = (mx / IQ4_NL_LEVELS[0]).astype(np.float32)
+            q = best_index_iq4nl(np.where(live, (np.float32(1) / d0) * b, np.float32(0)))
+            lv = IQ4_NL_LEVELS[q]
+            w = b * b
+            sqx = np.zeros(len(b), np.float32)
+            sq2 = np.zeros(len(b), np.float32)
+            for j in range(QK):  # in order, one rounding per operation (the reference's loop)
+                wq = w[:, j] * lv[:, j]
+                sqx = sqx + wq * b[:, j]
+                sq2 = sq2 + wq * lv[:, j]
+            d = np.where(live[:, 0], sqx / sq2, np.float32(0)).astype(np.float32)[:, None]
+        return blocks_as_rows(np.concatenate([f16_bytes(d), _nibbles(q)], axis=1), lead)
+
+    def dequantize(self, q):
+        """uint8 ``[..., n*18]`` -> float32 ``[..., n*32]``."""
+        b, lead = _byte_blocks(q, self.block_bytes)
+        v = IQ4_NL_LEVELS[_unnibble(b[:, 2:18])]
+        return blocks_as_rows(v * f16_from(b[:, :2]), lead)
+
+
 def _byte_blocks(q: np.ndarray, block_bytes: int) -> tuple[np.ndarray, tuple]:
     """Stored rows uint8 ``[..., n*block_bytes]`` -> (``[N, block_bytes]``, leading shape)."""
     q = np.ascontiguousarray(q, dtype=np.uint8)
@@ -238,4 +325,4 @@ def _byte_blocks(q: np.ndarray, block_bytes: int) -> tuple[np.ndarray, tuple]:
 
 
 TIERS = [NativeFloat("f32", np.float32), NativeFloat("f16", np.float16), BF16(),
-         Q8_0(), Q6_0(), Q5_1(), Q5_0(), Q4_0()]
+         Q8_0(), Q6_0(), Q5_1(), Q5_0(), Q4_1(), Q4_0(), IQ4_NL()]
