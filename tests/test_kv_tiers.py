@@ -346,6 +346,47 @@ def test_viterbi_is_exact_on_a_small_trellis():
         assert all(path[r, t + 1] & ((1 << (L - k)) - 1) == path[r, t] >> k for t in range(n - 1))
 
 
+def test_viterbi_ties_take_the_lowest_state():
+    """Equal costs (a codebook with repeated levels) resolve to the lowest state index, as NumPy's
+    argmin, at the last step (the path's end state) and along the path (each group's predecessor):
+    the kernels break ties the same way (kv_rot.comp, kv_write.cu)."""
+    from opencoti.engine.kv_tiers.trellis import _viterbi
+
+    cb = np.array([1.0, 0.0, 0.0, 1.0], np.float32)  # L = 2: states 1 and 2 both code 0
+    assert _viterbi(np.zeros((1, 1), np.float32), cb, 1, 2).tolist() == [[1]]
+    # two steps: end states 1 (after 2) and 2 (after 1) both cost 0; the end takes 1
+    assert _viterbi(np.zeros((1, 2), np.float32), cb, 1, 2).tolist() == [[2, 1]]
+    # one level: every path costs the same; the end and each predecessor take the lowest, state 0
+    assert _viterbi(np.zeros((1, 3), np.float32), np.zeros(4, np.float32), 1, 2).tolist() == [[0, 0, 0]]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_turbo_codes_are_nearest_levels_at_the_midpoints(bits):
+    """The decision thresholds are the float32 midpoints of adjacent (f16-valued) levels, exactly:
+    a value on a midpoint takes the lower level, its float32 neighbours the nearer one."""
+    t = get_tier(f"turbo{bits}")
+    lv = t.levels.astype(np.float64)
+    mid = ((lv[1:] + lv[:-1]) / 2).astype(np.float32)
+    assert np.array_equal(mid.astype(np.float64) * 2, lv[1:] + lv[:-1])  # exact in float32
+    i = np.arange(len(mid))
+    assert np.array_equal(t.codes(mid), i)
+    assert np.array_equal(t.codes(np.nextafter(mid, np.float32(-np.inf))), i)
+    assert np.array_equal(t.codes(np.nextafter(mid, np.float32(np.inf))), i + 1)
+
+
+def test_bf16_nan_stays_a_quiet_nan():
+    """ggml_compute_fp32_to_bf16: a NaN keeps its sign and top payload bits and gets the quiet bit
+    (0x40 of the high half), so a signalling NaN whose payload sits in the low half does not round
+    to infinity; infinities and the largest finite values round as any other value."""
+    t = get_tier("bf16")
+    bits = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F800000] + [0] * 25,
+                    np.uint32)
+    got = t.quantize(bits.view(np.float32)[None])[0].view(np.uint16)
+    assert got[:7].tolist() == [0x7FC0, 0xFFC0, 0x7FC0, 0x7F80, 0xFF80, 0x7F80, 0x3F80]
+    back = t.dequantize(got.view(np.uint8)[None])[0]
+    assert np.isnan(back[:3]).all() and back[3] == np.inf and back[4] == -np.inf and back[6] == 1.0
+
+
 def test_tcq_streams_are_tail_biting():
     from opencoti.engine.kv_tiers.trellis import trellis_encode
 

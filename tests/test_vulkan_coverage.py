@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 from opencoti.engine.batch import UBatch  # noqa: E402
 from opencoti.engine.kv_cache import KVCache  # noqa: E402
+from opencoti.engine.kv_tiers import get_tier  # noqa: E402
 from opencoti.engine.recurrent_state import RSPlan, RSView  # noqa: E402
 from opencoti.engine.runner import ModelRunner, iter_logits  # noqa: E402
 
@@ -106,6 +107,52 @@ def test_kv_tier_bytes_and_attention_equal_cpu(vk, cpu, type_k, type_v, d, n_kv)
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
     finally:
         vk.attn_target_groups, vk.attn_split_cells = saved
+
+
+def _vk_stored_k(vk, type_k, x):
+    """K rows ``x`` float32 [T, n_kv, d] written by the device's kv_write into a ``type_k`` cache
+    -> its stored rows (uint8 [T, n_kv, row bytes], or the float array for f32 / f16)."""
+    T, n_kv, d = x.shape
+    cache = KVCache([0], T, 1, 1, n_head_kv=n_kv, d_k=d, d_v=d, type_k=type_k, type_v="f16", zeros=vk.zeros)
+    seqs, pos = np.zeros(T, np.int64), np.arange(T, dtype=np.int32)
+    plan = cache.prepare(seqs, pos)
+    cache.apply(plan, seqs, pos)
+    vk.kv_write(cache, 0, plan, vk.asarray(x), vk.asarray(np.zeros_like(x)))
+    return np.asarray(cache.k[0])[0, plan.cell]
+
+
+def test_kv_store_rounding_edges_equal_cpu(vk):
+    """The scalar encoders' edge cases byte for byte as the CPU tiers (whose bytes
+    tests/test_kv_tiers.py pins by hand): exact halves (q8_0's roundf away from zero, q4_0 / q6_0's
+    truncation after + 8.5 / + 32.5), a bf16 signalling NaN (quiet, not infinity), iq4_nl's
+    levels and its block below 1e-15, and 65,536 q8_0 blocks whose amax / 127 differs from
+    amax * (1 / 127) in float32 (a divide that is not correctly rounded changes their codes)."""
+    from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS
+
+    x = np.zeros((4, 1, 32), np.float32)
+    x[0, 0, :8] = [127, 2.5, -2.5, 0.5, -0.5, 1.49, -126.6, 3.0]  # q8_0: d = 1
+    x[1, 0, :5], x[1, 0, 16:18], x[1, 0, 31] = [-8, 7.4, 7.6, 0.49, -0.5], [3.0, -7.9], 0.5  # q4_0: d = 1
+    x[2, 0] = 2 * np.arange(32) - 32  # q6_0: d = 1, codes 2j
+    x[3, 0] = IQ4_NL_LEVELS[np.arange(32) % 16] / 4  # iq4_nl: codes j % 16, d = 1/4
+    nan = np.zeros((1, 1, 32), np.uint32)
+    nan[0, 0, :4] = [0x7F800001, 0xFF800001, 0x7F800000, 0x3F800000]
+    rows = {"q8_0": x, "q4_0": x, "q6_0": x, "q5_0": x, "q5_1": x, "q4_1": x, "iq4_nl": x,
+            "bf16": np.concatenate([x, nan.view(np.float32)])}
+    tiny = np.full((2, 1, 32), 9e-16, np.float32)
+    tiny[1] = 0.0
+    rows["iq4_nl"] = np.concatenate([x, tiny])
+    for name, r in rows.items():
+        got = _vk_stored_k(vk, name, r)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), get_tier(name).quantize(r).view(np.uint8),
+                                      err_msg=name)
+    rng = np.random.default_rng(21)
+    amax = rng.uniform(0.5, 2.0, 1600000).astype(np.float32)
+    amax = amax[(amax / np.float32(127)) != amax * (np.float32(1) / np.float32(127))][:65536]
+    assert len(amax) == 65536
+    b = rng.uniform(-1, 1, (65536, 32)).astype(np.float32) * amax[:, None]
+    b[:, 0] = amax
+    q8 = b.reshape(8192, 1, 256)
+    np.testing.assert_array_equal(_vk_stored_k(vk, "q8_0", q8), get_tier("q8_0").quantize(q8))
 
 
 def test_kv_types_declared(vk):
