@@ -48,6 +48,7 @@ from typing import Any, Optional, Sequence
 import click
 
 from opencoti.engine.api import SamplingParams
+from opencoti.engine.kv_tiers import TIER_NAMES
 from opencoti.model.kv_override import KVOverrideError, parse_kv_overrides
 from opencoti.params import Params
 from opencoti.version import full_version
@@ -130,8 +131,6 @@ class _KVType(click.ParamType):
     name = "TYPE"
 
     def convert(self, value: Any, param, ctx) -> str:
-        from opencoti.engine.kv_tiers import TIER_NAMES
-
         v = str(value).strip().lower()
         if v not in TIER_NAMES:
             self.fail(f"{value!r} is not a KV cache type (allowed: {', '.join(TIER_NAMES)})", param, ctx)
@@ -269,8 +268,8 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
               help="One KV cache shared by all slots.")
 @click.option("-ctk", "--cache-type-k", type=_KVType(), default=None, envvar=_env("cache_type_k"),
-              help="KV cache type of K: f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_0, turbo8, turbo4, turbo3, "
-                   "turbo2, turbo3_tcq, turbo2_tcq (default: f16; with OPENCOTI_KV_AUTO_TIER=1 K is held "
+              help=f"KV cache type of K: {', '.join(TIER_NAMES)} (default: f16; with OPENCOTI_KV_AUTO_TIER=1 K "
+                   "is held "
                    "at this type while V is chosen to fit OPENCOTI_KV_BUDGET_MIB, default half the free "
                    "memory).")
 @click.option("-ctv", "--cache-type-v", type=_KVType(), default=None, envvar=_env("cache_type_v"),

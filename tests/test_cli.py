@@ -92,6 +92,8 @@ def test_help_lists_llama_cpp_flags():
     for flag in ["-m, --model", "-ub, --ubatch-size", "-np, --parallel", "-ngl, --gpu-layers",
                  "-fa, --flash-attn", "-sys, --system-prompt", "--n-predict", "--kv-unified", "--api-key"]:
         assert flag in r.stdout
+    help_k = " ".join(r.stdout.split("--cache-type-k TYPE", 1)[1].split("-ctv,", 1)[0].split())
+    assert help_k.startswith("KV cache type of K: f32, f16, bf16, q8_0, q6_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, turbo8,")
 
 
 # --- Params from flags and environment ---------------------------------------------------------

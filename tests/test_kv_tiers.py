@@ -157,6 +157,37 @@ def test_iq4_nl_dequantizes_as_gguf():
     np.testing.assert_array_equal(t.dequantize(q), gq.dequantize(q, GQ.IQ4_NL))
 
 
+# sha256 of the bytes ggml's reference writes for _ggml_pin_blocks(): quantize_row_iq4_nl_ref /
+# quantize_row_q4_1_ref (ggml-quants.c) transcribed to C and built with gcc -O2 -ffp-contract=off
+# (an x86-64 build of ggml-base: no FMA), session 47
+GGML_PIN = {"iq4_nl": "64dacb39ac3f6043428788467226d7bea0144e55d0620aba68b22e53ef3659f7",
+            "q4_1": "7f6bb30de2580159afe65ae074b6c6a597e73303a819cb83743efac9f4ef4b92"}
+
+
+def _ggml_pin_blocks():
+    """100,000 Gaussian blocks at scales 1e-3 .. 1e3, 64 with x / d0 on iq4_nl's midpoints (d0 a
+    power of two: the level search's ties) and 64 of exact halves (q4_1's + 0.5 truncation)."""
+    from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS
+
+    rng = np.random.default_rng(2026)
+    x = rng.standard_normal((100000, 32)) * 10.0 ** rng.uniform(-3, 3, (100000, 1))
+    mids = (IQ4_NL_LEVELS[:-1] + IQ4_NL_LEVELS[1:]) / 2
+    ties = np.stack([np.concatenate([[-127], mids, mids[::-1], [0]]) * 2.0 ** (i % 16 - 8) for i in range(64)])
+    halves = np.round(rng.standard_normal((64, 32)) * 8) / 2
+    return np.concatenate([x, ties, halves]).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["iq4_nl", "q4_1"])
+def test_bytes_equal_ggml_reference(name):
+    """Our bytes equal ggml's reference quantizer's on 100,128 blocks (a digest of them, taken from
+    a C build of the reference): the level search, its ties, the in-order float32 sums of
+    iq4_nl's scale (a pairwise sum differs in the last bit of a few dozen d's) and q4_1's clamp."""
+    import hashlib
+
+    q = get_tier(name).quantize(_ggml_pin_blocks())
+    assert hashlib.sha256(np.ascontiguousarray(q).tobytes()).hexdigest() == GGML_PIN[name]
+
+
 def test_iq4_nl_hand_block():
     """x_j = level_{j % 16} / 4: max by magnitude -31.75 (first at j = 0) -> d0 = 1/4, codes j % 16
     (each value sits on its level); w q^2 = 4 w q x term by term, so the least-squares d is 1/4

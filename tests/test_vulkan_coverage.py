@@ -125,15 +125,17 @@ def test_kv_store_rounding_edges_equal_cpu(vk):
     """The scalar encoders' edge cases byte for byte as the CPU tiers (whose bytes
     tests/test_kv_tiers.py pins by hand): exact halves (q8_0's roundf away from zero, q4_0 / q6_0's
     truncation after + 8.5 / + 32.5), a bf16 signalling NaN (quiet, not infinity), iq4_nl's
-    levels and its block below 1e-15, and 65,536 q8_0 blocks whose amax / 127 differs from
+    levels, its midpoints and its block below 1e-15, and 65,536 q8_0 blocks whose amax / 127 differs from
     amax * (1 / 127) in float32 (a divide that is not correctly rounded changes their codes)."""
     from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS
 
-    x = np.zeros((4, 1, 32), np.float32)
+    x = np.zeros((5, 1, 32), np.float32)
     x[0, 0, :8] = [127, 2.5, -2.5, 0.5, -0.5, 1.49, -126.6, 3.0]  # q8_0: d = 1
     x[1, 0, :5], x[1, 0, 16:18], x[1, 0, 31] = [-8, 7.4, 7.6, 0.49, -0.5], [3.0, -7.9], 0.5  # q4_0: d = 1
     x[2, 0] = 2 * np.arange(32) - 32  # q6_0: d = 1, codes 2j
     x[3, 0] = IQ4_NL_LEVELS[np.arange(32) % 16] / 4  # iq4_nl: codes j % 16, d = 1/4
+    mids = (IQ4_NL_LEVELS[:-1] + IQ4_NL_LEVELS[1:]) / 2  # iq4_nl: x / d0 on every midpoint (ties go up)
+    x[4, 0] = np.concatenate([[-127], mids, mids[::-1], [0]]) / 4
     nan = np.zeros((1, 1, 32), np.uint32)
     nan[0, 0, :4] = [0x7F800001, 0xFF800001, 0x7F800000, 0x3F800000]
     rows = {"q8_0": x, "q4_0": x, "q6_0": x, "q5_0": x, "q5_1": x, "q4_1": x, "iq4_nl": x,

@@ -45,10 +45,13 @@ iq4_nl 18           4.5   d*K[q] [0:2] d; [2:18] qs as q4_0's; K = kvalues_iq4nl
 In every type ``d`` (and ``m``) is stored as f16 and the 1/d used to quantize is
 computed from the float32 ``d`` before that rounding, as ggml does; a block of zeros
 has d = 0 and dequantizes to zeros. iq4_nl's reference skips a block whose largest
-magnitude is below 1e-15 (``GROUP_MAX_EPS``): d = 0, and its codes are whatever the
-previous block left in the reference's scratch array; here they are 8 (the level nearest 0,
-what ``best_index_int8(0)`` gives), so such a block's bytes are ``00 00`` then sixteen
-``88``. iq4_nl's sums are not contracted into FMAs (as an x86-64 build of ggml-base, which
+magnitude is below 1e-15 (``GROUP_MAX_EPS``): d = 0, and its codes are never set (what the
+previous block of the call left in the scratch array, or uninitialised stack for the first);
+here they are 8 (the level nearest 0, what ``best_index_int8(0)`` gives and what llama.cpp's
+CUDA copy writes for a zero block), so such a block's bytes are ``00 00`` then sixteen
+``88``. llama.cpp's CUDA copy (``quantize_f32_iq4_nl_block``) writes other iq4_nl bytes than
+its CPU: no 1e-15 cut-off, sums of value pairs that nvcc may fuse, d0 when the second sum is 0;
+these tiers follow the CPU's reference on every backend. iq4_nl's sums are not contracted into FMAs (as an x86-64 build of ggml-base, which
 has no FMA flags, computes them; an aarch64 build may contract them and differ in d's last
 bit).
 """
