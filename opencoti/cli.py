@@ -268,10 +268,9 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
               help="One KV cache shared by all slots.")
 @click.option("-ctk", "--cache-type-k", type=_KVType(), default=None, envvar=_env("cache_type_k"),
-              help=f"KV cache type of K: {', '.join(TIER_NAMES)} (default: f16; with OPENCOTI_KV_AUTO_TIER=1 K "
-                   "is held "
-                   "at this type while V is chosen to fit OPENCOTI_KV_BUDGET_MIB, default half the free "
-                   "memory).")
+              help=f"KV cache type of K: {', '.join(TIER_NAMES)} (default: f16; with OPENCOTI_KV_AUTO_TIER=1 "
+                   "K is held at this type while V is chosen to fit OPENCOTI_KV_BUDGET_MIB, default half the "
+                   "free memory).")
 @click.option("-ctv", "--cache-type-v", type=_KVType(), default=None, envvar=_env("cache_type_v"),
               help="KV cache type of V, same values (default: f16; giving it turns auto-tier off).")
 @click.option("-ctkt", "--cache-type-k-tail", type=_KVType(), default=None, envvar=_env("cache_type_k_tail"),

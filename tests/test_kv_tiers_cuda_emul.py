@@ -87,9 +87,10 @@ def test_code_f_is_the_integer_value():
 
 
 def _byte_perm(x, y, s):
-    """CUDA ``__byte_perm(x, y, s)``, result byte 0 only: byte ``s & 7`` of the 8-byte value y:x."""
-    xy = (np.uint64(y) << np.uint64(32)) | np.uint64(x)
-    return (xy >> (np.asarray(s, dtype=np.uint64) * np.uint64(8))) & np.uint64(0xFF)
+    """CUDA ``__byte_perm(x, y, s)``, result byte 0 only: byte ``s & 7`` of the 8-byte value y:x
+    (uint32 arrays in, uint32 out)."""
+    xy = (np.asarray(y, np.uint64) << np.uint64(32)) | np.asarray(x, np.uint64)
+    return ((xy >> ((np.asarray(s, np.uint64) & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)).astype(np.uint32)
 
 
 def _iq4nl_level(i) -> np.ndarray:
@@ -97,8 +98,7 @@ def _iq4nl_level(i) -> np.ndarray:
     i = np.asarray(i, dtype=np.uint32)
     lo = np.where(i < 8, np.uint32(0xBFAD9881), np.uint32(0x26190D01))
     hi = np.where(i < 8, np.uint32(0xF6EADDCF), np.uint32(0x71594535))
-    b = np.vectorize(lambda x, y, s: int(_byte_perm(int(x), int(y), int(s) & 7)))(lo, hi, i).astype(np.uint32)
-    return _code_f(b ^ 0x80, 128)
+    return _code_f(_byte_perm(lo, hi, i) ^ 0x80, 128)
 
 
 def _iq4nl_index(x) -> np.ndarray:

@@ -240,10 +240,13 @@ struct KQ6_0 {
         if (lane == 0) st16(dst, f2h(d));
     }
 };
-// 5-bit code j of a q5_0 / q5_1 block: low 4 bits in qs[j & 15] (low nibble for j < 16, else
-// high), bit 4 at bit j & 7 of qh byte j >> 3 (qs = that qs byte, qhb = that qh byte)
+// low 4 bits of code j of a 32-value block from its qs byte qs[j & 15] (the q4_0 / q4_1 /
+// iq4_nl / q5_x layout: the low nibble for j < 16, else the high one)
+__device__ __forceinline__ u32 nib4(u32 qs, int j) { return j < 16 ? (qs & 15u) : (qs >> 4); }
+// 5-bit code j of a q5_0 / q5_1 block: low 4 bits in qs[j & 15] (nib4), bit 4 at bit j & 7 of
+// qh byte j >> 3 (qs = that qs byte, qhb = that qh byte)
 __device__ __forceinline__ u32 q5_code(u32 qs, u32 qhb, int j) {
-    return (j < 16 ? (qs & 15u) : (qs >> 4)) | (((qhb >> (j & 7)) & 1u) << 4);
+    return nib4(qs, j) | (((qhb >> (j & 7)) & 1u) << 4);
 }
 struct KQ5_1 {
     static constexpr int BS = 32, BB = 24, SV = 128, ROT = 0, HASMIN = 1, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
@@ -269,7 +272,7 @@ struct KQ5_1 {
         for (int e = 0; e < E; e++) {
             const int j = j0 + e;
             const u32 c = wb(qs, e);
-            vf[e] = d * code_f((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4), 0) + m;
+            vf[e] = d * code_f(nib4(c, j) | (((qh >> j) & 1u) << 4), 0) + m;
         }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_1_ref
@@ -305,7 +308,7 @@ struct KQ5_0 {
         for (int e = 0; e < E; e++) {
             const int j = j0 + e;
             const u32 c = wb(qs, e);
-            vf[e] = d * code_f((j < 16 ? (c & 15u) : (c >> 4)) | (((qh >> j) & 1u) << 4), 16);
+            vf[e] = d * code_f(nib4(c, j) | (((qh >> j) & 1u) << 4), 16);
         }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q5_0_ref
@@ -323,13 +326,13 @@ struct KQ4_0 {
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
         u32 qs = wb(w, 18 * b + 2 + (j & 15));
-        return code_f(j < 16 ? (qs & 15u) : (qs >> 4), 8);
+        return code_f(nib4(qs, j), 8);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 18 * (i >> 5);
         int j = i & 31;
         u32 qs = b[2 + (j & 15)];
-        return h2f(ldh(b)) * code_f(j < 16 ? (qs & 15u) : (qs >> 4), 8);
+        return h2f(ldh(b)) * code_f(nib4(qs, j), 8);
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 18 * (i0 >> 5);
@@ -340,7 +343,7 @@ struct KQ4_0 {
 #pragma unroll
         for (int e = 0; e < E; e++) {
             const u32 c = wb(qs, e);
-            vf[e] = d * code_f(j0 < 16 ? (c & 15u) : (c >> 4), 8);
+            vf[e] = d * code_f(nib4(c, j0), 8);
         }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_0_ref
@@ -358,13 +361,13 @@ struct KQ4_1 {
     static __device__ __forceinline__ float mn(const u32* w, int b) { return h2f(wh(w, 20 * b + 2)); }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
         u32 qs = wb(w, 20 * b + 4 + (j & 15));
-        return code_f(j < 16 ? (qs & 15u) : (qs >> 4), 0);
+        return code_f(nib4(qs, j), 0);
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 20 * (i >> 5);
         int j = i & 31;
         u32 qs = b[4 + (j & 15)];
-        return h2f(ldh(b)) * code_f(j < 16 ? (qs & 15u) : (qs >> 4), 0) + h2f(ldh(b + 2));
+        return h2f(ldh(b)) * code_f(nib4(qs, j), 0) + h2f(ldh(b + 2));
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 20 * (i0 >> 5);
@@ -375,7 +378,7 @@ struct KQ4_1 {
 #pragma unroll
         for (int e = 0; e < E; e++) {
             const u32 c = wb(qs, e);
-            vf[e] = d * code_f(j0 < 16 ? (c & 15u) : (c >> 4), 0) + m;
+            vf[e] = d * code_f(nib4(c, j0), 0) + m;
         }
     }
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_1_ref
@@ -409,13 +412,13 @@ struct KIQ4_NL {
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
         u32 qs = wb(w, 18 * b + 2 + (j & 15));
-        return iq4nl_level(j < 16 ? (qs & 15u) : (qs >> 4));
+        return iq4nl_level(nib4(qs, j));
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 18 * (i >> 5);
         int j = i & 31;
         u32 qs = b[2 + (j & 15)];
-        return h2f(ldh(b)) * iq4nl_level(j < 16 ? (qs & 15u) : (qs >> 4));
+        return h2f(ldh(b)) * iq4nl_level(nib4(qs, j));
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 18 * (i0 >> 5);
@@ -426,7 +429,7 @@ struct KIQ4_NL {
 #pragma unroll
         for (int e = 0; e < E; e++) {
             const u32 c = wb(qs, e);
-            vf[e] = d * iq4nl_level(j0 < 16 ? (c & 15u) : (c >> 4));
+            vf[e] = d * iq4nl_level(nib4(c, j0));
         }
     }
     // quantize_row_iq4_nl_ref: codes of x / d0 (d0 = max / -127), then d = sum(w q x) / sum(w q^2)

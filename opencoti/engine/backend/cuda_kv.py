@@ -33,8 +33,7 @@ from opencoti.engine.kv_tiers import get_tier
 TIER_STRUCTS = {
     "f32": "KF32", "f16": "KF16", "bf16": "KBF16", "q8_0": "KQ8_0", "q6_0": "KQ6_0", "q5_1": "KQ5_1",
     "q5_0": "KQ5_0", "q4_1": "KQ4_1", "q4_0": "KQ4_0", "iq4_nl": "KIQ4_NL", "turbo8": "KTurbo8", "turbo4": "KTurbo4",
-    "turbo3": "KTurbo3",
-    "turbo2": "KTurbo2", "turbo3_tcq": "KTcq3", "turbo2_tcq": "KTcq2",
+    "turbo3": "KTurbo3", "turbo2": "KTurbo2", "turbo3_tcq": "KTcq3", "turbo2_tcq": "KTcq2",
 }
 KV_TYPES = tuple(TIER_STRUCTS)  # what CUDABackend.kv_types lists
 # head sizes the tier kernels are built for (the rotated tiers need a power of two in [64, 512])

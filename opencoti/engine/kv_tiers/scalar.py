@@ -50,10 +50,10 @@ previous block of the call left in the scratch array, or uninitialised stack for
 here they are 8 (the level nearest 0, what ``best_index_int8(0)`` gives and what llama.cpp's
 CUDA copy writes for a zero block), so such a block's bytes are ``00 00`` then sixteen
 ``88``. llama.cpp's CUDA copy (``quantize_f32_iq4_nl_block``) writes other iq4_nl bytes than
-its CPU: no 1e-15 cut-off, sums of value pairs that nvcc may fuse, d0 when the second sum is 0;
-these tiers follow the CPU's reference on every backend. iq4_nl's sums are not contracted into FMAs (as an x86-64 build of ggml-base, which
-has no FMA flags, computes them; an aarch64 build may contract them and differ in d's last
-bit).
+its CPU: no 1e-15 cut-off, sums of value pairs that nvcc may fuse, d0 when the second sum is
+0; these tiers follow the CPU's reference on every backend. iq4_nl's sums are not contracted
+into FMAs (as an x86-64 build of ggml-base, which has no FMA flags, computes them; an aarch64
+build may contract them and differ in d's last bit).
 """
 
 from __future__ import annotations
@@ -128,6 +128,14 @@ def _inv(d: np.ndarray) -> np.ndarray:
         return np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
 
 
+def _min_scale(b: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The offset tiers' block fields (q5_1, q4_1): blocks ``[n, 32]`` -> (min, d = (max - min) /
+    steps, 1/d or 0), each float32 ``[n, 1]``."""
+    lo = b.min(axis=1, keepdims=True)
+    d = ((b.max(axis=1, keepdims=True) - lo) / np.float32(steps)).astype(np.float32)
+    return lo, d, _inv(d)
+
+
 def _nibbles(q: np.ndarray) -> np.ndarray:
     """codes ``[n, 32]`` (0..63) -> qs ``[n, 16]``: low nibble value j, high nibble value j+16."""
     return ((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)).astype(np.uint8)
@@ -200,9 +208,8 @@ class Q5_1(KVTier):
     def quantize(self, x):
         """float ``[..., d]`` -> uint8 ``[..., d/32*24]`` (``quantize_row_q5_1_ref``)."""
         b, lead = to_blocks(x, QK)
-        lo = b.min(axis=1, keepdims=True)
-        d = ((b.max(axis=1, keepdims=True) - lo) / np.float32(31)).astype(np.float32)
-        q = np.trunc((b - lo) * _inv(d) + np.float32(0.5)).astype(np.int32)
+        lo, d, inv = _min_scale(b, 31)
+        q = np.trunc((b - lo) * inv + np.float32(0.5)).astype(np.int32)
         return blocks_as_rows(np.concatenate([f16_bytes(d), f16_bytes(lo), _qh32(q), _nibbles(q)], axis=1), lead)
 
     def dequantize(self, q):
@@ -258,9 +265,8 @@ class Q4_1(KVTier):
     def quantize(self, x):
         """float ``[..., d]`` -> uint8 ``[..., d/32*20]`` (``quantize_row_q4_1_ref``)."""
         b, lead = to_blocks(x, QK)
-        lo = b.min(axis=1, keepdims=True)
-        d = ((b.max(axis=1, keepdims=True) - lo) / np.float32(15)).astype(np.float32)
-        q = np.minimum(15, np.trunc((b - lo) * _inv(d) + np.float32(0.5))).astype(np.int32)
+        lo, d, inv = _min_scale(b, 15)
+        q = np.minimum(15, np.trunc((b - lo) * inv + np.float32(0.5))).astype(np.int32)
         return blocks_as_rows(np.concatenate([f16_bytes(d), f16_bytes(lo), _nibbles(q)], axis=1), lead)
 
     def dequantize(self, q):
