@@ -1477,7 +1477,8 @@ def test_graph_decode_matches_eager(tmp_path, gpu):
 def test_graph_pdl_launches_bit_identical(tmp_path, gpu, monkeypatch, tk, tv, stream, d):
     """Decode graphs captured with programmatic dependent launches (sm_90+: every kernel waits
     on GRID_DEP_WAIT before touching memory but for what it may read early: the tier attention
-    kernels' level tables, the short-row kernels' first tile of old cells, early_rows) give
+    kernels' level tables, the short-row kernels' first tile of old cells, early_rows, the
+    streaming kernels' first tiles of old cells, copied into shared memory) give
     bit-identical logits to graphs of plain launches, and the capture really launched our
     kernels that way: f16 and KV tier caches, the short-row attention kernels (head size 256:
     the _l8 kernels, 8 lanes a cell) and

@@ -53,6 +53,9 @@
 #define AS_BIG_D 128  // (a tier module's: cuda_kv.attention_source's big_d)
 #endif
 #define AS_NEG_INF (-__int_as_float(0x7f800000))
+#ifndef ATTN_EARLY
+#define ATTN_EARLY 1  // (attention.cu early_rows: the streaming kernel's early copies take the same switch)
+#endif
 
 // shared-memory stride of a row of rb bytes: 16-byte aligned and an odd multiple of 16, so the 8
 // rows of an MMA fragment fall in different banks
@@ -61,9 +64,11 @@ __host__ __device__ constexpr int as_srb(int rb) {
 }
 // The block's tile (CT cells, NW = CT / 16 warps of 32 threads) and the byte offsets of its
 // dynamic shared memory (cuda.py _as_tile / _as_smem mirror CT / BYTES): queries hi / lo [HN][D + 8]
-// halves; NS stages of K rows [CT][SRBK] then V rows [CT][SRBV] (also the rotated queries' float32
-// staging and the warps' merge tile); positions [NS][CT]; staging factors [16]; the K and V tables
-// (TBK / TBV bytes: AsTier)
+// halves; NS stages of K rows [CT][SRBK] then V rows [CT][SRBV] (also the warps' merge tile, MS
+// bytes); positions [NS][CT]; staging factors [16]; the K and V tables (TBK / TBV bytes: AsTier).
+// The queries' float32 staging (QB bytes) starts at the last stage, QF: the first NS - 1 tiles'
+// copies, issued before it, land in the stages below it. It fits: from QF on lie at least SB
+// bytes, and MS - QO > 2 QB where SB < QB (MS >= NW QB, NW >= 4, NS <= 3).
 template <int D, int HN, int RBK, int RBV, int TBK, int TBV>
 struct AsLayout {
     static constexpr int LDQ = D + 8, SRBK = as_srb(RBK), SRBV = as_srb(RBV);
@@ -73,7 +78,9 @@ struct AsLayout {
     static constexpr int NS = 3 * SB <= 110592 ? 3 : 2;
     static constexpr int MS = NW * HN * D * 4 + 2 * NW * HN * 4;
     static constexpr int R = NS * SB > MS ? NS * SB : MS;
-    static constexpr int ST = 2 * HN * LDQ * 2, POS = ST + R, UP = POS + NS * CT * 4, TAB = UP + 64;
+    static constexpr int QB = HN * D * 4, QO = (NS - 1) * SB;
+    static_assert(QO + QB <= R, "AsLayout: the queries' staging fits from the last stage on");
+    static constexpr int ST = 2 * HN * LDQ * 2, QF = ST + QO, POS = ST + R, UP = POS + NS * CT * 4, TAB = UP + 64;
     static constexpr int TABV = TAB + TBK, BYTES = TABV + TBV;
 };
 
@@ -177,12 +184,16 @@ __device__ __forceinline__ void attn_stream_impl(
     float* s_up = (float*)(as_smem + L::UP);
     u8* s_tk = as_smem + L::TAB;
     u8* s_tv = as_smem + L::TABV;
-    // the tables (from __constant__ levels) before the wait on the kernel's predecessor (pdl.cuh):
-    // in a decode graph they fill while the layer's store still runs. Nothing before the wait
-    // reads or writes memory that a kernel touches.
+    // Before the wait on the kernel's predecessor (pdl.cuh; in a decode graph, while the layer's
+    // store still runs): the tables (from __constant__ levels), the plan's indices (host-staged:
+    // q_pos, row_view, view_off, cells, cell_pos; attention.cu early_rows) and, with ATTN_EARLY,
+    // the first NS - 1 tiles' copies of the rows no running kernel writes: a view's cells but
+    // for its last T (its new cells, at most one a row: early_rows), and the zero fills past the
+    // split. The rest of those tiles' rows are copied after the wait, into the same cp.async
+    // groups (the first group holds every early copy). Nothing before the wait reads q or
+    // writes global memory.
     if constexpr (KP::TBK > 0) KP::tab_k(s_tk);
     if constexpr (VP::TBV > 0) VP::tab_v(s_tv);
-    GRID_DEP_WAIT();
 
     const int r = blockIdx.x, sp = blockIdx.z;
     const int G = n_head / n_kv, n_hg = (G + HN - 1) / HN;
@@ -193,6 +204,7 @@ __device__ __forceinline__ void attn_stream_impl(
     const int chunk = (len + n_split - 1) / n_split;
     const int c0 = b0 + min(len, sp * chunk), c1 = min(b0 + len, c0 + chunk);
     const int ntile = (c1 - c0 + CT - 1) / CT;
+    const int c_new = b0 + len - (int)gridDim.x;  // the view's possibly new cells: c_new ..
 
     // this thread's row of every tile (two threads per row: chunks ch, ch + 2, ...), its cell
     // index (-1 past the split)
@@ -217,17 +229,30 @@ __device__ __forceinline__ void attn_stream_impl(
 #pragma unroll
         for (int u = ch; u < NCV; u += 2) cp_async_z<VP::CA>(dv + u * VP::CA, vr + u * VP::CA, ok);
     };
+    // this thread's row of tile j (cell index cell) is copied before the wait
+    auto early = [&](int j, int cell) { return ATTN_EARLY != 0 && (cell < 0 || c0 + j * CT + crow < c_new); };
+#pragma unroll
+    for (int j = 0; j < NS - 1; j++)
+        if (j < ntile && early(j, pre[j])) fill(j, pre[j]);
+    GRID_DEP_WAIT();
 
-    // the heads' scaled queries (rows g >= Gb zero) as f16 hi + lo:
-    // q * scale in float32 (rotated for a rotated K tier: q -> R q; only the Gb heads' rows, the
-    // rest are zero) in the stages, free until the first fill; each head's staging factor from
-    // those values; then the hi + lo split
-    float* qf = (float*)s_st;
-    {
-        float x[QRows<HN, D, 32 * NW>::NV];
-        load_q_rows<HN, D, 32 * NW>(q, (long long)r * n_head + kh * G + g0, Gb, scale, x);
-        store_q_rows<HN, D, 32 * NW>(x, (float (*)[D])qf);
+    // The first NS - 1 tiles' other copies, then the heads' scaled queries (rows g >= Gb zero) as
+    // f16 hi + lo. Program order: q's loads are issued before the copies, which wait on pre[]'s
+    // cell indices where ATTN_EARLY is 0 (a warp issues in order: after them q's loads would
+    // queue behind that round trip); the copies land in stages 0 .. NS - 2 while q is staged at
+    // QF, the last stage, in float32: q * scale (rotated for a rotated K tier: q -> R q; only the
+    // Gb heads' rows, the rest are zero), each head's staging factor from those values, then the
+    // hi + lo split.
+    float* qf = (float*)(as_smem + L::QF);
+    float qx[QRows<HN, D, 32 * NW>::NV];
+    load_q_rows<HN, D, 32 * NW>(q, (long long)r * n_head + kh * G + g0, Gb, scale, qx);
+#pragma unroll
+    for (int j = 0; j < NS - 1; j++) {
+        if (j < ntile && !early(j, pre[j])) fill(j, pre[j]);
+        cp_async_commit();
     }
+    int nxt = cell_of(NS - 1);
+    store_q_rows<HN, D, 32 * NW>(qx, (float (*)[D])qf);
     __syncthreads();
     if constexpr (KP::ROT) {
         if (!q_rot) KP::rotate(qf, Gb, false);  // (q_rot: the fused rope + store rotated q)
@@ -247,13 +272,7 @@ __device__ __forceinline__ void attn_stream_impl(
         s_qh[g * LDQ + d] = h;
         s_ql[g * LDQ + d] = sp_f2h(x - h2f(h));
     }
-    __syncthreads();  // the queries are staged (and the stages free)
-#pragma unroll
-    for (int j = 0; j < NS - 1; j++) {
-        if (j < ntile) fill(j, pre[j]);
-        cp_async_commit();
-    }
-    int nxt = cell_of(NS - 1);
+    __syncthreads();  // the queries are staged (and the last stage free for tile NS - 1)
 
     // The warp's 16 cells of a tile are the rows of the MMAs' m16 tiles, the block's heads their
     // n8 columns: this thread's accumulators hold cells (S^T) or dims (O^T) gid, gid + 8 of heads

@@ -1,7 +1,8 @@
 // Programmatic dependent launch (PDL, sm_90+; CUDA Programming Guide, "Programmatic Dependent
 // Launch and Synchronization"). Every kernel of opencoti/cuda_src starts with GRID_DEP_WAIT()
 // (test_cuda_sources; gemv_int.cu's gemvi_ring first fetches its weights, constants, see below;
-// the fused rope + KV stores first compute rope's angles and read their norm weights, below):
+// the fused rope + KV stores first compute rope's angles and read their norm weights, below;
+// the attention kernels read their plan and the old cells' K / V rows, attention.cu early_rows):
 // inside a captured decode graph the backend launches its kernels with the programmatic stream
 // serialization attribute (cuda_kernels.Kernel), so a kernel's blocks may be scheduled while the
 // kernel before it in the stream still runs; griddepcontrol.wait then blocks until every kernel

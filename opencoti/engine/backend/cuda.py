@@ -401,8 +401,9 @@ if _V_PREFETCH_ENV not in ("0", "1", "2"):
 ATTN_V_PREFETCH = int(_V_PREFETCH_ENV)
 # the short-row attention kernels (attn_partial*, attn_kv_g*) ask for their first tile's K and V
 # rows into L1 before their PDL wait, while the layer's KV store still runs (attention.cu
-# early_rows: only cells no running kernel writes; the same bits); OPENCOTI_CUDA_ATTN_EARLY=0: after
-# the wait, as before. Read as ATTN_V_PREFETCH is.
+# early_rows: only cells no running kernel writes; the same bits), and the streaming kernels copy
+# their first NS - 1 tiles' rows of those cells into shared memory (attn_stream.cuh);
+# OPENCOTI_CUDA_ATTN_EARLY=0: after the wait, as before. Read as ATTN_V_PREFETCH is.
 ATTN_EARLY = os.environ.get("OPENCOTI_CUDA_ATTN_EARLY", "1") != "0"
 
 
