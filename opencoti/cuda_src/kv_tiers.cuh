@@ -319,20 +319,23 @@ struct KQ5_0 {
         if (lane == 0) st16(dst, f2h(d));
     }
 };
-struct KQ4_0 {
+// the 18-byte nibble blocks (ggml block_q4_0, block_iq4_nl): d (f16) + 16 bytes of codes (nib4),
+// value d * T::level(code); T (q4_0, iq4_nl) adds level() and its quantizer q32
+template <class T>
+struct KNib18 {
     static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
     static __device__ __forceinline__ const float* tab() { return nullptr; }
     static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 18 * b)); }
     static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
     static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
         u32 qs = wb(w, 18 * b + 2 + (j & 15));
-        return code_f(nib4(qs, j), 8);
+        return T::level(nib4(qs, j));
     }
     static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
         const u8* b = row + 18 * (i >> 5);
         int j = i & 31;
         u32 qs = b[2 + (j & 15)];
-        return h2f(ldh(b)) * code_f(nib4(qs, j), 8);
+        return h2f(ldh(b)) * T::level(nib4(qs, j));
     }
     template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
         const u8* b = row + 18 * (i0 >> 5);
@@ -343,9 +346,12 @@ struct KQ4_0 {
 #pragma unroll
         for (int e = 0; e < E; e++) {
             const u32 c = wb(qs, e);
-            vf[e] = d * code_f(nib4(c, j0), 8);
+            vf[e] = d * T::level(nib4(c, j0));
         }
     }
+};
+struct KQ4_0 : KNib18<KQ4_0> {
+    static __device__ __forceinline__ float level(u32 c) { return code_f(c, 8); }  // code - 8
     static __device__ __forceinline__ void q32(float v, u8* dst, int lane) {  // quantize_row_q4_0_ref
         float d = xdiv(wsabsmax(v, lane), -8.f), id = xinv(d);
         int q = min(15, (int)truncf(xadd(xmul(v, id), 8.5f)));
@@ -405,33 +411,8 @@ __device__ __forceinline__ int iq4nl_index(float x) {
     for (int k = 1; k < 15; k++) mu += xle(iq4nl_level(k), x) ? 1 : 0;
     return xlt(xsub(x, iq4nl_level(mu - 1)), xsub(iq4nl_level(mu), x)) ? mu - 1 : mu;
 }
-struct KIQ4_NL {
-    static constexpr int BS = 32, BB = 18, SV = 128, ROT = 0, HASMIN = 0, NT = 0, PVF16 = 0, SUB = 0, NP = 0;
-    static __device__ __forceinline__ const float* tab() { return nullptr; }
-    static __device__ __forceinline__ float scale(const u32* w, int b) { return h2f(wh(w, 18 * b)); }
-    static __device__ __forceinline__ float mn(const u32*, int) { return 0.f; }
-    static __device__ __forceinline__ float code(const u32* w, int b, int j, const float*) {
-        u32 qs = wb(w, 18 * b + 2 + (j & 15));
-        return iq4nl_level(nib4(qs, j));
-    }
-    static __device__ __forceinline__ float val(const u8* row, int i, const float*) {
-        const u8* b = row + 18 * (i >> 5);
-        int j = i & 31;
-        u32 qs = b[2 + (j & 15)];
-        return h2f(ldh(b)) * iq4nl_level(nib4(qs, j));
-    }
-    template <int E> static __device__ __forceinline__ void vals(const u8* row, int i0, const float*, float* vf) {
-        const u8* b = row + 18 * (i0 >> 5);
-        const int j0 = i0 & 31;
-        u32 qs[(E + 3) / 4];
-        ldw<E, 2>(b + 2 + (j0 & 15), qs);
-        const float d = h2f(ldh(b));
-#pragma unroll
-        for (int e = 0; e < E; e++) {
-            const u32 c = wb(qs, e);
-            vf[e] = d * iq4nl_level(nib4(c, j0));
-        }
-    }
+struct KIQ4_NL : KNib18<KIQ4_NL> {
+    static __device__ __forceinline__ float level(u32 c) { return iq4nl_level(c); }  // kvalues_iq4nl[c]
     // quantize_row_iq4_nl_ref: codes of x / d0 (d0 = max / -127), then d = sum(w q x) / sum(w q^2)
     // with w = x^2, both sums in order j = 0..31 (lane 0's chain of shuffles; every lane gets it);
     // a block below GROUP_MAX_EPS gets d = 0 and codes 8 (scalar.py)
