@@ -29,6 +29,7 @@ from opencoti.engine.backend import cuda_kv
 from opencoti.engine.backend.cuda_kernels import read_source
 from opencoti.engine.backend.cpu import CPUBackend
 from opencoti.engine.kv_tiers import TIER_NAMES, get_tier, turbo
+from opencoti.engine.kv_tiers.scalar import IQ4_NL_LEVELS
 
 
 def _consts(src: str) -> dict:
@@ -359,6 +360,104 @@ def test_stream_turbo3_index_layouts():
             a, b = (ra >> 4, rb >> 4) if k & 1 else (ra, rb)
             e4 = _prmt0(((a << 2) & 0x1C1C1C1C) | ((b << 5) & 0xE0E0E0E0), 0x4440 | (k >> 1))
             np.testing.assert_array_equal(e4, 4 * (idx[:half, 8 * c + k] | idx[half:, 8 * c + k] << 3))
+
+def _prmt(x, y, sel):
+    """CUDA ``__byte_perm(x, y, sel)`` of uint32 words x, y and selectors sel (arrays or ints):
+    result byte i is byte ``(sel >> 4 i) & 7`` of the 8-byte value y:x."""
+    x, y, sel = (np.asarray(v, np.int64) for v in (x, y, sel))
+    byts = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    byts = np.broadcast_arrays(*byts, sel)[:8]
+    return sum(np.choose((sel >> (4 * i)) & 7, byts) << (8 * i) for i in range(4))
+
+
+def _q4_0_kdim(L: int) -> int:  # kv_codes.cuh KvCodes<KQ4_0>::kdim
+    return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1)
+
+
+def _q4_0_vdim(c: int, k: int) -> int:  # kv_codes.cuh KvCodes<KQ4_0>::vdim
+    return 16 * (k >> 1) + 2 * c + (k & 1)
+
+
+def test_stream_iq4nl_operands():
+    """The streaming kernel's iq4_nl operands (kv_codes.cuh KvCodes<KIQ4_NL>), ported op by op
+    with the constants read from the source (so an edit there moves the port): lut16's three
+    permutes give level + 128 of four codes from the table's immediates; kpair's B register
+    (s, r) of thread tig holds, as f16 pairs 1024 + (level + 128) less 1152, the levels at the
+    block dims kdim(L) of its MMA k indices L = 16 s + 2 tig + 8 r + e (q4_0's order); vcodes(ra,
+    rb, k) holds two cells' levels at dim vdim(c, k) of column c (q4_0's order). Against the
+    tier's own bytes and dequantized values (d * level, bit for bit), every level seen."""
+    src = re.sub(r"\s+", " ", read_source("kv_codes.cuh"))
+    body = src[src.index("struct KvCodes<KIQ4_NL> {"):]
+    body = body[:body.index("};")]
+    h = r"(0x[0-9A-Fa-f]+)u?"
+
+    def grab(pattern):
+        m = re.search(pattern, body)
+        assert m, pattern
+        return [int(g, 16) if g.startswith("0x") else g for g in m.groups()]
+
+    assert "return KvCodes<KQ4_0>::kdim(L)" in body and "return KvCodes<KQ4_0>::vdim(c, k)" in body
+    assert "return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1)" in src
+    assert "return 16 * (k >> 1) + 2 * c + (k & 1)" in src
+    t0, t1, m0 = grab(rf"lo = __byte_perm\({h}, {h}, x & {h}\)")
+    t2, t3, m1 = grab(rf"hi = __byte_perm\({h}, {h}, x & {h}\)")
+    assert "return __byte_perm(lo, hi, sel)" in body
+    sb, ss, sm = grab(rf"return {h} \| \(\(x >> (\d+)\) & {h}\)")
+    assert "const u32 x = ld4b(blk + 2 + 4 * tig, a4), sel = lut_sel(x)" in body
+    assert "a = lut16(x, sel), b = lut16(x >> 16, sel >> 16)" in body
+    w0s, = grab(rf"w\[0\] = __byte_perm\(a, b, {h}\)")
+    w1s, = grab(rf"w\[1\] = __byte_perm\(a, b, {h}\)")
+    kc, k1, k0, kb = grab(rf"return hsub2\(__byte_perm\(w\[s\], {h}, r \? {h} : {h}\), {h}\)")
+    assert "const u32 x = *(const u16*)(blk + 2 + 2 * gid)" in body and "return lut16(x, lut_sel(x))" in body
+    iexpr, = grab(r"const int i = ([^;]+);")
+    vm, vo, vb = grab(rf"return hsub2\(\(__byte_perm\(ra, rb, i \| \(\(4 \+ i\) << 8\)\) & {h}\) \| {h}, {h}\)")
+    assert kb == vb == 0x64806480  # f16 1152 in both halves: 1024 + (level + 128) - 1152 = level
+
+    levels = np.asarray(IQ4_NL_LEVELS, np.int64)
+    table = (t0, t1, t2, t3)
+
+    def lut16(x, sel):
+        return _prmt(_prmt(t0, t1, x & m0), _prmt(t2, t3, x & m1), sel)
+
+    def lut_sel(x):
+        return sb | ((x >> int(ss)) & sm)
+
+    def f16_pair(p):  # hsub2(p, 1152 | 1152), exact for f16 1024 + u (u < 256): the pair's values
+        assert ((p >> 8) & 0xFF == 0x64).all() and ((p >> 24) & 0xFF == 0x64).all()
+        return (p & 0xFF) - 128, ((p >> 16) & 0xFF) - 128
+
+    assert [(table[i // 4] >> (8 * (i % 4))) & 0xFF for i in range(16)] == (levels + 128).tolist()
+    t = get_tier("iq4_nl")
+    x = np.random.default_rng(41).standard_normal((256, 32)).astype(np.float32)
+    q = t.quantize(x)
+    b = np.ascontiguousarray(q).view(np.uint8).reshape(len(x), -1).astype(np.int64)
+    assert b.shape[1] == 18
+    want = t.dequantize(q).reshape(len(x), 32)
+    d = (b[:, 0] | b[:, 1] << 8).astype(np.uint16).view(np.float16).astype(np.float32)  # the block scale
+    le = lambda cols: sum(b[:, c] << (8 * i) for i, c in enumerate(cols))  # noqa: E731
+    seen = set()
+    for tig in range(4):
+        w32 = le(range(2 + 4 * tig, 6 + 4 * tig))
+        sel = lut_sel(w32)
+        lo_w, hi_w = lut16(w32, sel), lut16(w32 >> 16, sel >> 16)
+        w = [_prmt(lo_w, hi_w, w0s), _prmt(lo_w, hi_w, w1s)]
+        for s_ in range(2):
+            for r in range(2):
+                for e, v in enumerate(f16_pair(_prmt(w[s_], kc, k1 if r else k0))):
+                    seen.update(v.tolist())
+                    dim = _q4_0_kdim(16 * s_ + 2 * tig + 8 * r + e)
+                    np.testing.assert_array_equal(d * v.astype(np.float32), want[:, dim], err_msg=f"K {tig} {s_} {r} {e}")
+    assert seen == set(levels.tolist())
+    half = len(x) // 2  # cells a (rows 0..) and b (rows half..)
+    for c in range(8):
+        w16 = le([2 + 2 * c, 3 + 2 * c])
+        raw = lut16(w16, lut_sel(w16))
+        for k in range(4):
+            i = eval(iexpr, {"k": k})  # the source's C expression (Python's operators agree here)
+            va, vb_ = f16_pair((_prmt(raw[:half], raw[half:], i | ((4 + i) << 8)) & vm) | vo)
+            np.testing.assert_array_equal(d[:half] * va.astype(np.float32), want[:half, _q4_0_vdim(c, k)])
+            np.testing.assert_array_equal(d[half:] * vb_.astype(np.float32), want[half:, _q4_0_vdim(c, k)])
+
 
 def _fwht(v: np.ndarray, inverse: bool) -> np.ndarray:
     """``fwht_shared`` (kv_tiers.cuh) over the last axis: forward y = H (s x) / sqrt(d),

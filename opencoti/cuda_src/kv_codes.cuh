@@ -4,7 +4,7 @@
 // and splitting it (dec(), ~8 instructions a value).
 //
 //   S = Q K^T: the codes of a block are the B operand as they are (the integer tiers: q8_0's int8,
-//     q4_0's nibble - 8, exact in f16), or as their levels (turbo2/3/4: f16 numbers; one shared
+//     q4_0's nibble - 8, iq4_nl's integer levels; exact in f16), or as their levels (turbo2/3/4: f16 numbers; one shared
 //     memory load of a pair table gives two values' levels); each block's partial scores are
 //     multiplied by that cell's block scale in float32 and summed.
 //   O += P V: the integer tiers' B registers are their codes, each of a register's two cells
@@ -95,6 +95,48 @@ struct KvCodes<KQ4_0> {
     static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {
         const u32 m = __byte_perm(ra, rb, 0x5410);
         return hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
+    }
+};
+
+// iq4_nl: q4_0's bytes, value kvalues_iq4nl[code] d (ggml-common.h; the 16 levels are the
+// integers -127 .. 113, exact f16 operands). A code's level + 128 comes from byte permutes of the
+// 16-byte table in four immediates (lut16), then q8_0's f16 pairs 1024 + (level + 128) - 1152.
+// K: thread tig's bytes 4 tig .. 4 tig + 3 as q4_0's (the same kdim), their eight levels laid out
+// once per block so that each B register is one permute; V: column c's bytes 2c, 2c + 1 as
+// q4_0's (the same vdim), their four levels once per cell and block.
+template <>
+struct KvCodes<KIQ4_NL> {
+    static constexpr bool ON = true, PD = false;
+    static constexpr int BS = 32, BB = 18, TBK = 0, TBV = 0, NW = 2;
+    static __host__ __device__ constexpr int kdim(int L) { return KvCodes<KQ4_0>::kdim(L); }
+    static __host__ __device__ constexpr int vdim(int c, int k) { return KvCodes<KQ4_0>::vdim(c, k); }
+    static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
+    // byte k of the result: level + 128 of code (x >> 4k) & 15, k = 0 .. 3 (the low 16 bits of x;
+    // sel: that code's bit 3 picks the upper table half)
+    static __device__ __forceinline__ u32 lut16(u32 x, u32 sel) {
+        const u32 lo = __byte_perm(0x3F2D1801u, 0x766A5D4Fu, x & 0x7777u);
+        const u32 hi = __byte_perm(0xA6998D81u, 0xF1D9C5B5u, x & 0x7777u);
+        return __byte_perm(lo, hi, sel);
+    }
+    static __device__ __forceinline__ u32 lut_sel(u32 x) { return 0x32103210u | ((x >> 1) & 0x44444444u); }
+    // w[s]: levels of nibble s of bytes 0, 1, 2, 3 (bytes 0 .. 3 of the word)
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) {
+        const u32 x = ld4b(blk + 2 + 4 * tig, a4), sel = lut_sel(x);
+        const u32 a = lut16(x, sel), b = lut16(x >> 16, sel >> 16);  // nibbles lo, hi of bytes 0, 1 | 2, 3
+        w[0] = __byte_perm(a, b, 0x6420);
+        w[1] = __byte_perm(a, b, 0x7531);
+    }
+    static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8*) {
+        return hsub2(__byte_perm(w[s], 0x64646464u, r ? 0x4341 : 0x4240), 0x64806480u);
+    }
+    // levels of nibbles lo, hi of byte 2 gid, then lo, hi of byte 2 gid + 1
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool) {
+        const u32 x = *(const u16*)(blk + 2 + 2 * gid);
+        return lut16(x, lut_sel(x));
+    }
+    static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {  // q4_0's (k & 1, k >> 1)
+        const int i = 2 * (k & 1) + (k >> 1);
+        return hsub2((__byte_perm(ra, rb, i | ((4 + i) << 8)) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
     }
 };
 

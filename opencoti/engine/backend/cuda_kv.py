@@ -48,7 +48,7 @@ SCALAR_FAMILY = ("float", "scalar")
 
 # tiers whose codes the streaming attention kernel feeds to the MMAs as f16 operands (kv_codes.cuh
 # KvCodes<T>::ON)
-STREAM_CODE_TIERS = ("q8_0", "q4_0", "turbo2", "turbo3", "turbo4")
+STREAM_CODE_TIERS = ("q8_0", "q4_0", "iq4_nl", "turbo2", "turbo3", "turbo4")
 
 
 def has_table(name: str) -> bool:
