@@ -2020,14 +2020,15 @@ def test_kv_tier_attention_cells(gpu, cpu, name, d, n_head, n_kv, n_swa, softcap
 
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("tk,tv", [("q8_0", "turbo3"), ("turbo3", "q8_0"), ("f16", "q4_0"), ("q4_0", "f16"),
-                                   ("turbo4", "turbo2_tcq"), ("bf16", "q5_1"), ("q6_0", "turbo8")])
+                                   ("turbo4", "turbo2_tcq"), ("bf16", "q5_1"), ("q6_0", "turbo8"), ("q4_1", "turbo3"),
+                                   ("q8_0", "q4_1")])
 def test_kv_tier_attention_asymmetric(gpu, cpu, tk, tv, d):
     """Asymmetric K/V tiers (rotated K with a plain V and the reverse, f16 halves)."""
     _check_tier_attention(gpu, cpu, tk, tv, d, 8, 2, 37, 0.0, 1500)
 
 
 @pytest.mark.parametrize("d,n_head,n_kv", [(128, 16, 1), (64, 40, 2)])
-@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("turbo3", "turbo3"), ("q5_1", "q4_0"), ("iq4_nl", "iq4_nl")])
+@pytest.mark.parametrize("tk,tv", [("q8_0", "q8_0"), ("turbo3", "turbo3"), ("q5_1", "q4_0"), ("iq4_nl", "iq4_nl"), ("q4_1", "q4_1")])
 def test_kv_tier_attention_many_heads(gpu, cpu, tk, tv, d, n_head, n_kv):
     """More than 8 query heads per kv head (16; 20: a second, partial block): the streaming kernel's
     16-head blocks (the pair's ``_h16`` module), integer and turbo codes and decoded values."""
@@ -2035,7 +2036,7 @@ def test_kv_tier_attention_many_heads(gpu, cpu, tk, tv, d, n_head, n_kv):
 
 
 @pytest.mark.parametrize("d", [128, 256])
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "iq4_nl", "turbo2", "turbo3", "turbo4"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_1", "q4_0", "iq4_nl", "turbo2", "turbo3", "turbo4"])
 def test_kv_tier_attention_small_v(gpu, cpu, name, d):
     """V rows of small norm (block scales ~1e-2; real models' V can be that small): the output
     keeps float32 accuracy relative to its size (atol scaled with V), every kernel path. The

@@ -459,6 +459,65 @@ def test_stream_iq4nl_operands():
             np.testing.assert_array_equal(d[half:] * vb_.astype(np.float32), want[half:, _q4_0_vdim(c, k)])
 
 
+def test_stream_q4_1_operands():
+    """The streaming kernel's q4_1 operands (kv_codes.cuh KvCodes<KQ4_1>), ported with the
+    constants read from the source: kraw's word at block byte 4 + 4 tig, kpair's f16 pairs
+    1024 + nibble less 1024 at q4_0's kdim, vraw's two bytes at 4 + 2 gid and vcodes' pairs at
+    q4_0's vdim; with the block's d and m (mh: bytes 2, 3) each value is the tier's d code + m,
+    bit for bit, every code seen."""
+    src = re.sub(r"\s+", " ", read_source("kv_codes.cuh"))
+    body = src[src.index("struct KvCodes<KQ4_1> {"):]
+    body = body[:body.index("};")]
+    h = r"(0x[0-9A-Fa-f]+)u?"
+
+    def grab(pattern):
+        m = re.search(pattern, body)
+        assert m, pattern
+        return [int(g, 16) if g.startswith("0x") else int(g) for g in m.groups()]
+
+    assert "static constexpr bool ON = true, PD = false, MIN = true;" in body
+    assert "return KvCodes<KQ4_0>::kdim(L)" in body and "return KvCodes<KQ4_0>::vdim(c, k)" in body
+    assert "return *(const u16*)(blk + 2);" in body  # mh
+    ko, = grab(r"w\[0\] = \*\(const u32\*\)\(blk \+ (\d+) \+ 4 \* tig\)")
+    km, kor, kb = grab(rf"return hsub2\(\(\(w\[0\] >> \(4 \* s \+ 8 \* r\)\) & {h}\) \| {h}, {h}\)")
+    vo, = grab(r"return \*\(const u16\*\)\(blk \+ (\d+) \+ 2 \* gid\)")
+    vs, = grab(rf"const u32 m = __byte_perm\(ra, rb, {h}\)")
+    vm, vor, vb = grab(rf"return hsub2\(\(\(m >> \(8 \* \(k & 1\) \+ 4 \* \(k >> 1\)\)\) & {h}\) \| {h}, {h}\)")
+    assert kb == vb == kor == vor == 0x64006400  # (1024 + n) - 1024 in both halves
+
+    def f16_pair(p):
+        assert ((p >> 10) & 0x3F == 0x19).all() and ((p >> 26) & 0x3F == 0x19).all()  # 1024 <= value < 2048
+        return (p & 0x3FF), ((p >> 16) & 0x3FF)
+
+    t = get_tier("q4_1")
+    x = np.random.default_rng(43).standard_normal((256, 32)).astype(np.float32)
+    q = t.quantize(x)
+    b = np.ascontiguousarray(q).view(np.uint8).reshape(len(x), -1).astype(np.int64)
+    assert b.shape[1] == 20
+    want = t.dequantize(q).reshape(len(x), 32)
+    f16 = lambda o: (b[:, o] | b[:, o + 1] << 8).astype(np.uint16).view(np.float16).astype(np.float32)  # noqa: E731
+    d, m = f16(0), f16(2)
+    le = lambda cols: sum(b[:, c] << (8 * i) for i, c in enumerate(cols))  # noqa: E731
+    seen = set()
+    for tig in range(4):
+        w = le(range(ko + 4 * tig, ko + 4 * tig + 4))
+        for s_ in range(2):
+            for r in range(2):
+                for e, n in enumerate(f16_pair(((w >> (4 * s_ + 8 * r)) & km) | kor)):
+                    seen.update(n.tolist())
+                    dim = _q4_0_kdim(16 * s_ + 2 * tig + 8 * r + e)
+                    np.testing.assert_array_equal(d * n.astype(np.float32) + m, want[:, dim])
+    assert seen == set(range(16))
+    half = len(x) // 2
+    for c in range(8):
+        raw = le([vo + 2 * c, vo + 1 + 2 * c])
+        mm = _prmt(raw[:half], raw[half:], vs)
+        for k in range(4):
+            na, nb = f16_pair(((mm >> (8 * (k & 1) + 4 * (k >> 1))) & vm) | vor)
+            np.testing.assert_array_equal(d[:half] * na.astype(np.float32) + m[:half], want[:half, _q4_0_vdim(c, k)])
+            np.testing.assert_array_equal(d[half:] * nb.astype(np.float32) + m[half:], want[half:, _q4_0_vdim(c, k)])
+
+
 def _fwht(v: np.ndarray, inverse: bool) -> np.ndarray:
     """``fwht_shared`` (kv_tiers.cuh) over the last axis: forward y = H (s x) / sqrt(d),
     inverse x = s (H y) / sqrt(d)."""

@@ -376,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(256) LSE_CLUSTER_DIMS attn_merge_di
 template <int D>
 struct AsF16 {
     static constexpr int RB = 2 * D, CA = 16, TBK = 0, TBV = 0;
-    static constexpr bool F16 = true, ROT = false, CODES = false, PD = false;
+    static constexpr bool F16 = true, ROT = false, CODES = false, PD = false, MIN = false;
     static __host__ __device__ constexpr int kperm(int d) { return d; }
     static __host__ __device__ constexpr int vperm(int nd, int c) { return 8 * nd + c; }
 };
@@ -640,8 +640,8 @@ __device__ __forceinline__ void attn_kv_impl(
 
 // attn_kv_stream: attn_stream_impl over the module's tiers (long rows): each tier row is copied
 // as its bytes (kv_align chunks, at least 4 bytes: head sizes whose rows are only 2-aligned keep
-// attn_kv_g*). q8_0, q4_0 and turbo2/3/4 feed their codes to the MMAs as f16 operands with the
-// block scales outside the products (kv_codes.cuh); the other tiers are decoded into the MMA
+// attn_kv_g*). q8_0, q4_0, q4_1, iq4_nl and turbo2/3/4 feed their codes to the MMAs as f16
+// operands with the block scales (and q4_1's minima) outside the products (kv_codes.cuh); the other tiers are decoded into the MMA
 // fragments value by value, as float32 split into f16 hi + lo (a third product per tile: hi * hi
 // + lo * hi + hi * lo). Rotated tiers rotate the queries and un-rotate the output as attn_kv_impl
 // does.
@@ -649,7 +649,7 @@ template <class T, int D>
 struct AsTier {
     using C = KvCodes<T>;
     static constexpr int RB = D / T::BS * T::BB, CA = kv_align(RB) > 16 ? 16 : kv_align(RB), NT = T::NT;
-    static constexpr bool F16 = false, ROT = T::ROT != 0, CODES = C::ON, PD = CODES && C::PD;
+    static constexpr bool F16 = false, ROT = T::ROT != 0, CODES = C::ON, PD = CODES && C::PD, MIN = CODES && C::MIN;
     // shared-memory table bytes as the K / as the V tier: kv_codes.cuh's, else the float levels
     static constexpr int TBK = CODES ? C::TBK : 4 * NT, TBV = CODES ? C::TBV : 4 * NT;
     static __device__ __forceinline__ void levels(u8* t) {

@@ -272,6 +272,15 @@ __device__ __forceinline__ void attn_stream_impl(
         s_qh[g * LDQ + d] = h;
         s_ql[g * LDQ + d] = sp_f2h(x - h2f(h));
     }
+    if constexpr (KP::MIN) {  // a minimum K tier: each head's sum of those values over each block, [HN][D / BS]
+        constexpr int BS = KP::C::BS;
+        for (int i = threadIdx.x; i < HN * (D / BS); i += blockDim.x) {
+            const int g = i / (D / BS), b = i % (D / BS);
+            float z = 0.f;
+            for (int j = 0; j < BS; j++) z += qf[g * D + b * BS + j];
+            ((float*)s_tk)[i] = z / s_up[g];  // (a power of two: the staged values' sum)
+        }
+    }
     __syncthreads();  // the queries are staged (and the last stage free for tile NS - 1)
 
     // The warp's 16 cells of a tile are the rows of the MMAs' m16 tiles, the block's heads their
@@ -292,6 +301,14 @@ __device__ __forceinline__ void attn_stream_impl(
     for (int md = 0; md < MD; md++)
 #pragma unroll
         for (int nh = 0; nh < NH; nh++) o[md][nh][0] = o[md][nh][1] = o[md][nh][2] = o[md][nh][3] = 0.f;
+    // a minimum V tier: sum over the warp's cells of p m per block (this thread's cells gid, gid + 8;
+    // summed over gid at the end) for heads 8 nh + 2 tig + e, added to the block's dims
+    constexpr int VB = VP::MIN ? D / 32 : 1;
+    float mv[VB][NH][2];
+#pragma unroll
+    for (int b = 0; b < VB; b++)
+#pragma unroll
+        for (int nh = 0; nh < NH; nh++) mv[b][nh][0] = mv[b][nh][1] = 0.f;
     // the lane's ldmatrix rows: query head (lane & 7) of a head tile at dim (lane >> 3) 8 of two k
     // steps (B fragments of both); K cell cw + (lane & 15) at dim (lane >> 4) 8 of a k step (A);
     // V cell cw + (lane & 7) + (lane >> 4) 8 at dim ((lane >> 3) & 1) 8 of an m16 tile (A, .trans)
@@ -368,6 +385,18 @@ __device__ __forceinline__ void attn_stream_impl(
                         sa[b & 1][nh][e] += (t[0][nh][e] + t[1][nh][e]) * d0;
                         sa[b & 1][nh][2 + e] += (t[0][nh][2 + e] + t[1][nh][2 + e]) * d1;
                     }
+                if constexpr (KP::MIN) {  // + the cells' block minima times the heads' block sums of q
+                    const float m0 = h2f(C::mh(sk + (cw + gid) * L::SRBK + b * C::BB));
+                    const float m1 = h2f(C::mh(sk + (cw + 8 + gid) * L::SRBK + b * C::BB));
+#pragma unroll
+                    for (int nh = 0; nh < NH; nh++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            const float z = ((const float*)s_tk)[(8 * nh + 2 * tig + e) * (D / C::BS) + b];
+                            sa[b & 1][nh][e] += m0 * z;
+                            sa[b & 1][nh][2 + e] += m1 * z;
+                        }
+                }
             }
         } else {
 #pragma unroll
@@ -435,6 +464,10 @@ __device__ __forceinline__ void attn_stream_impl(
                 l[nh][e] *= corr;
 #pragma unroll
                 for (int md = 0; md < MD; md++) { o[md][nh][e] *= corr; o[md][nh][2 + e] *= corr; }
+                if constexpr (VP::MIN) {
+#pragma unroll
+                    for (int b = 0; b < VB; b++) mv[b][nh][e] *= corr;
+                }
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const float v = s[nh][2 * h + e];
@@ -449,6 +482,18 @@ __device__ __forceinline__ void attn_stream_impl(
         const u8* v1 = v0 + L::SRBV;
         const u8* v2 = v0 + 8 * L::SRBV;
         const u8* v3 = v0 + 9 * L::SRBV;
+        if constexpr (VP::MIN) {  // p m of the cells gid, gid + 8 (rows h = 0, 1 of s)
+            static_assert(!VP::MIN || VP::C::BS == 32, "attn_stream_impl: a minimum V tier of 32-value blocks");
+#pragma unroll
+            for (int b = 0; b < VB; b++) {
+                const float m0 = h2f(VP::C::mh(sv + (cw + gid) * L::SRBV + b * VP::C::BB));
+                const float m1 = h2f(VP::C::mh(sv + (cw + 8 + gid) * L::SRBV + b * VP::C::BB));
+#pragma unroll
+                for (int nh = 0; nh < NH; nh++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) mv[b][nh][e] += s[nh][e] * m0 + s[nh][2 + e] * m1;
+            }
+        }
         u32 ph[NH][2], pl[NH][2];  // P^T's B fragments where the block scales do not ride on P
         if constexpr (!VP::PD) {
 #pragma unroll
@@ -543,6 +588,19 @@ __device__ __forceinline__ void attn_stream_impl(
         for (int e = 0; e < 2; e++)
 #pragma unroll
             for (int sh = 4; sh < 32; sh <<= 1) l[nh][e] += __shfl_xor_sync(0xffffffffu, l[nh][e], sh);
+    if constexpr (VP::MIN) {  // the warp's p m sums, on every dim of their block (m16 tiles 2 b, 2 b + 1)
+#pragma unroll
+        for (int b = 0; b < VB; b++)
+#pragma unroll
+            for (int nh = 0; nh < NH; nh++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+#pragma unroll
+                    for (int sh = 4; sh < 32; sh <<= 1) mv[b][nh][e] += __shfl_xor_sync(0xffffffffu, mv[b][nh][e], sh);
+#pragma unroll
+                    for (int md = 2 * b; md < 2 * b + 2; md++) { o[md][nh][e] += mv[b][nh][e]; o[md][nh][2 + e] += mv[b][nh][e]; }
+                }
+    }
     // merge the warps (their tiles reuse the stages): s_o [NW][HN][D], s_m / s_l [NW][HN]
     __syncthreads();
     float* s_o = (float*)s_st;

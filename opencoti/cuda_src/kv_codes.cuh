@@ -33,6 +33,9 @@
 //     once for vcodes), and the f16x2 codes (or levels) of n8 tile k for two cells (ra, rb),
 //     unscaled;
 //   PD: the block scales are folded into P (the turbo levels) instead of into the codes;
+//   MIN: the blocks also store a minimum m (value d code + m: q4_1), mh(blk) its f16 bits: K adds
+//     m times the head's sum of q over the block (the block sums staged in the K table's bytes,
+//     TBK: HN x D / BS floats), V adds sum over cells of p m per block to the block's dims;
 //   dh(blk): the block scale's f16 bits.
 // a4: the reads of that block are 4-aligned (rows start 16-aligned in shared memory; a block at
 // byte o of its row reads from o + 2: aligned when o % 4 == 2).
@@ -48,7 +51,7 @@ __device__ __forceinline__ u32 ld4b(const u8* p, bool a4) {
 __device__ __forceinline__ u32 tab_at(const u8* t, u32 o) { return *(const u32*)(t + o); }
 template <class T>
 struct KvCodes {
-    static constexpr bool ON = false, PD = false;
+    static constexpr bool ON = false, PD = false, MIN = false;
     static constexpr int BS = 32, BB = 0, TBK = 0, TBV = 0, NW = 1;
     static __host__ __device__ constexpr int kdim(int L) { return L; }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 8 * k + c; }
@@ -58,7 +61,7 @@ struct KvCodes {
 // - 1152; V: column c's bytes 4c .. 4c + 3 (n8 tile k: byte k)
 template <>
 struct KvCodes<KQ8_0> {
-    static constexpr bool ON = true, PD = false;
+    static constexpr bool ON = true, PD = false, MIN = false;
     static constexpr int BS = 32, BB = 34, TBK = 0, TBV = 0, NW = 2;
     static __host__ __device__ constexpr int kdim(int L) { return 8 * ((L & 7) >> 1) + 4 * (L >> 4) + 2 * ((L >> 3) & 1) + (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 4 * c + k; }
@@ -82,7 +85,7 @@ struct KvCodes<KQ8_0> {
 // 17 + 2c)
 template <>
 struct KvCodes<KQ4_0> {
-    static constexpr bool ON = true, PD = false;
+    static constexpr bool ON = true, PD = false, MIN = false;
     static constexpr int BS = 32, BB = 18, TBK = 0, TBV = 0, NW = 1;
     static __host__ __device__ constexpr int kdim(int L) { return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return 16 * (k >> 1) + 2 * c + (k & 1); }
@@ -106,7 +109,7 @@ struct KvCodes<KQ4_0> {
 // q4_0's (the same vdim), their four levels once per cell and block.
 template <>
 struct KvCodes<KIQ4_NL> {
-    static constexpr bool ON = true, PD = false;
+    static constexpr bool ON = true, PD = false, MIN = false;
     static constexpr int BS = 32, BB = 18, TBK = 0, TBV = 0, NW = 2;
     static __host__ __device__ constexpr int kdim(int L) { return KvCodes<KQ4_0>::kdim(L); }
     static __host__ __device__ constexpr int vdim(int c, int k) { return KvCodes<KQ4_0>::vdim(c, k); }
@@ -140,6 +143,30 @@ struct KvCodes<KIQ4_NL> {
     }
 };
 
+// q4_1: d (f16), m (f16) + 16 bytes as q4_0's, value code d + m (code 0 .. 15: f16 pairs 1024 +
+// nibble - 1024). q4_0's dim orders; the minimum term outside the products (MIN). K reads its
+// words 4-aligned (rows start 16-aligned, blocks 20 bytes apart, codes at + 4).
+template <>
+struct KvCodes<KQ4_1> {
+    static constexpr bool ON = true, PD = false, MIN = true;
+    static constexpr int BS = 32, BB = 20, TBK = 512, TBV = 0, NW = 1;  // TBK: HN x D / 32 floats at most
+    static __host__ __device__ constexpr int kdim(int L) { return KvCodes<KQ4_0>::kdim(L); }
+    static __host__ __device__ constexpr int vdim(int c, int k) { return KvCodes<KQ4_0>::vdim(c, k); }
+    static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
+    static __device__ __forceinline__ u16 mh(const u8* blk) { return *(const u16*)(blk + 2); }
+    static __device__ __forceinline__ void tab_k(u8*) {}  // (the block sums are staged with q)
+    static __device__ __forceinline__ void tab_v(u8*) {}
+    static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool, u32 (&w)[NW]) { w[0] = *(const u32*)(blk + 4 + 4 * tig); }
+    static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8*) {
+        return hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64006400u);
+    }
+    static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool) { return *(const u16*)(blk + 4 + 2 * gid); }
+    static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {
+        const u32 m = __byte_perm(ra, rb, 0x5410);
+        return hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64006400u);
+    }
+};
+
 // turbo2/3/4 (turbo.py): d (f16) + 64 Lloyd-Max indices of BITS bits (turbo3: the low 2 bits four
 // to a byte, then the high bits eight to a byte), value d * level. The levels are f16 numbers
 // (codebooks.lloyd_max), so a level is an exact f16 operand and the K operand has no lo term.
@@ -149,7 +176,7 @@ struct KvCodes<KIQ4_NL> {
 // two levels as f16x2); their block scales ride on P (PD).
 template <int BITS>
 struct KvCodes<KTurbo<BITS>> {
-    static constexpr bool ON = BITS <= 4, PD = true;
+    static constexpr bool ON = BITS <= 4, PD = true, MIN = false;
     static constexpr int BS = 64, BB = 2 + 8 * BITS, TBK = 4 << (2 * BITS), TBV = 4 << (2 * BITS);
     static constexpr int NW = BITS == 2 ? 1 : 2;
     static __host__ __device__ constexpr int kdim(int L) { return 16 * ((L & 7) >> 1) + 2 * (2 * (L >> 4) + ((L >> 3) & 1)) + (L & 1); }

@@ -48,7 +48,9 @@ SCALAR_FAMILY = ("float", "scalar")
 
 # tiers whose codes the streaming attention kernel feeds to the MMAs as f16 operands (kv_codes.cuh
 # KvCodes<T>::ON)
-STREAM_CODE_TIERS = ("q8_0", "q4_0", "iq4_nl", "turbo2", "turbo3", "turbo4")
+STREAM_CODE_TIERS = ("q8_0", "q4_1", "q4_0", "iq4_nl", "turbo2", "turbo3", "turbo4")
+# ... of them those with a block minimum (KvCodes<T>::MIN: the heads' block sums of q in the K table's bytes)
+STREAM_MIN_TIERS = ("q4_1",)
 
 
 def has_table(name: str) -> bool:
@@ -61,8 +63,10 @@ def stream_table_bytes(name: str, as_k: bool) -> int:
     """Shared-memory bytes of tier ``name``'s table in the streaming attention kernel, as the K
     tier (``as_k``) or the V tier (attention.cu ``AsTier::TBK`` / ``TBV``): the turbo2/3/4 pair
     table (an f16 pair, 4 bytes, per pair of indices) for K and V alike (kv_codes.cuh), the other
-    table tiers' float32 levels (256 of them at most: 1 KiB), else 0 (no tier's K and V tables
-    differ in size now; ``as_k`` names which one the caller sizes)."""
+    table tiers' float32 levels (256 of them at most: 1 KiB), a minimum tier's (q4_1) block sums of
+    q as the K tier (16 heads x 8 blocks of float32 at most: 512 bytes), else 0."""
+    if name in STREAM_MIN_TIERS:
+        return 512 if as_k else 0
     if name in STREAM_CODE_TIERS and has_table(name):
         return 4 << (2 * int(name[-1]))
     return 1024 if has_table(name) else 0
