@@ -2021,7 +2021,7 @@ def test_kv_tier_attention_cells(gpu, cpu, name, d, n_head, n_kv, n_swa, softcap
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("tk,tv", [("q8_0", "turbo3"), ("turbo3", "q8_0"), ("f16", "q4_0"), ("q4_0", "f16"),
                                    ("turbo4", "turbo2_tcq"), ("bf16", "q5_1"), ("q6_0", "turbo8"), ("q4_1", "turbo3"),
-                                   ("q8_0", "q4_1")])
+                                   ("q8_0", "q4_1"), ("iq4_nl", "q8_0"), ("turbo3", "iq4_nl")])
 def test_kv_tier_attention_asymmetric(gpu, cpu, tk, tv, d):
     """Asymmetric K/V tiers (rotated K with a plain V and the reverse, f16 halves)."""
     _check_tier_attention(gpu, cpu, tk, tv, d, 8, 2, 37, 0.0, 1500)

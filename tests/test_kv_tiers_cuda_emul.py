@@ -294,11 +294,16 @@ def test_kernel_pair_decoder_matches_tier(name, d):
     np.testing.assert_array_equal(got, want)
 
 
-
-def _prmt0(x, sel):
-    """__byte_perm(x, 0, sel) of uint32 words x (selector nibbles < 8: bytes 0-3 of x, 4-7 zero)."""
-    byts = [(x >> (8 * i)) & 0xFF for i in range(4)] + [np.zeros_like(x)] * 4
-    return sum(byts[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+def _prmt(x, y, sel):
+    """CUDA ``__byte_perm(x, y, sel)`` of uint32 words x, y and selectors sel (arrays or ints):
+    result byte i is byte ``(sel >> 4 i) & 7`` of the 8-byte value y:x (the documented semantics;
+    nvcc masks each selector nibble with 7 before its PRMT, whose bit 3 would sign-replicate).
+    The kernels' selectors keep bit 3 clear, asserted here so that the two cannot part."""
+    x, y, sel = (np.asarray(v, np.int64) for v in (x, y, sel))
+    assert not (sel & 0x8888).any(), "a selector nibble with bit 3 set"
+    byts = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    byts = np.broadcast_arrays(*byts, sel)[:8]
+    return sum(np.choose((sel >> (4 * i)) & 7, byts) << (8 * i) for i in range(4))
 
 
 def test_stream_turbo3_index_layouts():
@@ -328,12 +333,12 @@ def test_stream_turbo3_index_layouts():
     le = lambda cols: sum(payload[:, c] << (8 * i) for i, c in enumerate(cols))  # noqa: E731
     for tig in range(4):  # K: kraw, then kpair(w, s, r)
         lo, hi = le(range(4 * tig, 4 * tig + 4)), le(range(16 + 2 * tig, 18 + 2 * tig))
-        hn = _prmt0(hi, 0x4140)
+        hn = _prmt(hi, 0, 0x4140)
         hn = (hn | (hn << 4)) & 0x0F0F0F0F
         w = [((lo << 2) & 0x3C3C3C3C) | ((hn << 6) & 0xC0C0C0C0), ((lo >> 2) & 0x3C3C3C3C) | ((hn << 4) & 0xC0C0C0C0)]
         for s in range(4):
             for r in range(2):
-                e4 = _prmt0(w[r], 0x4440 | s)
+                e4 = _prmt(w[r], 0, 0x4440 | s)
                 assert (e4 % 4 == 0).all() and (e4 < 256).all()
                 e = e4 >> 2
                 a, b = (e & 3) | ((e >> 4) & 1) << 2, ((e >> 2) & 3) | ((e >> 5) & 1) << 2  # pair_of
@@ -343,7 +348,7 @@ def test_stream_turbo3_index_layouts():
 
     def vraw(c):
         lo, hi = le([2 * c, 2 * c + 1]), payload[:, 16 + c]
-        x = _prmt0(lo, 0x4140)
+        x = _prmt(lo, 0, 0x4140)
         x = (x | (x << 4)) & 0x0F0F0F0F
         x = (x | (x << 2)) & 0x33333333
         h = (hi | (hi << 12)) & 0x000F000F
@@ -358,16 +363,8 @@ def test_stream_turbo3_index_layouts():
             np.testing.assert_array_equal((x >> (4 * k)) & 7, idx[:, 8 * c + k])  # nibble k
             ra, rb = x[:half], x[half:]
             a, b = (ra >> 4, rb >> 4) if k & 1 else (ra, rb)
-            e4 = _prmt0(((a << 2) & 0x1C1C1C1C) | ((b << 5) & 0xE0E0E0E0), 0x4440 | (k >> 1))
+            e4 = _prmt(((a << 2) & 0x1C1C1C1C) | ((b << 5) & 0xE0E0E0E0), 0, 0x4440 | (k >> 1))
             np.testing.assert_array_equal(e4, 4 * (idx[:half, 8 * c + k] | idx[half:, 8 * c + k] << 3))
-
-def _prmt(x, y, sel):
-    """CUDA ``__byte_perm(x, y, sel)`` of uint32 words x, y and selectors sel (arrays or ints):
-    result byte i is byte ``(sel >> 4 i) & 7`` of the 8-byte value y:x."""
-    x, y, sel = (np.asarray(v, np.int64) for v in (x, y, sel))
-    byts = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
-    byts = np.broadcast_arrays(*byts, sel)[:8]
-    return sum(np.choose((sel >> (4 * i)) & 7, byts) << (8 * i) for i in range(4))
 
 
 def _q4_0_kdim(L: int) -> int:  # kv_codes.cuh KvCodes<KQ4_0>::kdim

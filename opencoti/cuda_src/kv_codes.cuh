@@ -4,8 +4,9 @@
 // and splitting it (dec(), ~8 instructions a value).
 //
 //   S = Q K^T: the codes of a block are the B operand as they are (the integer tiers: q8_0's int8,
-//     q4_0's nibble - 8, iq4_nl's integer levels; exact in f16), or as their levels (turbo2/3/4: f16 numbers; one shared
-//     memory load of a pair table gives two values' levels); each block's partial scores are
+//     q4_0's nibble - 8, q4_1's nibble; exact in f16), or as their levels (iq4_nl: its integer
+//     levels by byte permutes, lut16; turbo2/3/4: f16 numbers, one shared memory load of a pair
+//     table gives two values' levels); each block's partial scores are
 //     multiplied by that cell's block scale in float32 and summed.
 //   O += P V: the integer tiers' B registers are their codes, each of a register's two cells
 //     times its block scale d: hi = f16(code * d), lo = code * d - hi by an f16 fma (exact
@@ -107,6 +108,9 @@ struct KvCodes<KQ4_0> {
 // K: thread tig's bytes 4 tig .. 4 tig + 3 as q4_0's (the same kdim), their eight levels laid out
 // once per block so that each B register is one permute; V: column c's bytes 2c, 2c + 1 as
 // q4_0's (the same vdim), their four levels once per cell and block.
+// Registers: as the K tier at head size 256 with 16 heads a block it spills ~100 bytes (255
+// registers; the decode path spilled none), a shape taken only for more than 8 query heads per
+// kv head.
 template <>
 struct KvCodes<KIQ4_NL> {
     static constexpr bool ON = true, PD = false, MIN = false;
