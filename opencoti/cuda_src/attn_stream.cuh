@@ -274,10 +274,11 @@ __device__ __forceinline__ void attn_stream_impl(
     }
     if constexpr (KP::MIN) {  // a minimum K tier: each head's sum of those values over each block, [HN][D / BS]
         constexpr int BS = KP::C::BS;
+        static_assert(!KP::MIN || HN * (D / BS) * 4 <= KP::TBK, "attn_stream_impl: the block sums fit the K table");
         for (int i = threadIdx.x; i < HN * (D / BS); i += blockDim.x) {
             const int g = i / (D / BS), b = i % (D / BS);
-            float z = 0.f;
-            for (int j = 0; j < BS; j++) z += qf[g * D + b * BS + j];
+            float z = 0.f;  // (each thread from its own bank on: i + jj)
+            for (int jj = 0; jj < BS; jj++) z += qf[g * D + b * BS + (i + jj) % BS];
             ((float*)s_tk)[i] = z / s_up[g];  // (a power of two: the staged values' sum)
         }
     }

@@ -108,9 +108,6 @@ struct KvCodes<KQ4_0> {
 // K: thread tig's bytes 4 tig .. 4 tig + 3 as q4_0's (the same kdim), their eight levels laid out
 // once per block so that each B register is one permute; V: column c's bytes 2c, 2c + 1 as
 // q4_0's (the same vdim), their four levels once per cell and block.
-// Registers: as the K tier at head size 256 with 16 heads a block it spills ~100 bytes (255
-// registers; the decode path spilled none), a shape taken only for more than 8 query heads per
-// kv head.
 template <>
 struct KvCodes<KIQ4_NL> {
     static constexpr bool ON = true, PD = false, MIN = false;
