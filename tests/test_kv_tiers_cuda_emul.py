@@ -367,6 +367,36 @@ def test_stream_turbo3_index_layouts():
             np.testing.assert_array_equal(e4, 4 * (idx[:half, 8 * c + k] | idx[half:, 8 * c + k] << 3))
 
 
+_HEX = r"(0x[0-9A-Fa-f]+)u?"  # a hex constant of the CUDA text, its u suffix optional
+
+
+def _codes_text(struct: str) -> tuple[str, str]:
+    """kv_codes.cuh with its whitespace runs as single spaces, and the body of KvCodes<struct>."""
+    src = re.sub(r"\s+", " ", read_source("kv_codes.cuh"))
+    body = src[src.index(f"struct KvCodes<{struct}> {{"):]
+    return src, body[:body.index("};")]
+
+
+def _grab(body: str, pattern: str) -> list:
+    """The groups of ``pattern``'s match in ``body`` (which must match): hex and decimal numbers
+    as ints, other text as it is."""
+    m = re.search(pattern, body)
+    assert m, pattern
+    return [int(g, 16) if g.startswith("0x") else int(g) if g.isdigit() else g for g in m.groups()]
+
+
+def _one_block_rows(name: str, block_bytes: int, seed: int):
+    """256 random rows of one 32-value block quantized by tier ``name``: their bytes as int64
+    [256, block_bytes], the tier's dequantized values [256, 32] and ``f16(o)``, the float32 of
+    the f16 at byte o of every row."""
+    t = get_tier(name)
+    q = t.quantize(np.random.default_rng(seed).standard_normal((256, 32)).astype(np.float32))
+    b = np.ascontiguousarray(q).view(np.uint8).reshape(256, -1).astype(np.int64)
+    assert b.shape[1] == block_bytes
+    f16 = lambda o: (b[:, o] | b[:, o + 1] << 8).astype(np.uint16).view(np.float16).astype(np.float32)  # noqa: E731
+    return b, t.dequantize(q).reshape(256, 32), f16
+
+
 def _q4_0_kdim(L: int) -> int:  # kv_codes.cuh KvCodes<KQ4_0>::kdim
     return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1)
 
@@ -383,15 +413,11 @@ def test_stream_iq4nl_operands():
     block dims kdim(L) of its MMA k indices L = 16 s + 2 tig + 8 r + e (q4_0's order); vcodes(ra,
     rb, k) holds two cells' levels at dim vdim(c, k) of column c (q4_0's order). Against the
     tier's own bytes and dequantized values (d * level, bit for bit), every level seen."""
-    src = re.sub(r"\s+", " ", read_source("kv_codes.cuh"))
-    body = src[src.index("struct KvCodes<KIQ4_NL> {"):]
-    body = body[:body.index("};")]
-    h = r"(0x[0-9A-Fa-f]+)u?"
+    src, body = _codes_text("KIQ4_NL")
+    h = _HEX
 
     def grab(pattern):
-        m = re.search(pattern, body)
-        assert m, pattern
-        return [int(g, 16) if g.startswith("0x") else g for g in m.groups()]
+        return _grab(body, pattern)
 
     assert "return KvCodes<KQ4_0>::kdim(L)" in body and "return KvCodes<KQ4_0>::vdim(c, k)" in body
     assert "return 16 * (L >> 4) + 4 * ((L & 7) >> 1) + ((L >> 3) & 1) + 2 * (L & 1)" in src
@@ -424,13 +450,8 @@ def test_stream_iq4nl_operands():
         return (p & 0xFF) - 128, ((p >> 16) & 0xFF) - 128
 
     assert [(table[i // 4] >> (8 * (i % 4))) & 0xFF for i in range(16)] == (levels + 128).tolist()
-    t = get_tier("iq4_nl")
-    x = np.random.default_rng(41).standard_normal((256, 32)).astype(np.float32)
-    q = t.quantize(x)
-    b = np.ascontiguousarray(q).view(np.uint8).reshape(len(x), -1).astype(np.int64)
-    assert b.shape[1] == 18
-    want = t.dequantize(q).reshape(len(x), 32)
-    d = (b[:, 0] | b[:, 1] << 8).astype(np.uint16).view(np.float16).astype(np.float32)  # the block scale
+    b, want, f16 = _one_block_rows("iq4_nl", 18, 41)
+    d = f16(0)  # the block scale
     le = lambda cols: sum(b[:, c] << (8 * i) for i, c in enumerate(cols))  # noqa: E731
     seen = set()
     for tig in range(4):
@@ -445,7 +466,7 @@ def test_stream_iq4nl_operands():
                     dim = _q4_0_kdim(16 * s_ + 2 * tig + 8 * r + e)
                     np.testing.assert_array_equal(d * v.astype(np.float32), want[:, dim], err_msg=f"K {tig} {s_} {r} {e}")
     assert seen == set(levels.tolist())
-    half = len(x) // 2  # cells a (rows 0..) and b (rows half..)
+    half = len(b) // 2  # cells a (rows 0..) and b (rows half..)
     for c in range(8):
         w16 = le([2 + 2 * c, 3 + 2 * c])
         raw = lut16(w16, lut_sel(w16))
@@ -462,15 +483,11 @@ def test_stream_q4_1_operands():
     1024 + nibble less 1024 at q4_0's kdim, vraw's two bytes at 4 + 2 gid and vcodes' pairs at
     q4_0's vdim; with the block's d and m (mh: bytes 2, 3) each value is the tier's d code + m,
     bit for bit, every code seen."""
-    src = re.sub(r"\s+", " ", read_source("kv_codes.cuh"))
-    body = src[src.index("struct KvCodes<KQ4_1> {"):]
-    body = body[:body.index("};")]
-    h = r"(0x[0-9A-Fa-f]+)u?"
+    src, body = _codes_text("KQ4_1")
+    h = _HEX
 
     def grab(pattern):
-        m = re.search(pattern, body)
-        assert m, pattern
-        return [int(g, 16) if g.startswith("0x") else int(g) for g in m.groups()]
+        return _grab(body, pattern)
 
     assert "static constexpr bool ON = true, PD = false, MIN = true;" in body
     assert "return KvCodes<KQ4_0>::kdim(L)" in body and "return KvCodes<KQ4_0>::vdim(c, k)" in body
@@ -486,13 +503,7 @@ def test_stream_q4_1_operands():
         assert ((p >> 10) & 0x3F == 0x19).all() and ((p >> 26) & 0x3F == 0x19).all()  # 1024 <= value < 2048
         return (p & 0x3FF), ((p >> 16) & 0x3FF)
 
-    t = get_tier("q4_1")
-    x = np.random.default_rng(43).standard_normal((256, 32)).astype(np.float32)
-    q = t.quantize(x)
-    b = np.ascontiguousarray(q).view(np.uint8).reshape(len(x), -1).astype(np.int64)
-    assert b.shape[1] == 20
-    want = t.dequantize(q).reshape(len(x), 32)
-    f16 = lambda o: (b[:, o] | b[:, o + 1] << 8).astype(np.uint16).view(np.float16).astype(np.float32)  # noqa: E731
+    b, want, f16 = _one_block_rows("q4_1", 20, 43)
     d, m = f16(0), f16(2)
     le = lambda cols: sum(b[:, c] << (8 * i) for i, c in enumerate(cols))  # noqa: E731
     seen = set()
@@ -505,7 +516,7 @@ def test_stream_q4_1_operands():
                     dim = _q4_0_kdim(16 * s_ + 2 * tig + 8 * r + e)
                     np.testing.assert_array_equal(d * n.astype(np.float32) + m, want[:, dim])
     assert seen == set(range(16))
-    half = len(x) // 2
+    half = len(b) // 2
     for c in range(8):
         raw = le([vo + 2 * c, vo + 1 + 2 * c])
         mm = _prmt(raw[:half], raw[half:], vs)
