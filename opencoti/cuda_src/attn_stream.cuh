@@ -19,7 +19,7 @@
 // f16 hi + lo terms (float32 accuracy, f16_split.cuh); Q's B fragments come from shared memory by
 // ldmatrix; S^T's C fragments become P^T's B fragments in registers (the f16 pairs transposed by
 // movmatrix, pt_frags). f16 rows are exact f16 operands (K's A fragments by ldmatrix, V's by
-// ldmatrix .trans); q8_0, q4_0, iq4_nl and turbo2/3/4 codes are f16 operands too, their block scales
+// ldmatrix .trans); q8_0, q4_0, q4_1, iq4_nl and turbo2/3/4 codes are f16 operands too, their block scales
 // applied outside the products (K: on each block's partial scores; V: on the integer codes as
 // hi + lo, on P for the turbo levels; kv_codes.cuh); any other tier's values are decoded (policy
 // dec(): scale * code [+ min]) and split into hi + lo. Each warp keeps its own online softmax
