@@ -316,6 +316,9 @@ def test_auto_tier_decisions(synth, gemma):
     # nothing fits: the most compressed pair, flagged
     d = decide(1000)
     assert (d.applied, d.fits, d.type_k, d.type_v) == (True, False, "q4_0", "q4_0") and "over the budget" in d.reason
+    # a small cache's size and budget are told apart: the bytes beside two decimals of MiB
+    assert f"needs {d.kv_bytes / 2**20:.2f} MiB ({d.kv_bytes:,} bytes)" in d.reason
+    assert f"budget of {d.budget_bytes / 2**20:.2f} MiB ({d.budget_bytes:,} bytes)" in d.reason
     # the budget from free memory: half of it
     free = 2 * _size(hp, "q5_1", "q5_1")
     d = decide(backend=_Backend(free=free))

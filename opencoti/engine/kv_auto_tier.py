@@ -50,6 +50,12 @@ BUDGET_FRACTION = 0.5  # of free memory after the weights, when no explicit budg
 MIB = 1024 * 1024
 
 
+def _mib(n: int) -> str:
+    """``n`` bytes as MiB for the decision's log line, with the bytes themselves where two
+    decimals of MiB could not tell a size from the budget (``0.20 MiB (212,992 bytes)``)."""
+    return f"{n / MIB:.2f} MiB" if n >= 100 * MIB else f"{n / MIB:.2f} MiB ({n:,} bytes)"
+
+
 def staircase(order=AUTO_TIER_ORDER) -> list[tuple[str, str]]:
     """The pair walk with K one step behind V: ``[(type_k, type_v), ...]`` (module doc)."""
     pairs = [(order[0], order[0])]
@@ -138,12 +144,12 @@ def decide_kv_types(hp, n_ctx: int, n_seq_max: int, unified: bool, n_ubatch: int
         if b <= budget:
             held = f" (K held at {type_k} by -ctk)" if type_k is not None else ""
             return KVTierDecision(True, True, k, v,
-                                  f"auto-tier: type_k={k} type_v={v}{held}: KV {b / MIB:.2f} MiB "
-                                  f"<= budget {budget / MIB:.2f} MiB ({source})",
+                                  f"auto-tier: type_k={k} type_v={v}{held}: KV {_mib(b)} "
+                                  f"<= budget {_mib(budget)} ({source})",
                                   budget, source, b, True, tried)
     k, v, b = tried[-1] if tried else (k0, v0, size(k0, v0))
     skipped = f" ({len(unfit)} pairs skipped: this model's head size does not fit their blocks)" if unfit else ""
     return KVTierDecision(True, True, k, v,
-                          f"auto-tier: even type_k={k} type_v={v} needs {b / MIB:.2f} MiB, over the budget "
-                          f"of {budget / MIB:.2f} MiB ({source}); using it anyway{skipped}",
+                          f"auto-tier: even type_k={k} type_v={v} needs {_mib(b)}, over the budget "
+                          f"of {_mib(budget)} ({source}); using it anyway{skipped}",
                           budget, source, b, False, tried)
