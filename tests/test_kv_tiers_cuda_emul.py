@@ -432,8 +432,10 @@ def test_stream_iq4nl_operands():
     w1s, = grab(rf"w\[1\] = __byte_perm\(a, b, {h}\)")
     kc, k1, k0, kb = grab(rf"return hsub2\(__byte_perm\(w\[s\], {h}, r \? {h} : {h}\), {h}\)")
     assert "const u32 x = *(const u16*)(blk + 2 + 2 * gid)" in body and "return lut16(x, lut_sel(x))" in body
-    iexpr, = grab(r"const int i = ([^;]+);")
-    vm, vo, vb = grab(rf"return hsub2\(\(__byte_perm\(ra, rb, i \| \(\(4 \+ i\) << 8\)\) & {h}\) \| {h}, {h}\)")
+    # vcodes: q8_0's, at byte iexpr of each cell's word
+    iexpr, = grab(r"return KvCodes<KQ8_0>::vcodes\(ra, rb, ([^,]+), tv\);")
+    vm, vo, vb = _grab(_codes_text("KQ8_0")[1],
+                       rf"return hsub2\(\(__byte_perm\(ra, rb, k \| \(\(4 \+ k\) << 8\)\) & {h}\) \| {h}, {h}\)")
     assert kb == vb == 0x64806480  # f16 1152 in both halves: 1024 + (level + 128) - 1152 = level
 
     levels = np.asarray(IQ4_NL_LEVELS, np.int64)

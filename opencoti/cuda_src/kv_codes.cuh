@@ -138,9 +138,9 @@ struct KvCodes<KIQ4_NL> {
         const u32 x = *(const u16*)(blk + 2 + 2 * gid);
         return lut16(x, lut_sel(x));
     }
-    static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {  // q4_0's (k & 1, k >> 1)
-        const int i = 2 * (k & 1) + (k >> 1);
-        return hsub2((__byte_perm(ra, rb, i | ((4 + i) << 8)) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
+    // q8_0's pairs of levels + 128 bytes, byte 2 (k & 1) + (k >> 1) of each cell's word (q4_0's order)
+    static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8* tv) {
+        return KvCodes<KQ8_0>::vcodes(ra, rb, 2 * (k & 1) + (k >> 1), tv);
     }
 };
 
