@@ -479,51 +479,61 @@ def test_stream_iq4nl_operands():
             np.testing.assert_array_equal(d[half:] * vb_.astype(np.float32), want[half:, _q4_0_vdim(c, k)])
 
 
-def test_stream_q4_1_operands():
-    """The streaming kernel's q4_1 operands (kv_codes.cuh KvCodes<KQ4_1>), ported with the
-    constants read from the source: kraw's word at block byte 4 + 4 tig, kpair's f16 pairs
-    1024 + nibble less 1024 at q4_0's kdim, vraw's two bytes at 4 + 2 gid and vcodes' pairs at
-    q4_0's vdim; with the block's d and m (mh: bytes 2, 3) each value is the tier's d code + m,
-    bit for bit, every code seen."""
-    src, body = _codes_text("KQ4_1")
+@pytest.mark.parametrize("struct,name,block_bytes,bias", [("KQ4_0", "q4_0", 18, 0x64086408),
+                                                         ("KQ4_1", "q4_1", 20, 0x64006400)],
+                         ids=["q4_0", "q4_1"])
+def test_stream_nibble_operands(struct, name, block_bytes, bias):
+    """The streaming kernel's q4_0 and q4_1 operands (kv_codes.cuh KvCodes<KQ4_0> / <KQ4_1>),
+    ported with the constants read from the source: kraw's word at block byte 2 + 4 tig (q4_0;
+    q4_1: 4 + 4 tig), kpair's f16 pairs (nib_pair) 1024 + nibble less 1032 (q4_0: code - 8)
+    or 1024 (q4_1: the code) at q4_0's kdim, vraw's two bytes at 2 + 2 gid (q4_1: 4 + 2 gid)
+    and vcodes' pairs at q4_0's vdim; with the block's d (and q4_1's m, mh: bytes 2, 3) each
+    value is the tier's, bit for bit, every code seen."""
+    src, body = _codes_text(struct)
     h = _HEX
 
     def grab(pattern):
         return _grab(body, pattern)
 
-    assert "static constexpr bool ON = true, PD = false, MIN = true;" in body
-    assert "return KvCodes<KQ4_0>::kdim(L)" in body and "return KvCodes<KQ4_0>::vdim(c, k)" in body
-    assert "return *(const u16*)(blk + 2);" in body  # mh
-    ko, = grab(r"w\[0\] = \*\(const u32\*\)\(blk \+ (\d+) \+ 4 \* tig\)")
-    km, kor, kb = grab(rf"return hsub2\(\(\(w\[0\] >> \(4 \* s \+ 8 \* r\)\) & {h}\) \| {h}, {h}\)")
+    q4_1 = name == "q4_1"
+    assert f"static constexpr bool ON = true, PD = false, MIN = {'true' if q4_1 else 'false'};" in body
+    if q4_1:
+        assert "return KvCodes<KQ4_0>::kdim(L)" in body and "return KvCodes<KQ4_0>::vdim(c, k)" in body
+        assert "return *(const u16*)(blk + 2);" in body  # mh
+        ko, = grab(r"w\[0\] = \*\(const u32\*\)\(blk \+ (\d+) \+ 4 \* tig\)")
+    else:
+        ko, = grab(r"w\[0\] = ld4b\(blk \+ (\d+) \+ 4 \* tig, a4\)")
+    nm, nor = _grab(src, rf"u32 nib_pair\(u32 x, int sh, u32 bias\) {{ return hsub2\(\(\(x >> sh\) & {h}\) \| {h}, bias\);")
+    kb, = grab(rf"return nib_pair\(w\[0\], 4 \* s \+ 8 \* r, {h}\)")
     vo, = grab(r"return \*\(const u16\*\)\(blk \+ (\d+) \+ 2 \* gid\)")
-    vs, = grab(rf"const u32 m = __byte_perm\(ra, rb, {h}\)")
-    vm, vor, vb = grab(rf"return hsub2\(\(\(m >> \(8 \* \(k & 1\) \+ 4 \* \(k >> 1\)\)\) & {h}\) \| {h}, {h}\)")
-    assert kb == vb == kor == vor == 0x64006400  # (1024 + n) - 1024 in both halves
+    vs, vb = grab(rf"return nib_pair\(__byte_perm\(ra, rb, {h}\), 8 \* \(k & 1\) \+ 4 \* \(k >> 1\), {h}\)")
+    assert kb == vb == bias and nor == 0x64006400  # (1024 + n) - (1024 + 8 or 0) in both halves
 
-    def f16_pair(p):
+    def f16_pair(p):  # hsub2(p, bias): exact for f16 1024 + n (n < 16) less 1032 or 1024
         assert ((p >> 10) & 0x3F == 0x19).all() and ((p >> 26) & 0x3F == 0x19).all()  # 1024 <= value < 2048
-        return (p & 0x3FF), ((p >> 16) & 0x3FF)
+        off = (bias & 0x3FF)
+        return (p & 0x3FF) - off, ((p >> 16) & 0x3FF) - off
 
-    b, want, f16 = _one_block_rows("q4_1", 20, 43)
-    d, m = f16(0), f16(2)
+    b, want, f16 = _one_block_rows(name, block_bytes, 43)
+    d = f16(0)
+    m = f16(2) if q4_1 else np.zeros_like(d)
     le = lambda cols: sum(b[:, c] << (8 * i) for i, c in enumerate(cols))  # noqa: E731
     seen = set()
     for tig in range(4):
         w = le(range(ko + 4 * tig, ko + 4 * tig + 4))
         for s_ in range(2):
             for r in range(2):
-                for e, n in enumerate(f16_pair(((w >> (4 * s_ + 8 * r)) & km) | kor)):
+                for e, n in enumerate(f16_pair(((w >> (4 * s_ + 8 * r)) & nm) | nor)):
                     seen.update(n.tolist())
                     dim = _q4_0_kdim(16 * s_ + 2 * tig + 8 * r + e)
                     np.testing.assert_array_equal(d * n.astype(np.float32) + m, want[:, dim])
-    assert seen == set(range(16))
+    assert seen == set(range(16) if q4_1 else range(-8, 8))
     half = len(b) // 2
     for c in range(8):
         raw = le([vo + 2 * c, vo + 1 + 2 * c])
         mm = _prmt(raw[:half], raw[half:], vs)
         for k in range(4):
-            na, nb = f16_pair(((mm >> (8 * (k & 1) + 4 * (k >> 1))) & vm) | vor)
+            na, nb = f16_pair(((mm >> (8 * (k & 1) + 4 * (k >> 1))) & nm) | nor)
             np.testing.assert_array_equal(d[:half] * na.astype(np.float32) + m[:half], want[:half, _q4_0_vdim(c, k)])
             np.testing.assert_array_equal(d[half:] * nb.astype(np.float32) + m[half:], want[half:, _q4_0_vdim(c, k)])
 

@@ -50,6 +50,11 @@ __device__ __forceinline__ u32 ld4b(const u8* p, bool a4) {
 }
 // the 4-byte table entry at byte offset o of table t (shared memory)
 __device__ __forceinline__ u32 tab_at(const u8* t, u32 o) { return *(const u32*)(t + o); }
+// the nibbles at bits sh and 16 + sh of x as an f16 pair 1024 + nibble - bias (q4_0 / q4_1:
+// bias 0x64086408, nibble - 8; 0x64006400, the nibble itself)
+__device__ __forceinline__ u32 nib_pair(u32 x, int sh, u32 bias) {
+    return hsub2(((x >> sh) & 0x000F000Fu) | 0x64006400u, bias);
+}
 template <class T>
 struct KvCodes {
     static constexpr bool ON = false, PD = false, MIN = false;
@@ -93,12 +98,11 @@ struct KvCodes<KQ4_0> {
     static __device__ __forceinline__ u16 dh(const u8* blk) { return *(const u16*)blk; }
     static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool a4, u32 (&w)[NW]) { w[0] = ld4b(blk + 2 + 4 * tig, a4); }
     static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8*) {
-        return hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
+        return nib_pair(w[0], 4 * s + 8 * r, 0x64086408u);
     }
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool a4) { return *(const u16*)(blk + 2 + 2 * gid); }
     static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {
-        const u32 m = __byte_perm(ra, rb, 0x5410);
-        return hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64086408u);
+        return nib_pair(__byte_perm(ra, rb, 0x5410), 8 * (k & 1) + 4 * (k >> 1), 0x64086408u);
     }
 };
 
@@ -159,12 +163,11 @@ struct KvCodes<KQ4_1> {
     static __device__ __forceinline__ void tab_v(u8*) {}
     static __device__ __forceinline__ void kraw(const u8* blk, int tig, bool, u32 (&w)[NW]) { w[0] = *(const u32*)(blk + 4 + 4 * tig); }
     static __device__ __forceinline__ u32 kpair(const u32 (&w)[NW], int s, int r, const u8*) {
-        return hsub2(((w[0] >> (4 * s + 8 * r)) & 0x000F000Fu) | 0x64006400u, 0x64006400u);
+        return nib_pair(w[0], 4 * s + 8 * r, 0x64006400u);
     }
     static __device__ __forceinline__ u32 vraw(const u8* blk, int gid, bool) { return *(const u16*)(blk + 4 + 2 * gid); }
     static __device__ __forceinline__ u32 vcodes(u32 ra, u32 rb, int k, const u8*) {
-        const u32 m = __byte_perm(ra, rb, 0x5410);
-        return hsub2(((m >> (8 * (k & 1) + 4 * (k >> 1))) & 0x000F000Fu) | 0x64006400u, 0x64006400u);
+        return nib_pair(__byte_perm(ra, rb, 0x5410), 8 * (k & 1) + 4 * (k >> 1), 0x64006400u);
     }
 };
 
