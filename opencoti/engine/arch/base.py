@@ -326,13 +326,23 @@ class DecoderModel:
             nxt = (self.layers[il + 1].attn_norm
                    if il + 1 < n_layer and self.layer_backends[il + 1] is B else None)
             x, h = B.add_rms_norm(x, h, L.post_ffw_norm, nxt, eps)
-        if len(ub.out_rows) == 0:  # a prefill chunk that is not a prompt's end: no logits wanted
+        return self.output_logits(B, x, ub)
+
+    def output_logits(self, B, x, ub: UBatch) -> np.ndarray:
+        """The head: the rows ``ub.out_rows`` of the last layer's residual stream ``x``
+        ``[T, n_embd]`` (on backend ``B``) moved to the output's backend, normed
+        (``output_norm``), projected on ``output`` and soft-capped
+        (``final_logit_softcapping``, when > 0). Returns logits float32
+        ``[len(ub.out_rows), n_vocab]`` on the host; ``[0, n_vocab]`` for a prefill chunk that
+        is not a prompt's end (no logits wanted)."""
+        hp = self.hp
+        if len(ub.out_rows) == 0:
             return np.zeros((0, hp.n_vocab), dtype=np.float32)
         x = B.get_rows(x, ub.out_rows)
         if self.backend_out is not B:
             (x,) = self.cross(self.backend_out, x)
             B = self.backend
-        x = B.rms_norm(x, self.output_norm, eps)
+        x = B.rms_norm(x, self.output_norm, hp.f_norm_rms_eps)
         logits = B.to_host(B.mul_mat(x, self.output))
         if hp.final_logit_softcapping > 0:
             c = np.float32(hp.final_logit_softcapping)

@@ -318,18 +318,7 @@ class Gemma4(DecoderModel):
                 x = x + B.rms_norm(B.mul_mat(g, L.proj), L.post_norm, eps)
             if L.out_scale is not None:
                 x = x * L.out_scale
-        if len(ub.out_rows) == 0:
-            return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = B.get_rows(x, ub.out_rows)
-        if self.backend_out is not B:
-            (x,) = self.cross(self.backend_out, x)
-            B = self.backend
-        x = B.rms_norm(x, self.output_norm, eps)
-        logits = B.to_host(B.mul_mat(x, self.output))
-        if hp.final_logit_softcapping > 0:
-            c = np.float32(hp.final_logit_softcapping)
-            logits = c * np.tanh(logits / c)
-        return logits
+        return self.output_logits(B, x, ub)
 
     def per_layer_inputs(self, x: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Per-layer embedding inputs ``[T, n_layer, n_pl]`` from the scaled input

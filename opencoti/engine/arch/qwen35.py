@@ -256,14 +256,7 @@ class Qwen35(DecoderModel):
                 h = self.gated_attention(il, L, h, ub, kv)
             x = x + h
             x = x + self.ffn(L, B.rms_norm(x, L.attn_post_norm, eps))
-        if len(ub.out_rows) == 0:
-            return np.zeros((0, hp.n_vocab), dtype=np.float32)
-        x = B.get_rows(x, ub.out_rows)
-        if self.backend_out is not B:
-            (x,) = self.cross(self.backend_out, x)
-            B = self.backend
-        x = B.rms_norm(x, self.output_norm, eps)
-        return B.to_host(B.mul_mat(x, self.output))
+        return self.output_logits(B, x, ub)
 
     def beta_alpha(self, L: HybridLayer, h: np.ndarray):
         """``(b, a)`` pre-activations ``[T, H_v]`` in the file's value-head order."""
