@@ -15,7 +15,9 @@ GGUF's, else the architecture's built-in), and the reply streams back. History
 is kept across turns, and because every turn resubmits the whole conversation
 with ``cache_prompt`` the engine only computes the new tokens. ``/exit`` (or
 ``/quit``) or Ctrl-D leaves; Ctrl-C during a reply stops that reply; Ctrl-C at
-the prompt leaves; a stopped reply stays in the history as far as it got.
+the prompt leaves; a stopped reply stays in the history as far as it got. When the
+conversation no longer fits a slot's context, its oldest messages (after the system prompt)
+are dropped, with a note on stderr, until it does.
 """
 
 from __future__ import annotations
@@ -129,6 +131,26 @@ def run_completion(engine, model, params: Params, out: TextIO = sys.stdout) -> i
     return 0
 
 
+def _render(template, tok, messages: list[dict]) -> list[int]:
+    """The conversation as prompt tokens (the chat template's text, BOS where the model adds one,
+    special-token text parsed). Raises ValueError (ChatTemplateError) from the template."""
+    text = template.render_prompt(messages, add_bos=bool(tok.add_bos), add_generation_prompt=True)
+    return tok.tokenize(text, add_special=True, parse_special=True)
+
+
+def _drop_oldest_turn(messages: list[dict]) -> bool:
+    """Drop the oldest message after the system prompt, and an assistant reply it leaves at
+    the front (the conversation keeps starting with a user turn); False when only the newest
+    user message is left to drop."""
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    if len(messages) - first <= 1:
+        return False
+    del messages[first]
+    while len(messages) - first > 1 and messages[first]["role"] == "assistant":
+        del messages[first]
+    return True
+
+
 def run_chat(engine, model, params: Params, inp: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
     """Interactive chat on ``inp``/``out`` until ``/exit``, EOF or Ctrl-C at the prompt."""
     from opencoti.model.chat_template import template_for_model
@@ -164,12 +186,22 @@ def run_chat(engine, model, params: Params, inp: TextIO = sys.stdin, out: TextIO
             out.write(line + "\n")
         messages.append({"role": "user", "content": line})
         try:
-            text = template.render_prompt(messages, add_bos=bool(tok.add_bos), add_generation_prompt=True)
+            kept = list(messages)
+            tokens = _render(template, tok, kept)
+            n_ctx = engine.n_ctx_slot
+            while len(tokens) >= n_ctx and _drop_oldest_turn(kept):  # the context is full: forget
+                tokens = _render(template, tok, kept)
+            if len(tokens) < n_ctx:  # else the engine refuses it, and the history stays whole
+                n_dropped, messages[:] = len(messages) - len(kept), kept
+            else:
+                n_dropped = 0
         except ValueError as e:  # ChatTemplateError is a ValueError
             print(f"opencoti: error: {e}", file=sys.stderr)
             messages.pop()
             continue
-        tokens = tok.tokenize(text, add_special=True, parse_special=True)
+        if n_dropped:
+            print(f"opencoti: the conversation filled the context ({n_ctx} tokens): dropped its {n_dropped} "
+                  f"oldest message{'s' if n_dropped > 1 else ''}", file=sys.stderr)
         _log(params, f"conversation: {len(tokens)} tokens")
         req = CompletionRequest(prompt_tokens=tokens, n_predict=params.n_predict, sampling=params.sampling,
                                 cache_prompt=True)

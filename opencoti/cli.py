@@ -124,6 +124,13 @@ _FALSEY = ("off", "disabled", "false", "0")
 _AUTOY = ("auto", "-1")
 
 
+class _IntRange(click.IntRange):
+    """click's IntRange whose bad-value message reads "'abc' is not a valid integer" (click's
+    own says "integer range")."""
+
+    name = "integer"
+
+
 class _KVType(click.ParamType):
     """``-ctk``/``-ctv``/``-ctkt``/``-ctvt`` value: a KV tier name (case-insensitive). The
     names come from a NumPy-free tuple, so parsing loads no NumPy (see ``set_cpu_threads``)."""
@@ -183,6 +190,38 @@ def _normalize_argv(argv: Sequence[str]) -> list[str]:
 
 _CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
 
+# llama.cpp options this build does not offer: given, they are a one-line usage error that
+# names them (else click reads "-md x" as "-m d", "-ts 1,1" as "-t s"). (flags, takes a value, what)
+_NOT_OFFERED = (
+    (("-md", "--model-draft"), True, "speculative decoding with a draft model"),
+    (("-cd", "--ctx-size-draft"), True, "speculative decoding with a draft model"),
+    (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), True, "speculative decoding with a draft model"),
+    (("--draft", "--draft-n", "--draft-max"), True, "speculative decoding"),
+    (("--draft-min", "--draft-n-min"), True, "speculative decoding"),
+    (("-ts", "--tensor-split"), True, "splitting tensors over several GPUs"),
+    (("-sm", "--split-mode"), True, "splitting the model over several GPUs"),
+    (("-nkvo", "--no-kv-offload"), False, "a KV cache kept on the CPU beside GPU weights"),
+    (("-mm", "--mmproj"), True, "multimodal input"),
+    (("--lora",), True, "LoRA adapters"),
+    (("--embedding", "--embeddings"), False, "an embeddings mode"),
+    (("--reranking", "--rerank"), False, "a reranking mode"),
+)
+
+
+def _refuse(what: str):
+    def callback(ctx: click.Context, param: click.Parameter, value) -> None:
+        if value not in (None, False) and not ctx.resilient_parsing:
+            raise click.UsageError(f"{param.opts[0]}: opencoti does not offer {what}")
+    return callback
+
+
+def _not_offered(f):
+    """``_NOT_OFFERED``'s options, hidden from --help, each refusing itself."""
+    for names, takes_value, what in reversed(_NOT_OFFERED):
+        f = click.option(*names, is_flag=not takes_value, hidden=True, expose_value=False,
+                         callback=_refuse(what))(f)
+    return f
+
 
 # SamplingParams fields whose flag is not the field's name with "-" for "_"
 _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta": "mirostat-lr",
@@ -198,14 +237,14 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               help="GGUF model file (default: the embedded gemma-3-270m Q4_K_M).")
 @click.option("-p", "--prompt", envvar=_env("prompt"),
               help="Prompt for one raw completion, streamed to stdout; without it, chat.")
-@click.option("-n", "--n-predict", "--predict", "n_predict", type=click.IntRange(min=-2), default=-1,
+@click.option("-n", "--n-predict", "--predict", "n_predict", type=_IntRange(min=-2), default=-1,
               show_default=True, envvar=_env("n_predict"),
               help="Tokens to generate (-1: until end of generation or context full, -2: until context full).")
-@click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=4096, show_default=True,
+@click.option("-c", "--ctx-size", type=_IntRange(min=0), default=4096, show_default=True,
               envvar=_env("ctx_size"), help="Context size in tokens (0: the model's training context).")
-@click.option("-b", "--batch-size", type=click.IntRange(min=1), default=2048, show_default=True,
+@click.option("-b", "--batch-size", type=_IntRange(min=1), default=2048, show_default=True,
               envvar=_env("batch_size"), help="Logical batch size.")
-@click.option("-ub", "--ubatch-size", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("-ub", "--ubatch-size", type=_IntRange(min=1), default=512, show_default=True,
               envvar=_env("ubatch_size"), help="Physical batch size (tokens per forward pass).")
 @click.option("-t", "--threads", type=int, default=-1, show_default=True, envvar=_env("threads"),
               help="CPU threads (<= 0: all cores).")
@@ -223,7 +262,7 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               envvar=_env("typical"), help="Locally typical sampling p (1.0: off).")
 @click.option("--repeat-penalty", type=float, default=1.0, show_default=True, envvar=_env("repeat_penalty"),
               help="Repetition penalty (1.0: off).")
-@click.option("--repeat-last-n", type=click.IntRange(min=-1), default=64, show_default=True,
+@click.option("--repeat-last-n", type=_IntRange(min=-1), default=64, show_default=True,
               envvar=_env("repeat_last_n"), help="Tokens the penalties look back over (0: off, -1: context).")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True,
               envvar=_env("presence_penalty"), help="Presence penalty (0.0: off).")
@@ -241,7 +280,7 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
 @click.option("--dynatemp-exp", type=float, default=1.0, show_default=True,
               envvar=_env("dynatemp_exp"),
               help="Dynamic temperature exponent.")
-@click.option("--mirostat", type=click.IntRange(0, 2), default=0, show_default=True,
+@click.option("--mirostat", type=_IntRange(0, 2), default=0, show_default=True,
               envvar=_env("mirostat"),
               help="Mirostat sampling (0: off, 1: Mirostat, 2: Mirostat 2.0); replaces the other samplers.")
 @click.option("--mirostat-lr", type=float, default=0.1, show_default=True, envvar=_env("mirostat_lr"),
@@ -249,7 +288,7 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
 @click.option("--mirostat-ent", type=float, default=5.0, show_default=True,
               envvar=_env("mirostat_ent"),
               help="Mirostat target entropy (tau, bits).")
-@click.option("--min-keep", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--min-keep", type=_IntRange(min=0), default=0, show_default=True,
               envvar=_env("min_keep"),
               help="typical, top-p, min-p and XTC keep at least this many candidates.")
 @click.option("--dry-multiplier", type=float, default=0.0, show_default=True,
@@ -258,7 +297,7 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               help="DRY: the penalty grows as base ** (repeat length - allowed length); values < 1 are ignored.")
 @click.option("--dry-allowed-length", type=int, default=2, show_default=True,
               help="DRY: repetitions up to this long are not penalized.")
-@click.option("--dry-penalty-last-n", type=click.IntRange(min=-1), default=-1, show_default=True,
+@click.option("--dry-penalty-last-n", type=_IntRange(min=-1), default=-1, show_default=True,
               help="DRY: tokens it looks back over (0: off, -1: context).")
 @click.option("--dry-sequence-breaker", "dry_sequence_breaker", multiple=True, metavar="STRING",
               help="DRY: a sequence breaker, replacing the defaults ('\\n', ':', '\"', '*'); repeatable; "
@@ -267,6 +306,9 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               help="Server slots (-1: auto = 4 with a unified KV cache).")
 @click.option("-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, envvar=_env("kv_unified"),
               help="One KV cache shared by all slots.")
+@click.option("--spm-infill", is_flag=True, default=False,
+              help="/infill: the suffix before the prefix (Suffix/Prefix/Middle), for models trained so "
+                   "(default: Prefix/Suffix/Middle).")
 @click.option("-ctk", "--cache-type-k", type=_KVType(), default=None, envvar=_env("cache_type_k"),
               help=f"KV cache type of K: {', '.join(TIER_NAMES)} (default: f16; with OPENCOTI_KV_AUTO_TIER=1 "
                    "K is held at this type while V is chosen to fit OPENCOTI_KV_BUDGET_MIB, default half the "
@@ -289,15 +331,15 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               help="KV admission gate of the unified cache: enforced = HTTP 429 + Retry-After when a "
                    "request's prompt + n_predict does not fit, warn = admit with an X-KV-Pool-Saturated "
                    "header, off = no gate.")
-@click.option("--polykv-max-pools", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--polykv-max-pools", type=_IntRange(min=0), default=0, show_default=True,
               envvar=_env("polykv_max_pools"),
               help="PolyKV: shared-prefix KV pools (seq_ids reserved above the slots) and the "
                    "/polykv REST routes; 0 = off.")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar=_env("host"),
               help="Server listen address.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, envvar=_env("port"),
+@click.option("--port", type=_IntRange(0, 65535), default=8080, show_default=True, envvar=_env("port"),
               help="Server port.")
-@click.option("-to", "--timeout", type=click.IntRange(min=1), default=600, show_default=True,
+@click.option("-to", "--timeout", type=_IntRange(min=1), default=600, show_default=True,
               envvar=_env("timeout"), help="Server read/write timeout in seconds.")
 @click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", type=int, default=-1,
               show_default=True, envvar=_env("gpu_layers"), help="Layers to put on the GPU: the last N repeating layers, the output too when "
@@ -306,7 +348,7 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               envvar=_env("flash_attn"), help="Flash attention: on, off or auto.")
 @click.option("--gpu", type=click.Choice(GPU_CHOICES, case_sensitive=False), default="auto",
               show_default=True, envvar=_env("gpu"), help="GPU backend (llamafile's flag).")
-@click.option("-mg", "--main-gpu", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("-mg", "--main-gpu", type=_IntRange(min=0), default=0, show_default=True,
               envvar=_env("main_gpu"), help="Index of the GPU to use.")
 @click.option("--override-kv", "override_kv", multiple=True, metavar="KEY=TYPE:VALUE,...",
               envvar=_env("override_kv"),
@@ -333,6 +375,7 @@ _FLAG_OF_FIELD = {"temperature": "temp", "typical_p": "typical", "mirostat_eta":
               envvar=_env("display_prompt"), help="Echo the -p prompt before its completion.")
 @click.option("-v", "--verbose", is_flag=True, default=False, envvar=_env("verbose"),
               help="Log details to stderr.")
+@_not_offered
 def _command(**kw: Any) -> Params:
     return _params_from_options(kw)
 
@@ -410,6 +453,7 @@ def _params_from_options(kw: dict) -> Params:
         n_threads=kw["threads"] if kw["threads"] > 0 else -1,
         n_parallel=n_parallel,
         kv_unified=kv_unified,
+        spm_infill=kw["spm_infill"],
         cache_type_k=kw["cache_type_k"],
         cache_type_v=kw["cache_type_v"],
         cache_type_k_tail=kw["cache_type_k_tail"],

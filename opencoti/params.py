@@ -28,6 +28,7 @@ class Params:
     n_threads: int = -1  # -t
     n_parallel: int = 1  # -np
     kv_unified: bool = False  # --kv-unified
+    spm_infill: bool = False  # --spm-infill: /infill lays out suffix then prefix (SPM), not PSM
     # KV tiers (opencoti.engine.kv_tiers). None = not given: f16, unless auto-tier picks
     cache_type_k: Optional[str] = None  # -ctk / --cache-type-k
     cache_type_v: Optional[str] = None  # -ctv / --cache-type-v

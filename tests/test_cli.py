@@ -53,6 +53,12 @@ def test_version_prints_full_version():
     (["-fa", "maybe"], "'maybe' is not one of on, off, auto"),
     (["--gpu", "tpu"], "'tpu' is not one of"),
     (["--port", "70000"], "70000 is not in the range"),
+    (["-n", "abc"], "'abc' is not a valid integer. "),
+    (["-md", "draft.gguf"], "-md: opencoti does not offer speculative decoding with a draft model"),
+    (["-ts", "1,1"], "-ts: opencoti does not offer splitting tensors"),
+    (["-nkvo", "-n", "1"], "-nkvo: opencoti does not offer a KV cache kept on the CPU"),
+    (["--embeddings"], "--embedding: opencoti does not offer an embeddings mode"),
+    (["--mmproj", "x.gguf"], "-mm: opencoti does not offer multimodal input"),
     (["-ub"], "requires an argument"),
     (["-m", "/definitely/not/a/model.gguf"], "does not exist"),
     (["-np", "0"], "must be >= 1"),
@@ -445,6 +451,32 @@ def test_chat_repl_replies_and_exits(model_path):
     first_reply = out[len("> Hello\n"):second]
     second_reply = out[second + len("\n> What is 2+2?\n"):-len("\n> ")]
     assert first_reply.strip() and second_reply.strip(), out
+
+
+def test_chat_drops_the_oldest_turns_when_the_context_fills(model_path):
+    """A conversation past a slot's context forgets its oldest messages (a note on stderr) and
+    every turn still gets its reply; a single message longer than the context is an error that
+    loses nothing."""
+    r = run_cli(["-m", model_path, "-c", "48", "-n", "12", "--temp", "0", "-sys", "Be brief."],
+                input_text="tell me a story\nmore\nmore\n" + "word " * 60 + "\nmore\n/exit\n", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "oldest message" in r.stderr, r.stderr
+    assert r.stderr.count("exceeds the available context size") == 1, r.stderr  # the 60-word line alone
+    assert r.stderr.count("oldest message") == 2, r.stderr  # turns 3 and 5, not for the refused line
+    replies = r.stdout.split("\n> ")
+    assert len(replies) == 6 and all(rep.split("\n", 1)[1].strip() for i, rep in enumerate(replies[:5]) if i != 3)
+
+
+def test_drop_oldest_turn_keeps_the_system_prompt():
+    from opencoti.chat_cli import _drop_oldest_turn
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert _drop_oldest_turn(msgs) and [m["content"] for m in msgs] == ["s", "c"]
+    assert not _drop_oldest_turn(msgs) and [m["content"] for m in msgs] == ["s", "c"]
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}]
+    assert _drop_oldest_turn(msgs) and [m["content"] for m in msgs] == ["c", "d", "e"]
 
 
 def test_chat_repl_eof_leaves(model_path):

@@ -433,6 +433,27 @@ def test_session_binds_to_its_slot(model):
         e.stop()
 
 
+def test_new_session_evicts_the_least_recently_used_session(model):
+    """With every slot holding a session, a new session takes the least recently used one's
+    slot, not the one whose prompt shares most with it (the README's LRU; a shared chat
+    prefix used to pick the most recent)."""
+    e = Engine(model, Params(n_ctx=512, n_parallel=2, kv_unified=True, n_ubatch=64)).start()
+    try:
+        tok = model.tokenizer.tokenize
+        chat = "<start_of_turn>user\nTell me about {}.<end_of_turn>\n<start_of_turn>model\n"
+        _, _, fx = run(e, tok("Hello", add_special=True), n_predict=2, sampling=GREEDY, session_id="x")
+        _, _, fa = run(e, tok(chat.format("apples"), add_special=True), n_predict=2, sampling=GREEDY, session_id="a")
+        assert fa.id_slot != fx.id_slot
+        _, _, fb = run(e, tok(chat.format("boats"), add_special=True), n_predict=2, sampling=GREEDY, session_id="b")
+        assert fb.id_slot == fx.id_slot  # x was used least recently
+        assert {s.session_id for s in e.slots} == {"a", "b"}
+        _, _, fa2 = run(e, tok(chat.format("apples") + "More.", add_special=True), n_predict=2, sampling=GREEDY,
+                        session_id="a")
+        assert fa2.id_slot == fa.id_slot and fa2.n_cached > 10  # a kept its cache
+    finally:
+        e.stop()
+
+
 def test_control_tasks_and_erase(engine, model):
     toks = model.tokenizer.tokenize("Erase me please", add_special=True)
     run(engine, toks, n_predict=2, sampling=GREEDY, id_slot=2)
@@ -483,3 +504,55 @@ def test_admission_counts_kept_idle_cells_under_no_cache_idle_slots(model):
         assert isinstance(ev, FinishEvent) and len(ids) == 8, ev
     finally:
         e.stop()
+
+
+def test_ignore_eos_bans_end_of_generation(engine, model):
+    """``ignore_eos`` bans every end-of-generation id (-inf, llama.cpp's ``logit_bias_eog``),
+    as a user's -inf ``logit_bias`` on them would; without it an EOG that wins ends the
+    request. A grammar that allows nothing but the end still ends it."""
+    tok = model.tokenizer
+    toks = tok.tokenize("Hello", add_special=True)
+    eog = sorted(tok.eog_ids)
+    assert len(eog) >= 2  # gemma-3: <eos> and <end_of_turn>
+    lift = {e: 30.0 for e in eog}  # an EOG is every step's argmax
+    _, ids, fin = run(engine, toks, n_predict=4, sampling=SamplingParams(temperature=0, logit_bias=lift))
+    assert len(ids) == 1 and ids[0] in eog and fin.stop_type == "eos"
+    _, ids, fin = run(engine, toks, n_predict=4, sampling=SamplingParams(temperature=0, logit_bias=lift),
+                      ignore_eos=True)
+    assert len(ids) == 4 and not set(ids) & set(eog) and fin.stop_type == "limit"
+    banned = {e: float("-inf") for e in eog}
+    _, ids_bias, _ = run(engine, toks, n_predict=4, sampling=SamplingParams(temperature=0, logit_bias=banned))
+    assert ids_bias == ids
+    for sp in (SamplingParams(temperature=0, grammar='root ::= " yes"'),
+               SamplingParams(temperature=1.0, seed=7, grammar='root ::= " yes"')):
+        text, ids, fin = run(engine, toks, n_predict=5, sampling=sp, ignore_eos=True)
+        assert text == " yes" and ids[-1] in eog and fin.stop_type == "eos" and fin.n_predicted == len(ids)
+
+
+def test_n_indent_cuts_the_first_under_indented_line(engine, model):
+    """``n_indent``: the first generated line after the first with fewer leading spaces /
+    tabs ends generation ("limit"), cut before its first other character (llama.cpp's infill
+    rule); the text before it is the plain run's."""
+    toks = model.tokenizer.tokenize("def f():\n", add_special=True)
+    full, _, _ = run(engine, toks, n_predict=16, sampling=GREEDY)
+    lines = full.split("\n")
+    assert len(lines) >= 3 and all(ln.startswith("    ") and not ln.startswith("     ") for ln in lines[:2])
+    text, ids, fin = run(engine, toks, n_predict=16, sampling=GREEDY, n_indent=4)
+    assert text == full and fin.n_predicted == 16  # every line has its 4
+    text, ids, fin = run(engine, toks, n_predict=16, sampling=GREEDY, n_indent=8)
+    assert text == lines[0] + "\n" + "    " and fin.stop_type == "limit" and fin.n_predicted < 16
+    held, _, _ = run(engine, toks, n_predict=16, sampling=GREEDY, n_indent=8, stop=["zzz"])
+    assert held == text  # with a stop string's hold as well
+
+
+def test_t_max_predict_ms_stops_at_a_new_line(engine, model):
+    """``t_max_predict_ms``: once the time has passed since the first token, the first token
+    whose text holds a new line ends generation ("limit"); 0 is off."""
+    toks = model.tokenizer.tokenize("def f():\n", add_special=True)
+    full, ids_full, _ = run(engine, toks, n_predict=16, sampling=GREEDY)
+    # the first token comes at 0 ms; a later one is one CPU decode step (far more than 1 ms) on
+    j = next(i for i in range(1, len(ids_full)) if "\n" in model.tokenizer.detokenize([ids_full[i]]))
+    text, ids, fin = run(engine, toks, n_predict=16, sampling=GREEDY, t_max_predict_ms=1)
+    assert ids == ids_full[:j + 1] and fin.stop_type == "limit" and full.startswith(text)
+    text, ids, fin = run(engine, toks, n_predict=16, sampling=GREEDY, t_max_predict_ms=0)
+    assert text == full

@@ -189,6 +189,10 @@ def test_manual_shared_pool_slot(model):
         e.erase_slot(1).result(timeout=30)
         cold, _ = run(e, prompt, n_predict=6, sampling=GREEDY, id_slot=1, cache_prompt=False)
         assert cold == ids
+        for kw, msg in (({"id_slot": 0, "shared_pool_slot": 0}, "is the request's own id_slot"),
+                        ({"shared_pool_slot": 5}, "out of range [0, 2)")):
+            _, ev = run(e, prompt, n_predict=1, shared_prefix_n_tokens=4, **kw)
+            assert isinstance(ev, ErrorEvent) and ev.status == 400 and msg in ev.message
     finally:
         e.stop()
     e = Engine(model, Params(n_ctx=256, n_parallel=2)).start()
@@ -391,5 +395,56 @@ def test_session_whose_cache_covers_the_pool_counts_as_attached(model):
                                              eng.pool_attached())).result(timeout=30)
         assert slot.pool_id == r["id"] and slot.n_shared == 40
         assert attached == {r["id"]: 1}
+    finally:
+        e.stop()
+
+
+def test_released_pool_held_only_as_idle_prompt_cache_goes(model):
+    """A released pool that only an idle slot without a session shares (its prompt cache) is
+    reclaimed at release, that slot's cache dropped, and its seq_id serves a new pool; a pool
+    released while it builds fails its create at once (409) instead of leaving it waiting."""
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)[:40]
+    e = Engine(model, Params(n_ctx=1024, n_parallel=2, kv_unified=True, n_ubatch=16, polykv_max_pools=1)).start()
+    try:
+        pool = e.create_pool(prefix).result(timeout=300)
+        want, _ = run(e, prefix + tok(" Q1", add_special=False), n_predict=2, sampling=GREEDY, id_slot=0)
+        got, _ = run(e, prefix + tok(" Q1", add_special=False), n_predict=2, sampling=GREEDY, pool_id=pool["id"],
+                     id_slot=1)
+        assert got == want and e.slots[1].n_shared == len(prefix) and e.slots[1].session_id is None
+        assert e.call(lambda eng: eng.pool_attached()).result(timeout=30) == {pool["id"]: 1}
+        assert e.release_pool(pool["id"]).result(timeout=30) == [pool["id"]]
+        assert e.pool_info().result(timeout=30) == []
+        assert e.slots[1].n_shared == 0 and not e.slots[1].cache_tokens and e.slots[0].cache_tokens
+        other = e.create_pool(tok("Another system prompt.", add_special=True)).result(timeout=300)
+        assert other["state"] == "ready"
+        assert e.release_pool(other["id"]).result(timeout=30) == [other["id"]]
+        # released while building (a 240-token prefix takes 15 ubatches of 16)
+        long_prefix = tok(SYSTEM, add_special=True)[:240]
+        fut = e.create_pool(long_prefix)
+        assert e.release_pool(other["id"] + 1).result(timeout=30) == [other["id"] + 1]
+        with pytest.raises(PoolError) as ex:
+            fut.result(timeout=30)
+        assert ex.value.status == 409 and "released while it was building" in str(ex.value)
+        assert e.create_pool(prefix).result(timeout=300)["state"] == "ready"  # its seq_id is free again
+    finally:
+        e.stop()
+
+
+def test_capacity_counts_the_pool_prefix_against_a_slot_context(model):
+    """``capacity``: a session joins a pool only if the pool's prefix plus its expected tokens
+    fit a slot's context (the request would be a 400 otherwise), on the split cache too."""
+    tok = model.tokenizer.tokenize
+    prefix = tok(SYSTEM, add_special=True)[:100]
+    e = Engine(model, Params(n_ctx=1024, n_parallel=2, kv_unified=False, polykv_max_pools=2)).start()
+    try:
+        assert e.n_ctx_slot == 256
+        pool = e.create_pool(prefix).result(timeout=300)
+        cap = lambda n: e.call(lambda eng: eng.polykv.capacity(pool["id"], n, 10_000)).result(timeout=30)  # noqa: E731
+        assert cap(156)["can_admit"] and cap(156)["headroom_sessions"] == 2
+        no = cap(157)
+        assert not no["can_admit"] and no["headroom_sessions"] == 0 and "exceeds the slot's context" in no["reason"]
+        _, ev = run(e, prefix + [236743] * 157, n_predict=0, pool_id=pool["id"])
+        assert isinstance(ev, ErrorEvent) and ev.type == "exceed_context_size_error"  # what 157 would get
     finally:
         e.stop()

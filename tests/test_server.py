@@ -113,6 +113,10 @@ def test_error_body_shape():
     ({"n_predict": -3}, "n_predict", ">= -2"),
     ({"n_keep": -2}, "n_keep", ">= -1"),
     ({"n_discard": "4"}, "n_discard", "integer"),
+    ({"n_indent": "4"}, "n_indent", "integer"),
+    ({"t_max_predict_ms": 1.5}, "t_max_predict_ms", "integer"),
+    ({"lora": {"id": 0}}, "lora", "list"),
+    ({"lora": [{"id": 0, "scale": 1.0}]}, "adapter id", "no LoRA adapter"),
     ({"temperature": "hot"}, "temperature", "number"),
     ({"temperature": False}, "temperature", "number"),
     ({"top_k": 4.2}, "top_k", "integer"),
@@ -164,6 +168,10 @@ def test_parse_completion_values_and_aliases():
     assert r.sampling.temperature == 0.0 and r.sampling.top_k == 5 and r.sampling.seed == -1
     assert r.sampling.repeat_last_n == 512 and r.sampling.n_probs == 3
     assert r.sampling.min_p == defaults.min_p  # null = not given
+    # an int64 seed (OpenAI clients) wraps to llama.cpp's uint32; -1 stays random
+    for seed, want in ((2 ** 33 + 5, 5), (-2, 0xFFFFFFFE), (-1, -1), (2 ** 63 - 1, -1)):  # the last: 0xFFFFFFFF
+        got = parse_completion({"seed": seed}, defaults, 16, 512, 2).request.sampling.seed
+        assert got == want, (seed, got)
     assert p.options.stream and p.options.return_tokens and p.options.include_usage and p.options.n_probs == 3
     assert defaults.temperature == 0.8  # server defaults untouched
     # precedence: n_predict > max_completion_tokens > max_tokens; integral floats are integers
@@ -274,6 +282,9 @@ def test_health_props_models(server, port):
     assert props["total_slots"] == 2
     assert props["default_generation_settings"]["n_ctx"] == 512  # 1024 cells over 2 slots
     assert props["default_generation_settings"]["params"]["temperature"] == pytest.approx(0.8)
+    # llama.cpp's -1 (the context) shown as the slot's context, as a request resolves it
+    assert props["default_generation_settings"]["params"]["dry_penalty_last_n"] == 512
+    assert props["default_generation_settings"]["params"]["repeat_last_n"] == 64
     assert props["model_path"] == server["params"].model
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert "<start_of_turn>" in props["chat_template"]  # gemma built-in (the GGUF has none)
@@ -517,6 +528,95 @@ def test_completion_multiple_prompts(port, ref):
     assert [r["index"] for r in body] == [0, 1]
     assert body[0]["tokens"] == [s["id"] for s in a["steps"][:8]]
     assert body[1]["tokens"] == [s["id"] for s in b["steps"][:8]]
+    # llama.cpp's object form, alone and as an element: the same as the string
+    status, _, objs = call(port, "POST", "/completions", {
+        "prompt": [{"prompt_string": a["prompt"]}, b["prompt"]], "temperature": 0, "n_predict": 8,
+        "return_tokens": True})
+    assert status == 200 and [r["tokens"] for r in objs] == [r["tokens"] for r in body]
+    status, _, one = call(port, "POST", "/completions", {
+        "prompt": {"prompt_string": a["prompt"]}, "temperature": 0, "n_predict": 8, "return_tokens": True})
+    assert status == 200 and one["tokens"] == body[0]["tokens"]
+    status, _, raw = call(port, "POST", "/completions", {
+        "prompt": [a["prompt"], b["prompt"]], "temperature": 0, "n_predict": 8, "stream": True})
+    evs = sse_events(raw)
+    assert status == 200 and {e["index"] for e in evs} == {0, 1}
+    for i, want in enumerate((a, b)):  # each prompt's events, interleaved, in order
+        mine = [e for e in evs if e["index"] == i]
+        assert [e["tokens"][0] for e in mine if not e["stop"]] == [s["id"] for s in want["steps"][:8]]
+        assert mine[-1]["stop"] and mine[-1]["tokens_evaluated"] == body[i]["tokens_evaluated"]
+        assert all(e["tokens_evaluated"] == body[i]["tokens_evaluated"] for e in mine)
+
+
+def test_infill_prompt_layout(shared_dir):
+    """``infill_prompt`` lays out llama.cpp's ``format_prompt_infill``: extra chunks after
+    [FIM_REP]project, each behind [FIM_SEP]filename, then BOS, [FIM_PRE]prefix prompt
+    [FIM_SUF]suffix [FIM_MID] (SPM: the suffix part first); the prefix keeps its last
+    3 n_batch / 4 tokens, the suffix its first n_batch / 4 - 2 - len(prompt), the extra its
+    last n_ctx - n_batch - 2 n_predict."""
+    from opencoti.http.infill import infill_prompt
+    from opencoti.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(str(shared_dir / "data/vocab/ggml-vocab-llama-bpe.gguf"))
+    tok.fim_pre_id, tok.fim_suf_id, tok.fim_mid_id, tok.fim_rep_id, tok.fim_sep_id = 1000, 1001, 1002, 1003, 1004
+    t = lambda s: tok.tokenize(s, add_special=False)  # noqa: E731
+    body = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n",
+            "prompt": "return", "input_extra": [{"filename": "util.py", "text": "X = 1\n"}, {"text": "Y = 2"}]}
+    extra = ([1003] + t("myproject\n") + [1004] + t("util.py\n") + t("X = 1\n") + [1004] + t("tmp\n") + t("Y = 2")
+             + [1004] + t("filename\n"))
+    pre, suf = [1000] + t(body["input_prefix"]) + t("return"), [1001] + t(body["input_suffix"])
+    got = infill_prompt(tok, body, 2048, -1, 4096)
+    assert got == extra + [tok.bos_id] + pre + suf + [1002]
+    assert infill_prompt(tok, body, 2048, -1, 4096, spm=True) == extra + [tok.bos_id] + suf + pre + [1002]
+    # budgets: n_batch 16 keeps the last 12 prefix tokens and 16 / 4 - 2 - 1 = 1 suffix token;
+    # n_ctx - n_batch - 2 n_predict = 26 - 16 - 2 * 2 = 6 extra tokens (the last ones)
+    long = {"input_prefix": " ".join(str(i) for i in range(40)), "input_suffix": "a b c d e f", "prompt": "x"}
+    lp, ls = t(long["input_prefix"]), t(long["input_suffix"])
+    assert len(lp) > 12 and len(ls) > 1
+    extra = [1003] + t("myproject\n") + [1004] + t("filename\n")
+    got = infill_prompt(tok, long, 16, 2, 26)
+    assert got == extra[-6:] + [tok.bos_id, 1000] + lp[-12:] + t("x") + [1001] + ls[:1] + [1002]
+    tok.fim_sep_id = tok.fim_rep_id = None  # no [FIM_SEP]: chunks follow a plain separator
+    got = infill_prompt(tok, {"input_prefix": "a", "input_suffix": "b", "input_extra": [{"text": "Z"}]}, 2048, -1, 4096)
+    assert got == t("\n\n--- snippet ---\n\n") + t("Z") + [tok.bos_id, 1000] + t("a") + [1001] + t("b") + [1002]
+
+
+def test_infill_and_unsupported_endpoints(server, port):
+    """/infill: 501 without FIM tokens (gemma-3 has none), llama.cpp's checks as 400s, and, with
+    FIM ids given to the vocabulary, the same tokens as /completion on ``infill_prompt``'s
+    prompt. /embedding(s) and /rerank: 501 ``not_supported_error``, not 404."""
+    from opencoti.http.infill import infill_prompt
+
+    body = {"input_prefix": "def f():\n", "input_suffix": "\n", "n_predict": 4, "temperature": 0}
+    status, _, err = call(port, "POST", "/infill", body)
+    assert_error(status, err, 501, "not_supported_error")
+    assert "prefix token is missing" in err["error"]["message"]
+    for path in ("/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/v1/rerank"):
+        status, _, err = call(port, "POST", path, {"input": "hi", "content": "hi", "query": "q", "documents": ["d"]})
+        assert_error(status, err, 501, "not_supported_error")
+    tok = server["model"].tokenizer
+    saved = (tok.fim_pre_id, tok.fim_suf_id, tok.fim_mid_id)
+    tok.fim_pre_id, tok.fim_suf_id, tok.fim_mid_id = 7, 8, 9  # gemma's <unused> ids as FIM tokens
+    try:
+        for bad, msg in (({"input_suffix": "x"}, '"input_prefix" is required'),
+                         ({"input_prefix": "x"}, '"input_suffix" is required'),
+                         ({**body, "prompt": 5}, '"prompt" must be a string'),
+                         ({**body, "input_extra": {}}, '"input_extra" must be an array'),
+                         ({**body, "input_extra": [{"filename": "a"}]}, 'must contain a "text" field'),
+                         ({**body, "input_extra": [{"text": "a", "filename": 3}]}, '"filename" field must be')):
+            status, _, err = call(port, "POST", "/infill", bad)
+            assert_error(status, err, 400, "invalid_request_error")
+            assert msg in err["error"]["message"]
+        body["input_extra"] = [{"filename": "a.py", "text": "import os\n"}]
+        status, _, got = call(port, "POST", "/infill", {**body, "return_tokens": True})
+        p = server["params"]
+        want_prompt = infill_prompt(tok, body, p.n_batch, p.n_predict, server["engine"].n_ctx_slot)
+        assert want_prompt[:2] == [tok.bos_id, 7] and want_prompt[-1] == 9
+        _, _, want = call(port, "POST", "/completion", {"prompt": want_prompt, "n_predict": 4, "temperature": 0,
+                                                        "return_tokens": True})
+        assert status == 200 and got["tokens"] == want["tokens"] and len(got["tokens"]) == 4
+        assert got["tokens_evaluated"] == len(want_prompt) == want["tokens_evaluated"]
+    finally:
+        tok.fim_pre_id, tok.fim_suf_id, tok.fim_mid_id = saved
 
 
 # ---------------------------------------------------------------------------
@@ -540,6 +640,11 @@ def test_error_cases(port):
         assert_error(status, body, 400, "invalid_request_error")
     status, _, body = call(port, "POST", "/completion", {"n_predict": 4})
     assert body["error"]["message"] == '"prompt" is required'
+    for bad, msg in (({"prompt_string": 5}, '"prompt_string" string'),
+                     ({"prompt_string": "x", "multimodal_data": ["aGk="]}, "multimodal_data is not supported")):
+        status, _, body = call(port, "POST", "/completion", {"prompt": bad})
+        assert_error(status, body, 400, "invalid_request_error")
+        assert msg in body["error"]["message"]
     # prompt longer than the slot's context
     status, _, body = call(port, "POST", "/completion", {"prompt": [2] + [9259] * 600})
     assert_error(status, body, 400, "exceed_context_size_error")
@@ -559,6 +664,15 @@ def test_error_cases(port):
     assert h["allow"] == "POST"
     # the server is still fine afterwards
     assert call(port, "GET", "/health")[2] == {"status": "ok"}
+
+
+def test_n_probs_past_1024(port):
+    """``n_probs`` has no cap of its own (llama.cpp): 2000 entries per token."""
+    status, _, body = call(port, "POST", "/completion", {"prompt": "hi", "n_predict": 1, "n_probs": 2000,
+                                                         "temperature": 0})
+    assert status == 200 and len(body["completion_probabilities"][0]["top_logprobs"]) == 2000
+    lps = [e["logprob"] for e in body["completion_probabilities"][0]["top_logprobs"]]
+    assert lps == sorted(lps, reverse=True)
 
 
 def test_handler_exception_is_json_500(server):
@@ -901,6 +1015,18 @@ def test_special_token_text_stays_text(server, port):
     status, _, r = call(port, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "temperature": 0})
     assert status == 200 and r["usage"]["prompt_tokens"] == len(ids)
     assert any(s.cache_tokens[:len(ids)] == ids for s in server["engine"].slots)
+    # a content equal to the template's markup just before it: the markup stays the control
+    # token, the content text (found exactly, not by searching)
+    for msgs in ([{"role": "user", "content": "<start_of_turn>"}],
+                 [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                  {"role": "user", "content": "<end_of_turn>"}],
+                 [{"role": "user", "content": "user"}, {"role": "assistant", "content": "model"},
+                  {"role": "user", "content": "\n"}]):
+        text, spans = render_chat_spans(state, {"messages": msgs})
+        ids = tokenize_chat(state, text, spans)
+        n_turns = len(msgs) + 1  # the generation prompt's turn
+        assert ids.count(105) == n_turns and ids.count(106) == len(msgs), (msgs, ids)
+        assert [text[a:b] for a, b in spans] == [m["content"] for m in msgs if m["content"].strip()]
 
 
 def test_chat_template_without_bos_still_one_bos(server):
@@ -1355,6 +1481,14 @@ def test_chat_template_kwargs_are_template_variables(port):
     msgs = [{"role": "user", "content": "Count: 1, 2,"}]
     status, _, base = call(port, "POST", "/apply-template", {"messages": msgs})
     assert status == 200 and base["prompt"].endswith("<start_of_turn>model\n"), base
+    # OpenAI's developer role renders as the system one (folded into the first user turn)
+    sys_dev = [call(port, "POST", "/apply-template", {"messages": [{"role": role, "content": "Be brief."}, *msgs]})
+               for role in ("system", "developer")]
+    assert sys_dev[0][0] == sys_dev[1][0] == 200 and sys_dev[0][2] == sys_dev[1][2]
+    assert "developer" not in sys_dev[1][2]["prompt"] and "Be brief." in sys_dev[1][2]["prompt"]
+    # an assistant message alone: the prefill of an empty conversation, as llama.cpp
+    status, _, body = call(port, "POST", "/apply-template", {"messages": [{"role": "assistant", "content": "x"}]})
+    assert status == 200 and body["prompt"] == "<start_of_turn>model\nx", body
     status, _, body = call(port, "POST", "/apply-template",
                            {"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert status == 200 and body["prompt"] == base["prompt"][:-len("<start_of_turn>model\n")], body

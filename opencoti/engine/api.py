@@ -150,7 +150,8 @@ class CompletionRequest:
     stop: strings that end generation (excluded from the text).
     cache_prompt: reuse the longest common prefix already in the slot's KV.
     id_slot: slot to use, -1 = any.
-    ignore_eos: keep generating past end-of-generation tokens.
+    ignore_eos: end-of-generation ids are banned (-inf logits, llama.cpp's ``logit_bias_eog``)
+        and do not end generation; a grammar that allows nothing else still ends it.
     n_keep: with context shift, prompt tokens kept at the start (-1 = the whole
         prompt; BOS is kept on top, as llama.cpp).
     n_discard: tokens dropped per shift (0 = half of what is not kept).
@@ -162,6 +163,11 @@ class CompletionRequest:
     timings_per_token: every ``TokenEvent`` carries the timings so far (llama.cpp field).
     return_progress: a ``ProgressEvent`` after each ubatch of the prompt (llama.cpp field;
         the HTTP layer sets it for streamed requests only, as llama.cpp).
+    n_indent: > 0: every generated line after the first needs at least this many leading
+        spaces / tabs; the first that has fewer ends generation ("limit") and is cut before
+        its first other character (llama.cpp field, for code infill).
+    t_max_predict_ms: > 0: generation ends ("limit") at the first new line generated once
+        this many ms have passed since the first token (llama.cpp field).
     pool_id: attach to PolyKV pool K: the longest token-exact common prefix of
         the prompt and the pool is shared, not recomputed.
     shared_pool_slot, shared_prefix_n_tokens: the manual path: share the first
@@ -183,6 +189,8 @@ class CompletionRequest:
     post_sampling_probs: bool = False
     timings_per_token: bool = False
     return_progress: bool = False
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
     pool_id: Optional[int] = None
     shared_pool_slot: int = -1
     shared_prefix_n_tokens: int = 0

@@ -584,8 +584,12 @@ class Engine:
             if self.params.cache_idle_slots:
                 return ErrorEvent(400, "invalid_request_error",
                                   "shared_pool_slot needs the server started with --no-cache-idle-slots")
-            if req.shared_pool_slot >= self.n_slots or req.shared_pool_slot == req.id_slot:
-                return ErrorEvent(400, "invalid_request_error", f"shared_pool_slot {req.shared_pool_slot} is not a valid slot")
+            if req.shared_pool_slot >= self.n_slots:
+                return ErrorEvent(400, "invalid_request_error",
+                                  f"shared_pool_slot {req.shared_pool_slot} out of range [0, {self.n_slots})")
+            if req.shared_pool_slot == req.id_slot:
+                return ErrorEvent(400, "invalid_request_error",
+                                  f"shared_pool_slot {req.shared_pool_slot} is the request's own id_slot")
         if req.id_slot >= self.n_slots:
             return ErrorEvent(400, "invalid_request_error", f"id_slot {req.id_slot} out of range [0, {self.n_slots})")
         # -- grammar (constrained output): reject a grammar that does not compile --
@@ -600,9 +604,10 @@ class Engine:
         """The slot a request binds to now, or None (it waits).
 
         ``id_slot`` if given. A ``session_id`` already held by a slot goes to
-        that slot (waiting while it is busy); a new session takes an idle slot
-        that holds no session, else the least recently used idle one. Among
-        candidates the longest cached prefix wins, then the least recently used.
+        that slot (waiting while it is busy). Another request takes an idle slot
+        that holds no session (the longest cached prefix wins, then the least
+        recently used); when every idle slot holds a session, the least recently
+        used one gives way, whatever prefix the others share with the prompt.
         """
         if req.id_slot >= 0:
             s = self.slots[req.id_slot]
@@ -614,7 +619,9 @@ class Engine:
         idle = [s for s in self.slots if not s.busy and s.id != req.shared_pool_slot]
         if not idle:
             return None
-        free = [s for s in idle if s.session_id is None] or idle
+        free = [s for s in idle if s.session_id is None]
+        if not free:
+            return min(idle, key=lambda s: s.t_last_used)
         best = max(free, key=lambda s: (common_prefix(s.cache_tokens, req.prompt_tokens), -s.t_last_used))
         if common_prefix(best.cache_tokens, req.prompt_tokens) > 0:
             return best
@@ -749,7 +756,8 @@ class Engine:
                     other.session_id = None
         slot.session_id = req.session_id
         sampler = Sampler(req.sampling, self.model.hparams.n_vocab, grammar=grammar,
-                          dry_breakers=sampler_breakers(self.model.tokenizer, req.sampling))
+                          dry_breakers=sampler_breakers(self.model.tokenizer, req.sampling),
+                          ban=self.model.tokenizer.eog_ids if req.ignore_eos else ())
         sampler.accept_many(req.prompt_tokens)
         from opencoti.model.tokenizer import StreamDecoder
 
@@ -804,14 +812,37 @@ class Engine:
         Future resolves with the pool's info once its KV is built, or raises
         ``PoolError`` (with an HTTP status; see ``PolyKV.create``)."""
         outer: Future = Future()
-        inner = self._pool_call(lambda m: m.create(tokens, parent, branch_pos, pin, outer))
+
+        def create(m: PolyKV):
+            self._drop_idle_holders()  # a released pool kept only as prompt cache frees its seq_id
+            return m.create(tokens, parent, branch_pos, pin, outer)
+
+        inner = self._pool_call(create)
         inner.add_done_callback(lambda f: f.exception() and outer.set_exception(f.exception()))
         return outer
 
     def release_pool(self, pool_id: int) -> Future:
         """Release a pool; its cells are reclaimed once its subtree is gone.
         Result: the ids of the pools reclaimed now."""
-        return self._pool_call(lambda m: m.release(pool_id))
+        def release(m: PolyKV) -> list[int]:
+            gone = m.release(pool_id)
+            held = set(m.registry.pools)
+            self._drop_idle_holders()
+            return gone + sorted(held - set(m.registry.pools))
+
+        return self._pool_call(release)
+
+    def _drop_idle_holders(self) -> None:
+        """Idle slots without a session that share a released pool's prefix hold it only as
+        prompt cache (``--cache-idle-slots``): forget their KV, so that the pool goes (engine
+        thread). Sessions keep theirs: a released pool waits for them."""
+        if not self.params.cache_idle_slots:
+            return
+        pools = self.polykv.registry.pools
+        for s in self.slots:
+            if (not s.busy and s.session_id is None and s.n_shared and s.pool_id in pools
+                    and pools[s.pool_id].released):
+                self._forget_kv(s)
 
     def pin_pool(self, pool_id: int, pinned: bool) -> Future:
         """Pin or unpin a pool (a pinned pool cannot be released). Result: its info."""

@@ -419,12 +419,13 @@ class PolyKV:
 
     def capacity(self, pool_id: int, expected: int, headroom: int) -> dict:
         """Can a new session of ``expected`` tokens (suffix + generation) join pool
-        ``pool_id`` now, given ``headroom`` free cells (``GET .../capacity``)? Needs a free cell
-        budget, an idle slot and the pool's settled admission (the same decision ``admit``
-        takes: the settle window, the projected rate against the target; ``reason`` is its
-        reason when it refuses or admits over a saturated projection).
-        ``PoolError`` 404 for an unknown pool."""
+        ``pool_id`` now, given ``headroom`` free cells (``GET .../capacity``)? Needs the pool's
+        prefix plus ``expected`` within a slot's context, a free cell budget, an idle slot and
+        the pool's settled admission (the same decision ``admit`` takes: the settle window, the
+        projected rate against the target; ``reason`` is its reason when it refuses or admits
+        over a saturated projection). ``PoolError`` 404 for an unknown pool."""
         p = self.registry.get(pool_id)
+        room = self.n_ctx_slot - len(p.tokens)  # what a session may add to the prefix
         busy = [s for s in self.slots if s.busy]
         rates = [r["tps_ewma"] for r in self.session_rates() if r["is_processing"]]
         mean_tps = sum(rates) / len(rates) if rates else 0.0
@@ -434,8 +435,10 @@ class PolyKV:
         n_pool, mean_pool, done = self.rates(p.id, now)
         d = p.gate.decide(n_pool, mean_pool, done, now)
         settle_ms = p.gate.settle_remaining_ms(now, done) if p.gate.enabled else 0
-        can = expected <= headroom and idle_slots > 0 and d.admit
-        reason = ("no idle slot" if idle_slots == 0 else "kv pool saturated" if expected > headroom
+        can = expected <= min(headroom, room) and idle_slots > 0 and d.admit
+        reason = ("no idle slot" if idle_slots == 0
+                  else f"exceeds the slot's context ({len(p.tokens)} pool + {expected} > {self.n_ctx_slot})"
+                  if expected > room else "kv pool saturated" if expected > headroom
                   else d.reason if not d.admit or d.saturated else "ok")
         sessions = min(max(headroom, 0) // expected, idle_slots)
         if d.sessions_remaining is not None:
@@ -494,10 +497,17 @@ class PolyKV:
     def release(self, pool_id: int) -> list[int]:
         """Release a pool; returns the ids of the pools reclaimed now (their cells
         are freed). ``PoolError`` 404 (unknown) or 409 (pinned)."""
-        gone = self.registry.release(pool_id, self.attached())
+        return [p.id for p in self._free(self.registry.release(pool_id, self.attached()))]
+
+    def _free(self, gone: list[Pool]) -> list[Pool]:
+        """Free the cells of pools the registry dropped; a build still waiting on one of them
+        (released while building) fails with ``PoolError`` 409 at once. Returns ``gone``."""
         for p in gone:
             self.kv.seq_rm(p.seq_id)
-        return [p.id for p in gone]
+            if p.future is not None and not p.future.done():
+                p.state = "failed"
+                p.future.set_exception(PoolError(f"pool {p.id} was released while it was building", 409))
+        return gone
 
     def pin(self, pool_id: int, pinned: bool) -> dict:
         """Pin or unpin a pool (a pinned pool cannot be released); returns its info.
@@ -512,8 +522,7 @@ class PolyKV:
     def reclaim(self) -> None:
         """Free the cells of released pools whose subtree and sessions are gone (call
         whenever a slot leaves a pool)."""
-        for p in self.registry.collect(self.attached()):
-            self.kv.seq_rm(p.seq_id)
+        self._free(self.registry.collect(self.attached()))
 
     # -- request flow -------------------------------------------------------------------
     def admit(self, h) -> Optional[ErrorEvent]:

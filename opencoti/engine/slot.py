@@ -74,6 +74,7 @@ class Slot:
         self.n_decoded = 0
         self.text = ""  # generated text, stop strings not yet cut
         self.n_sent = 0  # chars of ``text`` already emitted
+        self.nl_scan = 0  # n_indent: the lines of ``text`` after its newline at or past this are unchecked
         self.t_start = 0.0
         self.t_prompt_done = 0.0
         self.truncated = False  # the context was shifted (or generation hit the limit)
@@ -116,7 +117,7 @@ class Slot:
         if self.n_decoded == 0:
             self.t_prompt_done = time.perf_counter()
         self.n_decoded += 1
-        if is_eog and not req.ignore_eos:
+        if is_eog and (not req.ignore_eos or self.sampler.grammar_ended):
             self._push(token, "", logprob, top)
             return self.finish("eos")
         piece = self.decoder.feed(token)
@@ -133,13 +134,38 @@ class Slot:
             hold = partial_stop_len(self.text, req.stop)
         else:
             hold = 0
+        cut = self._under_indented() if req.n_indent > 0 else -1
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.decoder, hold = None, 0  # nothing after the cut, not even bytes the decoder holds
         end = max(self.n_sent, len(self.text) - hold)
         self._push(token, self.text[self.n_sent:end], logprob, top)
         self.n_sent = end
         self.pending = token
-        if req.n_predict >= 0 and self.n_decoded >= req.n_predict:
+        if cut >= 0 or (req.n_predict >= 0 and self.n_decoded >= req.n_predict):
+            return self.finish("limit")
+        if (req.t_max_predict_ms > 0 and "\n" in piece
+                and (time.perf_counter() - self.t_prompt_done) * 1e3 > req.t_max_predict_ms):
             return self.finish("limit")
         return None
+
+    def _under_indented(self) -> int:
+        """``n_indent``: the index in ``text`` of the first character (not space or tab) of a
+        generated line, after the first, indented by fewer than ``n_indent`` characters; -1 if
+        every line decided so far has its indent (llama.cpp ``process_token``)."""
+        n_indent = self.handle.request.n_indent
+        while True:
+            nl = self.text.find("\n", self.nl_scan)
+            if nl < 0:
+                return -1
+            i = nl + 1
+            while i < len(self.text) and self.text[i] in " \t":
+                i += 1
+            if i == len(self.text):
+                return -1  # the line's indent is not known yet
+            if i - nl - 1 < n_indent:
+                return i
+            self.nl_scan = nl + 1
 
     def _push(self, token: int, text: str, logprob, top) -> None:
         """Send one token's event, with the timings so far when the request asked for them

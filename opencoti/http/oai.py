@@ -125,11 +125,15 @@ def prepare_messages(messages: list) -> list:
       null, as OpenAI sends it) gets ``content: ""`` (templates read it);
     - ``function.arguments`` given as a JSON string (OpenAI's form) becomes the
       object it encodes, which templates render with ``tojson`` (a string would
-      come out double-encoded); a string that is not a JSON object stays as is.
+      come out double-encoded); a string that is not a JSON object stays as is;
+    - a ``developer`` message (OpenAI's newer name for the system role) is a ``system``
+      one, as llama.cpp renders it for templates that do not know the role.
     """
     out = []
     for m in messages:
         m = dict(m)
+        if m.get("role") == "developer":
+            m["role"] = "system"
         tcs = m.get("tool_calls")
         if tcs:
             if m.get("content") is None:
@@ -160,11 +164,60 @@ def _content_text(m: dict) -> str:
     return c if isinstance(c, str) else ""
 
 
-def content_spans(text: str, messages: list) -> list[tuple[int, int]]:
+_MARK = "\ue000{}\ue001"  # a message's content stand-in (private-use characters around its index)
+
+
+def marked_spans(text: str, messages: list, render) -> Optional[list[tuple[int, int]]]:
+    """Where each message's content sits in ``text`` (``render(messages)``), found exactly:
+    ``render`` again with every content replaced by a stand-in marker gives the template's own
+    text between the contents, and ``text`` must be that text with each marker replaced by its
+    content, whole or stripped (templates that ``trim``). ``[(start, end)]`` in message order
+    (none for an empty content); None when the two renders do not fit that (the template
+    rewrote a content, or branched on it), or the marked render fails."""
+    marked, contents = [], []
+    for i, m in enumerate(messages):
+        c = _content_text(m)
+        if c:
+            marked.append({**m, "content": _MARK.format(i)})
+            contents.append((_MARK.format(i), c))
+        else:
+            marked.append(m)
+    try:
+        mtext = render(marked)
+    except Exception:  # the template may refuse a stand-in it inspects
+        return None
+    cuts = [mtext.find(mk) for mk, _ in contents]
+    if any(j < 0 or mtext.count(mk) != 1 for j, (mk, _) in zip(cuts, contents)) or cuts != sorted(cuts):
+        return None
+    spans, pos_m, pos_t = [], 0, 0
+    for k, (j, (mk, c)) in enumerate(zip(cuts, contents)):
+        seg = mtext[pos_m:j]  # the template's text before this content
+        if not text.startswith(seg, pos_t):
+            return None
+        pos_t, pos_m = pos_t + len(seg), j + len(mk)
+        after = mtext[pos_m:cuts[k + 1]] if k + 1 < len(cuts) else mtext[pos_m:]
+        for cand in (c, c.strip()):
+            if text.startswith(cand + after, pos_t) and (k + 1 < len(cuts) or len(text) == pos_t + len(cand + after)):
+                if cand:
+                    spans.append((pos_t, pos_t + len(cand)))
+                pos_t += len(cand)
+                break
+        else:
+            return None
+    return spans if text[pos_t:] == mtext[pos_m:] else None
+
+
+def content_spans(text: str, messages: list, render=None) -> list[tuple[int, int]]:
     """Where each message's content sits in the rendered prompt ``text``:
-    ``[(start, end)]`` in message order, found by searching forward for the
-    content (or, for templates that ``trim`` it, the stripped content). A
-    content the template rewrote is not found and gets no span."""
+    ``[(start, end)]`` in message order. With ``render`` (messages -> text, as ``text`` was
+    made) the spans are exact (``marked_spans``); else, or where that does not fit, found by
+    searching forward for the content (or, for templates that ``trim`` it, the stripped
+    content), which can take template text equal to a content for it. A content the
+    template rewrote is not found and gets no span."""
+    if render is not None:
+        spans = marked_spans(text, messages, render)
+        if spans is not None:
+            return spans
     spans, cursor = [], 0
     for m in messages:
         c = _content_text(m)
@@ -223,17 +276,19 @@ def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[i
         messages = messages[:-1]
         if messages and messages[-1].get("role") == "assistant":
             raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")
-        add_gen = True
-        if not messages:
-            raise invalid_request('"messages" needs at least one message before the prefilled assistant message')
+        add_gen = True  # an assistant message alone is a prefill of an empty conversation (llama.cpp)
     tok = state.tokenizer
-    try:
-        text = state.chat_template.render_prompt(
-            messages, add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos),
+
+    def render(msgs: list) -> str:
+        return state.chat_template.render_prompt(
+            msgs, add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos),
             add_generation_prompt=add_gen, tools=tools or None, extra_context=kwargs)
+
+    try:
+        text = render(messages)
     except ValueError as e:  # ChatTemplateError is a ValueError
         raise invalid_request(str(e) or "the chat template refused the conversation") from None
-    spans = content_spans(text, messages)
+    spans = content_spans(text, messages, render)
     if prefill:
         spans.append((len(text), len(text) + len(prefill)))
         text += prefill

@@ -206,6 +206,8 @@ def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool
         "n_predict": req.n_predict,
         "n_keep": req.n_keep,
         "n_discard": req.n_discard,
+        "n_indent": req.n_indent,
+        "t_max_predict_ms": req.t_max_predict_ms,
         "ignore_eos": req.ignore_eos,
         "stream": stream,
         "n_probs": s.n_probs,
@@ -458,11 +460,15 @@ def get_models(state: ServerState, req: Request) -> Response:
 
 
 def default_request(state: ServerState) -> CompletionRequest:
-    """A request of the server's default settings (``-n``, the sampling flags) and no prompt:
-    what ``/props`` reports as ``default_generation_settings`` and ``/slots`` for a slot that has
+    """A request of the server's default settings (``-n``, the sampling flags; a -1
+    ``repeat_last_n`` / ``dry_penalty_last_n`` as the slot's context) and no prompt: what
+    ``/props`` reports as ``default_generation_settings`` and ``/slots`` for a slot that has
     served nothing yet."""
-    return CompletionRequest(prompt_tokens=[], n_predict=state.params.n_predict,
-                             sampling=replace(state.params.sampling))
+    sp = replace(state.params.sampling)
+    for name in ("repeat_last_n", "dry_penalty_last_n"):  # -1: the slot's context, as a request reads it
+        if getattr(sp, name) == -1:
+            setattr(sp, name, state.n_ctx_slot)
+    return CompletionRequest(prompt_tokens=[], n_predict=state.params.n_predict, sampling=sp)
 
 
 def slot_json(state: ServerState, slot: Any) -> dict:
@@ -651,10 +657,15 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
                               state.n_ctx_slot, state.n_slots, state.tokenizer)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid_request('"prompt" is required')
-    prompts = tokenize_prompts(state.tokenizer, body["prompt"])
+    return run_completion(state, req, parsed, tokenize_prompts(state.tokenizer, body["prompt"]))
+
+
+def run_completion(state: ServerState, req: Request, parsed: ParsedCompletion,
+                   prompts: list[list[int]]) -> Union[Response, StreamResponse]:
+    """Run ``prompts`` (token id lists) as ``/completion`` does and answer in its shapes
+    (``post_completion``; ``/infill`` too). Several prompts (times ``n_cmpl``) answer an
+    array, or stream their events interleaved, each with its ``index``."""
     opts = parsed.options
-    if opts.stream and len(prompts) > 1:
-        raise invalid_request("streaming supports a single prompt")
     handles = submit_all(state, parsed, prompts)
     want_probs = opts.n_probs > 0
     if not opts.stream:
@@ -666,12 +677,12 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
         return Response(objs[0] if len(objs) == 1 else objs, headers=gen.admission_headers(handles))
 
     first, events = first_event(handles, req)
-    n_prompt = len(handles[0].request.prompt_tokens)
     collectors = [gen.Collector(state.tokenizer, h.request.prompt_tokens, opts.n_probs, want_probs,
                                 opts.post_sampling_probs) for h in handles]
 
-    def render(i: int, ev) -> Iterator[bytes]:  # i: the completion (n_cmpl's copy)
+    def render(i: int, ev) -> Iterator[bytes]:  # i: the completion (prompt-major, n_cmpl's copies)
         handle, collector = handles[i], collectors[i]
+        n_prompt = len(handle.request.prompt_tokens)
         if isinstance(ev, ProgressEvent):  # llama.cpp: a partial without content, and prompt_progress
             yield sse_event({"index": i, "content": "", "tokens": [], "stop": False,
                              "id_slot": getattr(handle, "id_slot", -1), "tokens_predicted": 0,
@@ -705,9 +716,21 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
                           headers=gen.admission_headers(handles))
 
 
+def post_embeddings(state: ServerState, req: Request) -> Response:
+    """``POST /embedding(s)``, ``/v1/embeddings``: 501 ``not_supported_error``, as llama.cpp
+    answers a server started without ``--embeddings`` (opencoti has no embeddings mode)."""
+    raise not_supported("This server does not support embeddings (opencoti has no `--embeddings` mode)")
+
+
+def post_rerank(state: ServerState, req: Request) -> Response:
+    """``POST /rerank`` (and llama.cpp's aliases): 501 ``not_supported_error``, as llama.cpp
+    answers a server started without ``--reranking`` (opencoti has no reranking mode)."""
+    raise not_supported("This server does not support reranking (opencoti has no `--reranking` mode)")
+
+
 def build_router() -> Router:
     """The full route table: llama.cpp routes plus the OpenAI-compatible ones."""
-    from opencoti.http import oai, polykv_routes
+    from opencoti.http import infill, oai, polykv_routes
 
     r = Router()
     r.add("GET", ["/health", "/v1/health"], get_health)
@@ -720,6 +743,9 @@ def build_router() -> Router:
     r.add("POST", "/slots/{id_slot}", post_slot_action)
     r.add("GET", "/metrics", get_metrics)
     r.add("POST", ["/completion", "/completions"], post_completion)
+    r.add("POST", "/infill", infill.post_infill)
+    r.add("POST", ["/embedding", "/embeddings", "/v1/embeddings"], post_embeddings)
+    r.add("POST", ["/rerank", "/reranking", "/v1/rerank", "/v1/reranking"], post_rerank)
     r.add("POST", "/tokenize", post_tokenize)
     r.add("POST", "/detokenize", post_detokenize)
     r.add("POST", "/apply-template", oai.post_apply_template)

@@ -178,12 +178,26 @@ def tokenize_mixed(tokenizer, value: Any, add_special: bool, parse_special: bool
     return _check_ids(out, tokenizer.n_vocab, key)
 
 
+def _prompt_object(tokenizer, obj: dict, key: str) -> list[int]:
+    """A ``{"prompt_string": str, "multimodal_data": [...]}`` prompt (llama.cpp
+    ``tokenize_input_subprompt``): its string tokenized as a text prompt. 400 when
+    ``prompt_string`` is not a string, or with ``multimodal_data`` (this server loads no
+    multimodal projector)."""
+    text = obj.get("prompt_string")
+    if not isinstance(text, str):
+        raise invalid_request(f'a "{key}" object needs a "prompt_string" string')
+    if obj.get("multimodal_data"):
+        raise invalid_request("multimodal_data is not supported: this server has no multimodal projector (mmproj)")
+    return tokenize_mixed(tokenizer, text, True, True, key)
+
+
 def tokenize_prompts(tokenizer, prompt: Any, key: str = "prompt") -> list[list[int]]:
     """Turn a ``prompt`` field into one token list per prompt.
 
     Accepted shapes (llama.cpp ``tokenize_input_prompts``):
     ``"text"``; ``[12, 34]`` (token ids); ``[12, "text", 34]`` (mixed, one prompt);
-    ``["a", "b"]`` or ``["a", [1, 2]]`` (several prompts). Strings are tokenized
+    ``["a", "b"]`` or ``["a", [1, 2]]`` (several prompts); ``{"prompt_string": "text"}``, alone
+    or as an element (``_prompt_object``). Strings are tokenized
     with BOS (when the model adds one) and with special tokens parsed.
     Raises 400 for an empty list, an empty token list, or other shapes.
     """
@@ -191,6 +205,8 @@ def tokenize_prompts(tokenizer, prompt: Any, key: str = "prompt") -> list[list[i
         raise invalid_request(f'"{key}" is required')
     if isinstance(prompt, str):
         prompts = [tokenize_mixed(tokenizer, prompt, True, True, key)]
+    elif isinstance(prompt, dict):
+        prompts = [_prompt_object(tokenizer, prompt, key)]
     elif isinstance(prompt, list):
         if not prompt:
             raise invalid_request(f'"{key}" must not be empty')
@@ -199,9 +215,13 @@ def tokenize_prompts(tokenizer, prompt: Any, key: str = "prompt") -> list[list[i
         else:
             prompts = []
             for sub in prompt:
+                if isinstance(sub, dict):
+                    prompts.append(_prompt_object(tokenizer, sub, key))
+                    continue
                 if not isinstance(sub, (str, list)):
                     raise invalid_request(
-                        f'"{key}" elements must be a string, a list of token ids, or a list of mixed strings and ids'
+                        f'"{key}" elements must be a string, a list of token ids, a list of mixed strings and '
+                        'ids, or a {"prompt_string": ...} object'
                     )
                 prompts.append(tokenize_mixed(tokenizer, sub, True, True, key))
     else:
@@ -261,7 +281,8 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
 
     Fields (llama.cpp names): temperature, top_k, top_p, min_p, typical_p,
     repeat_penalty, repeat_last_n (-1 = the slot's context), presence_penalty,
-    frequency_penalty, seed (-1 or 0xFFFFFFFF = random), n_probs, top_n_sigma
+    frequency_penalty, seed (-1 or 0xFFFFFFFF = random; an int64 wraps to 32 bits, as llama.cpp's
+    uint32), n_probs, top_n_sigma
     (<= 0 = off), xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent,
     mirostat (0, 1, 2), mirostat_tau, mirostat_eta, min_keep, dry_multiplier, dry_base (< 1:
     the default, as llama.cpp), dry_allowed_length, dry_penalty_last_n (-1 = the slot's
@@ -281,9 +302,13 @@ def parse_sampling(body: dict, defaults: SamplingParams, n_ctx_slot: int, tokeni
         sp.repeat_last_n = n_ctx_slot
     sp.presence_penalty = get_number(body, "presence_penalty", sp.presence_penalty)
     sp.frequency_penalty = get_number(body, "frequency_penalty", sp.frequency_penalty)
-    seed = get_int(body, "seed", sp.seed, min=-1, max=DEFAULT_SEED)
+    # llama.cpp reads the seed as a uint32 (any other int wraps; OpenAI clients send int64s)
+    seed = get_int(body, "seed", sp.seed, min=-(2 ** 63), max=2 ** 64 - 1)
+    seed = seed if seed == -1 else seed % (DEFAULT_SEED + 1)
     sp.seed = -1 if seed == DEFAULT_SEED else seed
-    sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0, max=1024)
+    sp.n_probs = get_int(body, "n_probs", sp.n_probs, min=0)
+    if tokenizer is not None:  # llama.cpp reports at most the vocabulary
+        sp.n_probs = min(sp.n_probs, tokenizer.n_vocab)
     sp.logit_bias = parse_logit_bias(body.get("logit_bias"), tokenizer)
     sp.top_n_sigma = get_number(body, "top_n_sigma", sp.top_n_sigma)
     for name in ("xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "mirostat_tau",
@@ -443,6 +468,8 @@ def parse_completion(
     ``overcommit`` (bool: bypass the KV admission gate), ``post_sampling_probs``,
     ``timings_per_token`` (each streamed chunk carries the timings so far),
     ``return_progress`` (a streamed chunk with ``prompt_progress`` after each prompt ubatch),
+    ``n_indent``, ``t_max_predict_ms`` (see ``CompletionRequest``), ``lora`` (only ``[]``:
+    no adapter is loaded),
     and constrained output: ``grammar`` (GBNF), ``json_schema``, or OpenAI
     ``response_format`` (``json_object`` / ``json_schema``), compiled here so a
     bad one is a 400 before anything runs (``opencoti.engine.json_schema``).
@@ -482,7 +509,15 @@ def parse_completion(
         post_sampling_probs=get_bool(body, "post_sampling_probs", False),
         timings_per_token=get_bool(body, "timings_per_token", False),
         return_progress=get_bool(body, "return_progress", False),
+        n_indent=get_int(body, "n_indent", 0),
+        t_max_predict_ms=get_int(body, "t_max_predict_ms", 0),
     )
+    lora = body.get("lora")
+    if lora is not None:
+        if not isinstance(lora, list):
+            raise invalid_request('"lora" must be a list of {"id", "scale"} objects')
+        if lora:  # llama.cpp parse_lora_request: an id outside the loaded adapters
+            raise invalid_request("invalid adapter id (no LoRA adapter is loaded)")
     stream_opts = body.get("stream_options")
     if stream_opts is not None and not isinstance(stream_opts, dict):
         raise invalid_request('"stream_options" must be an object')
