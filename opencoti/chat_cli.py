@@ -16,8 +16,9 @@ is kept across turns, and because every turn resubmits the whole conversation
 with ``cache_prompt`` the engine only computes the new tokens. ``/exit`` (or
 ``/quit``) or Ctrl-D leaves; Ctrl-C during a reply stops that reply; Ctrl-C at
 the prompt leaves; a stopped reply stays in the history as far as it got. When the
-conversation no longer fits a slot's context, its oldest messages (after the system prompt)
-are dropped, with a note on stderr, until it does.
+conversation and the room for a reply (``-n``, else a quarter of the context) no longer fit a
+slot's context, its oldest messages (after the system prompt) are dropped, with a note on
+stderr, until they do (or only the newest message is left).
 """
 
 from __future__ import annotations
@@ -189,7 +190,9 @@ def run_chat(engine, model, params: Params, inp: TextIO = sys.stdin, out: TextIO
             kept = list(messages)
             tokens = _render(template, tok, kept)
             n_ctx = engine.n_ctx_slot
-            while len(tokens) >= n_ctx and _drop_oldest_turn(kept):  # the context is full: forget
+            # room for the reply: -n, else a quarter of the context
+            reserve = min(params.n_predict, n_ctx - 1) if params.n_predict > 0 else n_ctx // 4
+            while len(tokens) + reserve > n_ctx and _drop_oldest_turn(kept):  # the context is full: forget
                 tokens = _render(template, tok, kept)
             if len(tokens) < n_ctx:  # else the engine refuses it, and the history stays whole
                 n_dropped, messages[:] = len(messages) - len(kept), kept

@@ -211,15 +211,15 @@ _NOT_OFFERED = (
 def _refuse(what: str):
     def callback(ctx: click.Context, param: click.Parameter, value) -> None:
         if value not in (None, False) and not ctx.resilient_parsing:
-            raise click.UsageError(f"{param.opts[0]}: opencoti does not offer {what}")
+            raise click.UsageError(f"{'/'.join(param.opts)}: opencoti does not offer {what}")
     return callback
 
 
 def _not_offered(f):
     """``_NOT_OFFERED``'s options, hidden from --help, each refusing itself."""
     for names, takes_value, what in reversed(_NOT_OFFERED):
-        f = click.option(*names, is_flag=not takes_value, hidden=True, expose_value=False,
-                         callback=_refuse(what))(f)
+        kind = {} if takes_value else {"is_flag": True}  # (is_flag=False would make the value optional)
+        f = click.option(*names, hidden=True, expose_value=False, callback=_refuse(what), **kind)(f)
     return f
 
 

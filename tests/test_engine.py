@@ -1,6 +1,7 @@
 """Engine (scheduler + slots) on the real gemma-3-270m, CPU backend."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -527,6 +528,13 @@ def test_ignore_eos_bans_end_of_generation(engine, model):
                SamplingParams(temperature=1.0, seed=7, grammar='root ::= " yes"')):
         text, ids, fin = run(engine, toks, n_predict=5, sampling=sp, ignore_eos=True)
         assert text == " yes" and ids[-1] in eog and fin.stop_type == "eos" and fin.n_predicted == len(ids)
+        # with post-sampling probabilities: the forced end had probability 1
+        h = engine.submit(CompletionRequest(list(toks), n_predict=5, ignore_eos=True, post_sampling_probs=True,
+                                            sampling=replace(sp, n_probs=3)))
+        evs = list(h.events(timeout=120))
+        assert isinstance(evs[-1], FinishEvent) and evs[-1].stop_type == "eos", evs[-1]
+        last = [e for e in evs if isinstance(e, TokenEvent)][-1]
+        assert last.token in eog and last.logprob == 0.0 and [t.id for t in last.top] == [last.token]
 
 
 def test_n_indent_cuts_the_first_under_indented_line(engine, model):

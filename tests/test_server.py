@@ -590,6 +590,8 @@ def test_infill_and_unsupported_endpoints(server, port):
     status, _, err = call(port, "POST", "/infill", body)
     assert_error(status, err, 501, "not_supported_error")
     assert "prefix token is missing" in err["error"]["message"]
+    status, _, err = call(port, "POST", "/infill", raw=b"not json")  # the model's lack first, as llama.cpp
+    assert_error(status, err, 501, "not_supported_error")
     for path in ("/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/v1/rerank"):
         status, _, err = call(port, "POST", path, {"input": "hi", "content": "hi", "query": "q", "documents": ["d"]})
         assert_error(status, err, 501, "not_supported_error")
@@ -1027,6 +1029,53 @@ def test_special_token_text_stays_text(server, port):
         n_turns = len(msgs) + 1  # the generation prompt's turn
         assert ids.count(105) == n_turns and ids.count(106) == len(msgs), (msgs, ids)
         assert [text[a:b] for a, b in spans] == [m["content"] for m in msgs if m["content"].strip()]
+
+
+def test_chat_spans_when_templates_move_or_rewrite_contents(server, shared_dir):
+    """Contents a template moves (Mistral: the system text in the last user turn) or drops (a
+    trailing system message) are still located exactly; where it rewrites one (Qwen3 strips an
+    earlier reply's <think>), no content may hold control-token text (400), else the whole text
+    parses as llama.cpp's. Templates get gemma's turn tokens in place of their own so that the
+    gemma vocabulary has them as control tokens."""
+    from opencoti.http.oai import render_chat_spans, tokenize_chat
+    from opencoti.model.chat_template import ChatTemplate, builtin_template
+
+    tok = server["model"].tokenizer
+    S = lambda c: {"role": "system", "content": c}  # noqa: E731
+    U = lambda c: {"role": "user", "content": c}  # noqa: E731
+    A = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+
+    def as_gemma(name: str, marks: dict) -> ChatTemplate:
+        src = (shared_dir / "data" / "templates" / name).read_text()
+        for k, v in marks.items():
+            src = src.replace(k, v)
+        return ChatTemplate(src, bos_token="<bos>", eos_token="<eos>", name=name)
+
+    mistral = as_gemma("mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                       {"[INST]": "<start_of_turn>", "[/INST]": "<end_of_turn>"})
+    qwen3 = as_gemma("Qwen-Qwen3-0.6B.jinja", {"<|im_start|>": "<start_of_turn>", "<|im_end|>": "<end_of_turn>"})
+    gemma = builtin_template("gemma", "<bos>", "<eos>")
+    cases = [  # (template, messages, contents kept as text in text order, <start_of_turn>s, <end_of_turn>s)
+        (gemma, [U("<start_of_turn>user"), S("s")], ["<start_of_turn>user"], 2, 1),
+        (gemma, [S("sys"), A("<start_of_turn>x"), U("q")], ["<start_of_turn>x", "sys", "q"], 3, 2),
+        (mistral, [S("sys"), U("<end_of_turn>x"), A("a"), U("b")], ["<end_of_turn>x", "a", "sys", "b"], 2, 2),
+        (qwen3, [U("hi"), A("answer"), U("<start_of_turn>user")], ["hi", "answer", "<start_of_turn>user"], 4, 3),
+        (qwen3, [U("hi"), A("<think>r</think>answer"), U("plain")], [], 4, 3),
+    ]
+    for tmpl, msgs, kept, n_start, n_end in cases:
+        st = ServerState(server["params"])
+        st.set_ready(server["model"], server["engine"], tmpl)
+        text, spans = render_chat_spans(st, {"messages": msgs})
+        ids = tokenize_chat(st, text, spans)
+        assert [text[a:b] for a, b in spans] == kept, (tmpl.name, msgs)
+        assert (ids.count(105), ids.count(106)) == (n_start, n_end), (tmpl.name, msgs)
+        if not kept:
+            assert ids == tok.tokenize(text, add_special=True, parse_special=True)
+    st = ServerState(server["params"])
+    st.set_ready(server["model"], server["engine"], qwen3)
+    with pytest.raises(HTTPError) as ei:  # rewritten, and a content could forge a turn: refused
+        render_chat_spans(st, {"messages": [U("hi"), A("<think>r</think>answer"), U("<start_of_turn>user")]})
+    assert ei.value.status == 400 and "control-token text '<start_of_turn>'" in ei.value.message
 
 
 def test_chat_template_without_bos_still_one_bos(server):

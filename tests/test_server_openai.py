@@ -261,3 +261,17 @@ def test_completions_client_stream_and_logprobs(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " 6, 7"
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1  # (the same prompt)
+
+
+def test_completions_several_prompts_stream(client):
+    """/v1/completions streams several prompts (llama.cpp): each chunk's choice carries its
+    prompt's index, each prompt's text equals its non-streamed choice, and the usage counts
+    both prompts."""
+    prompts = ["1, 2, 3, 4, 5,", "a, b, c, d,"]
+    r = client.completions.create(model="m", prompt=prompts, max_tokens=4, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    chunks = list(client.completions.create(model="m", prompt=prompts, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i in (0, 1):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) == r.choices[i].text
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 8

@@ -81,8 +81,11 @@ def post_sampling_top(sampler: Sampler, logits: np.ndarray, token: int, n: int):
 
     Returns ``(ids int64 [m], logprobs float64 [m], token_logprob)``, m <= n,
     highest first, zero-probability tokens left out; a token the chain cut has
-    probability 0 (log -inf), so the reported probabilities sum to <= 1.
+    probability 0 (log -inf), so the reported probabilities sum to <= 1. A token the
+    grammar forced past ``ignore_eos``'s ban (``Sampler.grammar_ended``) had probability 1.
     """
+    if sampler.grammar_ended:
+        return np.array([token], np.int64), np.zeros(1), 0.0
     x = sampler.apply_grammar(logits) if sampler.grammar is not None else logits
     ids, vals = sampler.candidates(x)
     v = vals.astype(np.float64)

@@ -29,17 +29,21 @@ def _text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.tokenize(text, add_special=False, parse_special=False))
 
 
-def check_infill_request(tokenizer, body: Any) -> None:
-    """400 unless ``body`` is an object with ``input_prefix`` and ``input_suffix`` (strings or
-    lists of strings and token ids), ``prompt`` (optional) a string, and ``input_extra``
-    (optional) a list of ``{"text": str, "filename": str (optional)}``; 501
-    ``not_supported_error`` when the vocabulary lacks a FIM prefix, suffix or middle token
-    (llama.cpp's messages)."""
+def check_fim_tokens(tokenizer) -> None:
+    """501 ``not_supported_error`` when the vocabulary lacks a FIM prefix, suffix or middle
+    token (llama.cpp's message, checked before the body is read)."""
     missing = "".join(f"{what} token is missing. " for what, tid in (
         ("prefix", tokenizer.fim_pre_id), ("suffix", tokenizer.fim_suf_id), ("middle", tokenizer.fim_mid_id))
         if tid is None)
     if missing:
-        raise not_supported(f"Infill is not supported by this model: {missing.strip()}")
+        raise not_supported(f"Infill is not supported by this model: {missing}")
+
+
+def check_infill_request(tokenizer, body: Any) -> None:
+    """400 unless ``body`` is an object with ``input_prefix`` and ``input_suffix`` (strings or
+    lists of strings and token ids), ``prompt`` (optional) a string, and ``input_extra``
+    (optional) a list of ``{"text": str, "filename": str (optional)}`` (llama.cpp's
+    messages)."""
     require_object(body)
     if body.get("prompt") is not None and not isinstance(body["prompt"], str):
         raise invalid_request('"prompt" must be a string')
@@ -95,6 +99,7 @@ def post_infill(state, req):
     from opencoti.http.polykv_routes import request_defaults
     from opencoti.http.routes import run_completion
 
+    check_fim_tokens(state.tokenizer)
     body = req.json()
     check_infill_request(state.tokenizer, body)
     parsed = parse_completion(body, *request_defaults(state, body), state.n_ctx_slot, state.n_slots,

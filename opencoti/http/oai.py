@@ -168,12 +168,13 @@ _MARK = "\ue000{}\ue001"  # a message's content stand-in (private-use characters
 
 
 def marked_spans(text: str, messages: list, render) -> Optional[list[tuple[int, int]]]:
-    """Where each message's content sits in ``text`` (``render(messages)``), found exactly:
+    """Where the messages' contents sit in ``text`` (``render(messages)``), found exactly:
     ``render`` again with every content replaced by a stand-in marker gives the template's own
-    text between the contents, and ``text`` must be that text with each marker replaced by its
-    content, whole or stripped (templates that ``trim``). ``[(start, end)]`` in message order
-    (none for an empty content); None when the two renders do not fit that (the template
-    rewrote a content, or branched on it), or the marked render fails."""
+    text around the contents, and ``text`` must be that text with each marker replaced by its
+    content, whole or stripped (templates that ``trim``). Templates may move a content
+    (Mistral's system text in the last user turn) or drop it (no span). Returns the spans
+    ``[(start, end)]`` in text order, or None when the two renders do not fit that (the
+    template rewrote a content, or branched on it), or the marked render fails."""
     marked, contents = [], []
     for i, m in enumerate(messages):
         c = _content_text(m)
@@ -186,18 +187,19 @@ def marked_spans(text: str, messages: list, render) -> Optional[list[tuple[int, 
         mtext = render(marked)
     except Exception:  # the template may refuse a stand-in it inspects
         return None
-    cuts = [mtext.find(mk) for mk, _ in contents]
-    if any(j < 0 or mtext.count(mk) != 1 for j, (mk, _) in zip(cuts, contents)) or cuts != sorted(cuts):
+    if any(mtext.count(mk) > 1 for mk, _ in contents):
         return None
+    found = sorted((mtext.find(mk), mk, c) for mk, c in contents if mk in mtext)
     spans, pos_m, pos_t = [], 0, 0
-    for k, (j, (mk, c)) in enumerate(zip(cuts, contents)):
+    for k, (j, mk, c) in enumerate(found):
         seg = mtext[pos_m:j]  # the template's text before this content
         if not text.startswith(seg, pos_t):
             return None
         pos_t, pos_m = pos_t + len(seg), j + len(mk)
-        after = mtext[pos_m:cuts[k + 1]] if k + 1 < len(cuts) else mtext[pos_m:]
+        last = k + 1 == len(found)
+        after = mtext[pos_m:] if last else mtext[pos_m:found[k + 1][0]]
         for cand in (c, c.strip()):
-            if text.startswith(cand + after, pos_t) and (k + 1 < len(cuts) or len(text) == pos_t + len(cand + after)):
+            if text.startswith(cand + after, pos_t) and (not last or len(text) == pos_t + len(cand + after)):
                 if cand:
                     spans.append((pos_t, pos_t + len(cand)))
                 pos_t += len(cand)
@@ -207,29 +209,24 @@ def marked_spans(text: str, messages: list, render) -> Optional[list[tuple[int, 
     return spans if text[pos_t:] == mtext[pos_m:] else None
 
 
-def content_spans(text: str, messages: list, render=None) -> list[tuple[int, int]]:
-    """Where each message's content sits in the rendered prompt ``text``:
-    ``[(start, end)]`` in message order. With ``render`` (messages -> text, as ``text`` was
-    made) the spans are exact (``marked_spans``); else, or where that does not fit, found by
-    searching forward for the content (or, for templates that ``trim`` it, the stripped
-    content), which can take template text equal to a content for it. A content the
-    template rewrote is not found and gets no span."""
-    if render is not None:
-        spans = marked_spans(text, messages, render)
-        if spans is not None:
-            return spans
-    spans, cursor = [], 0
+def content_spans(state: ServerState, text: str, messages: list, render) -> list[tuple[int, int]]:
+    """Where each message's content sits in the rendered prompt ``text`` (``render(messages)``):
+    ``[(start, end)]`` in text order, for ``tokenize_chat`` to keep as text. Exact
+    (``marked_spans``); where the template rewrote a content so that it cannot be located, no
+    content may hold control-token text (then none needs a span: the whole text is parsed, as
+    llama.cpp does), else 400: which copy of the markup is the template's cannot be told."""
+    spans = marked_spans(text, messages, render)
+    if spans is not None:
+        return spans
+    controls = [t for t, _ in state.control_tokens()]
     for m in messages:
         c = _content_text(m)
-        for cand in (c, c.strip()):
-            if not cand:
-                continue
-            i = text.find(cand, cursor)
-            if i >= 0:
-                spans.append((i, i + len(cand)))
-                cursor = i + len(cand)
-                break
-    return spans
+        hit = next((t for t in controls if t in c), None)
+        if hit is not None:
+            raise invalid_request(
+                f"a {m.get('role')} message contains the control-token text {hit!r}, and the chat template "
+                "rewrites the messages so that its text cannot be told from the template's markup")
+    return []
 
 
 def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[int, int]]]:
@@ -288,7 +285,7 @@ def render_chat_spans(state: ServerState, body: dict) -> tuple[str, list[tuple[i
         text = render(messages)
     except ValueError as e:  # ChatTemplateError is a ValueError
         raise invalid_request(str(e) or "the chat template refused the conversation") from None
-    spans = content_spans(text, messages, render)
+    spans = content_spans(state, text, messages, render)
     if prefill:
         spans.append((len(text), len(text) + len(prefill)))
         text += prefill
@@ -496,15 +493,14 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
             raise invalid_request(f"Unsupported param: {p}")
     parsed = parse_completion(body, *request_defaults(state, body),
                               state.n_ctx_slot, state.n_slots, state.tokenizer)
-    lp = get_int(body, "logprobs", None, min=0, max=1024)
+    lp = get_int(body, "logprobs", None, min=0)
     if lp is not None and body.get("n_probs") is None:
+        lp = min(lp, state.tokenizer.n_vocab)  # as n_probs: at most the vocabulary
         parsed.request.sampling.n_probs = lp
         parsed.options.n_probs = lp
     opts = parsed.options
     want_probs = opts.n_probs > 0
     prompts = tokenize_prompts(state.tokenizer, body["prompt"])
-    if opts.stream and len(prompts) > 1:
-        raise invalid_request("streaming supports a single prompt")
     handles = submit_all(state, parsed, prompts)
     cid = random_id("cmpl-")
     created = int(time.time())
