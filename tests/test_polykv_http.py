@@ -102,7 +102,7 @@ def test_pool_lifecycle_and_attach(server):
 def test_bad_bodies(server):
     base, _ = server
     for body in [{}, {"prompt": "a", "tokens": [1]}, {"tokens": ["x"]}, {"prompt": 5}, {"from_slot": "zero"},
-                 {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"tokens": []}]:
+                 {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"tokens": []}, {"from_slot": 7}, {"from_slot": -1}]:
         r = httpx.post(base + "/polykv/pools", json=body, timeout=30)
         assert r.status_code == 400, body
     r = httpx.post(base + "/polykv/pools", json={"from_session": "nobody"}, timeout=30)

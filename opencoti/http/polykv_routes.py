@@ -102,6 +102,8 @@ def _prefix_tokens(state, body: dict) -> list[int]:
         raise invalid_request('"from_session" must be a string')
     if key == "from_slot" and (not isinstance(val, int) or isinstance(val, bool)):
         raise invalid_request('"from_slot" must be an integer')
+    if key == "from_slot" and not 0 <= val < state.n_slots:  # as /slots/{id}: a bad id is the request's
+        raise invalid_request(f'"from_slot" {val} out of range [0, {state.n_slots})')
     return _wait(eng.call(slot_tokens))
 
 
