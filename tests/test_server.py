@@ -625,7 +625,7 @@ def test_infill_and_unsupported_endpoints(server, port):
 # errors
 
 
-def test_error_cases(port):
+def test_error_cases(server, port):
     # malformed JSON
     status, _, body = call(port, "POST", "/completion", raw=b'{"prompt": "x",')
     assert_error(status, body, 400, "invalid_request_error")
@@ -651,6 +651,14 @@ def test_error_cases(port):
     status, _, body = call(port, "POST", "/completion", {"prompt": [2] + [9259] * 600})
     assert_error(status, body, 400, "exceed_context_size_error")
     assert body["error"]["n_ctx"] == 512 and body["error"]["n_prompt_tokens"] == 601
+    # a text that cannot fit whatever its tokens: refused before tokenizing, with a lower bound
+    big = "a" * (512 * server["model"].tokenizer.max_piece_chars())
+    for path, payload in (("/completion", {"prompt": big}), ("/completion", {"prompt": ["x", big]}),
+                          ("/v1/completions", {"prompt": big}),
+                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]})):
+        status, _, body = call(port, "POST", path, payload)
+        assert_error(status, body, 400, "exceed_context_size_error")
+        assert "at least" in body["error"]["message"] and body["error"]["n_prompt_tokens"] >= 512, path
     # sampling values that overflow the logits: the request's fault (400), streamed or not
     for bad in ({"logit_bias": {"9259": 1e39}}, {"presence_penalty": -1e308}, {"repeat_penalty": 1e-308}):
         status, _, body = call(port, "POST", "/completion", {"prompt": "hi", "n_predict": 2, **bad})
@@ -675,6 +683,18 @@ def test_n_probs_past_1024(port):
     assert status == 200 and len(body["completion_probabilities"][0]["top_logprobs"]) == 2000
     lps = [e["logprob"] for e in body["completion_probabilities"][0]["top_logprobs"]]
     assert lps == sorted(lps, reverse=True)
+
+
+def test_character_bound_never_refuses_what_fits(server):
+    """``Tokenizer.max_piece_chars``: a text has at least len(text) / max_piece_chars tokens,
+    also for the texts that pack the most characters into a token."""
+    tok = server["model"].tokenizer
+    L = tok.max_piece_chars()
+    longest = max((tok.token_text(i) for i in range(tok.n_vocab)), key=len).replace("\u2581", " ")
+    for text in (" " * 5000, "\n" * 5000, "=" * 5000, longest * 50, "<start_of_turn>" * 300, "a" * 5000,
+                 "The capital of France is Paris. " * 150):
+        n = len(tok.tokenize(text, add_special=False, parse_special=True))
+        assert n >= len(text) // L, (text[:20], n, len(text) // L)
 
 
 def test_handler_exception_is_json_500(server):

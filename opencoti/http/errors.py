@@ -92,15 +92,16 @@ def server_error(message: str) -> HTTPError:
     return HTTPError(500, "server_error", message)
 
 
-def exceed_context(n_prompt_tokens: int, n_ctx: int) -> HTTPError:
+def exceed_context(n_prompt_tokens: int, n_ctx: int, at_least: bool = False) -> HTTPError:
     """400 ``exceed_context_size_error`` with llama.cpp's extra fields.
 
     Raised when a prompt does not fit the slot's context (``n_prompt_tokens >= n_ctx``).
+    ``at_least``: the count is a lower bound (a text refused before it was tokenized).
     """
     return HTTPError(
         400,
         "exceed_context_size_error",
         f"the request exceeds the available context size, try increasing it "
-        f"(prompt has {n_prompt_tokens} tokens, context is {n_ctx})",
+        f"(prompt has {'at least ' if at_least else ''}{n_prompt_tokens} tokens, context is {n_ctx})",
         {"n_prompt_tokens": int(n_prompt_tokens), "n_ctx": int(n_ctx)},
     )

@@ -37,6 +37,7 @@ from opencoti.http.sse import SSE_DONE, sse_event
 from opencoti.http.state import ServerState
 from opencoti.http.validate import (
     ParsedCompletion,
+    check_text_fits,
     get_bool,
     get_int,
     parse_completion,
@@ -377,7 +378,9 @@ def _parse_chat_body(state: ServerState, body: dict) -> tuple[list[int], ParsedC
         parsed.request.sampling.n_probs = max(n_top, 1)
         parsed.options.want_logprobs = True
     parsed.options.n_probs = n_top
-    prompt = tokenize_chat(state, *render_chat_spans(state, body))
+    text, spans = render_chat_spans(state, body)
+    check_text_fits(state.tokenizer, text, state.n_ctx_slot)
+    prompt = tokenize_chat(state, text, spans)
     return prompt, parsed, n_top
 
 
@@ -500,7 +503,7 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
         parsed.options.n_probs = lp
     opts = parsed.options
     want_probs = opts.n_probs > 0
-    prompts = tokenize_prompts(state.tokenizer, body["prompt"])
+    prompts = tokenize_prompts(state.tokenizer, body["prompt"], n_ctx=state.n_ctx_slot)
     handles = submit_all(state, parsed, prompts)
     cid = random_id("cmpl-")
     created = int(time.time())

@@ -657,7 +657,8 @@ def post_completion(state: ServerState, req: Request) -> Union[Response, StreamR
                               state.n_ctx_slot, state.n_slots, state.tokenizer)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid_request('"prompt" is required')
-    return run_completion(state, req, parsed, tokenize_prompts(state.tokenizer, body["prompt"]))
+    prompts = tokenize_prompts(state.tokenizer, body["prompt"], n_ctx=state.n_ctx_slot)
+    return run_completion(state, req, parsed, prompts)
 
 
 def run_completion(state: ServerState, req: Request, parsed: ParsedCompletion,

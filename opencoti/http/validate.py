@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from opencoti.engine.api import CHAIN_NAMES, INT32_MAX, CompletionRequest, SamplingParams, sampling_error
 from opencoti.engine.dry import sampler_breakers
-from opencoti.http.errors import invalid_request
+from opencoti.http.errors import exceed_context, invalid_request
 
 log = logging.getLogger("opencoti.http")
 
@@ -147,29 +147,44 @@ def _check_ids(ids: list[int], n_vocab: int, key: str) -> list[int]:
     return ids
 
 
-def _tokenize(tokenizer, text: str, add_special: bool, parse_special: bool, key: str) -> list[int]:
+def check_text_fits(tokenizer, text: str, n_ctx: Optional[int]) -> None:
+    """Before tokenizing ``text``: 400 ``exceed_context_size_error`` when it cannot fit
+    ``n_ctx`` tokens whatever its tokens are (more characters than ``n_ctx`` tokens cover,
+    ``Tokenizer.max_piece_chars``), so a huge prompt is refused at once, not after tokenizing
+    it; its ``n_prompt_tokens`` is then a lower bound. None: no check."""
+    if n_ctx is not None:
+        at_least = len(text) // tokenizer.max_piece_chars()
+        if at_least >= n_ctx:
+            raise exceed_context(at_least, n_ctx, at_least=True)
+
+
+def _tokenize(tokenizer, text: str, add_special: bool, parse_special: bool, key: str,
+              n_ctx: Optional[int] = None) -> list[int]:
+    check_text_fits(tokenizer, text, n_ctx)
     try:
         return tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
     except ValueError as e:  # e.g. a lone surrogate (UnicodeEncodeError) in the JSON string
         raise invalid_request(f'"{key}" could not be tokenized: {e}') from None
 
 
-def tokenize_mixed(tokenizer, value: Any, add_special: bool, parse_special: bool, key: str = "prompt") -> list[int]:
+def tokenize_mixed(tokenizer, value: Any, add_special: bool, parse_special: bool, key: str = "prompt",
+                   n_ctx: Optional[int] = None) -> list[int]:
     """Tokenize a string, or a list mixing strings and token ids, into one id list.
 
     Only the first element of a list gets ``add_special`` (BOS); ids are copied
     as they are. Source: llama.cpp ``server-common.cpp`` ``tokenize_mixed``.
-    Raises 400 for any other element type or an id outside the vocabulary.
+    Raises 400 for any other element type or an id outside the vocabulary; with ``n_ctx``,
+    400 ``exceed_context_size_error`` for a string too long to fit it (``check_text_fits``).
     """
     if isinstance(value, str):
-        return _tokenize(tokenizer, value, add_special, parse_special, key)
+        return _tokenize(tokenizer, value, add_special, parse_special, key, n_ctx)
     if not isinstance(value, list):
         raise invalid_request(f'"{key}" must be a string or a list of strings and token ids')
     out: list[int] = []
     first = True
     for el in value:
         if isinstance(el, str):
-            out.extend(_tokenize(tokenizer, el, add_special and first, parse_special, key))
+            out.extend(_tokenize(tokenizer, el, add_special and first, parse_special, key, n_ctx))
         elif _is_int(el):
             out.append(el)
         else:
@@ -178,7 +193,7 @@ def tokenize_mixed(tokenizer, value: Any, add_special: bool, parse_special: bool
     return _check_ids(out, tokenizer.n_vocab, key)
 
 
-def _prompt_object(tokenizer, obj: dict, key: str) -> list[int]:
+def _prompt_object(tokenizer, obj: dict, key: str, n_ctx: Optional[int] = None) -> list[int]:
     """A ``{"prompt_string": str, "multimodal_data": [...]}`` prompt (llama.cpp
     ``tokenize_input_subprompt``): its string tokenized as a text prompt. 400 when
     ``prompt_string`` is not a string, or with ``multimodal_data`` (this server loads no
@@ -188,10 +203,10 @@ def _prompt_object(tokenizer, obj: dict, key: str) -> list[int]:
         raise invalid_request(f'a "{key}" object needs a "prompt_string" string')
     if obj.get("multimodal_data"):
         raise invalid_request("multimodal_data is not supported: this server has no multimodal projector (mmproj)")
-    return tokenize_mixed(tokenizer, text, True, True, key)
+    return tokenize_mixed(tokenizer, text, True, True, key, n_ctx)
 
 
-def tokenize_prompts(tokenizer, prompt: Any, key: str = "prompt") -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompt: Any, key: str = "prompt", n_ctx: Optional[int] = None) -> list[list[int]]:
     """Turn a ``prompt`` field into one token list per prompt.
 
     Accepted shapes (llama.cpp ``tokenize_input_prompts``):
@@ -199,31 +214,33 @@ def tokenize_prompts(tokenizer, prompt: Any, key: str = "prompt") -> list[list[i
     ``["a", "b"]`` or ``["a", [1, 2]]`` (several prompts); ``{"prompt_string": "text"}``, alone
     or as an element (``_prompt_object``). Strings are tokenized
     with BOS (when the model adds one) and with special tokens parsed.
-    Raises 400 for an empty list, an empty token list, or other shapes.
+    Raises 400 for an empty list, an empty token list, or other shapes; with ``n_ctx`` (a
+    slot's context), 400 ``exceed_context_size_error`` before tokenizing a string that cannot
+    fit it.
     """
     if prompt is None:
         raise invalid_request(f'"{key}" is required')
     if isinstance(prompt, str):
-        prompts = [tokenize_mixed(tokenizer, prompt, True, True, key)]
+        prompts = [tokenize_mixed(tokenizer, prompt, True, True, key, n_ctx)]
     elif isinstance(prompt, dict):
-        prompts = [_prompt_object(tokenizer, prompt, key)]
+        prompts = [_prompt_object(tokenizer, prompt, key, n_ctx)]
     elif isinstance(prompt, list):
         if not prompt:
             raise invalid_request(f'"{key}" must not be empty')
         if any(_is_int(e) for e in prompt):
-            prompts = [tokenize_mixed(tokenizer, prompt, True, True, key)]
+            prompts = [tokenize_mixed(tokenizer, prompt, True, True, key, n_ctx)]
         else:
             prompts = []
             for sub in prompt:
                 if isinstance(sub, dict):
-                    prompts.append(_prompt_object(tokenizer, sub, key))
+                    prompts.append(_prompt_object(tokenizer, sub, key, n_ctx))
                     continue
                 if not isinstance(sub, (str, list)):
                     raise invalid_request(
                         f'"{key}" elements must be a string, a list of token ids, a list of mixed strings and '
                         'ids, or a {"prompt_string": ...} object'
                     )
-                prompts.append(tokenize_mixed(tokenizer, sub, True, True, key))
+                prompts.append(tokenize_mixed(tokenizer, sub, True, True, key, n_ctx))
     else:
         raise invalid_request(f'"{key}" must be a string, a list of token ids, or a list of prompts')
     for ids in prompts:

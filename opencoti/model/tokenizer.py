@@ -528,6 +528,15 @@ class Tokenizer:
         """The vocabulary entry of ``tid`` as stored in the GGUF (e.g. ``"▁the"``, ``"Ġthe"``, ``"<0x0A>"``)."""
         return self._tokens[self._check_id(tid)]
 
+    def max_piece_chars(self) -> int:
+        """An upper bound on the characters of text one token covers: the longest vocabulary
+        spelling plus one (a prefix space). A spelling is never shorter than its text ("▁",
+        "Ġ" and "<0x0A>" stand for one character), so a text of n characters has at least
+        n / max_piece_chars() tokens. Computed once."""
+        if getattr(self, "_max_piece_chars", None) is None:
+            self._max_piece_chars = max((len(t) for t in self._tokens), default=0) + 1
+        return self._max_piece_chars
+
     def token_id(self, text: str) -> int | None:
         """Id of the vocabulary entry spelled exactly ``text`` (GGUF spelling), or None."""
         return self._token_to_id.get(text)
