@@ -81,11 +81,8 @@ def post_sampling_top(sampler: Sampler, logits: np.ndarray, token: int, n: int):
 
     Returns ``(ids int64 [m], logprobs float64 [m], token_logprob)``, m <= n,
     highest first, zero-probability tokens left out; a token the chain cut has
-    probability 0 (log -inf), so the reported probabilities sum to <= 1. A token the
-    grammar forced past ``ignore_eos``'s ban (``Sampler.grammar_ended``) had probability 1.
+    probability 0 (log -inf), so the reported probabilities sum to <= 1.
     """
-    if sampler.grammar_ended:
-        return np.array([token], np.int64), np.zeros(1), 0.0
     x = sampler.apply_grammar(logits) if sampler.grammar is not None else logits
     ids, vals = sampler.candidates(x)
     v = vals.astype(np.float64)
@@ -759,8 +756,7 @@ class Engine:
                     other.session_id = None
         slot.session_id = req.session_id
         sampler = Sampler(req.sampling, self.model.hparams.n_vocab, grammar=grammar,
-                          dry_breakers=sampler_breakers(self.model.tokenizer, req.sampling),
-                          ban=self.model.tokenizer.eog_ids if req.ignore_eos else ())
+                          dry_breakers=sampler_breakers(self.model.tokenizer, req.sampling))
         sampler.accept_many(req.prompt_tokens)
         from opencoti.model.tokenizer import StreamDecoder
 
