@@ -26,7 +26,7 @@ _SNIPPET_SEP = "\n\n--- snippet ---\n\n"  # llama.cpp's chunk separator without 
 def _text(tokenizer, text: str) -> list[int]:
     """``text`` as tokens: no BOS, special-token text not parsed (llama.cpp ``common_tokenize``
     with add_special and parse_special false)."""
-    return list(tokenizer.tokenize(text, add_special=False, parse_special=False))
+    return tokenizer.tokenize(text, add_special=False, parse_special=False)
 
 
 def check_fim_tokens(tokenizer) -> None:
@@ -69,7 +69,7 @@ def infill_prompt(tokenizer, body: dict, n_batch: int, n_predict: int, n_ctx: in
     for a prefix or suffix of another shape or an id outside the vocabulary."""
     prefix = tokenize_mixed(tokenizer, body["input_prefix"], False, False, "input_prefix")
     suffix = tokenize_mixed(tokenizer, body["input_suffix"], False, False, "input_suffix")
-    prompt = list(tokenizer.tokenize(body.get("prompt") or "", add_special=False, parse_special=True))
+    prompt = tokenizer.tokenize(body.get("prompt") or "", add_special=False, parse_special=True)
     extra: list[int] = []
     if tokenizer.fim_rep_id is not None:
         extra += [tokenizer.fim_rep_id] + _text(tokenizer, "myproject\n")

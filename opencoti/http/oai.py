@@ -483,8 +483,8 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
 
     ``logprobs`` (an integer, the number of top tokens) maps to ``n_probs``;
     ``echo``, ``best_of`` and ``suffix`` are refused as in llama.cpp. Several
-    prompts, and ``n`` completions of each, give several choices (prompt-major; a stream takes
-    one prompt, and its ``n`` choices' chunks interleave, each with its index).
+    prompts, and ``n`` completions of each, give several choices (prompt-major; streamed, their
+    chunks interleave, each with its index).
     """
     body = req.json()
     if body.get("prompt") is None:
@@ -494,13 +494,11 @@ def post_completions_oai(state: ServerState, req: Request) -> Union[Response, St
     for p in ("best_of", "suffix"):
         if body.get(p) is not None:
             raise invalid_request(f"Unsupported param: {p}")
+    lp = get_int(body, "logprobs", None, min=0)
+    if lp is not None and body.get("n_probs") is None:  # OpenAI's logprobs is llama.cpp's n_probs
+        body = {**body, "n_probs": lp}
     parsed = parse_completion(body, *request_defaults(state, body),
                               state.n_ctx_slot, state.n_slots, state.tokenizer)
-    lp = get_int(body, "logprobs", None, min=0)
-    if lp is not None and body.get("n_probs") is None:
-        lp = min(lp, state.tokenizer.n_vocab)  # as n_probs: at most the vocabulary
-        parsed.request.sampling.n_probs = lp
-        parsed.options.n_probs = lp
     opts = parsed.options
     want_probs = opts.n_probs > 0
     prompts = tokenize_prompts(state.tokenizer, body["prompt"], n_ctx=state.n_ctx_slot)

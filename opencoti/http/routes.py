@@ -32,6 +32,7 @@ from opencoti.http.validate import (
     ParsedCompletion,
     get_bool,
     parse_completion,
+    parse_sampling,
     require_object,
     tokenize_mixed,
     tokenize_prompts,
@@ -464,10 +465,7 @@ def default_request(state: ServerState) -> CompletionRequest:
     ``repeat_last_n`` / ``dry_penalty_last_n`` as the slot's context) and no prompt: what
     ``/props`` reports as ``default_generation_settings`` and ``/slots`` for a slot that has
     served nothing yet."""
-    sp = replace(state.params.sampling)
-    for name in ("repeat_last_n", "dry_penalty_last_n"):  # -1: the slot's context, as a request reads it
-        if getattr(sp, name) == -1:
-            setattr(sp, name, state.n_ctx_slot)
+    sp = parse_sampling({}, state.params.sampling, state.n_ctx_slot)  # a request that gives no field
     return CompletionRequest(prompt_tokens=[], n_predict=state.params.n_predict, sampling=sp)
 
 

@@ -188,6 +188,7 @@ class Tokenizer:
         self.fim_rep_id: int | None = None
         self.fim_sep_id: int | None = None
         self.eog_ids: frozenset[int] = frozenset()
+        self._max_piece_chars: int | None = None  # max_piece_chars(), computed once
         self.suppress_tokens: list[int] = []  # tokenizer.ggml.suppress_tokens (never sampled)
         self.warnings: list[str] = []
         self._special_order: list[int] = []  # cache_special_tokens: longest text first
@@ -533,7 +534,7 @@ class Tokenizer:
         spelling plus one (a prefix space). A spelling is never shorter than its text ("▁",
         "Ġ" and "<0x0A>" stand for one character), so a text of n characters has at least
         n / max_piece_chars() tokens. Computed once."""
-        if getattr(self, "_max_piece_chars", None) is None:
+        if self._max_piece_chars is None:
             self._max_piece_chars = max((len(t) for t in self._tokens), default=0) + 1
         return self._max_piece_chars
 
