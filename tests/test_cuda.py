@@ -1520,14 +1520,24 @@ def test_decode_argmax_on_device(tmp_path, gpu):
     from opencoti.engine.sampling import rows_argmax
 
     model = _tiny_gemma3(tmp_path, "Q8_0", 8)
-    a, b = (ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512) for _ in range(2))
+    a, b, c = (ModelRunner(model, gpu, n_ctx=1024, n_seq_max=3, n_ubatch=512) for _ in range(3))
     for make in _graph_steps():
         ids, mx = b.decode(make(), argmax=True)
-        want = rows_argmax(a.decode(make()))
+        logits = a.decode(make())
+        want = rows_argmax(logits)
         assert ids.dtype == np.int64 and mx.dtype == np.float32
         np.testing.assert_array_equal(ids, want[0])
         np.testing.assert_array_equal(mx, want[1])
-    assert b.graphs  # the one-row and three-row steps were replayed graphs
+        # UBatch.argmax_ban (ignore_eos): the last row's winner and two more ids masked there only
+        ub = make()
+        last = len(ub.out_rows) - 1
+        ub.argmax_ban = (np.array([last]), np.array(sorted({int(want[0][last]), 3, 11})))
+        got = c.decode(ub, argmax=True)
+        banned = rows_argmax(logits, ub.argmax_ban)
+        assert got[0][last] != want[0][last]
+        np.testing.assert_array_equal(got[0], banned[0])
+        np.testing.assert_array_equal(got[1], banned[1])
+    assert b.graphs and c.graphs  # the one-row and three-row steps were replayed graphs
 
 
 def test_rows_argmax_device_edge_rows(gpu):
@@ -1543,6 +1553,22 @@ def test_rows_argmax_device_edge_rows(gpu):
     lg[2, 123] = np.nan
     lg[3, [7, 9]] = np.inf
     lg[4] = -np.inf
+    ban = (np.array([0, 1, 5]), np.array([5, int(np.argmax(lg[0])), int(np.argmax(lg[5]))]))
+    x = cp.asarray(lg)
+    half = (np.array([0, 2]), ban[1])  # rows 0 and 4 of lg
+    bids, bmx = gpu._rows_argmax(x[::2], half)  # a strided view: masked in a contiguous copy
+    np.testing.assert_array_equal(x.get(), lg)
+    want_b = rows_argmax(lg[::2], half)
+    np.testing.assert_array_equal(bids[0], want_b[0][0])
+    np.testing.assert_array_equal(bmx[0], want_b[1][0])
+    assert bmx[2] == -np.inf  # row 4 stays all -inf
+    with pytest.raises(ValueError):
+        gpu._rows_argmax(x[::2], ban)  # row 5 is not among its 3 rows
+    bids, bmx = gpu._rows_argmax(cp.asarray(lg), ban)
+    want_b = rows_argmax(lg, ban)
+    assert bids[1] == 60_000 and bids[0] != np.argmax(lg[0]) and bids[5] != np.argmax(lg[5])
+    np.testing.assert_array_equal(bids[[0, 1, 5]], want_b[0][[0, 1, 5]])
+    np.testing.assert_array_equal(bmx[[0, 1, 5]], want_b[1][[0, 1, 5]])
     ids, mx = gpu._rows_argmax(cp.asarray(lg))
     want_ids, want_mx = rows_argmax(lg)
     assert ids.dtype == np.int64 and mx.dtype == np.float32
@@ -2618,6 +2644,67 @@ def test_engine_ahead_steps_equal_synchronous(tmp_path_factory, gpu, pooled):
             e.stop()
     assert results[False][1] == 0 and results[True][1] >= 20
     assert results[True][0] == results[False][0]
+
+
+def test_engine_ignore_eos_ban_on_device(tmp_path_factory, gpu, monkeypatch):
+    """``ignore_eos`` on CUDA: the end-of-generation ids are masked in the device argmax
+    (``UBatch.argmax_ban``), so greedy ignore_eos requests keep the queued-ahead decode. Six
+    sessions at once, the odd ones with ignore_eos, after a token that the plain run generates
+    is made an end-of-generation id: the even ones end at it as the plain run (its tokens up to
+    there), the odd ones never emit it and equal the full-logits path (a -inf ``logit_bias``
+    on those ids); steps were queued ahead, with the ban on the device."""
+    import collections
+
+    from opencoti.engine.api import CompletionRequest, FinishEvent, SamplingParams, TokenEvent
+    from opencoti.engine.backend.cuda import CUDABackend
+    from opencoti.engine.engine import Engine
+    from opencoti.params import Params
+
+    model, _, prompts = _pool_case(tmp_path_factory, "qwen2_gqa")
+    n = len(prompts)
+    masked = []
+    ban_index = CUDABackend._ban_index
+
+    def spy(self, ban, n, n_vocab):
+        masked.append(len(ban[0]))
+        return ban_index(self, ban, n, n_vocab)
+
+    monkeypatch.setattr(CUDABackend, "_ban_index", spy)
+    e = Engine(model, Params(n_ctx=4096, n_parallel=n, kv_unified=True, n_ubatch=256), backend="cuda")
+    assert e.async_decode
+    e.start()
+    try:
+        def go(kws):
+            hs = [e.submit(CompletionRequest(p, n_predict=12, **kw)) for p, kw in zip(prompts, kws)]
+            out = []
+            for h in hs:
+                evs = list(h.events(timeout=300))
+                assert isinstance(evs[-1], FinishEvent), evs[-1]
+                out.append(([ev.token for ev in evs if isinstance(ev, TokenEvent)], evs[-1].stop_type))
+            return out
+
+        greedy = SamplingParams(temperature=0)
+        plain = go([{"sampling": greedy}] * n)
+        fake = collections.Counter(t for toks, _ in plain for t in toks[1:]).most_common(1)[0][0]
+        tok = model.tokenizer
+        monkeypatch.setattr(tok, "eog_ids", frozenset(tok.eog_ids | {fake}))
+        assert not masked
+        steps0 = e.n_steps_ahead
+        mixed = go([{"sampling": greedy, "ignore_eos": i % 2 == 1} for i in range(n)])
+        assert masked and e.n_steps_ahead > steps0
+        bias = {t: float("-inf") for t in tok.eog_ids}
+        full = go([{"sampling": SamplingParams(temperature=0, logit_bias=bias)}] * n)
+    finally:
+        e.stop()
+    for i in range(n):
+        toks, stop = mixed[i]
+        if i % 2:
+            assert fake not in toks and (toks, stop) == full[i] and len(toks) == 12
+        else:
+            want = plain[i][0]
+            cut = want.index(fake) + 1 if fake in want else len(want)
+            assert toks == want[:cut] and stop == ("eos" if fake in want else plain[i][1])
+    assert any(fake in plain[i][0] for i in range(1, n, 2))  # some banned row would have met it
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Engine (scheduler + slots) on the real gemma-3-270m, CPU backend."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -504,6 +505,78 @@ def test_admission_counts_kept_idle_cells_under_no_cache_idle_slots(model):
         assert isinstance(ev, FinishEvent) and len(ids) == 8, ev
     finally:
         e.stop()
+
+
+def test_ignore_eos_ban_on_the_argmax_path(engine, model, monkeypatch):
+    """A greedy ``ignore_eos`` request stays on the argmax path (the runner reduces its rows,
+    ``UBatch.argmax_ban`` masking the end-of-generation ids there) and equals the full-logits
+    path (a -inf ``logit_bias`` on those ids), alone and in one batch with requests that do
+    not ban: those stop at the same id, and their tokens are their solo run's. ' of' (529, the
+    third greedy token after "The capital of France is") is made an end-of-generation id."""
+    import opencoti.engine.runner as runner_mod
+
+    tok = model.tokenizer
+    toks = tok.tokenize("The capital of France is", add_special=True)
+    fake = 529
+    monkeypatch.setattr(tok, "eog_ids", frozenset(tok.eog_ids | {fake}))
+    bans = []
+
+    def spy(logits, ban=None):
+        bans.append(ban)
+        return rows_argmax(logits, ban)
+
+    rows_argmax = runner_mod.rows_argmax
+    monkeypatch.setattr(runner_mod, "rows_argmax", spy)
+    _, ids, fin = run(engine, toks, n_predict=8, sampling=GREEDY)
+    assert ids == [506, 5279, fake] and fin.stop_type == "eos"
+    assert bans and all(b is None for b in bans)
+    bans.clear()
+    _, banned, fin = run(engine, toks, n_predict=8, sampling=GREEDY, ignore_eos=True)
+    assert len(banned) == 8 and fake not in banned and banned[:2] == ids[:2] and fin.stop_type == "limit"
+    assert len(bans) >= 8 and all(b is not None and fake in b[1].tolist() for b in bans)
+    bias = {t: float("-inf") for t in tok.eog_ids}
+    _, full, _ = run(engine, toks, n_predict=8, sampling=SamplingParams(temperature=0, logit_bias=bias))
+    assert full == banned
+    # in one batch: rows 1 and 3 ban, rows 0 and 2 stop at the fake end; each as it ran alone
+    bans.clear()
+    hs = [engine.submit(CompletionRequest(list(toks), n_predict=8, sampling=GREEDY, ignore_eos=i % 2 == 1))
+          for i in range(4)]
+    outs = []
+    for h in hs:
+        evs = list(h.events(timeout=120))
+        outs.append([ev.token for ev in evs if isinstance(ev, TokenEvent)])
+    assert outs == [ids, banned, ids, banned]
+    assert any(b is not None and len(b[0]) == 2 for b in bans)  # two of the batch's rows banned
+
+
+def test_ignore_eos_bans_end_of_generation(engine, model):
+    """``ignore_eos`` bans every end-of-generation id (-inf, llama.cpp's ``logit_bias_eog``),
+    as a user's -inf ``logit_bias`` on them would; without it an EOG that wins ends the
+    request. A grammar that allows nothing but the end still ends it."""
+    tok = model.tokenizer
+    toks = tok.tokenize("Hello", add_special=True)
+    eog = sorted(tok.eog_ids)
+    assert len(eog) >= 2  # gemma-3: <eos> and <end_of_turn>
+    lift = {e: 30.0 for e in eog}  # an EOG is every step's argmax
+    _, ids, fin = run(engine, toks, n_predict=4, sampling=SamplingParams(temperature=0, logit_bias=lift))
+    assert len(ids) == 1 and ids[0] in eog and fin.stop_type == "eos"
+    _, ids, fin = run(engine, toks, n_predict=4, sampling=SamplingParams(temperature=0, logit_bias=lift),
+                      ignore_eos=True)
+    assert len(ids) == 4 and not set(ids) & set(eog) and fin.stop_type == "limit"
+    banned = {e: float("-inf") for e in eog}
+    _, ids_bias, _ = run(engine, toks, n_predict=4, sampling=SamplingParams(temperature=0, logit_bias=banned))
+    assert ids_bias == ids
+    for sp in (SamplingParams(temperature=0, grammar='root ::= " yes"'),
+               SamplingParams(temperature=1.0, seed=7, grammar='root ::= " yes"')):
+        text, ids, fin = run(engine, toks, n_predict=5, sampling=sp, ignore_eos=True)
+        assert text == " yes" and ids[-1] in eog and fin.stop_type == "eos" and fin.n_predicted == len(ids)
+        # with post-sampling probabilities: the forced end had probability 1
+        h = engine.submit(CompletionRequest(list(toks), n_predict=5, ignore_eos=True, post_sampling_probs=True,
+                                            sampling=replace(sp, n_probs=3)))
+        evs = list(h.events(timeout=120))
+        assert isinstance(evs[-1], FinishEvent) and evs[-1].stop_type == "eos", evs[-1]
+        last = [e for e in evs if isinstance(e, TokenEvent)][-1]
+        assert last.token in eog and last.logprob == 0.0 and [t.id for t in last.top] == [last.token]
 
 
 def test_n_indent_cuts_the_first_under_indented_line(engine, model):

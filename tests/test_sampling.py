@@ -61,6 +61,19 @@ def test_argmax_only_samplers_and_rows_argmax():
                dict(temperature=0.0, samplers=["min_p", "top_k", "temperature"])):
         assert not Sampler(params(**kw), 50).argmax_only, kw
     assert not Sampler(params(temperature=0.0), 50, grammar=object()).argmax_only
+    # a ban (ignore_eos's end-of-generation ids): still argmax_only; rows_argmax masks the banned
+    # ids of the banned rows only, leaves its input as it was, and gives the banning sampler's choice
+    b = Sampler(params(temperature=0.0), 50, ban=[int(ids[0]), 7, 99, -1])
+    assert b.argmax_only and b.ban_ids.tolist() == sorted({int(ids[0]), 7})
+    before = lg.copy()
+    bids, bmx = rows_argmax(lg, (np.array([0, 2]), b.ban_ids))
+    np.testing.assert_array_equal(lg, before)
+    for r in range(5):
+        if r in (0, 2):
+            assert bids[r] not in b.ban_ids and b.take_argmax(int(bids[r]), float(bmx[r])) == b.sample(lg[r])
+        else:
+            assert bids[r] == ids[r] and bmx[r] == mx[r]
+    assert bids[2] == 31  # the tie's second index once the first is banned
     bad = lg[:2].copy()
     bad[0, 4] = np.nan
     bad[1] = -np.inf

@@ -150,7 +150,8 @@ class CompletionRequest:
     stop: strings that end generation (excluded from the text).
     cache_prompt: reuse the longest common prefix already in the slot's KV.
     id_slot: slot to use, -1 = any.
-    ignore_eos: keep generating past end-of-generation tokens.
+    ignore_eos: end-of-generation ids are banned (-inf logits, llama.cpp's ``logit_bias_eog``)
+        and do not end generation; a grammar that allows nothing else still ends it.
     n_keep: with context shift, prompt tokens kept at the start (-1 = the whole
         prompt; BOS is kept on top, as llama.cpp).
     n_discard: tokens dropped per shift (0 = half of what is not kept).

@@ -10,6 +10,7 @@ through the KV cache; ``out_rows`` says which rows need logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -25,6 +26,9 @@ class UBatch:
     plans: list = field(default_factory=list)  # kv_cache.CachePlan per cache, set by the runner
     # seq_id -> the PolyKV pool seq whose prefix cells it shares (shared-prefix attention hint)
     share_src: dict = field(default_factory=dict)
+    # (rows int64 [m] of the logits rows, ids int64 [k]): logits a greedy step's argmax takes as
+    # -inf (``Sampler.ban_ids``: ignore_eos's end-of-generation ids), or None
+    argmax_ban: Optional[tuple] = None
 
     @property
     def n_tokens(self) -> int:

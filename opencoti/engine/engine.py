@@ -81,8 +81,11 @@ def post_sampling_top(sampler: Sampler, logits: np.ndarray, token: int, n: int):
 
     Returns ``(ids int64 [m], logprobs float64 [m], token_logprob)``, m <= n,
     highest first, zero-probability tokens left out; a token the chain cut has
-    probability 0 (log -inf), so the reported probabilities sum to <= 1.
+    probability 0 (log -inf), so the reported probabilities sum to <= 1. A token the
+    grammar forced past ``ignore_eos``'s ban (``Sampler.grammar_ended``) had probability 1.
     """
+    if sampler.grammar_ended:
+        return np.array([token], np.int64), np.zeros(1), 0.0
     x = sampler.apply_grammar(logits) if sampler.grammar is not None else logits
     ids, vals = sampler.candidates(x)
     v = vals.astype(np.float64)
@@ -493,6 +496,7 @@ class Engine:
         prev = self._inflight
         T = prev.ub.n_tokens
         ub = UBatch.build(np.zeros(T, dtype=np.int64), prev.ub.pos + 1, prev.ub.seq_id, np.arange(T))
+        ub.argmax_ban = prev.ub.argmax_ban  # the same rows, in the same order
         if self.polykv is not None:
             ub.share_src.update(self.polykv.share_src(s for s, _, _ in prev.owners))
         t0 = time.perf_counter()
@@ -536,15 +540,27 @@ class Engine:
     def _argmax_step(self, ub: UBatch, owners) -> bool:
         """Whether every logits row of ``ub`` goes to a sampler that only takes the row's argmax
         (``Sampler.argmax_only``, no ``n_probs``): the runner then returns ``(argmax, max)`` per
-        row instead of the logits (a GPU reduces the rows where they are: no logits copy)."""
+        row instead of the logits (a GPU reduces the rows where they are: no logits copy). Sets
+        ``ub.argmax_ban`` to the rows whose sampler bans ids (``ignore_eos``) and those ids; rows
+        that ban different ids make it a full-logits step."""
+        ub.argmax_ban = None
         if not len(ub.out_rows):
             return False
-        outs = set(ub.out_rows.tolist())
+        outs = {int(r): i for i, r in enumerate(ub.out_rows.tolist())}
+        rows, ids = [], None
         for s, start, n in owners:
             if isinstance(s, Pool) or start + n - 1 not in outs:
                 continue
             if not s.sampler.argmax_only or s.handle.request.sampling.n_probs > 0:
                 return False
+            ban = s.sampler.ban_ids
+            if ban.size:
+                if ids is not None and not np.array_equal(ids, ban):
+                    return False
+                ids = ban
+                rows.append(outs[start + n - 1])
+        if rows:
+            ub.argmax_ban = (np.array(rows, dtype=np.int64), ids)
         return True
 
     def _drop_cancelled(self) -> None:
@@ -756,7 +772,8 @@ class Engine:
                     other.session_id = None
         slot.session_id = req.session_id
         sampler = Sampler(req.sampling, self.model.hparams.n_vocab, grammar=grammar,
-                          dry_breakers=sampler_breakers(self.model.tokenizer, req.sampling))
+                          dry_breakers=sampler_breakers(self.model.tokenizer, req.sampling),
+                          ban=self.model.tokenizer.eog_ids if req.ignore_eos else ())
         sampler.accept_many(req.prompt_tokens)
         from opencoti.model.tokenizer import StreamDecoder
 

@@ -67,7 +67,7 @@ class ModelRunner:
         """Plan cells, commit, run the forward. Returns logits float32
         ``[len(ub.out_rows), n_vocab]``; with ``argmax``, ``rows_argmax`` of them instead
         (``(ids int64 [n_out], max float32 [n_out])``), reduced on the device where the backend
-        can (``argmax_on_device``: the logits never cross to the host). Raises
+        can (``argmax_on_device``: the logits never cross to the host), ``ub.argmax_ban`` masked. Raises
         ``KVCacheFullError`` (nothing changed) when the cache has no room for the ubatch. A split
         (``-ngl``) runs eagerly: its GPU part is not captured as a graph (the hidden state leaves
         the device mid-step). ``on_launch``: called once the step's work is queued on the device
@@ -88,7 +88,7 @@ class ModelRunner:
             if on_launch is not None:
                 on_launch()
             logits = self.net.forward(ub, self.kv)
-        return rows_argmax(logits) if argmax else logits
+        return rows_argmax(logits, ub.argmax_ban) if argmax else logits
 
     @property
     def chains_steps(self) -> bool:

@@ -142,11 +142,15 @@ class SamplingParamsError(ValueError):
 _BAD_LOGITS = "logits contain NaN or +inf, or are all -inf"
 
 
-def rows_argmax(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rows_argmax(logits: np.ndarray, ban=None) -> tuple[np.ndarray, np.ndarray]:
     """Per row of float32 logits ``[n, n_vocab]``: ``(argmax int64 [n], max float32 [n])``, the
     first index of the maximum (NumPy's rule) and the maximum itself (NaN for a row with a NaN:
-    ``Sampler.take_argmax`` refuses it as ``sample`` does)."""
+    ``Sampler.take_argmax`` refuses it as ``sample`` does). ``ban``: ``UBatch.argmax_ban``, ``(rows
+    int64 [m], ids int64 [k])`` whose logits count as -inf (the input is not modified), or None."""
     lg = np.asarray(logits)
+    if ban is not None:
+        lg = lg.copy()
+        lg[np.asarray(ban[0])[:, None], np.asarray(ban[1])[None, :]] = -np.inf
     return lg.argmax(axis=-1).astype(np.int64), lg.max(axis=-1).astype(np.float32)
 
 
@@ -260,10 +264,15 @@ class Sampler:
     dry_breakers: DRY's sequence breakers as token sequences
     (``opencoti.engine.dry.process_breakers`` of ``params.dry_sequence_breakers`` over the
     model's tokenizer); None = none.
+
+    ban: token ids whose logits are -inf after ``logit_bias`` (llama.cpp's server adds
+    ``logit_bias_eog``, every end-of-generation id at -inf, under ``ignore_eos``). When a
+    grammar allows nothing but banned ids, ``sample`` returns the best of them and sets
+    ``grammar_ended`` (the grammar is complete; the request ends there).
     """
 
     def __init__(self, params: SamplingParams, n_vocab: int, grammar=None,
-                 dry_breakers: Optional[Mapping] = None):
+                 dry_breakers: Optional[Mapping] = None, ban: Iterable[int] = ()):
         if int(n_vocab) < 1:
             raise ValueError(f"n_vocab must be positive, got {n_vocab}")
         self.params = params
@@ -286,6 +295,9 @@ class Sampler:
         dry_maxlen = None if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
         self._dry_history: collections.deque[int] = collections.deque(maxlen=dry_maxlen)
         self.grammar = grammar
+        ban = np.array(sorted({int(t) for t in ban}), dtype=np.int64)
+        self._ban = ban[(ban >= 0) & (ban < self.n_vocab)]
+        self.grammar_ended = False  # sample() chose a banned id: the grammar allowed nothing else
         self.mu = 2.0 * float(p.mirostat_tau)  # Mirostat's running surprise bound (bits)
         self._xtc_on = p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5
         self._xtc_u: Optional[float] = None  # this step's XTC draw (sample() draws it)
@@ -336,6 +348,10 @@ class Sampler:
             x = x.copy()
             with np.errstate(over="ignore"):  # a bias past float32: +-inf, refused by the chain's check
                 x[ids[keep]] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))[keep]
+        if self._ban.size:
+            if not bias:
+                x = x.copy()
+            x[self._ban[self._ban < x.shape[0]]] = -np.inf
         return x
 
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
@@ -642,10 +658,17 @@ class Sampler:
         """Whether ``sample`` is the row's argmax whatever the logits (greedy, default chain, no
         ``logit_bias``, penalties and DRY off, no grammar): the engine then lets the backend reduce the
         logits to ``(argmax, max)`` per row where they are (``ModelRunner.decode(argmax=True)``)
-        and calls ``take_argmax``."""
+        and calls ``take_argmax``. ``ban_ids`` do not change this: the reduction masks them."""
         p = self.params
         return (self._greedy_chain and not p.logit_bias and not self._penalties_on and not self._dry_on
                 and self.grammar is None)
+
+    @property
+    def ban_ids(self) -> np.ndarray:
+        """The ids this sampler bans (int64 ``[k]``, sorted, within the vocabulary; empty for none):
+        ``sample`` sets their logits to -inf itself; an ``argmax_only`` step hands them to the
+        runner as ``UBatch.argmax_ban``, which masks them before its reduction."""
+        return self._ban
 
     def _on_full_row(self, fn, ids: np.ndarray, vals: np.ndarray) -> np.ndarray:
         """A full-row sampler ``fn`` (``_penalize``, ``_dry``: float32 [n_vocab] -> the same)
@@ -686,6 +709,10 @@ class Sampler:
         if self.grammar is None or self.grammar.is_allowed(token):
             return token
         masked = self.apply_grammar(logits)
+        if self._ban.size and np.isin(np.flatnonzero(np.isfinite(masked)), self._ban).all():
+            # the grammar allows only banned ids (under ignore_eos: only end-of-generation): it wins
+            self.grammar_ended = True
+            return int(np.argmax(masked))
         with np.errstate(invalid="ignore", over="ignore"):
             token = self._sample_chain(masked)
         if not np.isfinite(masked[token]):  # cannot happen with a finite allowed logit; belt and braces

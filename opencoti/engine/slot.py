@@ -117,7 +117,7 @@ class Slot:
         if self.n_decoded == 0:
             self.t_prompt_done = time.perf_counter()
         self.n_decoded += 1
-        if is_eog and not req.ignore_eos:
+        if is_eog and (not req.ignore_eos or self.sampler.grammar_ended):
             self._push(token, "", logprob, top)
             return self.finish("eos")
         piece = self.decoder.feed(token)

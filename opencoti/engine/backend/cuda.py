@@ -749,6 +749,7 @@ class CUDABackend:
         self._fns: dict = {}
         self._fits: dict = {}  # streaming attention kernel -> its resident blocks per SM
         self._smem_raised: dict = {}  # streaming attention kernel -> the pinned shared memory it allows
+        self._ban_cache: dict = {}  # _ban_index: (rows, ids, n_vocab) bytes -> device flat indices
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
         self._decode_rows = 0  # rows of the current ubatch when each is its own sequence's token, else 0
@@ -827,32 +828,54 @@ class CUDABackend:
             return x
         return self._pinned_host(self.cp.ascontiguousarray(x))
 
-    def _rows_argmax(self, x) -> tuple[np.ndarray, np.ndarray]:
-        """``sampling.rows_argmax`` of device logits ``x [n, n_vocab]``, reduced on the device and
+    def _rows_argmax(self, x, ban=None) -> tuple[np.ndarray, np.ndarray]:
+        """``sampling.rows_argmax`` of device logits ``x [n, n_vocab]`` (``ban``: ``UBatch.argmax_ban``
+        or None), reduced on the device and
         copied as one ``[2, n]`` float64 array (ids < 2^53 and float32 values exact). CuPy's argmax
         takes the first maximum as NumPy's and lands on a NaN (some NaN, not the first) or +inf
         where a row has one, so the logit gathered there is the row's maximum for
         ``Sampler.take_argmax`` in every case. A host array goes to the NumPy version."""
         if isinstance(x, np.ndarray):
-            return rows_argmax(x)
-        both = self._argmax_pair(x)[1].get()
+            return rows_argmax(x, ban)
+        both = self._argmax_pair(x, ban)[1].get()
         return both[0].astype(np.int64), both[1].astype(np.float32)
 
-    def _argmax_pair(self, x):
+    def _argmax_pair(self, x, ban=None):
         """Each row's argmax id (device int64 ``[n]``) and the device ``[2, n]`` float64 of ids
-        and their logits (``_rows_argmax``)."""
+        and their logits (``_rows_argmax``). ``ban``'s logits are first set to -inf in ``x``
+        itself (a step's output buffer, rewritten by the next step)."""
         cp = self.cp
+        if ban is not None:
+            x = cp.ascontiguousarray(x)  # (a graph's output is: then x.ravel() is a view of it)
+            x.ravel()[self._ban_index(ban, *x.shape)] = -cp.inf
         ids = cp.argmax(x, axis=-1)
         return ids, cp.stack([ids.astype(cp.float64), x[cp.arange(x.shape[0]), ids].astype(cp.float64)])
 
-    def _argmax_async(self, x, st):
+    def _ban_index(self, ban, n: int, n_vocab: int):
+        """The flat indices (device int64 ``[m k]``) of ``UBatch.argmax_ban``'s ``(rows, ids)`` in
+        a contiguous ``[n, n_vocab]`` logits buffer, uploaded once per distinct ban (a decode
+        batch keeps its rows from step to step; at most 64 are kept). Raises ValueError for a
+        row or id outside the buffer (the device write is not bounds-checked)."""
+        rows, ids = (np.asarray(a, dtype=np.int64) for a in ban)
+        if ((rows < 0) | (rows >= n)).any() or ((ids < 0) | (ids >= n_vocab)).any():
+            raise ValueError(f"argmax_ban outside the logits [{n}, {n_vocab}]: rows {rows.tolist()}, ids {ids.tolist()}")
+        key = (rows.tobytes(), ids.tobytes(), int(n), int(n_vocab))
+        dev = self._ban_cache.pop(key, None)
+        if dev is None:
+            dev = self.cp.asarray((rows[:, None] * n_vocab + ids[None, :]).ravel())
+            while len(self._ban_cache) >= 64:
+                self._ban_cache.pop(next(iter(self._ban_cache)))
+        self._ban_cache[key] = dev  # most recent last
+        return dev
+
+    def _argmax_async(self, x, st, ban=None):
         """``_rows_argmax`` of device logits ``x`` without waiting: a ``runner.StepResult`` whose
         pair is copied into pinned memory on stream ``st`` (read after an event on it), with the
         ids kept on the device (``ids_dev``) for a chained step."""
         import cupyx
 
         cp = self.cp
-        ids, both = self._argmax_pair(x)
+        ids, both = self._argmax_pair(x, ban)
         host = cupyx.empty_pinned(both.shape, dtype=np.float64)
         cp.cuda.runtime.memcpyAsync(host.ctypes.data, both.data.ptr, both.nbytes,
                                     cp.cuda.runtime.memcpyDeviceToHost, st.ptr)
@@ -2033,8 +2056,8 @@ class CUDABackend:
                 on_launch()
             lg = forward()  # cuBLAS (f16 GEMM, prefill) cannot be captured through CuPy
             if not wait:
-                return StepResult.done(rows_argmax(lg))
-            return rows_argmax(lg) if argmax else lg
+                return StepResult.done(rows_argmax(lg, ub.argmax_ban))
+            return rows_argmax(lg, ub.argmax_ban) if argmax else lg
         n_kv = len(caches)
         kv_plans, rs_plans = ub.plans[:n_kv], ub.plans[n_kv:]
         ncells = [c.k[c.layers[0]].shape[1] for c in caches]
@@ -2092,13 +2115,13 @@ class CUDABackend:
                 self.last_graph_key = (id(graphs), key)
                 # the argmax pair is queued before on_launch wakes the threads of the previous
                 # step's events, so its few launches do not wait for the interpreter behind them
-                pending = self._argmax_async(g["out"], st) if argmax and not wait else None
+                pending = self._argmax_async(g["out"], st, ub.argmax_ban) if argmax and not wait else None
                 if on_launch is not None:
                     on_launch()
                 if pending is not None:
                     return pending
                 if argmax:
-                    return self._rows_argmax(g["out"])
+                    return self._rows_argmax(g["out"], ub.argmax_ban)
                 if isinstance(g["out"], np.ndarray):  # no logits to copy: finish the step here
                     st.synchronize()
                 return self._pinned_host(g["out"])
@@ -2144,8 +2167,8 @@ class CUDABackend:
                            "slots": slots, "uploaded": cp.cuda.Event(disable_timing=True)}
             self.last_graph_key = (id(graphs), key)
             if not wait:
-                return StepResult.done(self._rows_argmax(warm))
-            return self._rows_argmax(warm) if argmax else self._pinned_host(warm)
+                return StepResult.done(self._rows_argmax(warm, ub.argmax_ban))
+            return self._rows_argmax(warm, ub.argmax_ban) if argmax else self._pinned_host(warm)
         finally:
             self._staged = False
             self._capturing = False
