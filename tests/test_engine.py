@@ -577,6 +577,15 @@ def test_ignore_eos_bans_end_of_generation(engine, model):
         assert isinstance(evs[-1], FinishEvent) and evs[-1].stop_type == "eos", evs[-1]
         last = [e for e in evs if isinstance(e, TokenEvent)][-1]
         assert last.token in eog and last.logprob == 0.0 and [t.id for t in last.top] == [last.token]
+    # the forced end still honours the user's logit_bias: the best end it leaves; none left: an error
+    for left in eog:
+        sp = SamplingParams(temperature=0, grammar='root ::= " yes"',
+                            logit_bias={e: float("-inf") for e in eog if e != left})
+        _, ids, fin = run(engine, toks, n_predict=5, sampling=sp, ignore_eos=True)
+        assert ids[-1] == left and fin.stop_type == "eos", (left, ids)
+    sp = SamplingParams(temperature=0, grammar='root ::= " yes"', logit_bias={e: float("-inf") for e in eog})
+    _, ids, fin = run(engine, toks, n_predict=5, sampling=sp, ignore_eos=True)
+    assert isinstance(fin, ErrorEvent) and "banned every token" in fin.message, fin
 
 
 def test_n_indent_cuts_the_first_under_indented_line(engine, model):

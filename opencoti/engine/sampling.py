@@ -337,9 +337,10 @@ class Sampler:
 
     # -- chain -------------------------------------------------------------------------------
 
-    def apply_bias(self, logits: np.ndarray) -> np.ndarray:
-        """The logits after ``logit_bias`` (float32 [n_vocab]; the input itself when
-        there is none, else a copy). llama.cpp runs it first, outside ``samplers``."""
+    def apply_bias(self, logits: np.ndarray, ban: bool = True) -> np.ndarray:
+        """The logits after ``logit_bias`` and, with ``ban``, the banned ids at -inf (float32
+        [n_vocab]; the input itself when neither applies, else a copy). llama.cpp runs them
+        first, outside ``samplers``."""
         x = _as_logits(logits, self.n_vocab)
         bias = self.params.logit_bias
         if bias:
@@ -348,7 +349,7 @@ class Sampler:
             x = x.copy()
             with np.errstate(over="ignore"):  # a bias past float32: +-inf, refused by the chain's check
                 x[ids[keep]] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))[keep]
-        if self._ban.size:
+        if ban and self._ban.size:
             if not bias:
                 x = x.copy()
             x[self._ban[self._ban < x.shape[0]]] = -np.inf
@@ -710,9 +711,12 @@ class Sampler:
             return token
         masked = self.apply_grammar(logits)
         if self._ban.size and np.isin(np.flatnonzero(np.isfinite(masked)), self._ban).all():
-            # the grammar allows only banned ids (under ignore_eos: only end-of-generation): it wins
-            self.grammar_ended = True
-            return int(np.argmax(masked))
+            # the grammar allows only banned ids (under ignore_eos: only end-of-generation): the
+            # best of them after the user's logit_bias wins; none left: the chain's error below
+            ended = self.apply_grammar(self.apply_bias(logits, ban=False))
+            if np.isfinite(ended.max()):
+                self.grammar_ended = True
+                return int(np.argmax(ended))
         with np.errstate(invalid="ignore", over="ignore"):
             token = self._sample_chain(masked)
         if not np.isfinite(masked[token]):  # cannot happen with a finite allowed logit; belt and braces
