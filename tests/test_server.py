@@ -1504,6 +1504,14 @@ def test_logit_bias_and_sampler_fields(server, port):
     st, out = post({**base, **knobs, "n_predict": 4, "seed": 7})
     assert st == 200 and len(out["content"]) > 0
     assert {k: out["generation_settings"][k] for k in knobs} == knobs
+    assert out["generation_settings"]["logit_bias"] == []
+    # logit_bias as llama.cpp lists it: the request's ({bias, token}; a ban is null), then
+    # ignore_eos's end-of-generation ids at -inf
+    eog = sorted(server["model"].tokenizer.eog_ids)
+    st, out = post({**base, "n_predict": 1, "logit_bias": [[15, 2.5], [16, False]], "ignore_eos": True})
+    assert st == 200
+    assert out["generation_settings"]["logit_bias"] == (
+        [{"bias": 2.5, "token": 15}, {"bias": None, "token": 16}] + [{"bias": None, "token": t} for t in eog])
     # XTC at probability 1 with the greedy choice above the threshold: the first token is no longer " the"
     st, out = post({**base, "return_tokens": True, "xtc_probability": 1.0, "xtc_threshold": 0.01})
     assert st == 200 and out["tokens"][0] != first

@@ -12,6 +12,7 @@ The OpenAI-compatible routes live in ``opencoti.http.oai``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -174,10 +175,17 @@ def sampler_names(chain=None) -> list[str]:
     return list(DEFAULT_CHAIN if chain is None else chain)
 
 
-def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool = False) -> dict:
+def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool = False,
+                        eog_ids=()) -> dict:
     """llama.cpp's ``task_params::to_json`` for the settings a request ran with
-    (the fields this server implements; features it lacks report their "off" value)."""
+    (the fields this server implements; features it lacks report their "off" value).
+    ``logit_bias`` (not with ``only_metrics``) lists ``{"bias", "token"}`` as llama.cpp: the
+    request's, then under ``ignore_eos`` each of ``eog_ids`` at -inf; a non-finite bias is null
+    (nlohmann's JSON of it)."""
     s = req.sampling
+    biases = list((s.logit_bias or {}).items())
+    if req.ignore_eos:
+        biases += [(t, float("-inf")) for t in sorted(eog_ids)]
     out = {
         "seed": s.seed if s.seed >= 0 else 0xFFFFFFFF,
         "temperature": s.temperature,
@@ -211,6 +219,7 @@ def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool
         "t_max_predict_ms": req.t_max_predict_ms,
         "ignore_eos": req.ignore_eos,
         "stream": stream,
+        "logit_bias": [{"bias": float(b) if math.isfinite(b) else None, "token": int(t)} for t, b in biases],
         "n_probs": s.n_probs,
         "min_keep": s.min_keep,
         "samplers": sampler_names(s.samplers),
@@ -224,6 +233,7 @@ def generation_settings(req: CompletionRequest, stream: bool, only_metrics: bool
     if only_metrics:
         out.pop("stop")
         out.pop("grammar")
+        out.pop("logit_bias")
     return out
 
 
@@ -247,7 +257,8 @@ def completion_final_json(state: ServerState, r: gen.Result, parsed: ParsedCompl
         "model": state.model_name,
         "tokens_predicted": n_pred,
         "tokens_evaluated": n_prompt,
-        "generation_settings": generation_settings(request or parsed.request, stream),
+        "generation_settings": generation_settings(request or parsed.request, stream,
+                                                   eog_ids=state.tokenizer.eog_ids),
         "prompt": state.tokenizer.detokenize(r.prompt_tokens, special=True),
         "has_new_line": "\n" in r.content,
         "truncated": bool(fin.truncated),
