@@ -267,8 +267,8 @@ class Sampler:
 
     ban: token ids whose logits are -inf after ``logit_bias`` (llama.cpp's server adds
     ``logit_bias_eog``, every end-of-generation id at -inf, under ``ignore_eos``). When a
-    grammar allows nothing but banned ids, ``sample`` returns the best of them and sets
-    ``grammar_ended`` (the grammar is complete; the request ends there).
+    grammar allows nothing but banned ids, ``sample`` returns the best of them after
+    ``logit_bias`` and sets ``grammar_ended`` (the grammar is complete; the request ends there).
     """
 
     def __init__(self, params: SamplingParams, n_vocab: int, grammar=None,

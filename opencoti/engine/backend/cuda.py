@@ -749,7 +749,7 @@ class CUDABackend:
         self._fns: dict = {}
         self._fits: dict = {}  # streaming attention kernel -> its resident blocks per SM
         self._smem_raised: dict = {}  # streaming attention kernel -> the pinned shared memory it allows
-        self._ban_cache: dict = {}  # _ban_index: (rows, ids, n_vocab) bytes -> device flat indices
+        self._ban_cache: dict = {}  # _ban_index: (rows, ids, n, n_vocab) -> device flat indices
         self._kv_mods: dict = {}  # KV tier modules, compiled on first use (cuda_kv.py)
         self._ub = None
         self._decode_rows = 0  # rows of the current ubatch when each is its own sequence's token, else 0
