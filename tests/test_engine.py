@@ -3,6 +3,7 @@
 import threading
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from opencoti.engine.api import CompletionRequest, ErrorEvent, FinishEvent, SamplingParams, TokenEvent
@@ -266,7 +267,6 @@ def test_k_shift_is_lossless(model):
     positions, so shifting a whole sequence by +7 leaves the next logits unchanged,
     and after dropping a range, layer-0 K/V (which depend on token and position
     only) equal a cold run of the shifted tokens."""
-    import numpy as np
 
     from opencoti.engine.batch import UBatch
     from opencoti.engine.runner import ModelRunner, iter_logits
@@ -586,6 +586,20 @@ def test_ignore_eos_bans_end_of_generation(engine, model):
     sp = SamplingParams(temperature=0, grammar='root ::= " yes"', logit_bias={e: float("-inf") for e in eog})
     _, ids, fin = run(engine, toks, n_predict=5, sampling=sp, ignore_eos=True)
     assert isinstance(fin, ErrorEvent) and "banned every token" in fin.message, fin
+    # the user's logit_bias leaves the grammar only the end (it bans every '!' the grammar allows
+    # after " yes"): the end, greedy and sampled, as without ignore_eos
+    from opencoti.engine.grammar import GrammarMatcher, compile_grammar
+
+    g = 'root ::= " yes" "!"?'
+    m = GrammarMatcher(compile_grammar(g), tok)
+    m.accept_string(" yes")
+    bangs = [int(t) for t in np.flatnonzero(m.allowed_mask()) if t not in tok.eog_ids]
+    assert bangs
+    for t in (0.0, 1.0):
+        sp = SamplingParams(temperature=t, seed=3, grammar=g, logit_bias={b: float("-inf") for b in bangs})
+        for ie in (False, True):
+            text, ids, fin = run(engine, toks, n_predict=5, sampling=sp, ignore_eos=ie)
+            assert text == " yes" and ids[-1] in eog and fin.stop_type == "eos", (t, ie, fin)
 
 
 def test_n_indent_cuts_the_first_under_indented_line(engine, model):

@@ -74,6 +74,18 @@ def test_argmax_only_samplers_and_rows_argmax():
         else:
             assert bids[r] == ids[r] and bmx[r] == mx[r]
     assert bids[2] == 31  # the tie's second index once the first is banned
+    # a row the ban left all -inf: the request's doing (a 400), as sample() says it; not without a ban
+    allban = Sampler(params(temperature=0.0), 3, ban=[0, 1, 2])
+    row = np.array([1.0, 2.0, 3.0], np.float32)
+    bid, bmx = rows_argmax(row[None], (np.array([0]), allban.ban_ids))
+    assert bmx[0] == -np.inf
+    with pytest.raises(SamplingParamsError):
+        allban.take_argmax(int(bid[0]), float(bmx[0]))
+    with pytest.raises(SamplingParamsError):
+        allban.sample(row)
+    with pytest.raises(ValueError) as e:
+        g.take_argmax(0, float("-inf"))
+    assert not isinstance(e.value, SamplingParamsError)
     bad = lg[:2].copy()
     bad[0, 4] = np.nan
     bad[1] = -np.inf

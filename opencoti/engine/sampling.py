@@ -140,6 +140,8 @@ class SamplingParamsError(ValueError):
 
 # the error text for a logit row with no finite maximum that the request did not cause
 _BAD_LOGITS = "logits contain NaN or +inf, or are all -inf"
+# ... and for one the request caused
+_BIAS_LOGITS = "logit_bias / penalties made the logits NaN or +inf (float32 overflow) or banned every token"
 
 
 def rows_argmax(logits: np.ndarray, ban=None) -> tuple[np.ndarray, np.ndarray]:
@@ -148,10 +150,13 @@ def rows_argmax(logits: np.ndarray, ban=None) -> tuple[np.ndarray, np.ndarray]:
     ``Sampler.take_argmax`` refuses it as ``sample`` does). ``ban``: ``UBatch.argmax_ban``, ``(rows
     int64 [m], ids int64 [k])`` whose logits count as -inf (the input is not modified), or None."""
     lg = np.asarray(logits)
-    if ban is not None:
-        lg = lg.copy()
-        lg[np.asarray(ban[0])[:, None], np.asarray(ban[1])[None, :]] = -np.inf
-    return lg.argmax(axis=-1).astype(np.int64), lg.max(axis=-1).astype(np.float32)
+    ids, mx = lg.argmax(axis=-1).astype(np.int64), lg.max(axis=-1).astype(np.float32)
+    if ban is not None:  # the banned rows again, from a copy of those rows
+        rows = np.asarray(ban[0], dtype=np.int64)
+        sub = lg[rows]
+        sub[:, np.asarray(ban[1], dtype=np.int64)] = -np.inf
+        ids[rows], mx[rows] = sub.argmax(axis=-1), sub.max(axis=-1)
+    return ids, mx
 
 
 def _nonfinite_error(raw: np.ndarray) -> ValueError:
@@ -159,8 +164,7 @@ def _nonfinite_error(raw: np.ndarray) -> ValueError:
     ``SamplingParamsError`` when the raw row ``raw`` had one, else ValueError (the model's
     logits themselves are NaN / +inf / all -inf)."""
     if np.isfinite(float(np.max(np.asarray(raw)))):
-        return SamplingParamsError("logit_bias / penalties made the logits NaN or +inf (float32 overflow) "
-                                   "or banned every token")
+        return SamplingParamsError(_BIAS_LOGITS)
     return ValueError(_BAD_LOGITS)
 
 
@@ -689,9 +693,12 @@ class Sampler:
 
     def take_argmax(self, token: int, max_logit: float) -> int:
         """``sample``'s choice for an ``argmax_only`` sampler given the row's argmax ``token`` and
-        its maximum ``max_logit`` (NaN if the row has one). Does not ``accept`` it. Raises
-        ValueError when the maximum is not finite (NaN / +inf / all -inf logits), as ``sample``."""
+        its maximum ``max_logit`` (NaN if the row has one; ``ban_ids`` masked). Does not ``accept`` it.
+        Raises ValueError when the maximum is not finite (NaN / +inf / all -inf logits), as
+        ``sample``: ``SamplingParamsError`` where the ban left no finite logit."""
         if not np.isfinite(max_logit):
+            if self._ban.size and max_logit == -np.inf:
+                raise SamplingParamsError(_BIAS_LOGITS)
             raise ValueError(_BAD_LOGITS)
         return int(token)
 
@@ -710,11 +717,11 @@ class Sampler:
         if self.grammar is None or self.grammar.is_allowed(token):
             return token
         masked = self.apply_grammar(logits)
-        if self._ban.size and np.isin(np.flatnonzero(np.isfinite(masked)), self._ban).all():
-            # the grammar allows only banned ids (under ignore_eos: only end-of-generation): the
-            # best of them after the user's logit_bias wins; none left: the chain's error below
+        if self._ban.size:
+            # the grammar allows only banned ids once the user's logit_bias applies (under
+            # ignore_eos: only end-of-generation): the best of them wins; none: the chain's error
             ended = self.apply_grammar(self.apply_bias(logits, ban=False))
-            if np.isfinite(ended.max()):
+            if np.isfinite(ended.max()) and np.isin(np.flatnonzero(np.isfinite(ended)), self._ban).all():
                 self.grammar_ended = True
                 return int(np.argmax(ended))
         with np.errstate(invalid="ignore", over="ignore"):
